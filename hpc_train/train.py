@@ -1,0 +1,125 @@
+"""The training loop, top to bottom: resume, step, stop check, save, log.
+
+    hpc-train submit                                # 2 ranks on this machine (local executor)
+    hpc-train submit cluster=dev train.steps=200    # 2 nodes x 2 ranks on the test cluster
+
+Called by job.py on every rank once torch.distributed is up. Returns ("finished" | "requeue", step);
+the caller exits accordingly. Bit-exact on CPU: a run stopped and resumed any number of times ends with the
+same weights as an uninterrupted one, because data, LR and RNG are functions of the saved state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpc_train import checkpoint, data, preempt
+from hpc_train.config import RunConfig, TrainConfig
+from hpc_train.env import RankEnv
+from hpc_train.metrics import METRICS, append_jsonl, log_event
+from hpc_train.model import GPT
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def global_mean(value: torch.Tensor) -> float:
+    t = value.detach().to(torch.float64).reshape(1)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """Hash of every parameter's bytes, in name order: equal hashes mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
+    tc = cfg.train
+    torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = GPT(cfg.model)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    corpus = data.synthetic_corpus(cfg.model.vocab_size, tc.seed)
+    ckpt_root = run_dir / "checkpoints"
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+
+    def event(name: str, step: int, **fields: object) -> None:
+        if env.rank == 0:
+            log_event(run_dir, name, step, env.job_id, env.restart_count, **fields)
+
+    # Resume: rank 0 picks the newest checkpoint that verifies, and every rank loads that one.
+    step, last_loss = 0, float("nan")
+    resume_step = torch.tensor([-1])
+    if env.rank == 0:
+        folder, skipped = checkpoint.pick_resume(ckpt_root)
+        for why in skipped:
+            event("checkpoint_skipped", 0, reason=why)
+        resume_step[0] = int(folder.name.split("_")[1]) if folder else -1
+    dist.broadcast(resume_step, src=0)
+    folder = checkpoint.step_dir(ckpt_root, int(resume_step)) if resume_step >= 0 else None
+    if folder is not None:
+        extra = checkpoint.load(folder, model, optimizer)
+        step, last_loss = int(extra["step"]), float(extra["loss"])
+        torch.set_rng_state(extra["rng"])
+    event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
+          nodes=list(env.nodes))
+    say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on "
+        f"{env.num_nodes} node(s), starting at step {step}/{tc.steps}", flush=True)
+
+    # Go!
+    while step < tc.steps:
+        t0 = time.monotonic()
+        x, y = data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, tc)
+        loss = ddp(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces gradients here
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        optimizer.step()
+        step += 1
+        if tc.min_step_time_s > 0:
+            time.sleep(max(0.0, tc.min_step_time_s - (time.monotonic() - t0)))
+        step_time_s = time.monotonic() - t0
+
+        stop = preempt.should_stop()  # every rank gets the same answer
+        if stop:
+            event("signal", step, signals=list(preempt.received))
+        if stop or step % cfg.checkpoint.every_steps == 0 or step == tc.steps:
+            last_loss = global_mean(loss)
+            extra = {"step": torch.tensor(step), "loss": torch.tensor(last_loss, dtype=torch.float64),
+                     "rng": torch.get_rng_state()}
+            saved, save_s = checkpoint.save(ckpt_root, step, ddp.module, optimizer, extra, cfg.checkpoint)
+            event("checkpoint_committed", step, path=str(saved), save_s=round(save_s, 4))
+        if stop:
+            return "requeue", step
+        if step % tc.log_every_steps == 0:
+            last_loss = global_mean(loss)
+            if env.rank == 0:
+                append_jsonl(run_dir / METRICS, {"time": time.time(), "step": step, "loss": last_loss,
+                                                 "lr": lr_at(step - 1, tc), "step_time_s": step_time_s})
+            say(f"step {step:6d}  loss {last_loss:.4f}  {step_time_s * 1e3:.1f} ms/step", flush=True)
+
+    summary = {"final_step": step, "final_loss": last_loss, "params_sha256": params_sha256(ddp.module)}
+    if env.rank == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    event("finish", step, **summary)
+    say(f"[hpc_train] finished: {json.dumps(summary)}", flush=True)
+    return "finished", step

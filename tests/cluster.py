@@ -1,0 +1,294 @@
+"""A real four-node Slurm 22.05 cluster on this one machine, owned by the test suite.
+
+    python tests/cluster.py up        # ~5 s: munge, private MariaDB, slurmdbd, slurmctld, 4 x slurmd
+    python tests/cluster.py status    # daemons alive? prints `sinfo`
+    python tests/cluster.py down      # stops exactly what `up` started (pidfiles under the cluster dir)
+    eval "$(python tests/cluster.py env)"   # export SLURM_CONF for sbatch/squeue/sacct by hand
+
+Everything lives under $HPC_TRAIN_CLUSTER_DIR (default /tmp/hpc_train_cluster): etc/, log/, run/,
+spool/, db/. Every daemon listens on 127.0.0.1 only. Each slurmd runs in its own UTS + mount namespace
+with hostname nodeN and a bind-mounted hosts file (node1..node4 -> 127.0.0.1), so inside a job
+`hostname` and MASTER_ADDR=node1 behave as on a real cluster.
+
+Topology: two leaf switches under one root that *interleave* node names (s1 = node1,node3;
+s2 = node2,node4), so that name order is not topology order.
+Partitions: debug (default, never preempted), low (preemptible by requeue, GraceTime), high.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CLUSTER_DIR = Path(os.environ.get("HPC_TRAIN_CLUSTER_DIR", "/tmp/hpc_train_cluster"))
+NODES = ["node1", "node2", "node3", "node4"]
+CPUS_PER_NODE = 4  # advertised through config_overrides; this machine has 2 cores
+CTLD_PORT, DBD_PORT, DB_PORT, SLURMD_PORT0 = 16817, 16819, 16306, 17001
+LOW_GRACE_S = 30  # SIGTERM at preemption, SIGKILL this much later
+DAEMON_PIDFILES = ["slurmctld", "slurmdbd", "mariadb"] + [f"slurmd-{n}" for n in NODES]
+
+
+def paths(root: Path = CLUSTER_DIR) -> dict[str, Path]:
+    return {k: root / k for k in ("etc", "log", "run", "spool", "db")}
+
+
+def slurm_conf_text(root: Path, max_array_size: int = 1001) -> str:
+    p = paths(root)
+    return f"""\
+ClusterName=hpcdev
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={CTLD_PORT}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CryptoType=crypto/munge
+# A requeued job may only restart after cred_expire; the default 120 s makes every resume test slow.
+AuthInfo=cred_expire=10
+StateSaveLocation={p['spool']}/ctld
+SlurmdSpoolDir={p['spool']}/%n
+SlurmctldPidFile={p['run']}/slurmctld.pid
+SlurmdPidFile={p['run']}/slurmd-%n.pid
+SlurmctldLogFile={p['log']}/slurmctld.log
+SlurmdLogFile={p['log']}/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_interval=5,bf_interval=5
+KillWait=10
+MinJobAge=300
+MaxArraySize={max_array_size}
+SlurmdParameters=config_overrides
+CommunicationParameters=NoInAddrAny
+TopologyPlugin=topology/tree
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort={DBD_PORT}
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+NodeName=node[1-4] NodeAddr=127.0.0.1 NodeHostname=node[1-4] Port=[{SLURMD_PORT0}-{SLURMD_PORT0 + 3}] \
+CPUs={CPUS_PER_NODE} RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
+PartitionName=low Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={LOW_GRACE_S}
+PartitionName=high Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+"""
+
+
+TOPOLOGY_CONF = """\
+SwitchName=s1 Nodes=node1,node3
+SwitchName=s2 Nodes=node2,node4
+SwitchName=root Switches=s1,s2
+"""
+
+
+def slurmdbd_conf_text(root: Path) -> str:
+    p = paths(root)
+    return f"""\
+AuthType=auth/munge
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort={DBD_PORT}
+SlurmUser=root
+LogFile={p['log']}/slurmdbd.log
+PidFile={p['run']}/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={DB_PORT}
+StorageUser=slurm
+StoragePass=slurm
+StorageLoc=slurm_acct_db
+"""
+
+
+def client_env(root: Path = CLUSTER_DIR) -> dict[str, str]:
+    """Environment for Slurm client calls: without SLURM_CONF they try a DNS SRV lookup."""
+    return {**os.environ, "SLURM_CONF": str(paths(root)["etc"] / "slurm.conf")}
+
+
+def _run(cmd: list[str], root: Path, timeout_s: float = 30, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=client_env(root), capture_output=True, text=True, timeout=timeout_s, check=check)
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        pid = int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
+def _wait_for(what: str, ok, timeout_s: float, root: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"cluster up: {what} not ready after {timeout_s:.0f} s; see logs in {paths(root)['log']}")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _munge_ok() -> bool:
+    enc = subprocess.run(["munge", "-n"], capture_output=True, timeout=10)
+    if enc.returncode != 0:
+        return False
+    return subprocess.run(["unmunge"], input=enc.stdout, capture_output=True, timeout=10).returncode == 0
+
+
+def _start_munge(root: Path) -> None:
+    """Start munged only if none answers; remember that we did, so `down` stops only ours."""
+    if _munge_ok():
+        return
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, timeout=30)
+    _wait_for("munged", _munge_ok, 10, root)
+    pid = _read_pid(Path("/run/munge/munged.pid"))
+    if pid is not None:
+        (paths(root)["run"] / "munged.pid").write_text(f"{pid}\n")
+
+
+def _start_mariadb(root: Path) -> None:
+    p = paths(root)
+    sock = p["run"] / "mariadb.sock"
+    subprocess.run(
+        ["mariadb-install-db", "--no-defaults", f"--datadir={p['db']}", "--user=root",
+         "--auth-root-authentication-method=socket", "--skip-test-db"],
+        check=True, capture_output=True, timeout=120,
+    )
+    with open(p["log"] / "mariadb.log", "ab") as log:
+        subprocess.Popen(
+            ["mariadbd", "--no-defaults", f"--datadir={p['db']}", f"--socket={sock}", f"--port={DB_PORT}",
+             "--bind-address=127.0.0.1", "--skip-name-resolve", f"--pid-file={p['run']}/mariadb.pid",
+             "--user=root", "--innodb-buffer-pool-size=32M", "--skip-log-bin"],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    _wait_for("mariadb", lambda: sock.exists() and _port_open(DB_PORT), 60, root)
+    sql = ("CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';"
+           "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;")
+    subprocess.run(["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root", "-e", sql],
+                   check=True, capture_output=True, timeout=30)
+
+
+def _start_slurmd(node: str, root: Path) -> None:
+    """One slurmd per node name, in its own UTS + mount namespace (hostname, /etc/hosts)."""
+    p = paths(root)
+    (p["spool"] / node).mkdir(parents=True, exist_ok=True)
+    script = f"hostname {node} && mount --bind {p['etc']}/hosts /etc/hosts && exec slurmd -N {node}"
+    subprocess.run(["unshare", "--uts", "--mount", "sh", "-c", script],
+                   env=client_env(root), check=True, capture_output=True, timeout=30)
+
+
+def _nodes_idle(root: Path) -> bool:
+    out = _run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %t"], root, check=False).stdout.split("\n")
+    states = dict(line.split() for line in out if line.strip())
+    return all(states.get(n) == "idle" for n in NODES)
+
+
+def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001) -> float:
+    """Start a fresh cluster (job ids restart at 1). Returns the seconds it took."""
+    t0 = time.monotonic()
+    if is_up(root):
+        down(root)
+    if root.exists():
+        shutil.rmtree(root)
+    p = paths(root)
+    for d in p.values():
+        d.mkdir(parents=True, exist_ok=True)
+    (p["spool"] / "ctld").mkdir()
+    (p["etc"] / "slurm.conf").write_text(slurm_conf_text(root, max_array_size))
+    (p["etc"] / "topology.conf").write_text(TOPOLOGY_CONF)
+    dbd = p["etc"] / "slurmdbd.conf"
+    dbd.write_text(slurmdbd_conf_text(root))
+    dbd.chmod(0o600)  # slurmdbd refuses a config others can read (it holds the DB password)
+    (p["etc"] / "hosts").write_text("127.0.0.1 localhost " + " ".join(NODES) + "\n")
+
+    _start_munge(root)
+    _start_mariadb(root)
+    _run(["slurmdbd"], root)
+    _wait_for("slurmdbd", lambda: _port_open(DBD_PORT), 30, root)
+    _run(["slurmctld", "-c"], root)  # -c: no state from a previous cluster
+    _wait_for("slurmctld", lambda: _run(["scontrol", "ping"], root, check=False).returncode == 0, 30, root)
+    for node in NODES:
+        _start_slurmd(node, root)
+    _wait_for("4 idle nodes", lambda: _nodes_idle(root), 60, root)
+    return time.monotonic() - t0
+
+
+def is_up(root: Path = CLUSTER_DIR) -> bool:
+    run = paths(root)["run"]
+    return all(_read_pid(run / f"{name}.pid") is not None for name in DAEMON_PIDFILES)
+
+
+def down(root: Path = CLUSTER_DIR) -> None:
+    """Stop exactly the daemons `up` started, by their pidfiles, and the jobs' processes with them."""
+    run = paths(root)["run"]
+    if not run.exists():
+        return
+    if is_up(root):  # cancel jobs first so no job process outlives its slurmd
+        _run(["scancel", "--full", "--user=root"], root, check=False, timeout_s=10)
+    order = [f"slurmd-{n}" for n in NODES] + ["slurmctld", "slurmdbd", "mariadb", "munged"]
+    for name in order:
+        pid = _read_pid(run / f"{name}.pid")
+        if pid is None:
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _read_pid(run / f"{name}.pid") == pid:
+            time.sleep(0.05)
+        if _read_pid(run / f"{name}.pid") == pid:
+            os.kill(pid, signal.SIGKILL)
+        (run / f"{name}.pid").unlink(missing_ok=True)
+
+
+def status(root: Path = CLUSTER_DIR) -> str:
+    run = paths(root)["run"]
+    lines = [f"{name:16s} {'up (pid %d)' % pid if (pid := _read_pid(run / f'{name}.pid')) else 'down'}"
+             for name in DAEMON_PIDFILES]
+    if is_up(root):
+        lines.append(_run(["sinfo"], root, check=False).stdout)
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[1] if len(argv) > 1 else "status"
+    if cmd == "up":
+        print(f"cluster up in {up():.1f} s; export SLURM_CONF={paths()['etc'] / 'slurm.conf'}")
+    elif cmd == "down":
+        down()
+        print("cluster down")
+    elif cmd == "status":
+        print(status())
+        return 0 if is_up() else 1
+    elif cmd == "env":
+        print(f"export SLURM_CONF={paths()['etc'] / 'slurm.conf'}")
+    else:
+        print(f"unknown command {cmd!r}; use one of: up, down, status, env", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
