@@ -78,6 +78,11 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
         extra = checkpoint.load(folder, model, optimizer)
         step, last_loss = int(extra["step"]), float(extra["loss"])
         torch.set_rng_state(extra["rng"])
+        # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
+        # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
+        # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
+        ddp(*data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)).backward()
+        optimizer.zero_grad(set_to_none=True)
     event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
           nodes=list(env.nodes))
     say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on "

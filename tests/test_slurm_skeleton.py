@@ -1,0 +1,113 @@
+"""The walking skeleton on the real four-node cluster: submit -> train -> preempt -> requeue -> resume.
+
+Every interrupted run must end with the same params_sha256 as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import read_events, run, sacct_state, submit, wait_finished, wait_until
+
+pytestmark = pytest.mark.slurm
+
+# 4 ranks (2 nodes x 2 tasks); 0.25 s per step keeps the run ~15 s long so a signal lands mid-run.
+RUN_ARGS = ["cluster=dev", "cluster.partition=low", "train.steps=60", "train.min_step_time_s=0.25",
+            "checkpoint.every_steps=20"]
+
+
+def test_two_node_gloo_allreduce(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """Four ranks on two "nodes" rendezvous through hpc_train.env and all-reduce over gloo."""
+    script = tmp_path / "allreduce.py"
+    script.write_text(textwrap.dedent("""
+        import os, socket, torch, torch.distributed as dist
+        from hpc_train.env import from_env
+        env = from_env(os.environ)
+        dist.init_process_group("gloo", init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size)
+        t = torch.tensor([float(env.rank + 1)])
+        dist.all_reduce(t)
+        print(f"rank={env.rank} node={env.node_rank} host={socket.gethostname()} sum={t.item():.0f}", flush=True)
+        dist.destroy_process_group()
+    """))
+    out = tmp_path / "out.txt"
+    proc = run(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2", "-o", str(out), "--wrap",
+                f"srun {sys.executable} {script}"], env=slurm_env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    wait_until(lambda: sacct_state(job_id, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 90,
+               f"job {job_id} to end")
+    assert sacct_state(job_id, slurm_env) == "COMPLETED", out.read_text()
+    lines = sorted(l for l in out.read_text().splitlines() if l.startswith("rank="))
+    assert len(lines) == 4, out.read_text()
+    assert all(l.endswith("sum=10") for l in lines)  # 1+2+3+4 on every rank
+    assert len({l.split()[2] for l in lines}) == 2  # two distinct hostnames: really two nodes
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run every interrupted one is compared with."""
+    out = tmp_path_factory.mktemp("reference")
+    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={out}", "name=ref"], env=slurm_env)
+    summary = wait_finished(run_dir, job_id, slurm_env)
+    events = [e["event"] for e in read_events(run_dir)]
+    assert events.count("start") == 1 and "requeue" not in events and events[-1] == "finish"
+    return summary
+
+
+def test_uninterrupted(reference: dict) -> None:
+    assert reference["final_step"] == 60
+    assert len(reference["params_sha256"]) == 64
+    assert reference["final_loss"] < 5.0  # ln(256) = 5.55 at the start: it learned something
+
+
+def _interrupted_run(slurm_env: dict[str, str], tmp_path: Path, name: str, interrupt) -> tuple[dict, list[dict]]:
+    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={name}"], env=slurm_env)
+    # Interrupt once the first committed checkpoint exists and training continues past it.
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120,
+               "the first committed checkpoint")
+    interrupt(job_id)
+    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    return summary, read_events(run_dir)
+
+
+def test_preempted_by_high_partition_job(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
+    """A real preemption: a `high` job needing all four nodes exclusively evicts our `low` job (SIGTERM)."""
+    high: list[str] = []
+
+    def preempt(job_id: str) -> None:
+        proc = run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null",
+                    "--wrap", "sleep 2"], env=slurm_env)
+        assert proc.returncode == 0, proc.stderr
+        high.append(proc.stdout.strip())
+
+    summary, events = _interrupted_run(slurm_env, tmp_path, "preempted", preempt)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["final_loss"] == reference["final_loss"]
+    signals = [e for e in events if e["event"] == "signal"]
+    assert signals and "SIGTERM" in signals[0]["signals"]
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["restart"] for s in starts] == [0, 1]
+    assert starts[1]["step"] == signals[0]["step"]  # resumed exactly where it saved: no lost steps
+    wait_until(lambda: sacct_state(high[0], slurm_env) == "COMPLETED", 60, "the high job to complete")
+
+
+def test_time_limit_warning_usr2(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
+    """`scancel --signal=USR2` is what Slurm's --signal=USR2@lead delivers before the time limit."""
+
+    def warn(job_id: str) -> None:
+        proc = run(["scancel", "--signal=USR2", job_id], env=slurm_env)
+        assert proc.returncode == 0, proc.stderr
+
+    summary, events = _interrupted_run(slurm_env, tmp_path, "usr2", warn)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    signals = [e for e in events if e["event"] == "signal"]
+    assert signals and signals[0]["signals"] == ["SIGUSR2"]
+    requeues = [e for e in events if e["event"] == "requeue"]
+    assert len(requeues) == 1 and requeues[0]["error"] is None  # our own `scontrol requeue` succeeded
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["restart"] for s in starts] == [0, 1] and starts[1]["step"] == signals[0]["step"]
