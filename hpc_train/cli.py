@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from hpc_train.config import CONF_DIR, compose, to_run_config
+    from hpc_train.config import CONF_DIR, compose, explain, to_run_config
 
     config_dir = Path(args.config_dir) if args.config_dir else CONF_DIR
     try:
@@ -30,7 +30,7 @@ def _submit(args: argparse.Namespace) -> int:
     except Exception as e:  # Hydra/OmegaConf/our checks: the message names the key, value and fix
         if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf") and not isinstance(e, ValueError):
             raise
-        print(f"hpc-train submit: error: {e}", file=sys.stderr)
+        print(f"hpc-train submit: error: {explain(e)}", file=sys.stderr)
         return 2
     print(f"submitted job {job.job_id}; run directory {run_dir}")
     if type(job).__name__ != "LocalJob" or args.no_wait:

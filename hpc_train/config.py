@@ -100,3 +100,26 @@ def load_frozen(run_dir: Path) -> RunConfig:
     from omegaconf import OmegaConf
 
     return to_run_config(OmegaConf.load(run_dir / "config.yaml"))
+
+
+def explain(error: Exception) -> str:
+    """Hydra/OmegaConf's message and its cause; for an unknown key, the valid keys beside it."""
+    from dataclasses import fields, is_dataclass
+
+    lines = [line for line in str(error).splitlines() if not line.startswith("To append to your config")]
+    cause = error.__cause__
+    if cause is not None:
+        lines.append(str(cause))
+    full_key = getattr(cause, "full_key", None) or ""
+    if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError") and full_key:
+        node: Any = RunConfig
+        *parents, _ = full_key.split(".")
+        for part in parents:
+            node = next((f.type for f in fields(node) if f.name == part), None)
+            node = globals().get(node, node) if isinstance(node, str) else node
+            if not is_dataclass(node):
+                break
+        if is_dataclass(node):
+            where = ".".join(parents) or "the top level"
+            lines.append(f"valid keys under {where}: {', '.join(f.name for f in fields(node))}")
+    return "\n".join(lines)

@@ -15,10 +15,13 @@ A run directory holds everything a (re)started attempt needs and everything it l
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hpc_train.config import CONF_DIR, RunConfig, compose, to_run_config
 from hpc_train.sbatch import make_executor
@@ -37,6 +40,26 @@ def new_run_dir(out_dir: Path, name: str) -> Path:
             n += 1
 
 
+@contextlib.contextmanager
+def _stdio_to_devnull() -> Iterator[None]:
+    """The local executor's controller inherits our stdout/stderr and outlives us: holding them, it would
+    keep `hpc-train submit --no-wait | tee log` (or a test's pipe) open until the job ends. Its own
+    output goes to the per-task log files."""
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
 def submit(overrides: list[str], config_dir: Path = CONF_DIR) -> tuple[Path, Any]:
     """Returns (run_dir, submitit job). Validation errors raise before anything is written or queued."""
     from omegaconf import OmegaConf
@@ -48,7 +71,8 @@ def submit(overrides: list[str], config_dir: Path = CONF_DIR) -> tuple[Path, Any
     from hpc_train.job import run_job
 
     executor = make_executor(run.cluster, run_dir / "submitit", job_name=run.name)
-    job = executor.submit(run_job, str(run_dir))
+    with _stdio_to_devnull() if run.cluster.executor == "local" else contextlib.nullcontext():
+        job = executor.submit(run_job, str(run_dir))
     record = {"executor": run.cluster.executor, "job_id": str(job.job_id), "submitted_at": time.time(),
               "overrides": overrides}
     (run_dir / "submission.json").write_text(json.dumps(record, indent=1) + "\n")

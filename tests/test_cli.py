@@ -1,0 +1,47 @@
+"""What the user reads: bad input is refused before anything is written or queued, and the
+login-node path never imports torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HPC_TRAIN, run
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cluster.nodes=0", r"cluster.nodes=0 must be >= 1"),
+    ("cluster.nodes=2", r"cluster.nodes=2 but the local executor runs on this one machine; use cluster.nodes=1"),
+    ("cluster.executor=pbs", r"cluster.executor='pbs' is not one of \('local', 'slurm'\)"),
+    ("model.n_heads=5", r"model.d_model=64 must be divisible by model.n_heads=5; use n_heads in \[1, 2, 4, 8, 16\]"),
+    ("train.stepz=3", r"Could not override 'train.stepz'.*valid keys under train: steps, batch_seqs_per_rank"),
+    ("train.steps=many", r"Value 'many' of type 'str' could not be converted to Integer"),
+    ("cluster=nope", r"Could not find 'cluster/nope'"),
+])
+def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, message: str) -> None:
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", override])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("hpc-train submit: error:")
+    assert re.search(message, proc.stderr, re.S), proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
+
+
+def test_cfg_job_prints_the_composed_config() -> None:
+    proc = run([HPC_TRAIN, "submit", "--cfg", "job", "cluster=dev", "train.steps=7"])
+    assert proc.returncode == 0, proc.stderr
+    assert "steps: 7" in proc.stdout and "executor: slurm" in proc.stdout
+    assert "slurm_conf: /" in proc.stdout  # ${oc.env:...} resolved
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["submit", "--cfg", "job"]])
+def test_login_node_path_never_imports_torch(argv: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "hydra" in imported or argv == ["--help"]
+    assert "torch" not in imported

@@ -1,0 +1,57 @@
+"""The embedded default: submitit's local executor on this machine, no Slurm involved."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+
+ARGS = ["train.steps=40", "checkpoint.every_steps=10", "cluster.tasks_per_node=3"]
+
+
+def test_demo_runs_checkpoints_and_finishes(tmp_path: Path) -> None:
+    """`hpc-train submit` with no overrides waits for the local job and prints its summary."""
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}"], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "finished: {'final_step': 60" in proc.stdout
+    run_dir = tmp_path / "demo-1"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 60 and summary["final_loss"] < 5.0
+    assert [e["event"] for e in read_events(run_dir)][0] == "start"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000040", "step_000060"]  # keep_last=2
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_checkpoint_is_readable_by_torch_tools(tmp_path: Path) -> None:
+    run_dir, _ = submit([f"out_dir={tmp_path}", *ARGS, "train.steps=10"])
+    wait_until(lambda: (run_dir / "summary.json").exists(), 240, "summary.json")
+    dcp_to_torch_save(run_dir / "checkpoints" / "step_000010", tmp_path / "plain.pt")
+    state = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert state["model"]["tok.weight"].shape == (256, 64)
+    assert set(state["optim"]["state"]["tok.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_sigterm_resume_is_bit_exact(tmp_path: Path) -> None:
+    """SIGTERM to the local job (as a preemption would) -> save, requeue in place, resume, same weights."""
+    ref_dir, _ = submit([f"out_dir={tmp_path}", "name=ref", *ARGS])
+    run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *ARGS, "train.min_step_time_s=0.2", "--no-wait"])
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120,
+               "the first checkpoint")
+    os.kill(int(job_id), signal.SIGTERM)  # submitit's local controller forwards it to every rank
+    wait_until(lambda: (run_dir / "summary.json").exists(), 240, "summary.json after resume")
+    wait_until(lambda: (ref_dir / "summary.json").exists(), 240, "the reference summary")
+    ref = json.loads((ref_dir / "summary.json").read_text())
+    cut = json.loads((run_dir / "summary.json").read_text())
+    assert cut == ref
+    events = read_events(run_dir)
+    names = [e["event"] for e in events]
+    assert names.count("start") == 2 and "requeue" in names and names[-1] == "finish"
+    signal_step = next(e["step"] for e in events if e["event"] == "signal")
+    assert [e["step"] for e in events if e["event"] == "start"] == [0, signal_step]
