@@ -124,15 +124,21 @@ def _run(cmd: list[str], root: Path, timeout_s: float = 30, check: bool = True) 
 
 
 def _read_pid(pidfile: Path) -> int | None:
+    """The pid in a pidfile if that process is alive *and* is the daemon the file is named after.
+
+    After a machine restart a stale pidfile may name a recycled pid; we never signal a stranger.
+    """
     try:
         pid = int(pidfile.read_text().split()[0])
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError, IndexError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    comm, state = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2]
+    if state in "ZX":  # a zombie is dead; it waits only for a parent that may never reap it
         return None
-    return pid
+    daemon = pidfile.stem.split("-")[0]  # slurmd-node1.pid -> slurmd
+    expected = {"mariadb": "mariadbd"}.get(daemon, daemon)
+    return pid if comm.startswith(expected[:15]) else None  # comm is cut at 15 characters
 
 
 def _wait_for(what: str, ok, timeout_s: float, root: Path) -> None:
@@ -210,8 +216,7 @@ def _nodes_idle(root: Path) -> bool:
 def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001) -> float:
     """Start a fresh cluster (job ids restart at 1). Returns the seconds it took."""
     t0 = time.monotonic()
-    if is_up(root):
-        down(root)
+    down(root)  # whatever a previous `up` left running, by its pidfiles
     if root.exists():
         shutil.rmtree(root)
     p = paths(root)
