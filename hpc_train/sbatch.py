@@ -71,6 +71,34 @@ def executor_parameters(cluster: ClusterConfig, job_name: str) -> dict[str, Any]
     return params
 
 
+# Slurm delivers some signals to the batch shell only: `--signal=B:USR2@lead`, `scancel --batch`, and
+# preemption on clusters with SlurmctldParameters=preempt_send_user_signal. Untrapped, USR2 or TERM kill
+# bash and with it the job before any rank can save. So srun runs in the background and the shell relays
+# both signals to it (srun forwards them to every task); `wait` returns early on each trapped signal,
+# hence the loop, and the script exits with srun's status.
+SIGNAL_RELAY = """\
+{srun} &
+srun_pid=$!
+trap 'kill -USR2 $srun_pid 2>/dev/null' USR2
+trap 'kill -TERM $srun_pid 2>/dev/null' TERM
+while true; do
+  wait $srun_pid
+  status=$?
+  kill -0 $srun_pid 2>/dev/null || break
+done
+exit $status"""
+
+
+def render(cluster: ClusterConfig, job_name: str, folder: Path, command: str) -> str:
+    """The whole batch script, as submitted (pure): submitit's header and srun line, plus the relay."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    script = _make_sbatch_string(command=command, folder=folder, **executor_parameters(cluster, job_name))
+    lines = script.split("\n")
+    i = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    return "\n".join([*lines[:i], SIGNAL_RELAY.format(srun=lines[i]), *lines[i + 1:]])
+
+
 def make_executor(cluster: ClusterConfig, folder: Path, job_name: str) -> Any:
     import submitit  # lazy: 0.1 s, and only `submit` needs it
 
@@ -78,7 +106,10 @@ def make_executor(cluster: ClusterConfig, folder: Path, job_name: str) -> Any:
         os.environ["SLURM_CONF"] = cluster.slurm_conf
     if cluster.executor == "local":
         executor: Any = submitit.LocalExecutor(folder=folder)
-    else:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=1000)
+        executor.update_parameters(**executor_parameters(cluster, job_name))
+        return executor
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=1000)
     executor.update_parameters(**executor_parameters(cluster, job_name))
+    # submitit's one hook for the script text; ours adds the signal relay to its rendering.
+    executor._make_submission_file_text = lambda command, uid: render(cluster, job_name, executor.folder, command)
     return executor

@@ -38,9 +38,10 @@ def paths(root: Path = CLUSTER_DIR) -> dict[str, Path]:
     return {k: root / k for k in ("etc", "log", "run", "spool", "db")}
 
 
-def slurm_conf_text(root: Path, max_array_size: int = 1001) -> str:
+def slurm_conf_text(root: Path, max_array_size: int = 1001, ctld_parameters: str = "") -> str:
     p = paths(root)
-    return f"""\
+    extra = f"SlurmctldParameters={ctld_parameters}\n" if ctld_parameters else ""
+    return extra + f"""\
 ClusterName=hpcdev
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={CTLD_PORT}
@@ -240,6 +241,18 @@ def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001) -> float:
         _start_slurmd(node, root)
     _wait_for("4 idle nodes", lambda: _nodes_idle(root), 60, root)
     return time.monotonic() - t0
+
+
+def reconfigure(root: Path = CLUSTER_DIR, max_array_size: int = 1001, ctld_parameters: str = "") -> None:
+    """Rewrite slurm.conf and apply it to the running daemons (`scontrol reconfigure`, ~1 s).
+
+    E.g. ctld_parameters="preempt_send_user_signal" makes preemption send the --signal signal.
+    """
+    (paths(root)["etc"] / "slurm.conf").write_text(slurm_conf_text(root, max_array_size, ctld_parameters))
+    _run(["scontrol", "reconfigure"], root)
+    want = ctld_parameters or "(null)"
+    _wait_for(f"SlurmctldParameters={want}", lambda: f"SlurmctldParameters     = {want}" in
+              _run(["scontrol", "show", "config"], root).stdout, 30, root)
 
 
 def is_up(root: Path = CLUSTER_DIR) -> bool:

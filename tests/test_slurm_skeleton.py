@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import cluster
 from conftest import read_events, run, sacct_state, submit, wait_finished, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -75,17 +76,22 @@ def _interrupted_run(slurm_env: dict[str, str], tmp_path: Path, name: str, inter
     return summary, read_events(run_dir)
 
 
-def test_preempted_by_high_partition_job(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
-    """A real preemption: a `high` job needing all four nodes exclusively evicts our `low` job (SIGTERM)."""
-    high: list[str] = []
+def _high_job_preempting(slurm_env: dict[str, str], high_ids: list[str]):
+    """An interrupt: a `high` job needing all four nodes exclusively, which evicts our `low` job."""
 
     def preempt(job_id: str) -> None:
         proc = run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null",
                     "--wrap", "sleep 2"], env=slurm_env)
         assert proc.returncode == 0, proc.stderr
-        high.append(proc.stdout.strip())
+        high_ids.append(proc.stdout.strip())
 
-    summary, events = _interrupted_run(slurm_env, tmp_path, "preempted", preempt)
+    return preempt
+
+
+def test_preempted_by_high_partition_job(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
+    """A real preemption: Slurm sends SIGTERM to every task (and the batch shell), then requeues."""
+    high: list[str] = []
+    summary, events = _interrupted_run(slurm_env, tmp_path, "preempted", _high_job_preempting(slurm_env, high))
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["final_loss"] == reference["final_loss"]
     signals = [e for e in events if e["event"] == "signal"]
@@ -94,6 +100,21 @@ def test_preempted_by_high_partition_job(slurm_env: dict[str, str], tmp_path: Pa
     assert [s["restart"] for s in starts] == [0, 1]
     assert starts[1]["step"] == signals[0]["step"]  # resumed exactly where it saved: no lost steps
     wait_until(lambda: sacct_state(high[0], slurm_env) == "COMPLETED", 60, "the high job to complete")
+
+
+def test_preempted_with_preempt_send_user_signal(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
+    """Clusters with SlurmctldParameters=preempt_send_user_signal send the --signal signal (USR2) at
+    preemption instead of SIGTERM first; the run must save and resume the same way."""
+
+    cluster.reconfigure(ctld_parameters="preempt_send_user_signal")
+    try:
+        summary, events = _interrupted_run(slurm_env, tmp_path, "usersig", _high_job_preempting(slurm_env, []))
+    finally:
+        cluster.reconfigure()
+    assert summary["params_sha256"] == reference["params_sha256"]
+    signals = [e for e in events if e["event"] == "signal"]
+    assert signals and signals[0]["signals"][0] == "SIGUSR2"
+    assert [e["restart"] for e in events if e["event"] == "start"] == [0, 1]
 
 
 def test_time_limit_warning_usr2(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
@@ -111,3 +132,17 @@ def test_time_limit_warning_usr2(slurm_env: dict[str, str], tmp_path: Path, refe
     assert len(requeues) == 1 and requeues[0]["error"] is None  # our own `scontrol requeue` succeeded
     starts = [e for e in events if e["event"] == "start"]
     assert [s["restart"] for s in starts] == [0, 1] and starts[1]["step"] == signals[0]["step"]
+
+
+def test_signal_to_batch_shell_only_is_relayed(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
+    """`scancel --batch` reaches only the batch shell, as `--signal=B:` and preempt_send_user_signal do.
+    Untrapped, USR2 would kill bash and the job unsaved; the script relays it to every task instead."""
+
+    def batch_only(job_id: str) -> None:
+        proc = run(["scancel", "--batch", "--signal=USR2", job_id], env=slurm_env)
+        assert proc.returncode == 0, proc.stderr
+
+    summary, events = _interrupted_run(slurm_env, tmp_path, "batch", batch_only)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert [e["signals"] for e in events if e["event"] == "signal"] == [["SIGUSR2"]]
+    assert [e["restart"] for e in events if e["event"] == "start"] == [0, 1]
