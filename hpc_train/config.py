@@ -7,6 +7,7 @@ says which module it configures. ClusterConfig lives beside the executor code in
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,14 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    def __post_init__(self) -> None:
+        # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):
+            raise ValueError(f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the run "
+                             f"directory and the Slurm job); e.g. name=lr-sweep")
+        if any(ord(c) < 32 for c in self.out_dir):
+            raise ValueError(f"out_dir={self.out_dir!r} contains a control character (newline?); give a plain path")
+
 
 def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
@@ -87,12 +96,127 @@ def compose(overrides: list[str], config_dir: Path = CONF_DIR) -> Any:
         return hydra_compose(config_name="config", overrides=overrides)
 
 
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """Hydra's sweep grammar -> one override list per trial, in Hydra's order (last key varies fastest).
+
+    `a=1,2`, `a=range(0,10,2)`, `a=choice(x,y)` and config-group sweeps (`model=tiny,small`) expand;
+    everything else is passed through to every trial.
+    """
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    axes = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if o.is_sweep_override():
+            if o.is_interval_sweep():
+                raise ValueError(f"{o.input_line!r}: interval() needs an optimizing sweeper; list the values, "
+                                 f"e.g. range() or a,b,c")
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(trial) for trial in itertools.product(*axes)]
+
+
+def compose_trials(trials: list[list[str]], config_dir: Path = CONF_DIR) -> list[tuple[dict[str, Any], RunConfig]]:
+    """(resolved config as plain dicts, its validated RunConfig) per trial.
+
+    Hydra's compose costs ~50 ms, 53 s for 1,000 trials. So compose once per distinct set of
+    config-group choices and structural overrides, then set each trial's plain `key=value` overrides on a
+    copy of that resolved dict (~0.1 ms), type-checked by `build`. Trials whose values could interact
+    with an interpolation (`${...}` in the composed tree or in the value) take the full compose.
+    """
+    import copy
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parser = OverridesParser.create()
+    bases: dict[tuple[str, ...], tuple[dict[str, Any], bool]] = {}
+    out = []
+    for trial in trials:
+        parsed = parser.parse_overrides(trial)
+        fast = [o for o in parsed if o.type.name == "CHANGE" and o.package is None
+                and not (config_dir / o.key_or_group).is_dir() and "${" not in o.input_line]
+        structural = tuple(o.input_line for o in parsed if o not in fast)
+        if structural not in bases:
+            cfg = compose(list(structural), config_dir)
+            raw = OmegaConf.to_container(cfg, resolve=False)
+            node_refs = re.search(r"\$\{(?!oc\.env:)", str(raw)) is not None
+            bases[structural] = (OmegaConf.to_container(cfg, resolve=True), node_refs)  # type: ignore[assignment]
+        base, node_refs = bases[structural]
+        if node_refs and fast:
+            cfg = compose(trial, config_dir)
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+        else:
+            resolved = copy.deepcopy(base)
+            for o in fast:
+                _set_dotted(resolved, o.key_or_group, o.value())
+        out.append((resolved, build(RunConfig, resolved)))  # type: ignore[arg-type]
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for i, part in enumerate(parents):
+        if not isinstance(node.get(part), dict):
+            raise ValueError(f"Could not override '{key}': '{'.'.join(parents[:i + 1])}' is not a config group "
+                             f"or section")
+        node = node[part]
+    if leaf not in node:
+        where = ".".join(parents) or "the top level"
+        raise ValueError(f"Could not override '{key}': no key '{leaf}'\nvalid keys under {where}: "
+                         f"{', '.join(node)}")
+    node[leaf] = value
+
+
+def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Plain dict -> dataclass instance, checking keys and value types; runs every __post_init__."""
+    import typing
+    from dataclasses import fields, is_dataclass
+
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ValueError(f"Key '{path}{key}' is not in {cls.__name__}\n"
+                             f"valid keys under {path.rstrip('.') or 'the top level'}: {', '.join(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if is_dataclass(hint):
+            kwargs[key] = build(hint, value, f"{path}{key}.")  # type: ignore[arg-type]
+        else:
+            kwargs[key] = _check_type(value, hint, f"{path}{key}")
+    return cls(**kwargs)
+
+
+def _check_type(value: Any, hint: Any, key: str) -> Any:
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        return _check_type(value, next(a for a in args if a is not type(None)), key)
+    if origin is list and isinstance(value, list):
+        return [_check_type(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict and isinstance(value, dict):
+        return {str(k): _check_type(v, args[1], f"{key}.{k}") for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and type(value) is hint:
+        return value
+    want = getattr(hint, "__name__", str(hint))
+    raise ValueError(f"{key}={value!r} is a {type(value).__name__}, but {key} takes {want}")
+
+
 def to_run_config(cfg: Any) -> RunConfig:
     """DictConfig -> dataclasses, once, at the entry point, so every __post_init__ check runs."""
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    return build(RunConfig, OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
 
 
 def load_frozen(run_dir: Path) -> RunConfig:

@@ -1,16 +1,18 @@
-"""compose -> validate -> freeze a new run directory -> submit through submitit.
+"""compose -> validate -> freeze run directories -> group trials into arrays -> submitit -> sweep.json.
 
-Torch-free: this is the login-node path.
+Torch-free: this is the login-node path. A single run gets `<out_dir>/<name>-<n>/`; a sweep gets
+`<out_dir>/<name>-<n>/` holding `sweep.json` and one run directory per trial, `0000/`, `0001/`, ...
+Directories are keyed by sweep and trial index, never by time or job id, so a requeued attempt and a
+resubmitted sweep always find them.
 
 A run directory holds everything a (re)started attempt needs and everything it leaves:
-    runs/demo-3/
-        config.yaml      the resolved config, frozen at submit; attempts re-read it, never recompose
-        submission.json  executor, job id, submit time
-        submitit/        submitit's pickles and the per-task logs (<job>_<task>_log.out)
-        checkpoints/     step_NNNNNN/ folders; only those with COMMITTED count
-        events.jsonl     start / signal / checkpoint_committed / requeue / finish / fail, every attempt
-        metrics.jsonl    loss, lr and step time per log interval
-        summary.json     final_step, final_loss, params_sha256 (written at the end)
+    config.yaml      the resolved config, frozen at submit; attempts re-read it, never recompose
+    submission.json  executor, job id, overrides
+    submitit/        submitit's pickles and the per-task logs (<job>_<task>_log.out)
+    checkpoints/     step_NNNNNN/ folders; only those with COMMITTED count
+    events.jsonl     start / signal / checkpoint_committed / requeue / finish / fail, every attempt
+    metrics.jsonl    loss, lr and step time per log interval
+    summary.json     final_step, final_loss, params_sha256 (written at the end)
 """
 
 from __future__ import annotations
@@ -20,24 +22,158 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from hpc_train.config import CONF_DIR, RunConfig, compose, to_run_config
-from hpc_train.sbatch import make_executor
+from hpc_train.config import CONF_DIR, RunConfig, compose_trials, expand_sweep
+from hpc_train.sbatch import ClusterConfig, check_syntax, make_executor, render, validate_live
+
+MANIFEST = "sweep.json"
 
 
-def new_run_dir(out_dir: Path, name: str) -> Path:
-    """<out_dir>/<name>-<n> with the next free n; mkdir without exist_ok, so two submits never share one."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Trial:
+    index: int
+    overrides: list[str]
+    run_dir: str
+    job_id: str | None = None
+
+
+@dataclass
+class Array:
+    """Trials with one resource request, submitted by one sbatch call (one array, or one plain job)."""
+    trials: list[int]
+    job_id: str | None = None
+    submitting: bool = False  # set before sbatch, cleared after: a crash in between is recoverable
+
+
+@dataclass
+class Plan:
+    target: Path  # the run directory of a single run, or the sweep directory
+    trials: list[Trial]
+    configs: list[dict[str, Any]]
+    runs: list[RunConfig]
+    arrays: list[Array] = field(default_factory=list)
+    scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
+
+
+def next_dir(out_dir: Path, name: str) -> Path:
+    """<out_dir>/<name>-<n> with the next free n (not created)."""
     taken = [int(p.name.rsplit("-", 1)[1]) for p in out_dir.glob(f"{name}-*") if p.name.rsplit("-", 1)[1].isdigit()]
-    n = max(taken, default=0) + 1
+    return (out_dir / f"{name}-{max(taken, default=0) + 1}").resolve()
+
+
+def job_name(target: Path) -> str:
+    """`<dir name>.<6 hex of its path>`: readable in squeue, unique across out_dirs, so a lost array can
+    be found again by its name."""
+    import hashlib
+
+    return f"{target.name}.{hashlib.sha1(str(target).encode()).hexdigest()[:6]}"
+
+
+def claim_dir(wanted: Path) -> Path:
+    """mkdir without exist_ok, so two submits never share a directory; on a race take the next n."""
+    wanted.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
-            (out_dir / f"{name}-{n}").mkdir()
-            return (out_dir / f"{name}-{n}").resolve()
+            wanted.mkdir()
+            return wanted
         except FileExistsError:
-            n += 1
+            wanted = next_dir(wanted.parent, wanted.name.rsplit("-", 1)[0])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _freeze(run_dir: Path, config: dict[str, Any]) -> None:
+    """config.yaml, written once: a resubmit never overwrites what an attempt may already have read."""
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.yaml").exists():
+        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml: 5x faster for 1,000-trial sweeps
+        _write_atomic(run_dir / "config.yaml", yaml.dump(config, Dumper=dumper, sort_keys=False))
+
+
+def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
+    """Trials grouped by identical resource request, each group split at MaxArraySize (pure)."""
+    groups: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        groups.setdefault(json.dumps(asdict(run.cluster), sort_keys=True), []).append(i)
+    return [Array(trials=idx[k: k + max_array_size]) for idx in groups.values()
+            for k in range(0, len(idx), max_array_size)]
+
+
+def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, max_parallel: int | None = None,
+         config_dir: Path = CONF_DIR, validate: bool = True) -> Plan:
+    """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""
+    from hpc_train import slurm
+
+    trial_overrides = expand_sweep(overrides) if multirun else [overrides]
+    composed = compose_trials(trial_overrides, config_dir)
+    configs, runs = [c for c, _ in composed], [r for _, r in composed]
+    first: ClusterConfig = runs[0].cluster
+    if first.slurm_conf:
+        slurm.slurm_env(first.slurm_conf)
+    if first.executor == "slurm" and any(r.cluster.executor != "slurm" for r in runs):
+        raise ValueError("a sweep must use one executor; sweep cluster= over Slurm clusters only")
+    target = sweep_dir.resolve() if sweep_dir else next_dir(Path(runs[0].out_dir), runs[0].name)
+    trials = [Trial(i, o, str(target / f"{i:04d}") if multirun else str(target)) for i, o in enumerate(trial_overrides)]
+    result = Plan(target, trials, configs, runs)
+    if first.executor == "local":
+        result.arrays = [Array(trials=[i]) for i in range(len(runs))]  # local trials run one at a time
+        return result
+    max_array = int(slurm.show_config().get("MaxArraySize", "1001")) if multirun else 1
+    result.arrays = group_arrays(runs, max_array)
+    for array in result.arrays:
+        cluster = runs[array.trials[0]].cluster
+        size = len(array.trials) if multirun else None
+        script = render(cluster, job_name(target), target / "submitit", size, max_parallel)
+        check_syntax(script)
+        if validate:
+            validate_live(cluster, script, len(array.trials), max_parallel)
+        result.scripts.append(script)
+    return result
+
+
+def _load_manifest(sweep_dir: Path, overrides: list[str], trials: list[Trial]) -> list[Array] | None:
+    path = sweep_dir / MANIFEST
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    if old["overrides"] != overrides or [t["overrides"] for t in old["trials"]] != [t.overrides for t in trials]:
+        raise ValueError(f"{sweep_dir} holds a sweep of {old['overrides']}, not {overrides}; resubmit it with "
+                         f"the same overrides, or drop --sweep-dir to start a new sweep")
+    for t, saved in zip(trials, old["trials"]):
+        t.job_id = saved["job_id"]
+    return [Array(**a) for a in old["arrays"]]
+
+
+def _save_manifest(p: Plan, overrides: list[str]) -> None:
+    record = {"sweep_dir": str(p.target), "job_name": job_name(p.target), "overrides": overrides, "updated_at": time.time(),
+              "trials": [asdict(t) for t in p.trials], "arrays": [asdict(a) for a in p.arrays]}
+    _write_atomic(p.target / MANIFEST, json.dumps(record, indent=1) + "\n")
+
+
+def _adopt_lost_array(p: Plan, array: Array, job_name: str) -> bool:
+    """A previous submit died between sbatch and recording its id: find that array by its job name."""
+    from hpc_train import slurm
+
+    known = {a.job_id for a in p.arrays if a.job_id}
+    out = slurm.call(["sacct", "-X", "-n", "-P", "--name", job_name, "-o", "JobID,State", "-S", "now-7days"])
+    ids = [line.split("|")[0] for line in out.splitlines() if line and "CANCELLED" not in line]
+    ids += slurm.call(["squeue", "-h", "--name", job_name, "-o", "%F"]).split()
+    found = {i.split("_")[0] for i in ids} - known  # a cancelled array was given up on: resubmit instead
+    if len(found) != 1:
+        return False
+    array.job_id = found.pop()
+    for k, i in enumerate(array.trials):
+        p.trials[i].job_id = f"{array.job_id}_{k}"
+    return True
 
 
 @contextlib.contextmanager
@@ -60,20 +196,78 @@ def _stdio_to_devnull() -> Iterator[None]:
             os.close(fd)
 
 
-def submit(overrides: list[str], config_dir: Path = CONF_DIR) -> tuple[Path, Any]:
-    """Returns (run_dir, submitit job). Validation errors raise before anything is written or queued."""
-    from omegaconf import OmegaConf
+def _sbatch_with_retry(submit_once: Callable[[], Any], attempts: int = 4) -> Any:
+    """sbatch through submitit, retried with 1, 2, 4 s backoff when the controller fails to answer."""
+    for attempt in range(attempts):
+        try:
+            return submit_once()
+        except Exception as e:  # submitit wraps sbatch's failure; its text says why
+            if attempt == attempts - 1:
+                raise RuntimeError(f"sbatch failed {attempts} times: {e}") from e
+            time.sleep(2**attempt)
 
-    cfg = compose(overrides, config_dir)
-    run: RunConfig = to_run_config(cfg)  # every __post_init__ check runs here, before the run dir exists
-    run_dir = new_run_dir(Path(run.out_dir), run.name)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+
+def submit(overrides: list[str], multirun: bool = False, sweep_dir: Path | None = None,
+           max_parallel: int | None = None, config_dir: Path = CONF_DIR,
+           progress: Callable[[int, int], None] | None = None) -> tuple[Plan, list[Any]]:
+    """Validate everything, then write and queue. Returns (plan with job ids, submitit jobs submitted now)."""
     from hpc_train.job import run_job
 
-    executor = make_executor(run.cluster, run_dir / "submitit", job_name=run.name)
-    with _stdio_to_devnull() if run.cluster.executor == "local" else contextlib.nullcontext():
-        job = executor.submit(run_job, str(run_dir))
-    record = {"executor": run.cluster.executor, "job_id": str(job.job_id), "submitted_at": time.time(),
-              "overrides": overrides}
-    (run_dir / "submission.json").write_text(json.dumps(record, indent=1) + "\n")
-    return run_dir, job
+    p = plan(overrides, multirun, sweep_dir, max_parallel, config_dir)
+    first = p.runs[0]
+    if not multirun:
+        run_dir = p.target = claim_dir(p.target)
+        p.trials[0].run_dir = str(run_dir)
+        _freeze(run_dir, p.configs[0])
+        executor = make_executor(first.cluster, run_dir / "submitit", job_name(run_dir))
+        with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
+            job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)))
+        p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
+        record = {"executor": first.cluster.executor, "job_id": str(job.job_id), "job_name": job_name(run_dir),
+                  "submitted_at": time.time(),
+                  "overrides": overrides}
+        (run_dir / "submission.json").write_text(json.dumps(record, indent=1) + "\n")
+        return p, [job]
+
+    # A sweep: freeze every trial, record the manifest, then one sbatch per array.
+    if sweep_dir is None:
+        p.target = claim_dir(p.target)
+        for t in p.trials:
+            t.run_dir = str(p.target / Path(t.run_dir).name)
+    else:
+        p.target.mkdir(parents=True, exist_ok=True)
+        saved = _load_manifest(p.target, overrides, p.trials)
+        if saved is not None:
+            p.arrays = saved
+    for t in p.trials:
+        _freeze(Path(t.run_dir), p.configs[t.index])
+    _save_manifest(p, overrides)
+    jobs: list[Any] = []
+    done = sum(1 for t in p.trials if t.job_id)
+    for array in p.arrays:
+        todo = [i for i in array.trials if not p.trials[i].job_id]
+        if not todo or array.job_id or (array.submitting and _adopt_lost_array(p, array, job_name(p.target))):
+            array.job_id = array.job_id or (p.trials[array.trials[0]].job_id or "").split("_")[0] or None
+            array.submitting = False
+            continue
+        cluster = p.runs[todo[0]].cluster
+        executor = make_executor(cluster, p.target / "submitit", job_name(p.target), max_parallel)
+        array.submitting = True
+        _save_manifest(p, overrides)
+        if cluster.executor == "local":  # this machine is the cluster: one trial at a time
+            with _stdio_to_devnull():
+                new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
+            with contextlib.suppress(Exception):  # a failed trial is in its events.jsonl; go on
+                new[0].results()
+        else:
+            new = _sbatch_with_retry(lambda: executor.map_array(run_job, [p.trials[i].run_dir for i in todo]))
+        for i, job in zip(todo, new):
+            p.trials[i].job_id = str(job.job_id)
+        array.job_id, array.submitting = str(new[0].job_id).split("_")[0], False
+        jobs += new
+        _save_manifest(p, overrides)
+        done += len(todo)
+        if progress:
+            progress(done, len(p.trials))
+    _save_manifest(p, overrides)
+    return p, jobs

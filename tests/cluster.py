@@ -83,7 +83,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 NodeName=node[1-4] NodeAddr=127.0.0.1 NodeHostname=node[1-4] Port=[{SLURMD_PORT0}-{SLURMD_PORT0 + 3}] \
 CPUs={CPUS_PER_NODE} RealMemory=4000 State=UNKNOWN
-PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
+PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=60 State=UP PriorityTier=1 PreemptMode=OFF
 PartitionName=low Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={LOW_GRACE_S}
 PartitionName=high Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """

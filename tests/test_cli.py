@@ -19,11 +19,13 @@ from conftest import HPC_TRAIN, run
     ("cluster.executor=pbs", r"cluster.executor='pbs' is not one of \('local', 'slurm'\)"),
     ("model.n_heads=5", r"model.d_model=64 must be divisible by model.n_heads=5; use n_heads in \[1, 2, 4, 8, 16\]"),
     ("train.stepz=3", r"Could not override 'train.stepz'.*valid keys under train: steps, batch_seqs_per_rank"),
-    ("train.steps=many", r"Value 'many' of type 'str' could not be converted to Integer"),
+    ("train.steps=many", r"train.steps='many' is a str, but train.steps takes int"),
+    ("name='a;b'", r"name='a;b' must be 1-64 letters, digits, '.', '_' or '-'"),
+    ("cluster=dev|cluster.setup=['echo \"unterminated']", r"the batch script would not parse: .*unexpected EOF"),
     ("cluster=nope", r"Could not find 'cluster/nope'"),
 ])
 def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, message: str) -> None:
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", override])
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *override.split("|")])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("hpc-train submit: error:")
     assert re.search(message, proc.stderr, re.S), proc.stderr

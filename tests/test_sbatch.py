@@ -5,6 +5,7 @@ and review the diff."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,15 +16,20 @@ from hpc_train.sbatch import render
 GOLDEN = Path(__file__).parent / "golden"
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("dev", ["cluster=dev"]),
+@pytest.mark.parametrize("name, overrides, array_size, max_parallel", [
+    ("dev", ["cluster=dev"], None, None),
+    ("dev_array", ["cluster=dev", "+cluster.env.MSG=\"it's $(x) `y`; z\""], 500, 16),
+    ("apptainer", ["cluster=slurm", "cluster.template=apptainer", "+cluster.template_vars.image=/img/a b.sif",
+                   "cluster.launcher=[apptainer,exec,--nv,'/img/a b.sif']"], None, None),
     ("slurm_gpu_setup", ["cluster=slurm", "cluster.gpus_per_node=8", "cluster.tasks_per_node=8", "cluster.mem_gb=480",
-                         "cluster.partition=gpu", "cluster.setup=['module load cuda/12.4','export NCCL_DEBUG=WARN']"]),
+                         "cluster.partition=gpu", "cluster.setup=['module load cuda/12.4','export NCCL_DEBUG=WARN']"],
+     None, None),
 ])
-def test_rendered_script_matches_golden(name: str, overrides: list[str]) -> None:
+def test_rendered_script_matches_golden(name: str, overrides: list[str], array_size: int | None,
+                                        max_parallel: int | None) -> None:
     run = to_run_config(compose(overrides))
-    script = render(run.cluster, "golden", Path("/runs/golden-1/submitit"),
-                    "/venv/bin/python -u -m submitit.core._submit /runs/golden-1/submitit")
+    script = render(run.cluster, "golden-1", Path("/runs/golden-1/submitit"), array_size, max_parallel)
+    script = script.replace(sys.executable, "/venv/bin/python")  # the golden file is machine-independent
     path = GOLDEN / f"{name}.sbatch"
     if os.environ.get("HPC_TRAIN_UPDATE_GOLDEN"):
         path.write_text(script)

@@ -1,0 +1,98 @@
+"""The one place that shells out to Slurm's clients (scontrol, squeue, sacct, sbatch --test-only).
+
+Every call has a timeout and exports SLURM_CONF when the cluster config names one (without it the
+clients try a DNS SRV lookup). Parsers are pure functions of the clients' text, tested on captures.
+Torch-free: the login node uses all of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+
+TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
+
+
+class SlurmError(RuntimeError):
+    pass
+
+
+def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: str | None = None) -> str:
+    """Run a Slurm client; retry transient controller errors with 1, 2, 4 s backoff; stdout on success."""
+    err = ""
+    for attempt in range(retries + 1):
+        try:
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, input=input_text)
+        except subprocess.TimeoutExpired:
+            err = f"`{' '.join(args)}` did not answer within {timeout_s:.0f} s"
+        except FileNotFoundError:
+            raise SlurmError(f"`{args[0]}` is not installed here; use cluster=local, or run on a Slurm login node")
+        else:
+            if proc.returncode == 0:
+                return proc.stdout + proc.stderr if args[:2] == ["sbatch", "--test-only"] else proc.stdout
+            err = (proc.stderr or proc.stdout).strip()
+            if not any(word in err.lower() for word in TRANSIENT):
+                break
+        if attempt < retries:
+            time.sleep(2**attempt)
+    raise SlurmError(f"`{' '.join(args)}` failed: {err}")
+
+
+def parse_key_values(text: str) -> dict[str, str]:
+    """`scontrol show ... -o` / `show config` text -> {key: value}. Values may hold spaces in `show config`."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if " = " in line:  # show config: "MaxArraySize            = 1001"
+            key, _, value = line.partition(" = ")
+            out[key.strip()] = value.strip()
+        else:
+            for m in re.finditer(r"(\w+)=(\S*)", line):
+                out[m.group(1)] = m.group(2)
+    return out
+
+
+def show_config() -> dict[str, str]:
+    return parse_key_values(call(["scontrol", "show", "config"]))
+
+
+def partitions() -> dict[str, dict[str, str]]:
+    """Every partition's `scontrol show partition -o` fields, by name."""
+    out = {}
+    for line in call(["scontrol", "show", "partition", "-o"]).splitlines():
+        if line.strip():
+            fields = parse_key_values(line)
+            out[fields["PartitionName"]] = fields
+    return out
+
+
+def nodes() -> dict[str, dict[str, str]]:
+    out = {}
+    for line in call(["scontrol", "show", "node", "-o"]).splitlines():
+        if line.strip():
+            fields = parse_key_values(line)
+            out[fields["NodeName"]] = fields
+    return out
+
+
+def time_limit_min(text: str) -> float:
+    """Slurm's time format ("UNLIMITED", "30", "1:00:00", "2-00:00:00", "1-12") -> minutes (inf if unlimited)."""
+    if text in ("UNLIMITED", "INFINITE", "infinite"):
+        return float("inf")
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days and len(parts) == 1:  # "d-h"
+        parts = [parts[0], 0, 0]
+    h, m, s = ([0, 0] + parts)[-3:] if len(parts) > 1 else (0, parts[0], 0)
+    return int(days or 0) * 1440 + h * 60 + m + s / 60
+
+
+def test_only(script_path: str) -> str:
+    """`sbatch --test-only`: Slurm's own verdict on the request, queueing nothing."""
+    return call(["sbatch", "--test-only", script_path], timeout_s=30, retries=1)
+
+
+def slurm_env(slurm_conf: str | None) -> None:
+    if slurm_conf:
+        os.environ["SLURM_CONF"] = slurm_conf

@@ -1,0 +1,136 @@
+"""Login-node submission against the real cluster: sweeps as arrays, splitting, idempotent resubmit,
+validation as the user reads it, and values that must stay inert in the batch script."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import cluster
+from conftest import HPC_TRAIN, run, wait_until
+
+pytestmark = pytest.mark.slurm
+
+QUICK = ["cluster=dev", "train.steps=4", "checkpoint.every_steps=4"]
+
+
+def _sweep(args: list[str], env: dict[str, str], tmp_path: Path, extra: list[str] = ()) -> dict:
+    proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", *args, *extra], env=env, timeout_s=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sweep_dir = Path(re.search(r"sweep directory (\S+)", proc.stdout).group(1))
+    return json.loads((sweep_dir / "sweep.json").read_text())
+
+
+def _queued_arrays(job_name: str, env: dict[str, str]) -> set[str]:
+    """Array job ids of that name that Slurm knows and nobody cancelled."""
+    out = run(["sacct", "-n", "-X", "-P", "--name", job_name, "-o", "JobID,State"], env=env).stdout
+    ids = [line.split("|")[0] for line in out.splitlines() if line and "CANCELLED" not in line]
+    ids += run(["squeue", "-h", "--name", job_name, "-o", "%F"], env=env).stdout.split()
+    return {i.split("_")[0] for i in ids}
+
+
+def _wait_summaries(manifest: dict) -> list[dict]:
+    paths = [Path(t["run_dir"]) / "summary.json" for t in manifest["trials"]]
+    wait_until(lambda: all(p.exists() for p in paths), 240, "every trial's summary.json")
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def test_two_resource_shapes_land_as_two_arrays(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    manifest = _sweep(["name=shapes", "train.lr=1e-3,3e-3", "cluster.nodes=1,2"], slurm_env, tmp_path)
+    trials = manifest["trials"]
+    assert [t["overrides"][-2:] for t in trials] == [
+        ["train.lr=0.001", "cluster.nodes=1"], ["train.lr=0.001", "cluster.nodes=2"],
+        ["train.lr=0.003", "cluster.nodes=1"], ["train.lr=0.003", "cluster.nodes=2"]]
+    assert len(manifest["arrays"]) == 2
+    one_node, two_nodes = {t["job_id"].split("_")[0] for t in trials[0::2]}, {t["job_id"].split("_")[0] for t in trials[1::2]}
+    assert len(one_node) == len(two_nodes) == 1 and one_node != two_nodes
+    assert _queued_arrays(manifest["job_name"], slurm_env) == one_node | two_nodes
+    _wait_summaries(manifest)
+    for t, world in zip(trials, [2, 4, 2, 4]):  # 2 tasks per node: the right tasks really ran
+        start = json.loads((Path(t["run_dir"]) / "events.jsonl").read_text().splitlines()[0])
+        assert start["world_size"] == world and len(set(start["nodes"])) == world // 2
+
+
+def test_array_larger_than_max_array_size_is_split(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    cluster.reconfigure(max_array_size=3)
+    try:
+        manifest = _sweep(["name=split", "train.seed=range(7)"], slurm_env, tmp_path, ["--max-parallel", "2"])
+    finally:
+        cluster.reconfigure()
+    assert [len(a["trials"]) for a in manifest["arrays"]] == [3, 3, 1]
+    assert len(_queued_arrays(manifest["job_name"], slurm_env)) == 3
+    script = next(Path(manifest["sweep_dir"], "submitit").glob("*_submission.sh")).read_text()
+    assert "#SBATCH --array=0-2%2" in script
+    assert len(_wait_summaries(manifest)) == 7
+
+
+def test_resubmit_adds_only_missing_trials(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """A sweep cut off after its first array (Ctrl-C, controller down): the manifest shows the second
+    array unsubmitted. Re-running the same command with --sweep-dir submits exactly that array."""
+    args = ["name=resume", "train.seed=1,2", "cluster.nodes=1,2"]
+    manifest = _sweep(args, slurm_env, tmp_path)
+    sweep_dir = Path(manifest["sweep_dir"])
+    first, second = manifest["arrays"]
+    cut = json.loads((sweep_dir / "sweep.json").read_text())
+    run(["scancel", second["job_id"]], env=slurm_env)  # as if that sbatch had never happened (the array
+    # has not started yet: Slurm needs ~1 s to start one, and the cancel comes first)
+    cut["arrays"][1]["job_id"] = None
+    for i in second["trials"]:
+        cut["trials"][i]["job_id"] = None
+    (sweep_dir / "sweep.json").write_text(json.dumps(cut))
+    again = _sweep(args, slurm_env, tmp_path, ["--sweep-dir", str(sweep_dir)])
+    assert again["arrays"][0]["job_id"] == first["job_id"]  # untouched
+    assert again["arrays"][1]["job_id"] not in (None, second["job_id"])
+    assert _queued_arrays(manifest["job_name"], slurm_env) == {first["job_id"], again["arrays"][1]["job_id"]}
+    # Died between sbatch and recording the id: the array is found by its job name, nothing is resubmitted.
+    lost = json.loads((sweep_dir / "sweep.json").read_text())
+    lost["arrays"][1].update(job_id=None, submitting=True)
+    (sweep_dir / "sweep.json").write_text(json.dumps(lost))
+    adopted = _sweep(args, slurm_env, tmp_path, ["--sweep-dir", str(sweep_dir)])
+    assert adopted["arrays"][1]["job_id"] == again["arrays"][1]["job_id"]
+    assert len(_queued_arrays(manifest["job_name"], slurm_env)) == 2
+    # Same directory, different sweep: refused.
+    proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "name=resume", "train.seed=7,8",
+                "--sweep-dir", str(sweep_dir)], env=slurm_env)
+    assert proc.returncode == 2 and "resubmit it with the same overrides" in proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cluster.partition=gpu", r"cluster.partition='gpu' does not exist on this cluster; use one of \['debug', 'high', 'low'\]"),
+    ("cluster.nodes=5", r"cluster.nodes=5 exceeds partition debug's limit of 4 nodes; use cluster.nodes<=4"),
+    ("cluster.timeout_min=90", r"cluster.timeout_min=90 exceeds partition debug's MaxTime of 60 min; use cluster.timeout_min<=60"),
+    ("cluster.tasks_per_node=8", r"cluster.tasks_per_node=8 x cluster.cpus_per_task=1 = 8 CPUs per node, but partition debug's nodes have at most 4"),
+    ("cluster.gpus_per_node=1", r"cluster.gpus_per_node=1 but partition debug's nodes have at most 0 GPUs"),
+    ("cluster.mem_gb=100", r"sbatch --test-only refused the request for partition debug: .*Requested node configuration is not available"),
+])
+def test_validation_errors_queue_nothing(slurm_env: dict[str, str], tmp_path: Path, override: str, message: str) -> None:
+    before = run(["squeue", "-h", "-o", "%i"], env=slurm_env).stdout
+    proc = run([HPC_TRAIN, "submit", "cluster=dev", f"out_dir={tmp_path}", override], env=slurm_env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    assert run(["squeue", "-h", "-o", "%i"], env=slurm_env).stdout == before
+
+
+def test_max_parallel_must_be_positive(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "train.seed=1,2", "--max-parallel", "0"],
+               env=slurm_env)
+    assert proc.returncode == 2 and "--max-parallel=0 must be >= 1" in proc.stderr
+
+
+def test_injection_strings_stay_inert(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = f"it's \"$(touch {marker})\" `touch {marker}`; touch {marker}"
+    out_dir = tmp_path / "dir with space;$(touch x)"
+    hydra_quoted = "'" + evil.replace("'", "\\'") + "'"  # Hydra's grammar: \' inside '...'
+    proc = run([HPC_TRAIN, "submit", *QUICK, f"out_dir='{out_dir}'", "name=inert", f"+cluster.env.EVIL={hydra_quoted}",
+                "cluster.setup=['printf \"EVIL=%s\\\\n\" \"$EVIL\"']"], env=slurm_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = out_dir / "inert-1"
+    wait_until(lambda: (run_dir / "summary.json").exists(), 120, "the job to finish")
+    log = next((run_dir / "submitit").glob("*_0_log.out")).read_text()
+    assert f"EVIL={evil}\n" in log  # printed literally by the batch shell
+    assert not marker.exists() and not (tmp_path / "x").exists()
