@@ -54,7 +54,9 @@ def _print_table(p: object) -> None:
 def _submit(args: argparse.Namespace) -> int:
     from hpc_train.config import CONF_DIR, compose, explain
 
-    config_dir = Path(args.config_dir) if args.config_dir else CONF_DIR
+    config_dir = CONF_DIR
+    if args.config_dir:  # searched after conf/: add options (cluster/mysite.yaml) without copying ours
+        args.overrides.insert(0, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
     try:
         if args.cfg:
             from omegaconf import OmegaConf
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print each array's batch script and each trial's config")
     p.add_argument("--sweep-dir", type=Path, help="an existing sweep directory: submit only its missing trials")
     p.add_argument("--max-parallel", type=int, help="at most this many tasks of an array run at once (%%N)")
-    p.add_argument("--config-dir", help="a config tree to use instead of the packaged conf/")
+    p.add_argument("--config-dir", help="your own config dir, searched too: e.g. DIR/cluster/mysite.yaml")
     p.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_submit)

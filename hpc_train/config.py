@@ -32,6 +32,19 @@ class ModelConfig:  # model.py
 
 
 @dataclass
+class DataConfig:  # data.py
+    source: str = "synthetic"  # generated in-process: no download, same bytes on every rank
+    corpus_words: int = 16384  # "words" of 3-8 tokens in the generated corpus (~90 k tokens)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source != "synthetic":
+            raise ValueError(f"data.source={self.source!r}: only 'synthetic' exists so far; use data=synthetic")
+        if self.corpus_words < 64:
+            raise ValueError(f"data.corpus_words={self.corpus_words} must be >= 64 so every batch finds a window")
+
+
+@dataclass
 class TrainConfig:  # train.py
     steps: int = 60
     batch_seqs_per_rank: int = 8
@@ -68,6 +81,7 @@ class RunConfig:
     out_dir: str = "runs"  # run directories are created below this, one per submit
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -136,8 +150,8 @@ def compose_trials(trials: list[list[str]], config_dir: Path = CONF_DIR) -> list
     out = []
     for trial in trials:
         parsed = parser.parse_overrides(trial)
-        fast = [o for o in parsed if o.type.name == "CHANGE" and o.package is None
-                and not (config_dir / o.key_or_group).is_dir() and "${" not in o.input_line]
+        fast = [o for o in parsed if o.type.name == "CHANGE" and o.package is None and "${" not in o.input_line
+                and not o.key_or_group.startswith("hydra.") and not (config_dir / o.key_or_group).is_dir()]
         structural = tuple(o.input_line for o in parsed if o not in fast)
         if structural not in bases:
             cfg = compose(list(structural), config_dir)

@@ -1,7 +1,7 @@
 """Deterministic data: a generated corpus and a sampler whose position is just the step number.
 
 The corpus is 64 random "words" (3-8 byte tokens each) strung together at random: enough structure
-for the loss to fall, generated in ~5 ms from the seed, so nothing is downloaded. Rank r's batch at
+for the loss to fall, generated in ~5 ms from data.seed, so nothing is downloaded. Rank r's batch at
 step s is a pure function of (seed, s, r): resuming at step s needs no sampler state beyond s.
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-CORPUS_WORDS = 16384  # ~90 k tokens
+from hpc_train.config import DataConfig
 
 
-def synthetic_corpus(vocab_size: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+def synthetic_corpus(cfg: DataConfig, vocab_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(cfg.seed)
     words = [torch.randint(0, vocab_size, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
              for _ in range(64)]
-    order = torch.randint(0, len(words), (CORPUS_WORDS,), generator=g)
+    order = torch.randint(0, len(words), (cfg.corpus_words,), generator=g)
     return torch.cat([words[i] for i in order.tolist()])
 
 

@@ -37,6 +37,9 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
                 break
         if attempt < retries:
             time.sleep(2**attempt)
+    if "configuration source" in err or "DNS SRV" in err:
+        err += ("\nno Slurm configuration was found: set cluster.slurm_conf=/path/to/slurm.conf (or export "
+                "SLURM_CONF), or run on the cluster's login node")
     raise SlurmError(f"`{' '.join(args)}` failed: {err}")
 
 

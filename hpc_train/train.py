@@ -56,7 +56,7 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
     model = GPT(cfg.model)
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    corpus = data.synthetic_corpus(cfg.model.vocab_size, tc.seed)
+    corpus = data.synthetic_corpus(cfg.data, cfg.model.vocab_size)
     ckpt_root = run_dir / "checkpoints"
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
