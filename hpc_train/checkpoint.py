@@ -6,9 +6,10 @@ Layout of one checkpoint (one folder per step):
         rank_00000.pt ...              per-rank extras (RNG states), torch.save of plain tensors
         COMMITTED                      JSON manifest: step, sizes and sha256 of every file; written last
 
-Write order: every rank writes and fsyncs its files -> barrier -> rank 0 hashes them, writes the
-manifest to COMMITTED.tmp, fsyncs it and os.replace()s it to COMMITTED -> barrier. A job killed at any
-point before the replace leaves a folder without COMMITTED, which resume ignores.
+Write order: every rank writes and fsyncs its files (periodic saves in a background thread) -> all
+ranks agree every write is done -> barrier -> rank 0 hashes the files, writes the manifest to
+COMMITTED.tmp, fsyncs it and os.replace()s it to COMMITTED -> barrier. A job killed at any point
+before the replace leaves a folder without COMMITTED, which resume ignores.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpc_train.config import CheckpointConfig
+from hpc_train.preempt import injected
 
 MARKER = "COMMITTED"
 
@@ -56,31 +60,69 @@ def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
             for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(MARKER)}
 
 
-def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict[str, Any], cfg: CheckpointConfig) -> tuple[Path, float]:
-    """Collective: every rank calls it with the same step. Returns (folder, seconds)."""
+@dataclass
+class Pending:
+    """A save whose files are (being) written; it counts once commit() has written its marker."""
+    folder: Path
+    step: int
+    reason: str  # "periodic" | "stop" | "final"
+    future: Any  # DCP's background write, or None when the write was synchronous
+    started: float
+    stall_s: float  # how long the training loop was blocked by start_save
+
+
+def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               extra: dict[str, Any], reason: str, async_group: Any = None) -> Pending:
+    """Collective. Writes this rank's extras, then the DCP state: now, or, with `async_group` (a gloo
+    group kept apart from training's collectives), in a background thread after copying it to host
+    memory; the loop is blocked only for that copy."""
     t0 = time.monotonic()
     folder = step_dir(root, step)
     rank = dist.get_rank()
     if rank == 0 and folder.exists():  # a torn save of this same step from a killed attempt
         shutil.rmtree(folder)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)  # fsyncs its files
+    folder.mkdir(parents=True, exist_ok=True)
     rank_file = folder / f"rank_{rank:05d}.pt"
     torch.save(extra, rank_file)
     _fsync(rank_file)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    future = None
+    if async_group is None:
+        dcp.save(state, checkpoint_id=folder)  # fsyncs its files
+    else:
+        future = dcp.async_save(state, checkpoint_id=folder, process_group=async_group)
+    if injected("kill_rank_during_save") and rank == dist.get_world_size() - 1 and committed(root):
+        # A drill: the last rank dies mid-save once a committed checkpoint exists to fall back to.
+        os.kill(os.getpid(), signal.SIGKILL)
+    return Pending(folder, step, reason, future, t0, time.monotonic() - t0)
+
+
+def written_everywhere(pending: Pending) -> bool:
+    """Collective: True once every rank's background write has finished (one 4-byte all-reduce)."""
+    flag = torch.tensor([1 if pending.future is None or pending.future.done() else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def commit(pending: Pending, root: Path, cfg: CheckpointConfig) -> float:
+    """Collective. Waits for this rank's write, then rank 0 writes the marker after every rank is done.
+    Returns seconds from start_save to commit."""
+    if pending.future is not None:
+        pending.future.result()  # raises if the background write failed: no marker, nothing counts
     dist.barrier()
-    if rank == 0:
-        marker = {"step": step, "world_size": dist.get_world_size(), "files": _manifest(folder)}
-        tmp = folder / f"{MARKER}.tmp"
+    if dist.get_rank() == 0:
+        marker = {"step": pending.step, "reason": pending.reason, "world_size": dist.get_world_size(),
+                  "files": _manifest(pending.folder)}
+        tmp = pending.folder / f"{MARKER}.tmp"
         tmp.write_text(json.dumps(marker, indent=1))
         _fsync(tmp)
-        os.replace(tmp, folder / MARKER)
-        _fsync(folder)
-        _apply_retention(root, cfg.keep_last)
+        os.replace(tmp, pending.folder / MARKER)
+        _fsync(pending.folder)
+        apply_retention(root, cfg)
     dist.barrier()
-    return folder, time.monotonic() - t0
+    return time.monotonic() - pending.started
 
 
 def committed(root: Path) -> list[Path]:
@@ -90,13 +132,21 @@ def committed(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / MARKER).exists())
 
 
-def _apply_retention(root: Path, keep_last: int) -> None:
-    """Keep the newest keep_last committed checkpoints; drop older ones and torn folders below them."""
+def apply_retention(root: Path, cfg: CheckpointConfig) -> None:
+    """Keep the newest checkpoint, the last `keep_last` periodic ones and every `keep_every_steps`-th.
+
+    A stop save is kept only while it is the newest: repeated preemptions replace it rather than pile
+    up. Torn folders (no marker) older than the newest commit are removed too; a newer one may be a
+    save in progress."""
     done = committed(root)
     if not done:
         return
-    keep = set(done[-keep_last:])
     newest = done[-1]
+    reasons = {p: json.loads((p / MARKER).read_text()).get("reason", "periodic") for p in done}
+    periodic = [p for p in done if reasons[p] != "stop"]
+    keep = {newest, *periodic[-cfg.keep_last:]}
+    if cfg.keep_every_steps:
+        keep |= {p for p in periodic if int(p.name.split("_")[1]) % cfg.keep_every_steps == 0}
     for p in sorted(root.glob("step_*")):
         if p not in keep and p < newest:
             shutil.rmtree(p, ignore_errors=True)

@@ -59,6 +59,8 @@ class TrainConfig:  # train.py
     rendezvous_timeout_s: int = 120
 
     def __post_init__(self) -> None:
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError(f"train.lr={self.lr} and train.grad_clip={self.grad_clip} must be > 0")
         if self.steps < 1 or self.batch_seqs_per_rank < 1:
             raise ValueError(f"train.steps={self.steps} and train.batch_seqs_per_rank={self.batch_seqs_per_rank} "
                              f"must both be >= 1")
@@ -67,12 +69,29 @@ class TrainConfig:  # train.py
 @dataclass
 class CheckpointConfig:  # checkpoint.py
     every_steps: int = 20  # periodic save; a stop signal also saves at the next step boundary
-    keep_last: int = 2  # committed checkpoints kept; older ones are deleted after each commit
+    keep_last: int = 2  # periodic checkpoints kept; a stop save is dropped once a newer one commits
+    keep_every_steps: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
+    # Periodic saves write in the background: the loop waits only while state is copied to host memory.
+    # Stop saves (signal, last step) are always synchronous.
+    async_save: bool = True
 
     def __post_init__(self) -> None:
-        if self.every_steps < 1 or self.keep_last < 1:
+        if self.every_steps < 1 or self.keep_last < 1 or self.keep_every_steps < 0:
             raise ValueError(f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
-                             f"{self.keep_last} must both be >= 1")
+                             f"{self.keep_last} must be >= 1, checkpoint.keep_every_steps="
+                             f"{self.keep_every_steps} >= 0")
+
+
+@dataclass
+class RequeueConfig:  # job.py: how often a run may requeue itself; counted in its events.jsonl
+    max_preemptions: int = -1  # -1: unlimited; a preemption is the cluster's choice, not the run's fault
+    max_time_limit_requeues: int = 100  # each one is a full time limit of progress
+    max_failures: int = 2  # crashes and hangs: a crash loop stops after this many requeues
+
+    def __post_init__(self) -> None:
+        if self.max_failures < 0 or self.max_time_limit_requeues < 0 or self.max_preemptions < -1:
+            raise ValueError(f"requeue budgets must be >= 0 (max_preemptions may be -1 = unlimited); got "
+                             f"{self}")
 
 
 @dataclass
@@ -84,6 +103,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    requeue: RequeueConfig = field(default_factory=RequeueConfig)
 
     def __post_init__(self) -> None:
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.

@@ -1,4 +1,5 @@
-"""What submitit pickles and runs on every task: rank env, signal recorder, rendezvous, the trainer.
+"""What submitit pickles and runs on every task: rank env, signal recorder, rendezvous, the trainer,
+then the requeue decision against the run's budgets.
 
 Importing this module is cheap and torch-free (the login node pickles `run_job` by reference); the
 trainer is imported when the job runs. Exit codes: 0 finished, 144 saved-and-requeued, 1 failed.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -15,12 +17,34 @@ from typing import Any
 
 from hpc_train.metrics import EVENTS, log_event, read_jsonl
 
+# Slurm may deliver the time-limit warning up to 60 s before the requested lead; 60 s more of margin.
+TIME_LIMIT_SLACK_S = 120
+
+
+def stop_reason(signals: list[str], elapsed_s: float, timeout_min: int, signal_lead_s: int) -> str:
+    """"time_limit" for a USR2 near the end of the allocation, else "preempt" (SIGTERM, or USR2 sent
+    early by preempt_send_user_signal, scancel --signal or `hpc-train chaos`)."""
+    near_end = elapsed_s >= timeout_min * 60 - signal_lead_s - TIME_LIMIT_SLACK_S
+    return "time_limit" if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end else "preempt"
+
+
+def budget_left(events: list[dict[str, Any]], reason: str, budgets: Any) -> tuple[bool, str]:
+    """May this run requeue once more for `reason`? Counts earlier requeues in events.jsonl (pure)."""
+    used = sum(1 for e in events if e["event"] == "requeue" and e.get("reason") == reason)
+    limit = {"preempt": budgets.max_preemptions, "time_limit": budgets.max_time_limit_requeues,
+             "failure": budgets.max_failures}[reason]
+    key = {"preempt": "max_preemptions", "time_limit": "max_time_limit_requeues", "failure": "max_failures"}[reason]
+    if limit != -1 and used >= limit:
+        return False, f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
+    return True, ""
+
 
 def run_job(run_dir_str: str) -> dict[str, Any] | None:
     from hpc_train import env as rank_env
     from hpc_train import preempt  # imports torch
 
     preempt.install_handlers()  # first: a signal may arrive while torch initialises
+    started = time.monotonic()
     run_dir = Path(run_dir_str)
     if "SLURM_PROCID" not in os.environ:  # local controller restarts in place: count attempts on disk
         requeues = sum(e["event"] == "requeue" for e in read_jsonl(run_dir / EVENTS))
@@ -28,14 +52,40 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     env = rank_env.from_env(os.environ)
     os.environ.update(rank_env.torchrun_vars(env))
     try:
-        return _run(run_dir, env, preempt)
+        return _run(run_dir, env, preempt, started)
     except Exception as e:
         log_event(run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
                   error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
+        _requeue_after_failure(run_dir, env, preempt)
         raise
 
 
-def _run(run_dir: Path, env: Any, preempt: Any) -> dict[str, Any] | None:
+def _requeue_after_failure(run_dir: Path, env: Any, preempt: Any) -> None:
+    """The first rank to fail decides (an O_EXCL file per attempt): requeue while the failure budget
+    lasts, else record why the run stops. The other ranks die with it (gloo sees the closed peer)."""
+    from hpc_train.config import load_frozen
+
+    try:
+        fd = os.open(run_dir / f".failed-{env.job_id}-{env.restart_count}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.close(fd)
+    except FileExistsError:
+        return
+    try:
+        budgets = load_frozen(run_dir).requeue
+    except Exception:  # the config itself is what fails: no point in retrying
+        return
+    ok, why = budget_left(read_jsonl(run_dir / EVENTS), "failure", budgets)
+    if not ok:
+        log_event(run_dir, "stopped", -1, env.job_id, env.restart_count, reason=why)
+        print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
+        return
+    err = preempt.requeue_slurm_job(env.job_id) if env.executor == "slurm" else ""
+    log_event(run_dir, "requeue", -1, env.job_id, env.restart_count, reason="failure", error=err or None)
+    if env.executor == "local":
+        sys.exit(preempt.REQUEUE_EXIT_CODE)
+
+
+def _run(run_dir: Path, env: Any, preempt: Any, started: float) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -43,6 +93,8 @@ def _run(run_dir: Path, env: Any, preempt: Any) -> dict[str, Any] | None:
     from hpc_train.train import train
 
     cfg = load_frozen(run_dir)
+    if preempt.injected("raise_at_start"):
+        raise RuntimeError("injected fault: raise_at_start (HPC_TRAIN_FAULT)")
     # One intra-op thread pool per rank sized to its CPUs: torch's default (all cores in every rank)
     # made 4 ranks on 2 cores 35x slower per step on the dev cluster (350 ms vs 10 ms).
     cores = os.environ.get("SLURM_CPUS_PER_TASK") or max(1, (os.cpu_count() or 1) // env.local_world_size)
@@ -57,14 +109,26 @@ def _run(run_dir: Path, env: Any, preempt: Any) -> dict[str, Any] | None:
             f"within train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s}: {e}. Check that "
             f"{env.master_addr} resolves and the port is free on it.") from e
     outcome, step = train(cfg, env, run_dir)
+    if outcome == "requeue":
+        # Rank 0 decides against the budgets and tells everyone, so no rank exits with 144 alone.
+        reason = stop_reason(preempt.received, time.monotonic() - started, cfg.cluster.timeout_min,
+                             cfg.cluster.signal_lead_s)
+        verdict = torch.tensor([1])
+        if env.rank == 0:
+            ok, why = budget_left(read_jsonl(run_dir / EVENTS), reason, cfg.requeue)
+            verdict[0] = int(ok)
+            if ok:
+                err = preempt.requeue_slurm_job(env.job_id) if env.executor == "slurm" else ""
+                log_event(run_dir, "requeue", step, env.job_id, env.restart_count, reason=reason, error=err or None)
+            else:
+                log_event(run_dir, "stopped", step, env.job_id, env.restart_count, reason=why)
+                print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
+        dist.broadcast(verdict, src=0)
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.exit(preempt.REQUEUE_EXIT_CODE if verdict.item() else 1)
     dist.barrier()
     dist.destroy_process_group()
-    if outcome == "requeue":
-        if env.rank == 0:
-            err = preempt.requeue_slurm_job(env.job_id) if env.executor == "slurm" else ""
-            log_event(run_dir, "requeue", step, env.job_id, env.restart_count, error=err or None)
-        sys.stdout.flush()
-        sys.exit(preempt.REQUEUE_EXIT_CODE)
     if env.rank == 0:
         import json
 

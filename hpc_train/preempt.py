@@ -9,6 +9,7 @@ boundary; it all-reduces the flag so every rank saves the same step and exits to
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -22,6 +23,15 @@ REQUEUE_EXIT_CODE = 144
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 received: list[str] = []  # names of the signals caught so far, in order; read by the loop
+
+
+def injected(fault: str) -> bool:
+    """Fault drills: HPC_TRAIN_FAULT=raise_at_start,kill_rank_during_save (set with
+    +cluster.env.HPC_TRAIN_FAULT=...). Each fires in the first attempt only unless its name ends in
+    `_always`, so a drill shows the recovery."""
+    faults = os.environ.get("HPC_TRAIN_FAULT", "").split(",")
+    first_attempt = os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPC_TRAIN_ATTEMPT", "0")) in ("", "0")
+    return f"{fault}_always" in faults or (fault in faults and first_attempt)
 
 
 def _record(signum: int, frame: object) -> None:

@@ -6,6 +6,7 @@ Torch-free: this runs on the login node.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import string
@@ -204,6 +205,7 @@ def make_executor(cluster: ClusterConfig, folder: Path, job_name: str, max_paral
     import submitit  # lazy: 0.1 s, and only `submit` needs it
 
     if cluster.executor == "local":
+        os.environ.update(cluster.env)  # the local controller and its tasks inherit this process's env
         executor: Any = submitit.LocalExecutor(folder=folder)
     else:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=1000, python=python_command(cluster))

@@ -57,12 +57,21 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     corpus = data.synthetic_corpus(cfg.data, cfg.model.vocab_size)
-    ckpt_root = run_dir / "checkpoints"
+    ck, ckpt_root = cfg.checkpoint, run_dir / "checkpoints"
+    # Background checkpoint writes get their own gloo group: their collectives run in another thread,
+    # beside the training loop's all-reduces on the default group.
+    async_group = dist.new_group(backend="gloo") if ck.async_save else None
+    pending: checkpoint.Pending | None = None
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
     def event(name: str, step: int, **fields: object) -> None:
         if env.rank == 0:
             log_event(run_dir, name, step, env.job_id, env.restart_count, **fields)
+
+    def commit(p: checkpoint.Pending) -> None:
+        save_s = checkpoint.commit(p, ckpt_root, ck)
+        event("checkpoint_committed", p.step, path=str(p.folder), reason=p.reason, save_s=round(save_s, 4),
+              stall_s=round(p.stall_s, 4))
 
     # Resume: rank 0 picks the newest checkpoint that verifies, and every rank loads that one.
     step, last_loss = 0, float("nan")
@@ -107,12 +116,21 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
         stop = preempt.should_stop()  # every rank gets the same answer
         if stop:
             event("signal", step, signals=list(preempt.received))
-        if stop or step % cfg.checkpoint.every_steps == 0 or step == tc.steps:
+        if pending and (stop or checkpoint.written_everywhere(pending)):
+            commit(pending)  # a stop waits for the background write: one save at a time
+            pending = None
+        final = step == tc.steps
+        if stop or final or step % ck.every_steps == 0:
             last_loss = global_mean(loss)
             extra = {"step": torch.tensor(step), "loss": torch.tensor(last_loss, dtype=torch.float64),
                      "rng": torch.get_rng_state()}
-            saved, save_s = checkpoint.save(ckpt_root, step, ddp.module, optimizer, extra, cfg.checkpoint)
-            event("checkpoint_committed", step, path=str(saved), save_s=round(save_s, 4))
+            background = ck.async_save and not (stop or final)
+            pending = checkpoint.start_save(ckpt_root, step, ddp.module, optimizer, extra,
+                                            "stop" if stop else "final" if final else "periodic",
+                                            async_group if background else None)
+            if not background:
+                commit(pending)
+                pending = None
         if stop:
             return "requeue", step
         if step % tc.log_every_steps == 0:

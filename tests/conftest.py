@@ -68,12 +68,52 @@ def sacct_state(job_id: str, env: dict[str, str]) -> str:
 
 def wait_finished(run_dir: Path, job_id: str, env: dict[str, str], timeout_s: float = 240) -> dict[str, Any]:
     """Wait for summary.json and for Slurm to call the job COMPLETED; return the summary."""
-    wait_until(lambda: (run_dir / "summary.json").exists() or _failed(run_dir), timeout_s,
+    wait_until(lambda: (run_dir / "summary.json").exists() or _stopped(run_dir), timeout_s,
                f"{run_dir}/summary.json (job {job_id})")
-    assert not _failed(run_dir), f"job failed: {[e for e in read_events(run_dir) if e['event'] == 'fail']}"
+    assert not _stopped(run_dir), f"run stopped: {[e for e in read_events(run_dir) if e['event'] in ('fail', 'stopped')]}"
     wait_until(lambda: sacct_state(job_id, env) == "COMPLETED", 60, f"job {job_id} COMPLETED in sacct")
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _failed(run_dir: Path) -> bool:
-    return any(e["event"] == "fail" for e in read_events(run_dir))
+def _stopped(run_dir: Path) -> bool:
+    return any(e["event"] == "stopped" for e in read_events(run_dir))
+
+
+# 4 ranks (2 nodes x 2 tasks); 0.25 s per step keeps the run ~15 s long so a signal lands mid-run.
+RUN_ARGS = ["cluster=dev", "cluster.partition=low", "train.steps=60", "train.min_step_time_s=0.25",
+            "checkpoint.every_steps=20"]
+
+
+@pytest.fixture(scope="session")
+def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run every interrupted one is compared with."""
+    out = tmp_path_factory.mktemp("reference")
+    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={out}", "name=ref"], env=slurm_env)
+    summary = wait_finished(run_dir, job_id, slurm_env)
+    events = [e["event"] for e in read_events(run_dir)]
+    assert events.count("start") == 1 and "requeue" not in events and events[-1] == "finish"
+    return summary
+
+
+def interrupted_run(slurm_env: dict[str, str], tmp_path: Path, name: str, interrupt: Callable[[str], None],
+                    extra: list[str] = ()) -> tuple[dict, list[dict]]:
+    """Submit RUN_ARGS, call interrupt(job_id) once the first checkpoint committed, wait for the end."""
+    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={name}", *extra], env=slurm_env)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120,
+               "the first committed checkpoint")
+    interrupt(job_id)
+    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    return summary, read_events(run_dir)
+
+
+def high_job_preempting(slurm_env: dict[str, str], high_ids: list[str], nodes: str = "") -> Callable[[str], None]:
+    """An interrupt: a `high` job needing all four nodes (or `nodes`) exclusively evicts `low` jobs there."""
+
+    def preempt(job_id: str) -> None:
+        where = ["-w", nodes, "-N", str(len(nodes.split(",")))] if nodes else ["-N", "4"]
+        proc = run(["sbatch", "--parsable", "-p", "high", *where, "--exclusive", "-o", "/dev/null",
+                    "--wrap", "sleep 2"], env=slurm_env)
+        assert proc.returncode == 0, proc.stderr
+        high_ids.append(proc.stdout.strip())
+
+    return preempt

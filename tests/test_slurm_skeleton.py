@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 
 import cluster
-from conftest import read_events, run, sacct_state, submit, wait_finished, wait_until
+from conftest import high_job_preempting, interrupted_run, run, sacct_state, wait_until
 
 pytestmark = pytest.mark.slurm
-
-# 4 ranks (2 nodes x 2 tasks); 0.25 s per step keeps the run ~15 s long so a signal lands mid-run.
-RUN_ARGS = ["cluster=dev", "cluster.partition=low", "train.steps=60", "train.min_step_time_s=0.25",
-            "checkpoint.every_steps=20"]
-
 
 def test_two_node_gloo_allreduce(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """Four ranks on two "nodes" rendezvous through hpc_train.env and all-reduce over gloo."""
@@ -49,49 +44,16 @@ def test_two_node_gloo_allreduce(slurm_env: dict[str, str], tmp_path: Path) -> N
     assert len({l.split()[2] for l in lines}) == 2  # two distinct hostnames: really two nodes
 
 
-@pytest.fixture(scope="module")
-def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted run every interrupted one is compared with."""
-    out = tmp_path_factory.mktemp("reference")
-    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={out}", "name=ref"], env=slurm_env)
-    summary = wait_finished(run_dir, job_id, slurm_env)
-    events = [e["event"] for e in read_events(run_dir)]
-    assert events.count("start") == 1 and "requeue" not in events and events[-1] == "finish"
-    return summary
-
-
 def test_uninterrupted(reference: dict) -> None:
     assert reference["final_step"] == 60
     assert len(reference["params_sha256"]) == 64
     assert reference["final_loss"] < 5.0  # ln(256) = 5.55 at the start: it learned something
 
 
-def _interrupted_run(slurm_env: dict[str, str], tmp_path: Path, name: str, interrupt) -> tuple[dict, list[dict]]:
-    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={name}"], env=slurm_env)
-    # Interrupt once the first committed checkpoint exists and training continues past it.
-    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120,
-               "the first committed checkpoint")
-    interrupt(job_id)
-    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
-    return summary, read_events(run_dir)
-
-
-def _high_job_preempting(slurm_env: dict[str, str], high_ids: list[str]):
-    """An interrupt: a `high` job needing all four nodes exclusively, which evicts our `low` job."""
-
-    def preempt(job_id: str) -> None:
-        proc = run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null",
-                    "--wrap", "sleep 2"], env=slurm_env)
-        assert proc.returncode == 0, proc.stderr
-        high_ids.append(proc.stdout.strip())
-
-    return preempt
-
-
 def test_preempted_by_high_partition_job(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
     """A real preemption: Slurm sends SIGTERM to every task (and the batch shell), then requeues."""
     high: list[str] = []
-    summary, events = _interrupted_run(slurm_env, tmp_path, "preempted", _high_job_preempting(slurm_env, high))
+    summary, events = interrupted_run(slurm_env, tmp_path, "preempted", high_job_preempting(slurm_env, high))
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["final_loss"] == reference["final_loss"]
     signals = [e for e in events if e["event"] == "signal"]
@@ -108,7 +70,7 @@ def test_preempted_with_preempt_send_user_signal(slurm_env: dict[str, str], tmp_
 
     cluster.reconfigure(ctld_parameters="preempt_send_user_signal")
     try:
-        summary, events = _interrupted_run(slurm_env, tmp_path, "usersig", _high_job_preempting(slurm_env, []))
+        summary, events = interrupted_run(slurm_env, tmp_path, "usersig", high_job_preempting(slurm_env, []))
     finally:
         cluster.reconfigure()
     assert summary["params_sha256"] == reference["params_sha256"]
@@ -124,7 +86,7 @@ def test_time_limit_warning_usr2(slurm_env: dict[str, str], tmp_path: Path, refe
         proc = run(["scancel", "--signal=USR2", job_id], env=slurm_env)
         assert proc.returncode == 0, proc.stderr
 
-    summary, events = _interrupted_run(slurm_env, tmp_path, "usr2", warn)
+    summary, events = interrupted_run(slurm_env, tmp_path, "usr2", warn)
     assert summary["params_sha256"] == reference["params_sha256"]
     signals = [e for e in events if e["event"] == "signal"]
     assert signals and signals[0]["signals"] == ["SIGUSR2"]
@@ -142,7 +104,7 @@ def test_signal_to_batch_shell_only_is_relayed(slurm_env: dict[str, str], tmp_pa
         proc = run(["scancel", "--batch", "--signal=USR2", job_id], env=slurm_env)
         assert proc.returncode == 0, proc.stderr
 
-    summary, events = _interrupted_run(slurm_env, tmp_path, "batch", batch_only)
+    summary, events = interrupted_run(slurm_env, tmp_path, "batch", batch_only)
     assert summary["params_sha256"] == reference["params_sha256"]
     assert [e["signals"] for e in events if e["event"] == "signal"] == [["SIGUSR2"]]
     assert [e["restart"] for e in events if e["event"] == "start"] == [0, 1]
