@@ -69,8 +69,15 @@ def _submit(args: argparse.Namespace) -> int:
             return 0
         from hpc_train import submit
 
+        from hpc_train.metrics import lead_warning
+
+        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, config_dir)
+        slurm_run = p.runs[0].cluster.executor == "slurm"
+        warning = slurm_run and lead_warning(submit.previous_runs(p), p.runs[0].cluster.signal_lead_s)
+        if warning:
+            print(f"hpc-train submit: warning: {warning}", file=sys.stderr)
         if args.dry_run:
-            _print_dry_run(submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, config_dir))
+            _print_dry_run(p)
             return 0
         with _progress(enabled=args.multirun) as progress:
             p, jobs = submit.submit(args.overrides, args.multirun, args.sweep_dir, args.max_parallel,

@@ -44,7 +44,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     from hpc_train import preempt  # imports torch
 
     preempt.install_handlers()  # first: a signal may arrive while torch initialises
-    started = time.monotonic()
+    started, launched_at = time.monotonic(), time.time()
     run_dir = Path(run_dir_str)
     if "SLURM_PROCID" not in os.environ:  # local controller restarts in place: count attempts on disk
         requeues = sum(e["event"] == "requeue" for e in read_jsonl(run_dir / EVENTS))
@@ -52,7 +52,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     env = rank_env.from_env(os.environ)
     os.environ.update(rank_env.torchrun_vars(env))
     try:
-        return _run(run_dir, env, preempt, started)
+        return _run(run_dir, env, preempt, started, launched_at)
     except Exception as e:
         log_event(run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
                   error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
@@ -85,7 +85,7 @@ def _requeue_after_failure(run_dir: Path, env: Any, preempt: Any) -> None:
         sys.exit(preempt.REQUEUE_EXIT_CODE)
 
 
-def _run(run_dir: Path, env: Any, preempt: Any, started: float) -> dict[str, Any] | None:
+def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: float) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -108,7 +108,7 @@ def _run(run_dir: Path, env: Any, preempt: Any, started: float) -> dict[str, Any
             f"rank {env.rank}/{env.world_size}: rendezvous at {env.master_addr}:{env.master_port} failed "
             f"within train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s}: {e}. Check that "
             f"{env.master_addr} resolves and the port is free on it.") from e
-    outcome, step = train(cfg, env, run_dir)
+    outcome, step = train(cfg, env, run_dir, launched_at)
     if outcome == "requeue":
         # Rank 0 decides against the budgets and tells everyone, so no rank exits with 144 alone.
         reason = stop_reason(preempt.received, time.monotonic() - started, cfg.cluster.timeout_min,

@@ -41,3 +41,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return records
+
+
+# Slurm may deliver the --signal warning up to 60 s before the requested lead (its sweep runs once a minute).
+SLURM_SIGNAL_SLACK_S = 60
+
+
+def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
+    """"" if signal_lead_s covers the slowest measured save + the slowest step + Slurm's slack in these
+    runs, else a warning that names the measurements and the value to use."""
+    saves = [e.get("save_s", 0.0) for d in run_dirs for e in read_jsonl(d / EVENTS) if e["event"] == "checkpoint_committed"]
+    steps = [m.get("step_time_s", 0.0) for d in run_dirs for m in read_jsonl(d / METRICS)]
+    steps += [e.get("step_time_s", 0.0) for d in run_dirs for e in read_jsonl(d / EVENTS) if e["event"] == "first_step"]
+    if not saves:
+        return ""
+    needed = max(saves) + max(steps, default=0.0) + SLURM_SIGNAL_SLACK_S
+    if signal_lead_s >= needed:
+        return ""
+    return (f"cluster.signal_lead_s={signal_lead_s} is shorter than measured: the slowest save took "
+            f"{max(saves):.1f} s and the slowest step {max(steps, default=0.0):.1f} s, and Slurm may signal up to "
+            f"{SLURM_SIGNAL_SLACK_S} s early; use cluster.signal_lead_s>={int(needed) + 1}")

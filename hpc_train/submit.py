@@ -108,6 +108,15 @@ def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
             for k in range(0, len(idx), max_array_size)]
 
 
+def previous_runs(p: "Plan") -> list[Path]:
+    """The runs whose measurements predict this one: the sweep's trials on a resubmit, else the newest
+    earlier run directory of the same name."""
+    if (p.target / MANIFEST).exists():
+        return [Path(t.run_dir) for t in p.trials]
+    earlier = [d for d in p.target.parent.glob(f"{p.target.name.rsplit('-', 1)[0]}-*") if d.is_dir() and d != p.target]
+    return [max(earlier, key=lambda d: d.stat().st_mtime)] if earlier else []
+
+
 def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, max_parallel: int | None = None,
          config_dir: Path = CONF_DIR, validate: bool = True) -> Plan:
     """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""

@@ -50,7 +50,7 @@ def params_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
+def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tuple[str, int]:
     tc = cfg.train
     torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = GPT(cfg.model)
@@ -58,9 +58,7 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     corpus = data.synthetic_corpus(cfg.data, cfg.model.vocab_size)
     ck, ckpt_root = cfg.checkpoint, run_dir / "checkpoints"
-    # Background checkpoint writes get their own gloo group: their collectives run in another thread,
-    # beside the training loop's all-reduces on the default group.
-    async_group = dist.new_group(backend="gloo") if ck.async_save else None
+    background = checkpoint.background_writer() if ck.async_save else None
     pending: checkpoint.Pending | None = None
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
@@ -93,7 +91,8 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
         ddp(*data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)).backward()
         optimizer.zero_grad(set_to_none=True)
     event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
-          nodes=list(env.nodes))
+          nodes=list(env.nodes), launched_at=launched_at)
+    first_step = step
     say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on "
         f"{env.num_nodes} node(s), starting at step {step}/{tc.steps}", flush=True)
 
@@ -112,6 +111,8 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
         if tc.min_step_time_s > 0:
             time.sleep(max(0.0, tc.min_step_time_s - (time.monotonic() - t0)))
         step_time_s = time.monotonic() - t0
+        if step == first_step + 1:  # start -> first step is the restart overhead a report counts
+            event("first_step", step, step_time_s=round(step_time_s, 4))
 
         stop = preempt.should_stop()  # every rank gets the same answer
         if stop:
@@ -124,11 +125,11 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path) -> tuple[str, int]:
             last_loss = global_mean(loss)
             extra = {"step": torch.tensor(step), "loss": torch.tensor(last_loss, dtype=torch.float64),
                      "rng": torch.get_rng_state()}
-            background = ck.async_save and not (stop or final)
+            in_background = background is not None and not (stop or final)
             pending = checkpoint.start_save(ckpt_root, step, ddp.module, optimizer, extra,
                                             "stop" if stop else "final" if final else "periodic",
-                                            async_group if background else None)
-            if not background:
+                                            background if in_background else None)
+            if not in_background:
                 commit(pending)
                 pending = None
         if stop:
