@@ -5,7 +5,8 @@
 
 Prints: cluster `up` time, then for the cycle: signal sent -> ranks agreed (signal event) -> checkpoint
 committed -> requeue -> next attempt's start event -> finish, and the steps lost (signal step minus the
-step the next attempt resumed at). Figures are printed, never asserted.
+step the next attempt resumed at), and the next attempt's start-up: process start -> checkpoint loaded
+-> first step done. Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     commit = first("checkpoint_committed", sig["time"])
     requeue = first("requeue", sig["time"])
     restart = first("start", sig["time"])
+    resumed_step = first("first_step", restart["time"])
     finish = first("finish")
     print(f"cluster up:                              {up_s:6.1f} s" + ("" if started else " (was already up)"))
     print(f"preempt path:                            {args.how}")
@@ -71,7 +73,10 @@ def main() -> None:
     print(f"agreed -> checkpoint committed:          {commit['time'] - sig['time']:6.2f} s")
     print(f"committed -> requeue done:               {requeue['time'] - commit['time']:6.2f} s")
     print(f"requeue -> next attempt started:         {restart['time'] - requeue['time']:6.2f} s")
-    print(f"signal sent -> resumed:                  {restart['time'] - sent:6.2f} s")
+    print(f"next attempt: process start -> resumed:  {restart['time'] - restart['launched_at']:6.2f} s "
+          f"(imports, rendezvous, checkpoint load)")
+    print(f"resumed -> first step done:              {resumed_step['time'] - restart['time']:6.2f} s")
+    print(f"signal sent -> first resumed step done:  {resumed_step['time'] - sent:6.2f} s")
     print(f"steps lost:                              {sig['step'] - restart['step']}")
     print(f"finished at step {finish['final_step']}, params_sha256 {finish['params_sha256'][:16]}...")
     if started:

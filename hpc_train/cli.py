@@ -104,6 +104,94 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs(path: str) -> list:
+    from hpc_train.ops import find_runs
+
+    runs = find_runs(Path(path))
+    if not runs:
+        raise ValueError(f"no runs under {path}")
+    return runs
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from hpc_train import ops
+
+    while True:
+        rows = ops.status_rows(_runs(args.path))
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")  # clear the screen between refreshes
+            ops.print_status(rows)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from hpc_train import ops
+
+    runs = _runs(args.run)
+    if len(runs) != 1:
+        raise ValueError(f"{args.run} holds {len(runs)} runs; name one, e.g. {runs[0].run_dir}")
+    path = ops.log_path(runs[0], args.rank)
+    text = path.read_text()
+    print(ops.attempt_section(text, args.attempt), end="")
+    if args.follow:
+        ops.follow(path, text)
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from hpc_train import ops
+
+    ids = ops.cancel(_runs(args.path))
+    print(f"cancelled {len(ids)} job(s): {' '.join(ids)}")
+    return 0
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from hpc_train import ops
+
+    for run in _runs(args.run):
+        print(f"{run.label}: {ops.chaos(run, args.action, args.rank)}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hpc_train import ops
+
+    for run in _runs(args.run):
+        png = Path(args.png) if args.png else run.run_dir / "report.png"
+        parts, atts, made = ops.report(run, png)
+        table = Table(title=f"{run.label}: goodput {parts['goodput']:.1%} of {parts['allocated']:.1f} s allocated")
+        for col in ("part", "seconds", "share"):
+            table.add_column(col)
+        for key, what in (("committed", "committed training"), ("lost", "work lost (recomputed)"),
+                          ("stall", "checkpoint stall"), ("overhead", "restart overhead (launch -> training)")):
+            table.add_row(what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-")
+        table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
+        attempts = Table(title="attempts")
+        for col in ("attempt", "job", "steps", "wall s", "start-up s", "ended by", "signals"):
+            attempts.add_column(col)
+        for a in atts:
+            attempts.add_row(str(a["restart"]), str(a["job_id"]), f"{a['start_step']}->{a['reached_step']}",
+                             f"{a['end'] - a['launched']:.1f}", f"{(a['start'] or a['end']) - a['launched']:.1f}",
+                             a["ended_by"], ",".join(a["signals"]))
+        console = Console(width=160)
+        console.print(table)
+        console.print(attempts)
+        print(f"picture: {made}" if made.endswith(".png") else made)
+    return 0
+
+
 class _progress:
     """A rich progress bar on stderr for sweeps being queued; silent for small ones."""
 
@@ -143,8 +231,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_submit)
+    p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")
+    p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
+    p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")
+    p.add_argument("--json", action="store_true", help="the same rows as JSON, for scripts")
+    p.set_defaults(func=_status)
+    p = sub.add_parser("logs", help="the log of one rank and attempt of a run")
+    p.add_argument("run")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--attempt", type=int, help="only this attempt (0 = first); default: all")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
+    p.set_defaults(func=_logs)
+    p = sub.add_parser("cancel", help="cancel exactly this run's or sweep's jobs")
+    p.add_argument("path")
+    p.set_defaults(func=_cancel)
+    p = sub.add_parser("chaos", help="inject a fault into a running job (drills); recorded in events.jsonl")
+    p.add_argument("run")
+    p.add_argument("action", choices=["time-limit", "preempt", "requeue", "kill-rank", "lose-node"])
+    p.add_argument("--rank", type=int, default=0, help="kill-rank: this rank; lose-node: the node of this rank")
+    p.set_defaults(func=_chaos)
+    p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")
+    p.add_argument("run")
+    p.add_argument("--png", help="where to write the picture (default: RUN/report.png)")
+    p.set_defaults(func=_report)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if args.func is _submit:
+        return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        print(f"hpc-train {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

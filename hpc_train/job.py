@@ -51,6 +51,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         os.environ["HPC_TRAIN_ATTEMPT"] = str(requeues)
     env = rank_env.from_env(os.environ)
     os.environ.update(rank_env.torchrun_vars(env))
+    print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", flush=True)  # `hpc-train logs --attempt`
     try:
         return _run(run_dir, env, preempt, started, launched_at)
     except Exception as e:

@@ -60,23 +60,22 @@ def show_config() -> dict[str, str]:
     return parse_key_values(call(["scontrol", "show", "config"]))
 
 
-def partitions() -> dict[str, dict[str, str]]:
-    """Every partition's `scontrol show partition -o` fields, by name."""
+def _show(kind: str, name_key: str) -> dict[str, dict[str, str]]:
+    """`scontrol show <kind> -o`: one line per object -> {name: fields}."""
     out = {}
-    for line in call(["scontrol", "show", "partition", "-o"]).splitlines():
+    for line in call(["scontrol", "show", kind, "-o"]).splitlines():
         if line.strip():
             fields = parse_key_values(line)
-            out[fields["PartitionName"]] = fields
+            out[fields[name_key]] = fields
     return out
+
+
+def partitions() -> dict[str, dict[str, str]]:
+    return _show("partition", "PartitionName")
 
 
 def nodes() -> dict[str, dict[str, str]]:
-    out = {}
-    for line in call(["scontrol", "show", "node", "-o"]).splitlines():
-        if line.strip():
-            fields = parse_key_values(line)
-            out[fields["NodeName"]] = fields
-    return out
+    return _show("node", "NodeName")
 
 
 def time_limit_min(text: str) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -90,8 +91,11 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
         ddp(*data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)).backward()
         optimizer.zero_grad(set_to_none=True)
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
+    dist.all_gather(pids, torch.tensor([os.getpid()]))  # for `hpc-train chaos kill-rank` and post-mortems
     event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
-          nodes=list(env.nodes), launched_at=launched_at)
+          nodes=list(env.nodes), launched_at=launched_at, pids=[int(p) for p in pids],
+          rank_nodes=[env.nodes[r // env.local_world_size] for r in range(env.world_size)])  # srun's block order
     first_step = step
     say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on "
         f"{env.num_nodes} node(s), starting at step {step}/{tc.steps}", flush=True)
@@ -137,8 +141,11 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         if step % tc.log_every_steps == 0:
             last_loss = global_mean(loss)
             if env.rank == 0:
-                append_jsonl(run_dir / METRICS, {"time": time.time(), "step": step, "loss": last_loss,
-                                                 "lr": lr_at(step - 1, tc), "step_time_s": step_time_s})
+                tokens = env.world_size * tc.batch_seqs_per_rank * cfg.model.seq_len
+                append_jsonl(run_dir / METRICS, {
+                    "time": time.time(), "step": step, "loss": last_loss, "lr": lr_at(step - 1, tc),
+                    "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
+                    "tokens_per_s_per_rank": tokens / step_time_s / env.world_size})
             say(f"step {step:6d}  loss {last_loss:.4f}  {step_time_s * 1e3:.1f} ms/step", flush=True)
 
     summary = {"final_step": step, "final_loss": last_loss, "params_sha256": params_sha256(ddp.module)}

@@ -55,3 +55,18 @@ def test_sigterm_resume_is_bit_exact(tmp_path: Path) -> None:
     assert names.count("start") == 2 and "requeue" in names and names[-1] == "finish"
     signal_step = next(e["step"] for e in events if e["event"] == "signal")
     assert [e["step"] for e in events if e["event"] == "start"] == [0, signal_step]
+
+
+def test_status_logs_and_report_of_a_local_run(tmp_path: Path) -> None:
+    run_dir, _ = submit([f"out_dir={tmp_path}", *ARGS, "train.steps=20"])
+    wait_until(lambda: (run_dir / "summary.json").exists(), 240, "summary.json")
+    rows = json.loads(run([HPC_TRAIN, "status", str(tmp_path), "--json"]).stdout)
+    assert [(r["run"], r["state"], r["attempts"], r["committed_step"], r["total_steps"]) for r in rows] == [
+        ("demo-1", "COMPLETED", 1, 20, 20)]
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["mfu"] is None
+    log = run([HPC_TRAIN, "logs", str(run_dir), "--rank", "2", "--attempt", "0"]).stdout
+    assert log.startswith("==== hpc_train attempt 0 rank 2 ====")
+    missing = run([HPC_TRAIN, "logs", str(run_dir), "--rank", "7"])
+    assert missing.returncode == 2 and "no log for rank 7 of demo-1" in missing.stderr
+    report = run([HPC_TRAIN, "report", str(run_dir)])
+    assert report.returncode == 0 and "goodput" in report.stdout and (run_dir / "report.png").exists()

@@ -1,0 +1,330 @@
+"""Operations on runs that exist: status, logs, cancel, chaos, report. Torch-free (login node).
+
+Everything is read from what runs leave in their directories (submission.json, sweep.json,
+events.jsonl, metrics.jsonl) plus one Slurm query per refresh; nothing is kept elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train.metrics import EVENTS, METRICS, lead_warning, log_event, read_jsonl
+
+NO_PROGRESS_WARN_S = 15 * 60
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    label: str  # "demo-3" or "sweep-2/0004"
+    job_id: str
+    executor: str
+    log_dir: Path  # where submitit wrote the per-task logs
+
+
+def find_runs(path: Path) -> list[Run]:
+    """A run directory, a sweep directory, or a folder holding either (one level down)."""
+    path = path.resolve()
+    if (path / "sweep.json").exists():
+        manifest = json.loads((path / "sweep.json").read_text())
+        executor = _executor(Path(manifest["trials"][0]["run_dir"])) if manifest["trials"] else "slurm"
+        return [Run(Path(t["run_dir"]), f"{path.name}/{Path(t['run_dir']).name}", t["job_id"] or "", executor,
+                    path / "submitit") for t in manifest["trials"]]
+    if (path / "config.yaml").exists():
+        if (path.parent / "sweep.json").exists():
+            return [r for r in find_runs(path.parent) if r.run_dir == path]
+        sub = json.loads((path / "submission.json").read_text()) if (path / "submission.json").exists() else {}
+        return [Run(path, path.name, sub.get("job_id", ""), sub.get("executor", "slurm"), path / "submitit")]
+    if path.is_dir():
+        return [r for child in sorted(path.iterdir()) if child.is_dir() for r in find_runs(child)]
+    raise ValueError(f"{path} is not a run directory, a sweep directory or a folder of them; give e.g. runs/demo-1")
+
+
+def _executor(run_dir: Path) -> str:
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["executor"]
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, str]:
+    """State per job id: one sacct call, then squeue for what accounting has not caught up with yet."""
+    from hpc_train import slurm
+
+    ids = [j for j in job_ids if j]
+    if not ids:
+        return {}
+    out: dict[str, str] = {}
+    for line in slurm.call(["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", "JobID,State"]).splitlines():
+        if "|" in line:
+            job, state = line.split("|")[:2]
+            out[job] = state.split()[0]
+    missing = [j for j in ids if j not in out]
+    if missing:
+        for line in slurm.call(["squeue", "-h", "-j", ",".join(missing), "-o", "%i|%T"]).splitlines():
+            job, state = line.split("|")
+            out[job] = state
+    return out
+
+
+def local_state(run: Run, events: list[dict[str, Any]]) -> str:
+    names = [e["event"] for e in events]
+    if "finish" in names:
+        return "COMPLETED"
+    if "stopped" in names:
+        return "FAILED"
+    try:
+        os.kill(int(run.job_id), 0)
+        return "RUNNING"
+    except (ValueError, ProcessLookupError):
+        return "FAILED" if "fail" in names else "UNKNOWN"
+
+
+def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per attempt (by restart count): launch, start, first step, end times and what ended it (pure)."""
+    by_restart: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        by_restart.setdefault(int(e.get("restart", 0)), []).append(e)
+    out = []
+    for restart in sorted(by_restart):
+        evs = by_restart[restart]
+        start = next((e for e in evs if e["event"] == "start"), None)
+        launched = start.get("launched_at", start["time"]) if start else min(e["time"] for e in evs)
+        first = next((e for e in evs if e["event"] == "first_step"), None)
+        commits = [e for e in evs if e["event"] == "checkpoint_committed"]
+        ended = next((e["event"] for e in reversed(evs) if e["event"] in ("finish", "requeue", "stopped", "fail")), "running")
+        out.append({
+            "restart": restart, "job_id": evs[0].get("job_id"), "launched": launched,
+            "start": start["time"] if start else None, "start_step": start["step"] if start else None,
+            "first_step": first["time"] if first else None, "end": max(e["time"] for e in evs), "ended_by": ended,
+            "reached_step": max([e["step"] for e in evs] + [start["step"] if start else 0]),
+            "committed_step": max((e["step"] for e in commits), default=None),
+            "stall_s": sum(e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits),
+            "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
+        })
+    return out
+
+
+def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the allocated time went, in seconds; the parts add up to the attempts' wall time (pure).
+
+    allocated   launch of each attempt -> its last event
+    overhead    launch -> training starts (imports, rendezvous, checkpoint load)
+    stall       the loop blocked by checkpoint saves
+    lost        training on steps no checkpoint kept (recomputed by the next attempt)
+    committed   the rest: training that became committed progress
+    queue_wait  requeue -> next launch (not allocated; reported beside)
+    """
+    atts = attempts(events)
+    step_times = sorted(m["step_time_s"] for m in metrics if "step_time_s" in m)
+    step_s = step_times[len(step_times) // 2] if step_times else 0.0
+    parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
+    for i, a in enumerate(atts):
+        wall = a["end"] - a["launched"]
+        overhead = (a["start"] - a["launched"]) if a["start"] else wall
+        kept = a["committed_step"] if a["committed_step"] is not None else (a["start_step"] or 0)
+        lost = min(max(0.0, (a["reached_step"] - kept) * step_s), max(0.0, wall - overhead - a["stall_s"]))
+        parts["allocated"] += wall
+        parts["overhead"] += overhead
+        parts["stall"] += min(a["stall_s"], wall - overhead)
+        parts["lost"] += lost
+        parts["committed"] += max(0.0, wall - overhead - a["stall_s"] - lost)
+        if i + 1 < len(atts):
+            parts["queue_wait"] += max(0.0, atts[i + 1]["launched"] - a["end"])
+    parts["goodput"] = parts["committed"] / parts["allocated"] if parts["allocated"] else 0.0
+    return parts
+
+
+def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    slurm_ids = [r.job_id for r in runs if r.executor == "slurm"]
+    try:
+        states = slurm_states(slurm_ids) if slurm_ids else {}
+    except Exception as e:  # the controller may be down: show what the run directories say
+        states = {j: f"? ({str(e).splitlines()[0][:40]})" for j in slurm_ids}
+    rows = []
+    for r in runs:
+        events, metrics = read_jsonl(r.run_dir / EVENTS), read_jsonl(r.run_dir / METRICS)
+        import yaml
+
+        cfg = yaml.safe_load((r.run_dir / "config.yaml").read_text())
+        state = states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED") if r.executor == "slurm" else local_state(r, events)
+        commits = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
+        last = max((e["time"] for e in events), default=None)
+        atts = attempts(events)
+        warnings = []
+        if cfg["cluster"]["executor"] == "slurm":
+            lead = lead_warning([r.run_dir], cfg["cluster"]["signal_lead_s"])
+            warnings += ["signal lead too short"] if lead else []
+        failures = sum(1 for e in events if e["event"] == "requeue" and e.get("reason") == "failure")
+        if failures and failures >= cfg["requeue"]["max_failures"] - 1:
+            warnings.append(f"failure budget {failures}/{cfg['requeue']['max_failures']} used")
+        if state == "RUNNING" and last is not None and time.time() - last > NO_PROGRESS_WARN_S:
+            warnings.append(f"no event for {(time.time() - last) / 60:.0f} min")
+        if any(e["event"] == "stopped" for e in events):
+            warnings.append(next(e["reason"] for e in events if e["event"] == "stopped"))
+        rows.append({
+            "run": r.label, "job_id": r.job_id, "state": state, "attempts": len(atts),
+            "restarts": max((a["restart"] for a in atts), default=0),
+            "committed_step": max(commits, default=None), "total_steps": cfg["train"]["steps"],
+            "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
+            "mfu": metrics[-1].get("mfu") if metrics else None,
+            "goodput": round(goodput(events, metrics)["goodput"], 3) if atts else None,
+            "since_last_event_s": round(time.time() - last, 1) if last else None,
+            "warnings": warnings,
+        })
+    return rows
+
+
+def print_status(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    for col in ("run", "job", "state", "attempts", "restarts", "step", "tokens/s", "MFU", "goodput", "last event", "warnings"):
+        table.add_column(col)
+    for r in rows:
+        step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps']}"
+        since = f"{r['since_last_event_s']:.0f} s ago" if r["since_last_event_s"] is not None else "-"
+        table.add_row(r["run"], r["job_id"], r["state"], str(r["attempts"]), str(r["restarts"]), step,
+                      f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", r["mfu"] or "n/a",
+                      f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since, "; ".join(r["warnings"]))
+    Console(width=220).print(table)
+
+
+def log_path(run: Run, rank: int) -> Path:
+    """submitit's file for this rank: <job>_<rank>_log.out, or <array>_<task>_<rank>_log.out."""
+    path = run.log_dir / f"{run.job_id}_{rank}_log.out"
+    if not path.exists():
+        raise ValueError(f"no log for rank {rank} of {run.label} at {path}; has the job started? "
+                         f"(ranks: {sorted(p.name for p in run.log_dir.glob(f'{run.job_id}_*_log.out'))})")
+    return path
+
+
+def attempt_section(text: str, attempt: int | None) -> str:
+    """The lines of one attempt: each attempt's ranks print `==== hpc_train attempt K rank R ====` first."""
+    if attempt is None:
+        return text
+    out, inside = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("==== hpc_train attempt "):
+            inside = line.split()[3] == str(attempt)
+        if inside:
+            out.append(line)
+    return "".join(out)
+
+
+def cancel(runs: list[Run]) -> list[str]:
+    """scancel exactly these runs' jobs (local: SIGINT to the controller); returns what was cancelled."""
+    from hpc_train import slurm
+
+    slurm_ids = sorted({r.job_id for r in runs if r.executor == "slurm" and r.job_id})
+    if slurm_ids:
+        slurm.call(["scancel", *slurm_ids])
+    for r in runs:
+        if r.executor == "local" and r.job_id:
+            try:
+                os.kill(int(r.job_id), signal.SIGINT)
+            except ProcessLookupError:
+                continue
+        if r.job_id:
+            log_event(r.run_dir, "cancel", -1, r.job_id, -1, by="hpc-train cancel")
+    return [r.job_id for r in runs if r.job_id]
+
+
+CHAOS = ("time-limit", "preempt", "requeue", "kill-rank", "lose-node")
+
+
+def chaos(run: Run, action: str, rank: int = 0) -> str:
+    """Inject a fault into a running job and record it in events.jsonl as injected."""
+    from hpc_train import slurm
+
+    if action not in CHAOS:
+        raise ValueError(f"chaos action {action!r}: use one of {CHAOS}")
+    if run.executor != "slurm":
+        raise ValueError(f"{run.label} runs on the local executor; chaos drills need Slurm (cluster=dev)")
+    events = read_jsonl(run.run_dir / EVENTS)
+    start = next((e for e in reversed(events) if e["event"] == "start"), None)
+    if action == "time-limit":
+        slurm.call(["scancel", "--signal=USR2", run.job_id])
+        what = "USR2 to every task, as Slurm's time-limit warning"
+    elif action == "preempt":
+        slurm.call(["scancel", "--signal=TERM", run.job_id])
+        what = "SIGTERM to every task, as a preemption"
+    elif action == "requeue":
+        slurm.call(["scontrol", "requeue", run.job_id])
+        what = "scontrol requeue"
+    else:
+        if start is None or "pids" not in start:
+            raise ValueError(f"{run.label} has not started yet (no start event with rank pids); try again shortly")
+        nodes, pids = start["rank_nodes"], start["pids"]
+        targets = [(nodes[rank], pids[rank])] if action == "kill-rank" else \
+            [(n, p) for n, p in zip(nodes, pids) if n == nodes[rank]]
+        numeric = slurm.call(["squeue", "-h", "-j", run.job_id, "-o", "%A"]).split()  # array task -> its own id
+        if not numeric:
+            raise ValueError(f"job {run.job_id} is not running; nothing to kill")
+        for node, pid in targets:  # through Slurm, so it works on a real cluster's compute node too
+            slurm.call(["srun", "--overlap", f"--jobid={numeric[0]}", "-w", node, "-N1", "-n1", "kill", "-KILL",
+                        str(pid)], timeout_s=60, retries=0)
+        what = f"SIGKILL to rank {rank} (pid {pids[rank]} on {nodes[rank]})" if action == "kill-rank" else \
+            f"SIGKILL to every rank on {nodes[rank]} ({len(targets)} processes), as a lost node"
+    log_event(run.run_dir, "chaos", start["step"] if start else -1, run.job_id, start["restart"] if start else -1,
+              action=action, injected=what)
+    return what
+
+
+def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str, Any]], str]:
+    """Goodput parts, attempts, and the PNG path written ('' when matplotlib is missing)."""
+    events, metrics = read_jsonl(run.run_dir / EVENTS), read_jsonl(run.run_dir / METRICS)
+    parts, atts = goodput(events, metrics), attempts(events)
+    if png is None:
+        return parts, atts, ""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return parts, atts, "matplotlib is not installed: pip install 'hpc_train[plot]' (or matplotlib) for the PNG"
+    t0 = atts[0]["launched"] if atts else 0.0
+    fig, (ax_t, ax_l, ax_s) = plt.subplots(3, 1, figsize=(10, 8), height_ratios=[1.2, 1, 1])
+    for a in atts:
+        ax_t.barh(a["restart"], a["end"] - a["launched"], left=a["launched"] - t0, color="#9ecae1")
+        if a["start"]:
+            ax_t.barh(a["restart"], a["start"] - a["launched"], left=a["launched"] - t0, color="#fdae6b")
+    commits = [e for e in events if e["event"] == "checkpoint_committed"]
+    ax_t.scatter([e["time"] - t0 for e in commits], [e["restart"] for e in commits], marker="|", s=200,
+                 color="green", label="checkpoint committed")
+    sig = [e for e in events if e["event"] in ("signal", "chaos", "fail")]
+    ax_t.scatter([e["time"] - t0 for e in sig], [e["restart"] for e in sig], marker="x", s=80, color="red",
+                 label="signal / injected / failure")
+    ax_t.set(xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput "
+             f"{parts['goodput']:.1%} (orange: start-up, blue: training)")
+    ax_t.legend(loc="lower right", fontsize=8)
+    ax_l.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], ".-")
+    ax_l.set(xlabel="step", ylabel="loss")
+    ax_s.plot([m["time"] - t0 for m in metrics], [m.get("tokens_per_s", 0) for m in metrics], ".-")
+    ax_s.set(xlabel="seconds since first launch", ylabel="tokens/s")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return parts, atts, str(png)
+
+
+def follow(path: Path, start_text: str, every_s: float = 0.5) -> None:
+    """`tail -f`: print what is appended until Ctrl-C."""
+    with open(path) as f:
+        f.seek(len(start_text.encode()))
+        try:
+            while True:
+                chunk = f.read()
+                if chunk:
+                    print(chunk, end="", flush=True)
+                else:
+                    time.sleep(every_s)
+        except KeyboardInterrupt:
+            return

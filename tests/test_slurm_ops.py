@@ -1,0 +1,100 @@
+"""The on-call's tools against the real cluster: status, report, cancel, chaos."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, sacct_state, submit, wait_until
+
+pytestmark = pytest.mark.slurm
+
+
+def ops(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = run([HPC_TRAIN, *args], env=env, timeout_s=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def wait_event(run_dir: Path, name: str, restart: int, timeout_s: float = 180) -> None:
+    wait_until(lambda: any(e["event"] == name and e["restart"] == restart for e in read_events(run_dir)),
+               timeout_s, f"{name} in attempt {restart} of {run_dir.name}")
+
+
+def test_status_of_a_sweep_with_preempted_failed_and_finished_trials(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    proc = run([HPC_TRAIN, "submit", "-m", *RUN_ARGS, f"out_dir={tmp_path}", "name=mix", "requeue.max_failures=0",
+                "+cluster.env.HPC_TRAIN_FAULT=none,none,raise_at_start_always"], env=slurm_env, timeout_s=120)
+    assert proc.returncode == 0, proc.stderr
+    sweep = next(tmp_path.glob("mix-*"))
+    finished, preempted, failed = (sweep / f"{i:04d}" for i in range(3))
+    wait_event(preempted, "checkpoint_committed", 0)
+    ops(["chaos", str(preempted), "preempt"], slurm_env)
+    wait_until(lambda: all((d / "summary.json").exists() for d in (finished, preempted)), 300, "two trials to finish")
+    wait_until(lambda: any(e["event"] == "stopped" for e in read_events(failed)), 120, "the failing trial to stop")
+    wait_until(lambda: sacct_state(json.loads((sweep / "sweep.json").read_text())["trials"][2]["job_id"], slurm_env)
+               == "FAILED", 60, "FAILED in sacct")
+    rows = json.loads(ops(["status", str(sweep), "--json"], slurm_env).stdout)
+    got = [(r["run"].split("/")[1], r["state"], r["attempts"], r["restarts"], r["committed_step"]) for r in rows]
+    assert got == [("0000", "COMPLETED", 1, 0, 60), ("0001", "COMPLETED", 2, 1, 60), ("0002", "FAILED", 1, 0, None)]
+    assert rows[2]["warnings"] == ["failure budget spent: 0 requeues for failure already (requeue.max_failures=0)"]
+    assert 0 < rows[1]["goodput"] < rows[0]["goodput"] <= 1  # the preempted trial lost some time
+    table = ops(["status", str(sweep)], slurm_env).stdout
+    assert "mix-1/0001" in table and "COMPLETED" in table and "FAILED" in table
+
+
+def test_report_of_a_run_preempted_twice(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run_dir, _ = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=rep"], env=slurm_env)
+    for restart in (0, 1):
+        wait_event(run_dir, "checkpoint_committed", restart)
+        ops(["chaos", str(run_dir), "preempt"], slurm_env)
+        wait_event(run_dir, "requeue", restart)
+    wait_until(lambda: (run_dir / "summary.json").exists(), 300, "the third attempt to finish")
+    out = ops(["report", str(run_dir)], slurm_env).stdout
+    assert "goodput" in out and "picture:" in out
+    from hpc_train.ops import attempts, goodput
+    from hpc_train.metrics import read_jsonl
+
+    events, metrics = read_events(run_dir), read_jsonl(run_dir / "metrics.jsonl")
+    parts = goodput(events, metrics)
+    wall = sum(a["end"] - a["launched"] for a in attempts(events))
+    assert len(attempts(events)) == 3
+    summed = parts["committed"] + parts["lost"] + parts["stall"] + parts["overhead"]
+    assert abs(summed - wall) <= 0.02 * wall, (parts, wall)
+    assert parts["queue_wait"] > 10  # two requeues on the dev cluster: ~15-20 s each
+    png = run_dir / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[:2] == (800, 1000)  # readable: 10 x 8 inches at 100 dpi
+
+
+def test_cancel_leaves_other_jobs_alone(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    keep_dir, keep_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=keep"], env=slurm_env)
+    gone_dir, gone_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=gone"], env=slurm_env)
+    wait_event(gone_dir, "start", 0)
+    assert gone_id in ops(["cancel", str(gone_dir)], slurm_env).stdout
+    wait_until(lambda: sacct_state(gone_id, slurm_env).startswith("CANCELLED"), 60, "the cancelled job to end")
+    wait_until(lambda: (keep_dir / "summary.json").exists(), 240, "the other job to finish")
+    assert sacct_state(keep_id, slurm_env) in ("COMPLETED", "RUNNING")
+    assert [e["event"] for e in read_events(gone_dir)][-1] == "cancel"
+
+
+@pytest.mark.parametrize("action, reason", [("time-limit", "preempt"), ("requeue", None),
+                                            ("kill-rank", "failure"), ("lose-node", "failure")])
+def test_chaos_action_leads_to_requeue_and_resume(slurm_env: dict[str, str], tmp_path: Path, reference: dict,
+                                                  action: str, reason: str | None) -> None:
+    """time-limit (an early USR2 counts as a preemption), an operator's requeue, one rank SIGKILLed, and
+    a lost node all end in a resumed run with the reference's weights."""
+    run_dir, _ = submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={action}"], env=slurm_env)
+    wait_event(run_dir, "checkpoint_committed", 0)
+    ops(["chaos", str(run_dir), action, "--rank", "1"], slurm_env)
+    wait_until(lambda: (run_dir / "summary.json").exists(), 300, "the run to resume and finish")
+    events = read_events(run_dir)
+    assert [e["action"] for e in events if e["event"] == "chaos"] == [action]
+    assert sorted({e["restart"] for e in events if e["event"] == "start"}) == [0, 1]
+    if reason:
+        assert [e["reason"] for e in events if e["event"] == "requeue"] == [reason]
+    assert json.loads((run_dir / "summary.json").read_text())["params_sha256"] == reference["params_sha256"]
