@@ -57,8 +57,12 @@ class TrainConfig:  # train.py
     # A floor on each step's wall time, for drills and tests that must land a signal mid-run. 0 = off.
     min_step_time_s: float = 0.0
     rendezvous_timeout_s: int = 120
+    parallelism: str = "ddp"  # "ddp": replicate and all-reduce; "fsdp": FSDP2, shard params/grads/optimizer
 
     def __post_init__(self) -> None:
+        if self.parallelism not in ("ddp", "fsdp"):
+            raise ValueError(f"train.parallelism={self.parallelism!r} is not one of ('ddp', 'fsdp'); tensor "
+                             f"parallelism is not built yet")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"train.lr={self.lr} and train.grad_clip={self.grad_clip} must be > 0")
         if self.steps < 1 or self.batch_seqs_per_rank < 1:

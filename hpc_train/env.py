@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 
@@ -68,6 +68,15 @@ def rendezvous_port(job_id: str, restart_count: int) -> int:
 
 
 def from_env(environ: Mapping[str, str]) -> RankEnv:
+    """HPC_TRAIN_MASTER_ADDR overrides the rendezvous host (e.g. a site whose node names resolve to the
+    management network: HPC_TRAIN_MASTER_ADDR=node1-ib); HPC_TRAIN_MASTER_PORT the port."""
+    env = _from_env(environ)
+    addr = environ.get("HPC_TRAIN_MASTER_ADDR") or env.master_addr
+    port = int(environ.get("HPC_TRAIN_MASTER_PORT") or env.master_port)
+    return env if (addr, port) == (env.master_addr, env.master_port) else replace(env, master_addr=addr, master_port=port)
+
+
+def _from_env(environ: Mapping[str, str]) -> RankEnv:
     if "SLURM_PROCID" in environ:
         nodes = tuple(parse_nodelist(environ["SLURM_JOB_NODELIST"]))
         array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")

@@ -86,6 +86,50 @@ def _requeue_after_failure(run_dir: Path, env: Any, preempt: Any) -> None:
         sys.exit(preempt.REQUEUE_EXIT_CODE)
 
 
+def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
+    """One TCPStore rendezvous that also places ranks: every task publishes its node and
+    SLURM_TOPOLOGY_ADDR, the store's host (Slurm's task 0) plans the order (topology.py) and publishes
+    it, and every task joins the process group under its placed rank. Returns the placed RankEnv."""
+    import dataclasses
+    import json
+    import socket
+
+    import torch.distributed as dist
+
+    from hpc_train import topology
+    from hpc_train.env import torchrun_vars
+
+    timeout = timedelta(seconds=cfg.train.rendezvous_timeout_s)
+    where = f"{env.master_addr}:{env.master_port}"
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+        node = os.environ.get("SLURMD_NODENAME", env.nodes[env.node_rank])
+        store.set(f"topo/{env.rank}", json.dumps([node, os.environ.get("SLURM_TOPOLOGY_ADDR", "")]))
+        if env.rank == 0:
+            store.wait([f"topo/{r}" for r in range(env.world_size)])
+            addrs: dict[str, str] = {}
+            for r in range(env.world_size):  # Slurm's task order = its node order
+                n, addr = json.loads(store.get(f"topo/{r}"))
+                addrs.setdefault(n, addr)
+            plan = topology.placement(addrs, env.local_world_size)
+            store.set("placement", json.dumps(plan))
+            (run_dir / "placement.json").write_text(json.dumps(plan, indent=1) + "\n")
+        plan = json.loads(store.get("placement"))
+        order = plan["nodes"]
+        placed = dataclasses.replace(env, rank=order.index(node) * env.local_world_size + env.local_rank,
+                                     node_rank=order.index(node), nodes=tuple(order))
+        dist.init_process_group("gloo", store=store, rank=placed.rank, world_size=env.world_size, timeout=timeout)
+    except Exception as e:
+        raise RuntimeError(
+            f"task {env.rank}/{env.world_size} on {socket.gethostname()}: rendezvous at {where} failed within "
+            f"train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s}: {e}. Check that {env.master_addr} "
+            f"resolves here and that port {env.master_port} is free on it.") from e
+    os.environ.update(torchrun_vars(placed))
+    print(f"[hpc_train] placed task {env.rank} as rank {placed.rank} on {node}", flush=True)
+    return placed
+
+
 def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: float) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
@@ -100,15 +144,7 @@ def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: flo
     # made 4 ranks on 2 cores 35x slower per step on the dev cluster (350 ms vs 10 ms).
     cores = os.environ.get("SLURM_CPUS_PER_TASK") or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(int(cores))
-    init = f"tcp://{env.master_addr}:{env.master_port}"
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=cfg.train.rendezvous_timeout_s))
-    except Exception as e:
-        raise RuntimeError(
-            f"rank {env.rank}/{env.world_size}: rendezvous at {env.master_addr}:{env.master_port} failed "
-            f"within train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s}: {e}. Check that "
-            f"{env.master_addr} resolves and the port is free on it.") from e
+    env = _rendezvous(env, cfg, run_dir)
     outcome, step = train(cfg, env, run_dir, launched_at)
     if outcome == "requeue":
         # Rank 0 decides against the budgets and tells everyone, so no rank exits with 144 alone.
@@ -117,10 +153,15 @@ def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: flo
         verdict = torch.tensor([1])
         if env.rank == 0:
             ok, why = budget_left(read_jsonl(run_dir / EVENTS), reason, cfg.requeue)
+            fate = preempt.slurm_job_fate(env.job_id, env.restart_count) if env.executor == "slurm" else "running"
+            if fate == "cancelled":  # scancel also sends SIGTERM: a cancel must not come back as a requeue
+                ok, why = False, "cancelled (scancel): saved, not requeueing"
             verdict[0] = int(ok)
             if ok:
-                err = preempt.requeue_slurm_job(env.job_id) if env.executor == "slurm" else ""
-                log_event(run_dir, "requeue", step, env.job_id, env.restart_count, reason=reason, error=err or None)
+                # Slurm already requeues a job an operator requeued (`scontrol requeue`): no second call.
+                err = preempt.requeue_slurm_job(env.job_id) if fate == "running" and env.executor == "slurm" else ""
+                log_event(run_dir, "requeue", step, env.job_id, env.restart_count, reason=reason, error=err or None,
+                          by="slurm" if fate == "requeued" else "hpc_train")
             else:
                 log_event(run_dir, "stopped", step, env.job_id, env.restart_count, reason=why)
                 print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)

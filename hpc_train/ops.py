@@ -222,6 +222,9 @@ def cancel(runs: list[Run]) -> list[str]:
     """scancel exactly these runs' jobs (local: SIGINT to the controller); returns what was cancelled."""
     from hpc_train import slurm
 
+    for r in runs:  # first, so the record precedes whatever the job logs as it stops
+        if r.job_id:
+            log_event(r.run_dir, "cancel", -1, r.job_id, -1, by="hpc-train cancel")
     slurm_ids = sorted({r.job_id for r in runs if r.executor == "slurm" and r.job_id})
     if slurm_ids:
         slurm.call(["scancel", *slurm_ids])
@@ -231,8 +234,6 @@ def cancel(runs: list[Run]) -> list[str]:
                 os.kill(int(r.job_id), signal.SIGINT)
             except ProcessLookupError:
                 continue
-        if r.job_id:
-            log_event(r.run_dir, "cancel", -1, r.job_id, -1, by="hpc-train cancel")
     return [r.job_id for r in runs if r.job_id]
 
 

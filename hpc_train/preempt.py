@@ -10,6 +10,7 @@ boundary; it all-reduces the flag so every rank saves the same step and exits to
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -49,6 +50,20 @@ def should_stop() -> bool:
     flag = torch.tensor([1 if received else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def slurm_job_fate(job_id: str, restart_count: int) -> str:
+    """What Slurm is doing with this job as the ranks stop: "running" (a time-limit warning or a
+    preemption in its grace time: we requeue), "requeued" (an operator's `scontrol requeue`: COMPLETING
+    with Restarts already incremented) or "cancelled" (scancel: COMPLETING, Restarts unchanged)."""
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    state = re.search(r"JobState=(\S+)", proc.stdout)
+    restarts = re.search(r"Restarts=(\d+)", proc.stdout)
+    if state is None or state.group(1) in ("RUNNING", "SUSPENDED", "PENDING", "REQUEUED"):
+        return "running"  # unknown counts as running: requeueing a live run beats losing it
+    if state.group(1) == "CANCELLED" or (restarts and int(restarts.group(1)) <= restart_count):
+        return "cancelled"
+    return "requeued"
 
 
 def requeue_slurm_job(job_id: str, attempts: int = 4) -> str:

@@ -43,11 +43,13 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def params_sha256(model: torch.nn.Module) -> str:
-    """Hash of every parameter's bytes, in name order: equal hashes mean bit-identical weights."""
+    """Hash of every parameter's bytes, in name order: equal hashes mean bit-identical weights.
+    Collective under FSDP2 (full_tensor gathers each shard)."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2 shards: a collective, every rank calls
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(full.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -55,7 +57,16 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
     tc = cfg.train
     torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = GPT(cfg.model)
-    ddp = DDP(model)
+    if tc.parallelism == "fsdp":  # FSDP2: each block's parameters, grads and AdamW state sharded over ranks
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (env.world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        net = fully_shard(model, mesh=mesh)
+    else:
+        net = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     corpus = data.synthetic_corpus(cfg.data, cfg.model.vocab_size)
     ck, ckpt_root = cfg.checkpoint, run_dir / "checkpoints"
@@ -86,11 +97,12 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         extra = checkpoint.load(folder, model, optimizer)
         step, last_loss = int(extra["step"]), float(extra["loss"])
         torch.set_rng_state(extra["rng"])
-        # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
-        # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
-        # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
-        ddp(*data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)).backward()
-        optimizer.zero_grad(set_to_none=True)
+        if tc.parallelism == "ddp":
+            # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
+            # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
+            # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
+            net(*data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)).backward()
+            optimizer.zero_grad(set_to_none=True)
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
     dist.all_gather(pids, torch.tensor([os.getpid()]))  # for `hpc-train chaos kill-rank` and post-mortems
     event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
@@ -106,9 +118,9 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         x, y = data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tc)
-        loss = ddp(x, y)
+        loss = net(x, y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces gradients here
+        loss.backward()  # DDP all-reduces gradients here; FSDP2 reduce-scatters them
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()
         step += 1
@@ -130,7 +142,7 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
             extra = {"step": torch.tensor(step), "loss": torch.tensor(last_loss, dtype=torch.float64),
                      "rng": torch.get_rng_state()}
             in_background = background is not None and not (stop or final)
-            pending = checkpoint.start_save(ckpt_root, step, ddp.module, optimizer, extra,
+            pending = checkpoint.start_save(ckpt_root, step, model, optimizer, extra,
                                             "stop" if stop else "final" if final else "periodic",
                                             background if in_background else None)
             if not in_background:
@@ -148,7 +160,7 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
                     "tokens_per_s_per_rank": tokens / step_time_s / env.world_size})
             say(f"step {step:6d}  loss {last_loss:.4f}  {step_time_s * 1e3:.1f} ms/step", flush=True)
 
-    summary = {"final_step": step, "final_loss": last_loss, "params_sha256": params_sha256(ddp.module)}
+    summary = {"final_step": step, "final_loss": last_loss, "params_sha256": params_sha256(model)}
     if env.rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     event("finish", step, **summary)

@@ -53,3 +53,8 @@ def test_from_local_env() -> None:
 def test_outside_a_job_says_how_to_run() -> None:
     with pytest.raises(RuntimeError, match="hpc-train submit"):
         from_env({})
+
+
+def test_master_override() -> None:
+    env = from_env({**SLURM, "HPC_TRAIN_MASTER_ADDR": "node3-ib", "HPC_TRAIN_MASTER_PORT": "29400"})
+    assert (env.master_addr, env.master_port) == ("node3-ib", 29400)
