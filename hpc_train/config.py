@@ -58,6 +58,12 @@ class TrainConfig:  # train.py
     min_step_time_s: float = 0.0
     rendezvous_timeout_s: int = 120
     parallelism: str = "ddp"  # "ddp": replicate and all-reduce; "fsdp": FSDP2, shard params/grads/optimizer
+    grad_accum_steps: int = 1  # micro-batches of batch_seqs_per_rank summed into one optimizer step
+    # A step (collectives and save included) that takes longer is a hang: every rank dumps its Python
+    # stack to its log and the job fails (then requeues within requeue.max_failures). Keep it above the
+    # slowest step + synchronous save.
+    watchdog_s: float = 900.0
+    peak_tflops_per_device: float = 0.0  # for MFU; 0: detected for known GPUs, "n/a" on CPU
 
     def __post_init__(self) -> None:
         if self.parallelism not in ("ddp", "fsdp"):
@@ -65,6 +71,9 @@ class TrainConfig:  # train.py
                              f"parallelism is not built yet")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"train.lr={self.lr} and train.grad_clip={self.grad_clip} must be > 0")
+        if self.grad_accum_steps < 1 or self.watchdog_s <= 0:
+            raise ValueError(f"train.grad_accum_steps={self.grad_accum_steps} must be >= 1 and train.watchdog_s="
+                             f"{self.watchdog_s} > 0")
         if self.steps < 1 or self.batch_seqs_per_rank < 1:
             raise ValueError(f"train.steps={self.steps} and train.batch_seqs_per_rank={self.batch_seqs_per_rank} "
                              f"must both be >= 1")

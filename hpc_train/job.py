@@ -130,6 +130,32 @@ def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
     return placed
 
 
+def _start_watchdog(limit_s: float, run_dir: Path, env: Any, preempt: Any) -> None:
+    """A hung collective never returns, and no signal arrives. A daemon thread watches the loop's
+    heartbeat; past `limit_s` it dumps every thread's stack to this rank's log, records the failure,
+    requeues within the failure budget and ends the process, so the job fails fast instead of holding
+    its nodes until the time limit. (gloo and NCCL ops release the GIL, so the thread runs.)"""
+    import faulthandler
+    import threading
+
+    def watch() -> None:
+        while time.monotonic() - preempt.last_beat[0] < limit_s:
+            time.sleep(min(5.0, limit_s / 10))
+        print(f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; "
+              f"stacks follow", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        log_event(run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
+                  error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
+        try:
+            _requeue_after_failure(run_dir, env, preempt)
+        except SystemExit:
+            pass
+        os._exit(preempt.REQUEUE_EXIT_CODE if env.executor == "local" else 1)
+
+    preempt.beat()
+    threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()
+
+
 def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: float) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
@@ -145,6 +171,7 @@ def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: flo
     cores = os.environ.get("SLURM_CPUS_PER_TASK") or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(int(cores))
     env = _rendezvous(env, cfg, run_dir)
+    _start_watchdog(cfg.train.watchdog_s, run_dir, env, preempt)
     outcome, step = train(cfg, env, run_dir, launched_at)
     if outcome == "requeue":
         # Rank 0 decides against the budgets and tells everyone, so no rank exits with 144 alone.

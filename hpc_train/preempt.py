@@ -24,10 +24,15 @@ REQUEUE_EXIT_CODE = 144
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 received: list[str] = []  # names of the signals caught so far, in order; read by the loop
+last_beat = [time.monotonic()]  # the loop's heartbeat, read by job.py's hang watchdog
+
+
+def beat() -> None:
+    last_beat[0] = time.monotonic()
 
 
 def injected(fault: str) -> bool:
-    """Fault drills: HPC_TRAIN_FAULT=raise_at_start,kill_rank_during_save (set with
+    """Fault drills: HPC_TRAIN_FAULT=raise_at_start,kill_rank_during_save,hang (set with
     +cluster.env.HPC_TRAIN_FAULT=...). Each fires in the first attempt only unless its name ends in
     `_always`, so a drill shows the recovery."""
     faults = os.environ.get("HPC_TRAIN_FAULT", "").split(",")

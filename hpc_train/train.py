@@ -42,6 +42,32 @@ def global_mean(value: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
+def model_flops_per_token(model: torch.nn.Module, cfg: RunConfig) -> float:
+    """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
+    12 x layers x d_model x seq_len (PaLM appendix B); embeddings' lookups are not matmuls."""
+    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("pos."))
+    m = cfg.model
+    return 6 * n + 12 * m.n_layers * m.d_model * m.seq_len
+
+
+# Dense bf16 peak per device, TFLOP/s (vendor datasheets, no sparsity).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+
+
+def peak_flops_per_device(configured_tflops: float) -> float | None:
+    """Configured, else looked up by the GPU's name; None on CPU (MFU is then "n/a", not invented)."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | None) -> float | None:
+    return None if peak is None else flops_per_token * tokens_per_s_per_device / peak
+
+
 def params_sha256(model: torch.nn.Module) -> str:
     """Hash of every parameter's bytes, in name order: equal hashes mean bit-identical weights.
     Collective under FSDP2 (full_tensor gathers each shard)."""
@@ -107,20 +133,32 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
     dist.all_gather(pids, torch.tensor([os.getpid()]))  # for `hpc-train chaos kill-rank` and post-mortems
     event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
           nodes=list(env.nodes), launched_at=launched_at, pids=[int(p) for p in pids],
-          rank_nodes=[env.nodes[r // env.local_world_size] for r in range(env.world_size)])  # srun's block order
+          rank_nodes=[env.nodes[r // env.local_world_size] for r in range(env.world_size)])  # placed: node-contiguous
     first_step = step
     say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on "
         f"{env.num_nodes} node(s), starting at step {step}/{tc.steps}", flush=True)
 
+    flops_per_token = model_flops_per_token(model, cfg)
+    peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
+
     # Go!
     while step < tc.steps:
         t0 = time.monotonic()
-        x, y = data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)
+        preempt.beat()  # the hang watchdog (job.py) restarts its clock
+        if preempt.injected("hang") and env.rank == env.world_size - 1 and step == first_step + 3:
+            time.sleep(10**9)  # a drill: the last rank stops, the others block in the next collective
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tc)
-        loss = net(x, y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces gradients here; FSDP2 reduce-scatters them
+        data_s = 0.0
+        for micro in range(tc.grad_accum_steps):
+            t_data = time.monotonic()
+            x, y = data.batch(corpus, step * tc.grad_accum_steps + micro, env.rank, env.world_size,
+                              tc.batch_seqs_per_rank, cfg.model.seq_len)
+            data_s += time.monotonic() - t_data
+            loss = net(x, y)
+            # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
+            (loss / tc.grad_accum_steps if tc.grad_accum_steps > 1 else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()
         step += 1
@@ -153,11 +191,13 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         if step % tc.log_every_steps == 0:
             last_loss = global_mean(loss)
             if env.rank == 0:
-                tokens = env.world_size * tc.batch_seqs_per_rank * cfg.model.seq_len
+                tokens = env.world_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
+                tokens_per_s = tokens / step_time_s
                 append_jsonl(run_dir / METRICS, {
                     "time": time.time(), "step": step, "loss": last_loss, "lr": lr_at(step - 1, tc),
-                    "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
-                    "tokens_per_s_per_rank": tokens / step_time_s / env.world_size})
+                    "step_time_s": step_time_s, "data_wait_fraction": data_s / step_time_s,
+                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / env.world_size,
+                    "mfu": mfu(flops_per_token, tokens_per_s / env.world_size, peak_flops)})
             say(f"step {step:6d}  loss {last_loss:.4f}  {step_time_s * 1e3:.1f} ms/step", flush=True)
 
     summary = {"final_step": step, "final_loss": last_loss, "params_sha256": params_sha256(model)}

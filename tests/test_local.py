@@ -86,3 +86,19 @@ def test_ddp_and_fsdp2_reach_the_same_loss_and_fsdp2_resumes_exactly(tmp_path: P
     assert abs(ddp["final_loss"] - fsdp["final_loss"]) <= 1e-6 * abs(ddp["final_loss"])
     assert cut == fsdp  # bit-exact resume under FSDP2 too
     assert [e["event"] for e in read_events(cut_dir)].count("start") == 2
+
+
+def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
+    """The last rank stops at its 4th step; the others block in the next all-reduce. Within
+    train.watchdog_s every rank dumps its stack, the failure requeues, and the next attempt finishes."""
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *ARGS, "train.steps=20", "train.watchdog_s=4",
+                "+cluster.env.HPC_TRAIN_FAULT=hang"], timeout_s=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "demo-1"
+    events = read_events(run_dir)
+    hangs = [e for e in events if e["event"] == "fail"]
+    assert hangs and all(e["error"] == "hang: no step finished in train.watchdog_s=4 s" for e in hangs)
+    assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
+    assert events[-1]["event"] == "finish" and events[-1]["final_step"] == 20
+    log = (run_dir / "submitit").glob("*_2_log.err")
+    assert any("Thread 0x" in p.read_text() and "in train" in p.read_text() for p in log)  # the stack dump
