@@ -167,7 +167,8 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
                          f"{max_time:.0f} min; use cluster.timeout_min<={max_time:.0f} (the run requeues "
                          f"itself at the limit and resumes)")
     node_info = slurm.nodes()
-    members = [n for n in node_info if n in _expand(part.get("Nodes", ""))]
+    in_partition = _expand(part.get("Nodes", ""))
+    members = [n for n in node_info if n in in_partition]
     cpus = max((int(node_info[n].get("CPUTot", "0")) for n in members), default=0)
     want_cpus = cluster.tasks_per_node * cluster.cpus_per_task
     if want_cpus > cpus:
