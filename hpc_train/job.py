@@ -76,6 +76,8 @@ def _requeue_after_failure(run_dir: Path, env: Any, preempt: Any) -> None:
     except Exception:  # the config itself is what fails: no point in retrying
         return
     ok, why = budget_left(read_jsonl(run_dir / EVENTS), "failure", budgets)
+    if env.executor == "slurm" and preempt.slurm_job_fate(env.job_id, env.restart_count) == "cancelled":
+        ok, why = False, "cancelled (scancel): not requeueing"  # ranks dying of a cancel are no crash loop
     if not ok:
         log_event(run_dir, "stopped", -1, env.job_id, env.restart_count, reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
