@@ -13,6 +13,7 @@ import string
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,10 +186,18 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
     with tempfile.NamedTemporaryFile("w", suffix=".sh") as f:
         f.write(script)
         f.flush()
-        try:
-            slurm.test_only(f.name)
-        except slurm.SlurmError as e:
-            raise ValueError(f"sbatch --test-only refused the request for partition {name}: {e}") from None
+        for attempt in range(6):
+            try:
+                slurm.test_only(f.name)
+                break
+            except slurm.SlurmError as e:
+                # Right after a controller restart, nodes have not re-registered ("idle*", "unk*") and
+                # every request looks impossible for a few seconds: wait for them, up to ~10 s.
+                states = slurm.call(["sinfo", "-h", "-p", name, "-o", "%t"]).split()
+                if attempt < 5 and any(st.endswith("*") or st.startswith("unk") for st in states):
+                    time.sleep(2)
+                    continue
+                raise ValueError(f"sbatch --test-only refused the request for partition {name}: {e}") from None
 
 
 def _expand(nodelist: str) -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 
 TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
@@ -36,6 +37,8 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
             if not any(word in err.lower() for word in TRANSIENT):
                 break
         if attempt < retries:
+            print(f"hpc-train: `{' '.join(args[:3])}`: {err.splitlines()[-1] if err else 'no answer'}; retrying in "
+                  f"{2**attempt} s", file=sys.stderr, flush=True)
             time.sleep(2**attempt)
     if "configuration source" in err or "DNS SRV" in err:
         err += ("\nno Slurm configuration was found: set cluster.slurm_conf=/path/to/slurm.conf (or export "

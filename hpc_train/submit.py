@@ -205,15 +205,21 @@ def _stdio_to_devnull() -> Iterator[None]:
             os.close(fd)
 
 
-def _sbatch_with_retry(submit_once: Callable[[], Any], attempts: int = 4) -> Any:
-    """sbatch through submitit, retried with 1, 2, 4 s backoff when the controller fails to answer."""
+def _sbatch_with_retry(submit_once: Callable[[], Any], what: str, attempts: int = 4, backoff_s: float = 1.0) -> Any:
+    """sbatch through submitit, retried after 1, 2, 4 s when it fails (controller down or overloaded);
+    each failure is reported on stderr, and the last one raises with what to do next."""
+    from hpc_train.slurm import SlurmError
+
     for attempt in range(attempts):
         try:
             return submit_once()
         except Exception as e:  # submitit wraps sbatch's failure; its text says why
+            reason = " ".join(str(e).split())[:300]
             if attempt == attempts - 1:
-                raise RuntimeError(f"sbatch failed {attempts} times: {e}") from e
-            time.sleep(2**attempt)
+                raise SlurmError(f"sbatch failed {attempts} times for {what}: {reason}") from e
+            print(f"hpc-train submit: sbatch failed for {what} ({reason}); retrying in "
+                  f"{backoff_s * 2**attempt:.0f} s", file=sys.stderr, flush=True)
+            time.sleep(backoff_s * 2**attempt)
 
 
 def submit(overrides: list[str], multirun: bool = False, sweep_dir: Path | None = None,
@@ -230,7 +236,7 @@ def submit(overrides: list[str], multirun: bool = False, sweep_dir: Path | None 
         _freeze(run_dir, p.configs[0])
         executor = make_executor(first.cluster, run_dir / "submitit", job_name(run_dir))
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
-            job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)))
+            job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
         p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
         record = {"executor": first.cluster.executor, "job_id": str(job.job_id), "job_name": job_name(run_dir),
                   "submitted_at": time.time(),
@@ -269,7 +275,22 @@ def submit(overrides: list[str], multirun: bool = False, sweep_dir: Path | None 
             with contextlib.suppress(Exception):  # a failed trial is in its events.jsonl; go on
                 new[0].results()
         else:
-            new = _sbatch_with_retry(lambda: executor.map_array(run_job, [p.trials[i].run_dir for i in todo]))
+            what = (f"trials {todo[0]}..{todo[-1]} of {p.target} (the manifest has what is queued: rerun the same "
+                    f"command with --sweep-dir {p.target} to submit the rest)")
+            tried: list[int] = []
+
+            def queue_array() -> list[Any]:
+                # A try that timed out may still have queued the array: look it up before trying again.
+                if tried and _adopt_lost_array(p, array, job_name(p.target)):
+                    return []
+                tried.append(1)
+                return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
+
+            new = _sbatch_with_retry(queue_array, what)
+            if not new:  # adopted: the job ids are recorded already
+                array.submitting = False
+                _save_manifest(p, overrides)
+                continue
         for i, job in zip(todo, new):
             p.trials[i].job_id = str(job.job_id)
         array.job_id, array.submitting = str(new[0].job_id).split("_")[0], False

@@ -255,6 +255,20 @@ def reconfigure(root: Path = CLUSTER_DIR, max_array_size: int = 1001, ctld_param
               _run(["scontrol", "show", "config"], root).stdout, 30, root)
 
 
+def restart_controller(down_s: float, root: Path = CLUSTER_DIR) -> None:
+    """Stop slurmctld (by its pidfile), keep it down for down_s, start it again with its saved state:
+    the controller outage a login node sees during a maintenance or a crash."""
+    run = paths(root)["run"]
+    pid = _read_pid(run / "slurmctld.pid")
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        _wait_for("slurmctld to stop", lambda: _read_pid(run / "slurmctld.pid") is None, 30, root)
+    time.sleep(down_s)
+    _run(["slurmctld"], root)  # no -c: jobs and state survive
+    _wait_for("slurmctld", lambda: _run(["scontrol", "ping"], root, check=False).returncode == 0, 30, root)
+    _wait_for("4 idle nodes", lambda: _nodes_idle(root), 60, root)
+
+
 def is_up(root: Path = CLUSTER_DIR) -> bool:
     run = paths(root)["run"]
     return all(_read_pid(run / f"{name}.pid") is not None for name in DAEMON_PIDFILES)

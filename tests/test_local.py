@@ -96,8 +96,9 @@ def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "demo-1"
     events = read_events(run_dir)
-    hangs = [e for e in events if e["event"] == "fail"]
-    assert hangs and all(e["error"] == "hang: no step finished in train.watchdog_s=4 s" for e in hangs)
+    # The blocked ranks' watchdogs fire; a rank may instead see its peer's exit first (gloo: closed peer).
+    hangs = [e for e in events if e["event"] == "fail" and e["error"].startswith("hang:")]
+    assert hangs and hangs[0]["error"] == "hang: no step finished in train.watchdog_s=4 s"
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
     assert events[-1]["event"] == "finish" and events[-1]["final_step"] == 20
     log = (run_dir / "submitit").glob("*_2_log.err")
