@@ -22,7 +22,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,11 +47,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, advance: Callable[[int], Any] = lambda n: None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+            advance(len(block))
     return h.hexdigest()
 
 
@@ -184,7 +185,7 @@ def apply_retention(root: Path, cfg: CheckpointConfig) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def verify(folder: Path) -> str:
+def verify(folder: Path, advance: Callable[[int], Any] = lambda n: None) -> str:
     """"" if every file matches the manifest, else the first reason it does not."""
     try:
         marker = json.loads((folder / MARKER).read_text())
@@ -196,19 +197,28 @@ def verify(folder: Path) -> str:
             return f"{name} is missing"
         if p.stat().st_size != want["bytes"]:
             return f"{name} has {p.stat().st_size} bytes, manifest says {want['bytes']}"
-        if _sha256(p) != want["sha256"]:
+        if _sha256(p, advance) != want["sha256"]:
             return f"{name} checksum differs from the manifest"
     return ""
 
 
-def pick_resume(root: Path) -> tuple[Path | None, list[str]]:
-    """Newest committed checkpoint that verifies; also the reasons older-than-newest ones were skipped."""
+def pick_resume(root: Path, show_progress: bool = False) -> tuple[Path | None, list[str]]:
+    """Newest committed checkpoint that verifies; also why newer ones were skipped. With show_progress,
+    a rich progress bar over the bytes hashed (minutes for a large checkpoint) goes to stdout."""
+    from rich.progress import Progress
+
     skipped = []
-    for folder in reversed(committed(root)):
-        why = verify(folder)
-        if not why:
-            return folder, skipped
-        skipped.append(f"{folder.name}: {why}")
+    with Progress(disable=not show_progress) as progress:
+        for folder in reversed(committed(root)):
+            try:
+                total = sum(f["bytes"] for f in json.loads((folder / MARKER).read_text())["files"].values())
+            except (OSError, ValueError, KeyError):
+                total = None
+            task = progress.add_task(f"verifying {folder.name}", total=total)
+            why = verify(folder, lambda n: progress.advance(task, n))
+            if not why:
+                return folder, skipped
+            skipped.append(f"{folder.name}: {why}")
     return None, skipped
 
 

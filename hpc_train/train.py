@@ -113,7 +113,7 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
     step, last_loss = 0, float("nan")
     resume_step = torch.tensor([-1])
     if env.rank == 0:
-        folder, skipped = checkpoint.pick_resume(ckpt_root)
+        folder, skipped = checkpoint.pick_resume(ckpt_root, show_progress=True)
         for why in skipped:
             event("checkpoint_skipped", 0, reason=why)
         resume_step[0] = int(folder.name.split("_")[1]) if folder else -1
@@ -177,8 +177,9 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         final = step == tc.steps
         if stop or final or step % ck.every_steps == 0:
             last_loss = global_mean(loss)
-            extra = {"step": torch.tensor(step), "loss": torch.tensor(last_loss, dtype=torch.float64),
-                     "rng": torch.get_rng_state()}
+            tokens_seen = step * tc.grad_accum_steps * tc.batch_seqs_per_rank * cfg.model.seq_len * env.world_size
+            extra = {"step": torch.tensor(step), "tokens_seen": torch.tensor(tokens_seen),
+                     "loss": torch.tensor(last_loss, dtype=torch.float64), "rng": torch.get_rng_state()}
             in_background = background is not None and not (stop or final)
             pending = checkpoint.start_save(ckpt_root, step, model, optimizer, extra,
                                             "stop" if stop else "final" if final else "periodic",

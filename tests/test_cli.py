@@ -39,11 +39,33 @@ def test_cfg_job_prints_the_composed_config() -> None:
     assert "slurm_conf: /" in proc.stdout  # ${oc.env:...} resolved
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["submit", "--cfg", "job"]])
-def test_login_node_path_never_imports_torch(argv: list[str]) -> None:
+@pytest.mark.parametrize("argv", [["--help"], ["submit", "--cfg", "job"], ["submit", "--dry-run", "-m", "train.seed=1,2"],
+                                  ["submit", "--no-wait", "train.steps=2"]])
+def test_login_node_path_never_imports_torch(argv: list[str], tmp_path: Path) -> None:
+    """`submit` itself too: it pickles run_job by reference; only the job's own processes import torch."""
+    argv = [*argv, f"out_dir={tmp_path}"] if argv[0] == "submit" else argv
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", *argv],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "hydra" in imported or argv == ["--help"]
     assert "torch" not in imported
+
+
+def test_dry_run_prints_scripts_and_configs_and_writes_nothing(tmp_path: Path) -> None:
+    proc = run([HPC_TRAIN, "submit", "--dry-run", "-m", f"out_dir={tmp_path}", "train.seed=choice(1,2)", "model=tiny,small"])
+    assert proc.returncode == 0, proc.stderr
+    trials = re.findall(r"# ---- trial (\d): (.*) -> (\S+) ----", proc.stdout)
+    assert [t[1].split()[1:] for t in trials] == [["train.seed=1", "model=tiny"], ["train.seed=1", "model=small"],
+                                                 ["train.seed=2", "model=tiny"], ["train.seed=2", "model=small"]]
+    assert proc.stdout.count("d_model: 256") == 2 and proc.stdout.count("d_model: 64") == 2  # group sweep composed
+    assert "dry run: 4 trial(s)" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_users_config_dir_adds_options(tmp_path: Path) -> None:
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "mysite.yaml").write_text("executor: slurm\npartition: gpu\nnodes: 3\n")
+    proc = run([HPC_TRAIN, "submit", "--config-dir", str(tmp_path), "--cfg", "job", "cluster=mysite"])
+    assert proc.returncode == 0, proc.stderr
+    assert "partition: gpu" in proc.stdout and "nodes: 3" in proc.stdout and "d_model: 64" in proc.stdout
