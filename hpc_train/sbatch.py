@@ -42,6 +42,9 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)  # exported in the batch script; values shell-quoted
     setup: list[str] = field(default_factory=list)  # shell lines, one command each, run before srun
     launcher: list[str] = field(default_factory=list)  # words before python in srun, e.g. apptainer exec IMG
+    # sbatch --switches=<count>[@<max wait>]: at most that many leaf switches, waiting up to the time
+    # given for such an allocation ("1@30:00"); None leaves placement to Slurm.
+    switches: str | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -70,6 +73,9 @@ class ClusterConfig:
             if any(c in line for c in "\n\r\0"):
                 raise ValueError(f"cluster.setup[{i}]={line!r} spans several lines; give each command as "
                                  f"its own list item")
+        if self.switches is not None and not re.fullmatch(r"\d+(@[\d:-]+)?", self.switches):
+            raise ValueError(f"cluster.switches={self.switches!r} is not sbatch's <count>[@<max wait>]; "
+                             f"e.g. cluster.switches='1@30:00'")
         if self.template is not None and not (TEMPLATES_DIR / f"{self.template}.sh").is_file():
             known = sorted(p.stem for p in TEMPLATES_DIR.glob("*.sh") if p.stem != "signal_relay")
             raise ValueError(f"cluster.template={self.template!r}: no {TEMPLATES_DIR}/{self.template}.sh; "
@@ -112,6 +118,8 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
     }
     if max_parallel is not None:
         params["array_parallelism"] = max_parallel
+    if cluster.switches:
+        params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:
         params["partition"] = cluster.partition
     if cluster.gpus_per_node:

@@ -37,3 +37,11 @@ def test_rendered_script_matches_golden(name: str, overrides: list[str], array_s
     assert script == path.read_text(), (
         f"rendered script differs from {path}; if the change is intended, refresh with "
         f"HPC_TRAIN_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch.py and review the diff")
+
+
+def test_switches_request() -> None:
+    run = to_run_config(compose(["cluster=dev", "cluster.switches='1@30:00'"]))
+    script = render(run.cluster, "s-1", Path("/runs/s-1/submitit"))
+    assert "#SBATCH --switches=1@30:00\n" in script
+    with pytest.raises(ValueError, match=r"cluster.switches='one' is not sbatch's <count>\[@<max wait>\]"):
+        to_run_config(compose(["cluster=dev", "cluster.switches=one"]))
