@@ -24,6 +24,7 @@ REQUEUE_EXIT_CODE = 144
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 received: list[str] = []  # names of the signals caught so far, in order; read by the loop
+received_at: list[float] = []  # time.monotonic() of each, for the time left to save
 last_beat = [time.monotonic()]  # the loop's heartbeat, read by job.py's hang watchdog
 
 
@@ -41,7 +42,18 @@ def injected(fault: str) -> bool:
 
 
 def _record(signum: int, frame: object) -> None:
+    received_at.append(time.monotonic())
     received.append(signal.Signals(signum).name)
+
+
+def save_fits(expected_save_s: float, signal_lead_s: float, grace_s: float) -> bool:
+    """Collective: does a stop save of expected_save_s fit, on every rank, before Slurm's SIGKILL? The
+    deadline runs from the first signal: signal_lead_s after a USR2 alone, else grace_s (preemption)."""
+    budget = signal_lead_s if received and "SIGTERM" not in received else grace_s
+    left = (received_at[0] + budget - time.monotonic()) if received_at else float("inf")
+    flag = torch.tensor([1 if expected_save_s <= left else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def install_handlers() -> None:

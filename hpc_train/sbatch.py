@@ -35,6 +35,9 @@ class ClusterConfig:
     timeout_min: int = 60
     # USR2 this long before the time limit. Slurm may deliver it up to 60 s early, and the save must fit.
     signal_lead_s: int = 120
+    # SIGTERM -> SIGKILL at preemption: the partition's GraceTime (`scontrol show partition`). A stop save
+    # that will not fit in what is left of it (or of signal_lead_s after USR2) is skipped.
+    preempt_grace_s: int = 30
     # Exported as SLURM_CONF for every Slurm client call (without it, clients try a DNS SRV lookup).
     slurm_conf: str | None = None
     template: str | None = None  # sbatch_templates/<template>.sh: site setup (modules, paths)

@@ -104,8 +104,11 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         if env.rank == 0:
             log_event(run_dir, name, step, env.job_id, env.restart_count, **fields)
 
+    slowest_save_s = [0.0]  # this attempt's; background saves count whole, so it errs long
+
     def commit(p: checkpoint.Pending) -> None:
         save_s = checkpoint.commit(p, ckpt_root, ck)
+        slowest_save_s[0] = max(slowest_save_s[0], save_s)
         event("checkpoint_committed", p.step, path=str(p.folder), reason=p.reason, save_s=round(save_s, 4),
               stall_s=round(p.stall_s, 4))
 
@@ -174,6 +177,10 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         if pending and (stop or checkpoint.written_everywhere(pending)):
             commit(pending)  # a stop waits for the background write: one save at a time
             pending = None
+        if stop and not preempt.save_fits(slowest_save_s[0], cfg.cluster.signal_lead_s, cfg.cluster.preempt_grace_s):
+            # SIGKILL would land mid-save: leave the last committed checkpoint as it is and go.
+            event("stop_save_skipped", step, expected_save_s=round(slowest_save_s[0], 3))
+            return "requeue", step
         final = step == tc.steps
         if stop or final or step % ck.every_steps == 0:
             last_loss = global_mean(loss)

@@ -103,3 +103,21 @@ def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     assert events[-1]["event"] == "finish" and events[-1]["final_step"] == 20
     log = (run_dir / "submitit").glob("*_2_log.err")
     assert any("Thread 0x" in p.read_text() and "in train" in p.read_text() for p in log)  # the stack dump
+
+
+def test_stop_save_that_cannot_fit_is_skipped(tmp_path: Path) -> None:
+    """With no grace left (cluster.preempt_grace_s=0) a SIGTERM skips the stop save: the run requeues
+    at once and resumes from its last periodic checkpoint, still bit-exact."""
+    args = [f"out_dir={tmp_path}", *ARGS, "cluster.preempt_grace_s=0"]
+    ref_dir, _ = submit([*args, "name=ref"])
+    run_dir, job_id = submit([*args, "name=cut", "train.min_step_time_s=0.2", "--no-wait"])
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
+    os.kill(int(job_id), signal.SIGTERM)
+    wait_until(lambda: (run_dir / "summary.json").exists(), 240, "the resumed run")
+    wait_until(lambda: (ref_dir / "summary.json").exists(), 240, "the reference")
+    events = read_events(run_dir)
+    skipped = [e for e in events if e["event"] == "stop_save_skipped"]
+    assert len(skipped) == 1
+    resumed = [e for e in events if e["event"] == "start"][1]
+    assert resumed["step"] % 10 == 0 and resumed["step"] < skipped[0]["step"]  # the last periodic checkpoint
+    assert json.loads((run_dir / "summary.json").read_text()) == json.loads((ref_dir / "summary.json").read_text())
