@@ -279,8 +279,14 @@ def down(root: Path = CLUSTER_DIR) -> None:
     run = paths(root)["run"]
     if not run.exists():
         return
-    if is_up(root):  # cancel jobs first so no job process outlives its slurmd
+    if is_up(root):
+        # Cancel every job and wait for the jobs to end before stopping the daemons. Otherwise a job's
+        # slurmstepd outlives its slurmd, and later reports "job 5 done" to the *next* cluster's
+        # controller, whose job 5 is another job (ids restart at 1): seen once, it killed a test's sweep.
         _run(["scancel", "--full", "--user=root"], root, check=False, timeout_s=10)
+        deadline = time.monotonic() + 30  # KillWait=10 s, then SIGKILL
+        while time.monotonic() < deadline and _run(["squeue", "-h", "-o", "%i"], root, check=False).stdout.strip():
+            time.sleep(0.5)
     order = [f"slurmd-{n}" for n in NODES] + ["slurmctld", "slurmdbd", "mariadb", "munged"]
     for name in order:
         pid = _read_pid(run / f"{name}.pid")
