@@ -144,11 +144,13 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
     flops_per_token = model_flops_per_token(model, cfg)
     peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
 
+    hang_drill = preempt.injected("hang") and env.rank == env.world_size - 1  # read once, not every step
+
     # Go!
     while step < tc.steps:
         t0 = time.monotonic()
         preempt.beat()  # the hang watchdog (job.py) restarts its clock
-        if preempt.injected("hang") and env.rank == env.world_size - 1 and step == first_step + 3:
+        if hang_drill and step == first_step + 3:
             time.sleep(10**9)  # a drill: the last rank stops, the others block in the next collective
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tc)
