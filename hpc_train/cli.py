@@ -80,8 +80,7 @@ def _submit(args: argparse.Namespace) -> int:
             _print_dry_run(p)
             return 0
         with _progress(enabled=args.multirun) as progress:
-            p, jobs = submit.submit(args.overrides, args.multirun, args.sweep_dir, args.max_parallel,
-                                    config_dir, progress)
+            p, jobs = submit.submit(p, args.overrides, args.multirun, args.sweep_dir, args.max_parallel, progress)
     except Exception as e:
         if not _is_user_error(e):
             raise

@@ -222,13 +222,12 @@ def _sbatch_with_retry(submit_once: Callable[[], Any], what: str, attempts: int 
             time.sleep(backoff_s * 2**attempt)
 
 
-def submit(overrides: list[str], multirun: bool = False, sweep_dir: Path | None = None,
-           max_parallel: int | None = None, config_dir: Path = CONF_DIR,
+def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Path | None = None,
+           max_parallel: int | None = None,
            progress: Callable[[int, int], None] | None = None) -> tuple[Plan, list[Any]]:
-    """Validate everything, then write and queue. Returns (plan with job ids, submitit jobs submitted now)."""
+    """Write and queue what plan() validated. Returns (the plan with job ids, submitit jobs submitted now)."""
     from hpc_train.job import run_job
 
-    p = plan(overrides, multirun, sweep_dir, max_parallel, config_dir)
     first = p.runs[0]
     if not multirun:
         run_dir = p.target = claim_dir(p.target)
