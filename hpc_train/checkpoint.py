@@ -208,7 +208,7 @@ def pick_resume(root: Path, show_progress: bool = False) -> tuple[Path | None, l
     from rich.progress import Progress
 
     skipped = []
-    with Progress(disable=not show_progress) as progress:
+    with Progress(disable=not show_progress or not committed(root)) as progress:  # no bar, no blank line
         for folder in reversed(committed(root)):
             try:
                 total = sum(f["bytes"] for f in json.loads((folder / MARKER).read_text())["files"].values())

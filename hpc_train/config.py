@@ -33,13 +33,20 @@ class ModelConfig:  # model.py
 
 @dataclass
 class DataConfig:  # data.py
-    source: str = "synthetic"  # generated in-process: no download, same bytes on every rank
-    corpus_words: int = 16384  # "words" of 3-8 tokens in the generated corpus (~90 k tokens)
-    seed: int = 0
+    # "synthetic": generated in-process, no download, same bytes on every rank;
+    # "tokens": the shards `hpc-train prepare-data` wrote into `path`, read by memmap
+    source: str = "synthetic"
+    path: str = ""
+    corpus_words: int = 16384  # synthetic: "words" of 3-8 tokens in the generated corpus (~90 k tokens)
+    seed: int = 0  # the corpus and the order windows are visited in
 
     def __post_init__(self) -> None:
-        if self.source != "synthetic":
-            raise ValueError(f"data.source={self.source!r}: only 'synthetic' exists so far; use data=synthetic")
+        if self.source not in ("synthetic", "tokens"):
+            raise ValueError(f"data.source={self.source!r} is not one of ('synthetic', 'tokens'); use data=synthetic "
+                             f"or data=tokens data.path=DIR")
+        if self.source == "tokens" and not self.path:
+            raise ValueError("data.source=tokens needs data.path: the directory `hpc-train prepare-data FILES... "
+                             "--out DIR` wrote")
         if self.corpus_words < 64:
             raise ValueError(f"data.corpus_words={self.corpus_words} must be >= 64 so every batch finds a window")
 
@@ -47,7 +54,7 @@ class DataConfig:  # data.py
 @dataclass
 class TrainConfig:  # train.py
     steps: int = 60
-    batch_seqs_per_rank: int = 8
+    batch_seqs_per_rank: int = 8  # per data-parallel rank: the train.tp ranks of a tensor-parallel group share one
     lr: float = 3e-3
     warmup_steps: int = 5
     weight_decay: float = 0.1
@@ -58,6 +65,11 @@ class TrainConfig:  # train.py
     min_step_time_s: float = 0.0
     rendezvous_timeout_s: int = 120
     parallelism: str = "ddp"  # "ddp": replicate and all-reduce; "fsdp": FSDP2, shard params/grads/optimizer
+    # Tensor-parallel ranks per group (fsdp only): each block's matmuls split over tp ranks of one node,
+    # FSDP2 shards over the tasks_per_node / tp * nodes groups. 1 = off.
+    tp: int = 1
+    bf16: bool | None = None  # autocast matmuls to bfloat16; None: on for GPU, off for CPU
+    activation_checkpointing: bool | None = None  # recompute each block in backward; None: on for GPU
     grad_accum_steps: int = 1  # micro-batches of batch_seqs_per_rank summed into one optimizer step
     # A step (collectives and save included) that takes longer is a hang: every rank dumps its Python
     # stack to its log and the job fails (then requeues within requeue.max_failures). Keep it above the
@@ -67,8 +79,10 @@ class TrainConfig:  # train.py
 
     def __post_init__(self) -> None:
         if self.parallelism not in ("ddp", "fsdp"):
-            raise ValueError(f"train.parallelism={self.parallelism!r} is not one of ('ddp', 'fsdp'); tensor "
-                             f"parallelism is not built yet")
+            raise ValueError(f"train.parallelism={self.parallelism!r} is not one of ('ddp', 'fsdp')")
+        if self.tp < 1 or (self.tp > 1 and self.parallelism != "fsdp"):
+            raise ValueError(f"train.tp={self.tp} needs train.parallelism=fsdp (FSDP2 + tensor parallel on a 2-D "
+                             f"mesh) and must be >= 1; got parallelism={self.parallelism!r}")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"train.lr={self.lr} and train.grad_clip={self.grad_clip} must be > 0")
         if self.grad_accum_steps < 1 or self.watchdog_s <= 0:
@@ -108,6 +122,18 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
 
 
 @dataclass
+class FnConfig:  # byo.py: bring your own training function
+    # "package.module.function", called on every rank as function(ctx, **kwargs) with a byo.Context;
+    # empty: the built-in trainer (train.py)
+    _target_: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self._target_ and not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self._target_):
+            raise ValueError(f"fn._target_={self._target_!r} is not a dotted path; write package.module.function")
+
+
+@dataclass
 class RunConfig:
     name: str = "demo"
     out_dir: str = "runs"  # run directories are created below this, one per submit
@@ -117,8 +143,23 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     requeue: RequeueConfig = field(default_factory=RequeueConfig)
+    fn: FnConfig = field(default_factory=FnConfig)
 
     def __post_init__(self) -> None:
+        tp, per_node = self.train.tp, self.cluster.tasks_per_node
+        if per_node % tp:
+            raise ValueError(f"train.tp={tp} must divide cluster.tasks_per_node={per_node} so tensor-parallel groups "
+                             f"stay on one node; use tp in {[d for d in range(1, per_node + 1) if per_node % d == 0]}")
+        if tp > 1 and self.model.n_heads % tp:
+            raise ValueError(f"train.tp={tp} must divide model.n_heads={self.model.n_heads}: each rank holds whole "
+                             f"attention heads")
+        if self.data.source == "tokens":
+            from hpc_train.data import read_meta
+
+            vocab = read_meta(Path(self.data.path))["vocab_size"]
+            if vocab > self.model.vocab_size:
+                raise ValueError(f"data.path={self.data.path!r} holds {vocab} token ids but model.vocab_size="
+                                 f"{self.model.vocab_size}; set model.vocab_size={vocab}")
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):
             raise ValueError(f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the run "
@@ -253,7 +294,7 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
         return {str(k): _check_type(v, args[1], f"{key}.{k}") for k, v in value.items()}
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint in (int, float, str, bool) and type(value) is hint:
+    if hint is Any or (hint in (int, float, str, bool) and type(value) is hint):
         return value
     want = getattr(hint, "__name__", str(hint))
     raise ValueError(f"{key}={value!r} is a {type(value).__name__}, but {key} takes {want}")

@@ -1,31 +1,151 @@
-"""Deterministic data: a generated corpus and a sampler whose position is just the step number.
+"""Token data: shards from `hpc-train prepare-data`, read by memmap, or a corpus generated in-process.
 
-The corpus is 64 random "words" (3-8 byte tokens each) strung together at random: enough structure
-for the loss to fall, generated in ~5 ms from data.seed, so nothing is downloaded. Rank r's batch at
-step s is a pure function of (seed, s, r): resuming at step s needs no sampler state beyond s.
+    hpc-train prepare-data notes/*.txt --out data/notes        # byte tokens -> data/notes/shard_*.bin
+    hpc-train submit data=tokens data.path=data/notes model.seq_len=128
+
+The tokenizer is bytes: token = byte value (vocab 256), documents joined by a NUL byte (text holds none).
+The sampler cuts the token stream into windows of seq_len + 1 and visits them in a seeded permutation,
+a new one each epoch. Its position (sequences consumed, all ranks together) is saved in every checkpoint,
+so a resumed run reads exactly the windows the uninterrupted run would have read.
+
+`prepare` and `read_meta` are torch-free: the login node runs them.
 """
 
 from __future__ import annotations
 
-import torch
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from hpc_train.config import DataConfig
-
-
-def synthetic_corpus(cfg: DataConfig, vocab_size: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(cfg.seed)
-    words = [torch.randint(0, vocab_size, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
-             for _ in range(64)]
-    order = torch.randint(0, len(words), (cfg.corpus_words,), generator=g)
-    return torch.cat([words[i] for i in order.tolist()])
+META = "meta.json"
+SEPARATOR = b"\x00"  # between documents
 
 
-def batch(corpus: torch.Tensor, step: int, rank: int, world_size: int, batch_seqs: int,
-          seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of shape (batch_seqs, seq_len); disjoint sample indices across ranks and steps."""
-    first = (step * world_size + rank) * batch_seqs
-    idx = torch.arange(first, first + batch_seqs, dtype=torch.int64)
-    # Knuth's multiplicative hash scatters consecutive samples over the corpus.
-    starts = (idx * 2654435761) % (corpus.numel() - seq_len - 1)
-    windows = torch.stack([corpus[s: s + seq_len + 1] for s in starts.tolist()])
-    return windows[:, :-1], windows[:, 1:]
+def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int) -> dict[str, Any]:
+    """Write the byte tokens of every file under `inputs` (sorted, recursively) into shards of at most
+    `shard_tokens` tokens, plus meta.json. Writes into <out_dir>.tmp and renames it once complete, so an
+    interrupted run leaves nothing that looks usable; refuses an existing out_dir rather than mixing."""
+    if out_dir.exists():
+        raise ValueError(f"--out {out_dir} already exists; give a new directory (existing shards are never "
+                         f"overwritten)")
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    files: list[Path] = []
+    for p in inputs:
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file())
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"input {p} does not exist; give text files or directories of them")
+    if not files:
+        raise ValueError(f"no files under {[str(p) for p in inputs]}; give text files or directories of them")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        raise ValueError(f"{tmp} exists (an interrupted prepare-data?); remove it and run again")
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, Any]] = []
+    out = None
+
+    def write(chunk: bytes) -> None:
+        nonlocal out
+        while chunk:
+            if out is None or shards[-1]["tokens"] == shard_tokens:
+                if out is not None:
+                    out.close()
+                shards.append({"file": f"shard_{len(shards):05d}.bin", "tokens": 0})
+                out = open(tmp / shards[-1]["file"], "wb")
+            room = shard_tokens - shards[-1]["tokens"]
+            out.write(chunk[:room])
+            shards[-1]["tokens"] += len(chunk[:room])
+            chunk = chunk[room:]
+
+    for i, f in enumerate(files):
+        with open(f, "rb") as src:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                write(block)
+        if i < len(files) - 1:
+            write(SEPARATOR)
+    if out is not None:
+        out.close()
+    meta = {"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint8", "documents": len(files),
+            "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, out_dir)
+    return meta
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.path={str(path)!r} has no readable {META} ({e}); write one with "
+                         f"`hpc-train prepare-data FILES... --out {path}`") from None
+
+
+@dataclass
+class Sampler:
+    """Which token windows each data-parallel rank reads; `position` is all it needs to resume."""
+    shards: list[Any]  # 1-D uint8/int64 arrays: np.memmap over prepared shards, or the generated corpus
+    seq_len: int
+    seed: int
+    position: int = 0  # sequences consumed so far, all data-parallel ranks together
+    _starts: Any = field(init=False, repr=False)  # cumulative window counts per shard
+    _perm: tuple[int, Any] = field(init=False, repr=False, default=(-1, None))  # (epoch, permutation)
+
+    def __post_init__(self) -> None:
+        import numpy as np
+
+        counts = [max(0, (len(s) - 1) // self.seq_len) for s in self.shards]
+        self._starts = np.cumsum([0, *counts])
+        if self._starts[-1] == 0:
+            raise ValueError(f"no shard holds seq_len + 1 = {self.seq_len + 1} tokens; use a smaller "
+                             f"model.seq_len or more text")
+
+    def window(self, sample: int) -> Any:
+        import numpy as np
+
+        n = int(self._starts[-1])
+        epoch, k = divmod(sample, n)
+        if self._perm[0] != epoch:  # ~10 ms per million windows, once per epoch
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+        w = int(self._perm[1][k])
+        shard = int(np.searchsorted(self._starts, w, side="right")) - 1
+        offset = (w - int(self._starts[shard])) * self.seq_len
+        return self.shards[shard][offset: offset + self.seq_len + 1]
+
+    def next_batch(self, dp_rank: int, dp_size: int, batch_seqs: int) -> tuple[Any, Any]:
+        """(inputs, targets) of shape (batch_seqs, seq_len) for this rank; advances past every rank's."""
+        import numpy as np
+        import torch
+
+        first = self.position + dp_rank * batch_seqs
+        windows = np.stack([self.window(first + i) for i in range(batch_seqs)]).astype(np.int64)
+        self.position += dp_size * batch_seqs
+        t = torch.from_numpy(windows)
+        return t[:, :-1], t[:, 1:]
+
+
+def open_sampler(cfg: Any, seq_len: int, vocab_size: int) -> Sampler:
+    """The run's data: memmapped shards (data.source=tokens) or the generated corpus."""
+    import numpy as np
+
+    if cfg.source == "tokens":
+        meta = read_meta(Path(cfg.path))
+        shards = [np.memmap(Path(cfg.path) / s["file"], dtype=meta["dtype"], mode="r") for s in meta["shards"]]
+    else:
+        shards = [synthetic_corpus(cfg.corpus_words, cfg.seed, vocab_size)]
+    return Sampler(shards, seq_len, cfg.seed)
+
+
+def synthetic_corpus(words: int, seed: int, vocab_size: int) -> Any:
+    """64 random "words" (3-8 tokens each) strung together at random: enough structure for the loss to
+    fall, generated in ~5 ms from the seed, the same on every rank, nothing downloaded."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vocab = [rng.integers(0, vocab_size, int(rng.integers(3, 9))) for _ in range(64)]
+    return np.concatenate([vocab[i] for i in rng.integers(0, len(vocab), words)])
+

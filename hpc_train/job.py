@@ -96,6 +96,7 @@ def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
     import json
     import socket
 
+    import torch
     import torch.distributed as dist
 
     from hpc_train import topology
@@ -121,7 +122,11 @@ def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
         order = plan["nodes"]
         placed = dataclasses.replace(env, rank=order.index(node) * env.local_world_size + env.local_rank,
                                      node_rank=order.index(node), nodes=tuple(order))
-        dist.init_process_group("gloo", store=store, rank=placed.rank, world_size=env.world_size, timeout=timeout)
+        backend = "gloo"
+        if torch.cuda.is_available():  # one GPU per task: the task's own if Slurm bound one, else by local rank
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+            backend = "cpu:gloo,cuda:nccl"  # CPU tensors (resume step, verdicts) still go through gloo
+        dist.init_process_group(backend, store=store, rank=placed.rank, world_size=env.world_size, timeout=timeout)
     except Exception as e:
         raise RuntimeError(
             f"task {env.rank}/{env.world_size} on {socket.gethostname()}: rendezvous at {where} failed within "

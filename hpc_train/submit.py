@@ -125,6 +125,9 @@ def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, ma
     trial_overrides = expand_sweep(overrides) if multirun else [overrides]
     composed = compose_trials(trial_overrides, config_dir)
     configs, runs = [c for c, _ in composed], [r for _, r in composed]
+    for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
+        if c["data"].get("path"):
+            c["data"]["path"] = str(Path(c["data"]["path"]).resolve())
     first: ClusterConfig = runs[0].cluster
     if first.slurm_conf:
         slurm.slurm_env(first.slurm_conf)

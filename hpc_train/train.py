@@ -2,6 +2,7 @@
 
     hpc-train submit                                # 2 ranks on this machine (local executor)
     hpc-train submit cluster=dev train.steps=200    # 2 nodes x 2 ranks on the test cluster
+    hpc-train submit train.parallelism=fsdp train.tp=2 cluster.tasks_per_node=4   # FSDP2 x TP on a 2x2 mesh
 
 Called by job.py on every rank once torch.distributed is up. Returns ("finished" | "requeue", step);
 the caller exits accordingly. Bit-exact on CPU: a run stopped and resumed any number of times ends with the
@@ -14,11 +15,14 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_train import checkpoint, data, preempt
@@ -27,6 +31,9 @@ from hpc_train.env import RankEnv
 from hpc_train.metrics import METRICS, append_jsonl, log_event
 from hpc_train.model import GPT
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
@@ -34,6 +41,63 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, "DeviceMesh"]:
+    """This rank's device (the GPU job.py selected, else CPU) and the (dp, tp) mesh. Ranks are
+    node-contiguous (placement) and tp divides tasks_per_node, so the inner tp dimension, consecutive
+    ranks, never leaves a node: TP's per-layer all-reduces stay on NVLink, FSDP's traffic crosses nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return device, init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Module:
+    """DDP; or FSDP2 over dp, each block's matmuls first split over tp (Megatron's layout: q/k/v and
+    fc by columns, proj and fc_out by rows, so one all-reduce per attention and per MLP). Embeddings,
+    norms and the tied head stay whole on every tp rank. Returns the module to call."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if tc.parallelism == "ddp":
+        return DDP(model)
+    if tc.tp > 1:
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
+                "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
+    for block in model.blocks:  # one all-gather per block in forward, freed after: peak = one block's params
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
+    """torch's clip_grad_norm_, for gradients that live on different meshes (FSDP2 x TP: block matmuls
+    on (dp, tp), norms and embeddings on dp), which torch's one foreach call rejects. The norm of each
+    mesh's group is reduced over its mesh, then combined."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated by tensors on a GPU; on CPU the process's peak resident set (tensors + Python)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -81,28 +145,37 @@ def params_sha256(model: torch.nn.Module) -> str:
 
 def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tuple[str, int]:
     tc = cfg.train
+    device, mesh = device_and_mesh(env.world_size, tc.tp)
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()  # a tp group reads one batch
+    on_gpu = device.type == "cuda"
+    bf16 = on_gpu if tc.bf16 is None else tc.bf16
     torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = GPT(cfg.model)
-    if tc.parallelism == "fsdp":  # FSDP2: each block's parameters, grads and AdamW state sharded over ranks
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (env.world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        net = fully_shard(model, mesh=mesh)
-    else:
-        net = DDP(model)
+    model = GPT(cfg.model).to(device)
+    model.activation_checkpointing = on_gpu if tc.activation_checkpointing is None else tc.activation_checkpointing
+    net = parallelize(model, tc, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    corpus = data.synthetic_corpus(cfg.data, cfg.model.vocab_size)
+    sampler = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
     ck, ckpt_root = cfg.checkpoint, run_dir / "checkpoints"
     background = checkpoint.background_writer() if ck.async_save else None
     pending: checkpoint.Pending | None = None
-    say = print if env.rank == 0 else (lambda *a, **k: None)
+    console = Console(highlight=False, width=200) if env.rank == 0 else None  # rank 0 speaks for the run
+
+    def say(line: str) -> None:
+        if console is not None:
+            console.print(line, markup=False)  # '[hpc_train]' is text, not a style tag
+            sys.stdout.flush()
 
     def event(name: str, step: int, **fields: object) -> None:
         if env.rank == 0:
             log_event(run_dir, name, step, env.job_id, env.restart_count, **fields)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = sampler.next_batch(dp_rank, dp_size, tc.batch_seqs_per_rank)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            return net(x, y)
 
     slowest_save_s = [0.0]  # this attempt's; background saves count whole, so it errs long
 
@@ -125,24 +198,28 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
     if folder is not None:
         extra = checkpoint.load(folder, model, optimizer)
         step, last_loss = int(extra["step"]), float(extra["loss"])
+        sampler.position = int(extra["data_position"])
         torch.set_rng_state(extra["rng"])
         if tc.parallelism == "ddp":
             # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
             # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
             # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
-            net(*data.batch(corpus, step, env.rank, env.world_size, tc.batch_seqs_per_rank, cfg.model.seq_len)).backward()
+            loss_of(*next_batch()).backward()
             optimizer.zero_grad(set_to_none=True)
+            sampler.position = int(extra["data_position"])
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
     dist.all_gather(pids, torch.tensor([os.getpid()]))  # for `hpc-train chaos kill-rank` and post-mortems
     event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
-          nodes=list(env.nodes), launched_at=launched_at, pids=[int(p) for p in pids],
+          nodes=list(env.nodes), launched_at=launched_at, pids=[int(p) for p in pids], mesh={"dp": dp_size, "tp": tc.tp},
           rank_nodes=[env.nodes[r // env.local_world_size] for r in range(env.world_size)])  # placed: node-contiguous
     first_step = step
-    say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on "
-        f"{env.num_nodes} node(s), starting at step {step}/{tc.steps}", flush=True)
+    say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on {env.num_nodes} "
+        f"node(s), mesh dp={dp_size} x tp={tc.tp}, {tc.parallelism}, {device.type}{' bf16' if bf16 else ''}, "
+        f"starting at step {step}/{tc.steps}")
 
     flops_per_token = model_flops_per_token(model, cfg)
     peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
+    tokens_per_step = dp_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
 
     hang_drill = preempt.injected("hang") and env.rank == env.world_size - 1  # read once, not every step
 
@@ -158,13 +235,12 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         data_s = 0.0
         for micro in range(tc.grad_accum_steps):
             t_data = time.monotonic()
-            x, y = data.batch(corpus, step * tc.grad_accum_steps + micro, env.rank, env.world_size,
-                              tc.batch_seqs_per_rank, cfg.model.seq_len)
+            x, y = next_batch()
             data_s += time.monotonic() - t_data
-            loss = net(x, y)
+            loss = loss_of(x, y)
             # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
             (loss / tc.grad_accum_steps if tc.grad_accum_steps > 1 else loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        clip_grad_norm(model, tc.grad_clip)
         optimizer.step()
         step += 1
         if tc.min_step_time_s > 0:
@@ -186,8 +262,8 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         final = step == tc.steps
         if stop or final or step % ck.every_steps == 0:
             last_loss = global_mean(loss)
-            tokens_seen = step * tc.grad_accum_steps * tc.batch_seqs_per_rank * cfg.model.seq_len * env.world_size
-            extra = {"step": torch.tensor(step), "tokens_seen": torch.tensor(tokens_seen),
+            extra = {"step": torch.tensor(step), "tokens_seen": torch.tensor(step * tokens_per_step),
+                     "data_position": torch.tensor(sampler.position),
                      "loss": torch.tensor(last_loss, dtype=torch.float64), "rng": torch.get_rng_state()}
             in_background = background is not None and not (stop or final)
             pending = checkpoint.start_save(ckpt_root, step, model, optimizer, extra,
@@ -201,18 +277,21 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
         if step % tc.log_every_steps == 0:
             last_loss = global_mean(loss)
             if env.rank == 0:
-                tokens = env.world_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
-                tokens_per_s = tokens / step_time_s
-                append_jsonl(run_dir / METRICS, {
-                    "time": time.time(), "step": step, "loss": last_loss, "lr": lr_at(step - 1, tc),
-                    "step_time_s": step_time_s, "data_wait_fraction": data_s / step_time_s,
-                    "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / env.world_size,
-                    "mfu": mfu(flops_per_token, tokens_per_s / env.world_size, peak_flops)})
-            say(f"step {step:6d}  loss {last_loss:.4f}  {step_time_s * 1e3:.1f} ms/step", flush=True)
+                tokens_per_s = tokens_per_step / step_time_s
+                row = {"time": time.time(), "step": step, "loss": last_loss, "lr": lr_at(step - 1, tc),
+                       "step_time_s": step_time_s, "data_wait_fraction": data_s / step_time_s,
+                       "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / env.world_size,
+                       "peak_memory_mb": peak_memory_mb(device),
+                       "mfu": mfu(flops_per_token, tokens_per_s / env.world_size, peak_flops)}
+                append_jsonl(run_dir / METRICS, row)
+                mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+                say(f"step {step:6d}/{tc.steps}  loss {last_loss:.4f}  lr {row['lr']:.2e}  "
+                    f"{step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} tok/s  data {row['data_wait_fraction']:.1%}  "
+                    f"mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}")
 
     summary = {"final_step": step, "final_loss": last_loss, "params_sha256": params_sha256(model)}
     if env.rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     event("finish", step, **summary)
-    say(f"[hpc_train] finished: {json.dumps(summary)}", flush=True)
+    say(f"[hpc_train] finished: {json.dumps(summary)}")
     return "finished", step

@@ -72,20 +72,39 @@ def test_status_logs_and_report_of_a_local_run(tmp_path: Path) -> None:
     assert report.returncode == 0 and "goodput" in report.stdout and (run_dir / "report.png").exists()
 
 
-def test_ddp_and_fsdp2_reach_the_same_loss_and_fsdp2_resumes_exactly(tmp_path: Path) -> None:
-    """Same data, same init: DDP and FSDP2 (sharded params, grads, AdamW state) agree to 1e-6 relative
-    (summation order differs: all-reduce vs reduce-scatter). FSDP2 checkpoints are sharded DCP."""
+def test_ddp_fsdp2_and_fsdp2_tp_reach_the_same_loss_and_resume_exactly(tmp_path: Path) -> None:
+    """Same data, same init: DDP, FSDP2 (sharded params, grads, AdamW state) and FSDP2 x TP on a 2x2
+    mesh agree to 1e-6 relative (summation orders differ: all-reduce, reduce-scatter, TP's partial sums).
+    The TP run's 2 data-parallel ranks read 16 sequences each, the same 32 per step as 4 DDP ranks x 8.
+    Sharded DCP checkpoints resume bit-exactly under FSDP2 x TP too."""
     args = [f"out_dir={tmp_path}", "cluster.tasks_per_node=4", "train.steps=30", "checkpoint.every_steps=10"]
+    tp = ["train.parallelism=fsdp", "train.tp=2", "train.batch_seqs_per_rank=16"]
     ddp_dir, _ = submit([*args, "name=ddp"])
     fsdp_dir, _ = submit([*args, "name=fsdp", "train.parallelism=fsdp"])
-    cut_dir, job_id = submit([*args, "name=cut", "train.parallelism=fsdp", "train.min_step_time_s=0.2", "--no-wait"])
+    tp_dir, _ = submit([*args, "name=tp", *tp])
+    cut_dir, job_id = submit([*args, "name=cut", *tp, "train.min_step_time_s=0.2", "--no-wait"])
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(cut_dir)), 120, "a checkpoint")
     os.kill(int(job_id), signal.SIGTERM)
-    wait_until(lambda: (cut_dir / "summary.json").exists(), 240, "the resumed FSDP2 run")
-    ddp, fsdp, cut = (json.loads((d / "summary.json").read_text()) for d in (ddp_dir, fsdp_dir, cut_dir))
+    wait_until(lambda: (cut_dir / "summary.json").exists(), 240, "the resumed FSDP2 x TP run")
+    ddp, fsdp, tp_run, cut = (json.loads((d / "summary.json").read_text()) for d in (ddp_dir, fsdp_dir, tp_dir, cut_dir))
     assert abs(ddp["final_loss"] - fsdp["final_loss"]) <= 1e-6 * abs(ddp["final_loss"])
-    assert cut == fsdp  # bit-exact resume under FSDP2 too
-    assert [e["event"] for e in read_events(cut_dir)].count("start") == 2
+    assert abs(ddp["final_loss"] - tp_run["final_loss"]) <= 1e-6 * abs(ddp["final_loss"])
+    assert cut == tp_run  # bit-exact resume under FSDP2 x TP
+    starts = [e for e in read_events(cut_dir) if e["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["mesh"] == {"dp": 2, "tp": 2}
+
+
+def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path: Path) -> None:
+    """The GPU defaults, forced on CPU: recomputing blocks in fp32 changes nothing, bit for bit; bf16
+    autocast trains to a loss near fp32's (measured 8e-5 apart after 20 steps; bf16 keeps 8 mantissa bits)."""
+    args = [f"out_dir={tmp_path}", "train.steps=20"]
+    plain, _ = submit([*args, "name=plain"])
+    ac, _ = submit([*args, "name=ac", "train.activation_checkpointing=true"])
+    bf16, _ = submit([*args, "name=bf16", "train.bf16=true"])
+    plain_s, ac_s, bf16_s = (json.loads((d / "summary.json").read_text()) for d in (plain, ac, bf16))
+    assert ac_s == plain_s
+    assert bf16_s["params_sha256"] != plain_s["params_sha256"] and abs(bf16_s["final_loss"] - plain_s["final_loss"]) < 0.01
+    assert "cpu bf16" in next((bf16 / "submitit").glob("*_0_log.out")).read_text()
 
 
 def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
