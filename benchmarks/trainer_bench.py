@@ -33,10 +33,10 @@ def plain_loop(model_cfg: ModelConfig, steps: int, batch: int, threads: int) -> 
     torch.manual_seed(0)
     model = GPT(model_cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    corpus = data.synthetic_corpus(DataConfig(), model_cfg.vocab_size)
+    sampler = data.open_sampler(DataConfig(), model_cfg.seq_len, model_cfg.vocab_size)
     t_first = 0.0
     for step in range(steps):
-        x, y = data.batch(corpus, step, 0, 1, batch, model_cfg.seq_len)
+        x, y = sampler.next_batch(0, 1, batch)
         loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -23,6 +23,12 @@ from conftest import HPC_TRAIN, run
     ("name='a;b'", r"name='a;b' must be 1-64 letters, digits, '.', '_' or '-'"),
     ("cluster=dev|cluster.setup=['echo \"unterminated']", r"the batch script would not parse: .*unexpected EOF"),
     ("cluster=nope", r"Could not find 'cluster/nope'"),
+    ("train.parallelism=fsdp|train.tp=3", r"train.tp=3 must divide cluster.tasks_per_node=2 so tensor-parallel "
+                                          r"groups stay on one node; use tp in \[1, 2\]"),
+    ("train.tp=2", r"train.tp=2 needs train.parallelism=fsdp"),
+    ("data=tokens|data.path=/nonexistent", r"data.path='/nonexistent' has no readable meta.json .*; write one with "
+                                           r"`hpc-train prepare-data FILES... --out /nonexistent`"),
+    ("fn._target_=not a path", r"fn._target_='not a path' is not a dotted path; write package.module.function"),
 ])
 def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, message: str) -> None:
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *override.split("|")])

@@ -1,0 +1,87 @@
+"""Token data: `hpc-train prepare-data` shards, the memmap sampler, and a run trained on them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import HPC_TRAIN, run
+from hpc_train.config import DataConfig
+from hpc_train.data import Sampler, open_sampler, prepare
+
+
+def write_texts(folder: Path) -> list[bytes]:
+    texts = [b"the quick brown fox\n" * 40, "pr\u00e9-\u00e9t\u00e9 \u2713\n".encode() * 30, b"lorem ipsum " * 50]
+    for i, t in enumerate(texts):
+        (folder / "sub").mkdir(parents=True, exist_ok=True)
+        (folder / ("sub" if i == 2 else ".") / f"doc{i}.txt").write_bytes(t)
+    return texts
+
+
+def test_prepare_writes_byte_tokens_in_shards_and_refuses_an_existing_out(tmp_path: Path) -> None:
+    texts = write_texts(tmp_path / "in")
+    meta = prepare([tmp_path / "in"], tmp_path / "out", shard_tokens=500)
+    stream = b"".join((tmp_path / "out" / s["file"]).read_bytes() for s in meta["shards"])
+    assert stream == b"\x00".join(texts)  # sorted order: doc0, doc1, sub/doc2; NUL between documents
+    assert [s["tokens"] for s in meta["shards"]] == [500] * (len(stream) // 500) + [len(stream) % 500]
+    assert meta["vocab_size"] == 256 and meta["documents"] == 3
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    with pytest.raises(ValueError, match=r"--out .*out already exists; give a new directory"):
+        prepare([tmp_path / "in"], tmp_path / "out", shard_tokens=500)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+
+
+def test_sampler_visits_every_window_once_per_epoch_disjoint_across_ranks() -> None:
+    shards = [np.arange(0, 101, dtype=np.int64), np.arange(1000, 1051, dtype=np.int64)]  # 10 + 5 windows of 10
+    seen = []
+    samplers = [Sampler(shards, seq_len=10, seed=3) for _ in range(3)]
+    for _ in range(5):  # 5 steps x 3 ranks x 1 sequence = one epoch of 15 windows
+        for rank, s in enumerate(samplers):
+            x, y = s.next_batch(rank, 3, 1)
+            assert (y[:, :-1] == x[:, 1:]).all()
+            seen.append(int(x[0, 0]))
+    starts = sorted([10 * w for w in range(10)] + [1000 + 10 * w for w in range(5)])
+    assert sorted(seen) == starts  # every window once, none crosses a shard's end
+    assert samplers[0].position == 15
+    one = Sampler(shards, seq_len=10, seed=3)
+    epochs = [[int(one.next_batch(0, 1, 1)[0][0, 0]) for _ in range(15)] for _ in range(2)]
+    assert sorted(epochs[1]) == starts and epochs[1] != epochs[0]  # each epoch: a new permutation
+
+
+def test_sampler_resumes_from_its_position() -> None:
+    corpus = [np.arange(5000) % 256]
+    straight = Sampler(corpus, 16, seed=0)
+    batches = [straight.next_batch(1, 2, 4)[0] for _ in range(6)]
+    resumed = Sampler(corpus, 16, seed=0, position=Sampler(corpus, 16, seed=0).position + 3 * 2 * 4)
+    assert all((resumed.next_batch(1, 2, 4)[0] == b).all() for b in batches[3:])
+
+
+def test_open_sampler_reads_prepared_shards_by_memmap(tmp_path: Path) -> None:
+    write_texts(tmp_path / "in")
+    prepare([tmp_path / "in"], tmp_path / "out", shard_tokens=400)
+    s = open_sampler(DataConfig(source="tokens", path=str(tmp_path / "out")), seq_len=32, vocab_size=256)
+    assert all(isinstance(shard, np.memmap) for shard in s.shards) and len(s.shards) == 5
+    x, _ = s.next_batch(0, 1, 8)
+    assert x.shape == (8, 32) and int(x.max()) < 256
+
+
+def test_train_on_prepared_text_from_the_command_line(tmp_path: Path) -> None:
+    write_texts(tmp_path / "in")
+    out = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "tok"), "--shard-tokens", "1000"])
+    assert out.returncode == 0, out.stderr
+    assert "tokens from 3 file(s) in 2 shard(s)" in out.stdout and "data=tokens data.path=" in out.stdout
+    again = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "tok")])
+    assert again.returncode == 2 and "already exists; give a new directory" in again.stderr
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path / 'runs'}", "data=tokens", f"data.path={tmp_path / 'tok'}",
+                "train.steps=20", "checkpoint.every_steps=10"], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "runs" / "demo-1"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_loss"] < 4.0  # ln(256) = 5.5: repetitive English is learnt fast
+    import torch
+
+    extras = torch.load(run_dir / "checkpoints" / "step_000020" / "rank_00001.pt", weights_only=True)
+    assert int(extras["data_position"]) == 20 * 2 * 8  # steps x data-parallel ranks x batch_seqs_per_rank
