@@ -234,3 +234,20 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
                            f"({json.loads((folder / MARKER).read_text())['world_size']} ranks); resume with "
                            f"that many ranks")
     return torch.load(rank_file, weights_only=True)  # no pickle code runs on load
+
+
+def resume(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           on_skip: Callable[[str], Any] = lambda why: None) -> tuple[Path | None, dict[str, Any]]:
+    """Collective. Rank 0 picks the newest checkpoint that verifies (reporting each newer one it skips),
+    every rank loads that one. Returns (its folder, this rank's extras), or (None, {}) on a fresh run."""
+    chosen = torch.tensor([-1])
+    if dist.get_rank() == 0:
+        folder, skipped = pick_resume(root, show_progress=True)
+        for why in skipped:
+            on_skip(why)
+        chosen[0] = int(folder.name.split("_")[1]) if folder else -1
+    dist.broadcast(chosen, src=0)
+    if chosen < 0:
+        return None, {}
+    folder = step_dir(root, int(chosen))
+    return folder, load(folder, model, optimizer)

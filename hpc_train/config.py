@@ -129,8 +129,24 @@ class FnConfig:  # byo.py: bring your own training function
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self._target_ and not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self._target_):
+        if not self._target_:
+            return
+        if not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self._target_):
             raise ValueError(f"fn._target_={self._target_!r} is not a dotted path; write package.module.function")
+        import importlib.util
+        import os
+        import sys
+
+        module = self._target_.rsplit(".", 1)[0]
+        if os.getcwd() not in sys.path:  # the job runs `python -m submitit...` here: its sys.path has the cwd
+            sys.path.append(os.getcwd())
+        try:  # finds the file without running it (its parent packages are imported)
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError(f"fn._target_={self._target_!r}: module {module!r} is not importable here; install it "
+                             f"(pip install -e .) or add its folder to PYTHONPATH, which the job inherits")
 
 
 @dataclass

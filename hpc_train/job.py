@@ -179,7 +179,12 @@ def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: flo
     torch.set_num_threads(int(cores))
     env = _rendezvous(env, cfg, run_dir)
     _start_watchdog(cfg.train.watchdog_s, run_dir, env, preempt)
-    outcome, step = train(cfg, env, run_dir, launched_at)
+    if cfg.fn._target_:  # the user's own function, with the same services
+        from hpc_train import byo
+
+        outcome, step = byo.run(cfg, env, run_dir, launched_at)
+    else:
+        outcome, step = train(cfg, env, run_dir, launched_at)
     if outcome == "requeue":
         # Rank 0 decides against the budgets and tells everyone, so no rank exits with 144 alone.
         reason = stop_reason(preempt.received, time.monotonic() - started, cfg.cluster.timeout_min,

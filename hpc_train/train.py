@@ -100,6 +100,15 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def start_fields(env: RankEnv, launched_at: float) -> dict[str, object]:
+    """Collective: what the "start" event records for `hpc-train status/report/chaos`: every rank's pid
+    (chaos kill-rank, post-mortems) and node, in placed order (node-contiguous)."""
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
+    dist.all_gather(pids, torch.tensor([os.getpid()]))
+    return {"world_size": env.world_size, "nodes": list(env.nodes), "launched_at": launched_at,
+            "pids": [int(p) for p in pids], "rank_nodes": [env.nodes[r // env.local_world_size] for r in range(env.world_size)]}
+
+
 def global_mean(value: torch.Tensor) -> float:
     t = value.detach().to(torch.float64).reshape(1)
     dist.all_reduce(t)
@@ -187,16 +196,8 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
 
     # Resume: rank 0 picks the newest checkpoint that verifies, and every rank loads that one.
     step, last_loss = 0, float("nan")
-    resume_step = torch.tensor([-1])
-    if env.rank == 0:
-        folder, skipped = checkpoint.pick_resume(ckpt_root, show_progress=True)
-        for why in skipped:
-            event("checkpoint_skipped", 0, reason=why)
-        resume_step[0] = int(folder.name.split("_")[1]) if folder else -1
-    dist.broadcast(resume_step, src=0)
-    folder = checkpoint.step_dir(ckpt_root, int(resume_step)) if resume_step >= 0 else None
+    folder, extra = checkpoint.resume(ckpt_root, model, optimizer, lambda why: event("checkpoint_skipped", 0, reason=why))
     if folder is not None:
-        extra = checkpoint.load(folder, model, optimizer)
         step, last_loss = int(extra["step"]), float(extra["loss"])
         sampler.position = int(extra["data_position"])
         torch.set_rng_state(extra["rng"])
@@ -207,11 +208,8 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
             loss_of(*next_batch()).backward()
             optimizer.zero_grad(set_to_none=True)
             sampler.position = int(extra["data_position"])
-    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
-    dist.all_gather(pids, torch.tensor([os.getpid()]))  # for `hpc-train chaos kill-rank` and post-mortems
-    event("start", step, resumed_from=str(folder) if folder else None, world_size=env.world_size,
-          nodes=list(env.nodes), launched_at=launched_at, pids=[int(p) for p in pids], mesh={"dp": dp_size, "tp": tc.tp},
-          rank_nodes=[env.nodes[r // env.local_world_size] for r in range(env.world_size)])  # placed: node-contiguous
+    event("start", step, resumed_from=str(folder) if folder else None, mesh={"dp": dp_size, "tp": tc.tp},
+          **start_fields(env, launched_at))
     first_step = step
     say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on {env.num_nodes} "
         f"node(s), mesh dp={dp_size} x tp={tc.tp}, {tc.parallelism}, {device.type}{' bf16' if bf16 else ''}, "

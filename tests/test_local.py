@@ -140,3 +140,31 @@ def test_stop_save_that_cannot_fit_is_skipped(tmp_path: Path) -> None:
     resumed = [e for e in events if e["event"] == "start"][1]
     assert resumed["step"] % 10 == 0 and resumed["step"] < skipped[0]["step"]  # the last periodic checkpoint
     assert json.loads((run_dir / "summary.json").read_text()) == json.loads((ref_dir / "summary.json").read_text())
+
+
+BYO = ["fn._target_=byo_train.main", "+fn.kwargs.steps=300"]
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "docs" / "examples")
+
+
+def test_byo_function_is_stopped_requeued_and_resumed(tmp_path: Path) -> None:
+    """docs/examples/byo_train.py, the documented example: a SIGTERM mid-run reaches its should_stop(),
+    it saves through ctx, the job requeues, and ctx.load resumes it to the uninterrupted run's weights."""
+    env = {**os.environ, "PYTHONPATH": EXAMPLES}
+    ref_dir, _ = submit([f"out_dir={tmp_path}", "name=ref", *BYO], env=env)
+    run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *BYO, "+fn.kwargs.step_s=0.02", "--no-wait"], env=env)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
+    os.kill(int(job_id), signal.SIGTERM)
+    wait_until(lambda: (run_dir / "summary.json").exists(), 240, "the resumed run")
+    ref, cut = (json.loads((d / "summary.json").read_text()) for d in (ref_dir, run_dir))
+    assert cut == ref and cut["final_step"] == 300
+    events = read_events(run_dir)
+    stop_save = next(e for e in events if e["event"] == "checkpoint_committed" and e["reason"] == "stop")
+    assert [e["step"] for e in events if e["event"] == "start"] == [0, stop_save["step"]]
+    assert [e["reason"] for e in events if e["event"] == "requeue"] == ["preempt"]
+
+
+def test_byo_target_that_does_not_import_is_refused_before_submit(tmp_path: Path) -> None:
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "fn._target_=no_such_pkg.train.main"])
+    assert proc.returncode == 2 and list(tmp_path.iterdir()) == []
+    assert ("fn._target_='no_such_pkg.train.main': module 'no_such_pkg.train' is not importable here; install it "
+            "(pip install -e .) or add its folder to PYTHONPATH") in proc.stderr
