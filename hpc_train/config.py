@@ -162,10 +162,10 @@ class RunConfig:
     fn: FnConfig = field(default_factory=FnConfig)
 
     def __post_init__(self) -> None:
+        from hpc_train.topology import mesh_shape
+
         tp, per_node = self.train.tp, self.cluster.tasks_per_node
-        if per_node % tp:
-            raise ValueError(f"train.tp={tp} must divide cluster.tasks_per_node={per_node} so tensor-parallel groups "
-                             f"stay on one node; use tp in {[d for d in range(1, per_node + 1) if per_node % d == 0]}")
+        mesh_shape(per_node * self.cluster.nodes, per_node, tp)  # the job's own check, at submit
         if tp > 1 and self.model.n_heads % tp:
             raise ValueError(f"train.tp={tp} must divide model.n_heads={self.model.n_heads}: each rank holds whole "
                              f"attention heads")

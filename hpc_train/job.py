@@ -115,7 +115,7 @@ def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
             for r in range(env.world_size):  # Slurm's task order = its node order
                 n, addr = json.loads(store.get(f"topo/{r}"))
                 addrs.setdefault(n, addr)
-            plan = topology.placement(addrs, env.local_world_size)
+            plan = topology.placement(addrs, env.local_world_size, cfg.train.tp)
             store.set("placement", json.dumps(plan))
             (run_dir / "placement.json").write_text(json.dumps(plan, indent=1) + "\n")
         plan = json.loads(store.get("placement"))

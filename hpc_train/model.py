@@ -15,11 +15,10 @@ class Block(nn.Module):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        # q, k, v apart rather than one fused projection: tensor parallelism shards each by columns, so
-        # a rank holds whole heads (n_heads / tp of them) of all three.
-        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        # One fused q/k/v projection (one GEMM, not three) whose output is laid out head by head,
+        # [q k v of head 0, q k v of head 1, ...]: tensor parallelism's column shards then hold whole
+        # heads, n_heads / tp of them, each with its own q, k and v.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
@@ -28,8 +27,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.ln1(x)
-        # -1 heads: under tensor parallelism this rank's projections hold only its share of the heads
-        q, k, v = (z(h).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
+        # -1 heads: under tensor parallelism this rank's projection holds only its share of the heads
+        q, k, v = (z.transpose(1, 2) for z in self.qkv(h).view(b, t, -1, 3, self.head_dim).unbind(3))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))

@@ -55,8 +55,8 @@ def mesh_shape(world_size: int, ranks_per_node: int, tp: int) -> dict[str, int]:
     """(dp, tp) with tensor parallel innermost: a tp group is tp consecutive ranks, so it stays on a node."""
     if tp < 1 or ranks_per_node % tp:
         divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
-        raise ValueError(f"tp={tp} must divide tasks_per_node={ranks_per_node} so tensor-parallel groups stay on "
-                         f"one node; use tp in {divisors}")
+        raise ValueError(f"train.tp={tp} must divide cluster.tasks_per_node={ranks_per_node} so tensor-parallel "
+                         f"groups stay on one node; use tp in {divisors}")
     return {"dp": world_size // tp, "tp": tp}
 
 

@@ -54,7 +54,7 @@ def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, "DeviceMesh
 
 
 def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Module:
-    """DDP; or FSDP2 over dp, each block's matmuls first split over tp (Megatron's layout: q/k/v and
+    """DDP; or FSDP2 over dp, each block's matmuls first split over tp (Megatron's layout: qkv and
     fc by columns, proj and fc_out by rows, so one all-reduce per attention and per MLP). Embeddings,
     norms and the tied head stay whole on every tp rank. Returns the module to call."""
     from torch.distributed.fsdp import fully_shard
@@ -63,8 +63,7 @@ def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Mod
     if tc.parallelism == "ddp":
         return DDP(model)
     if tc.tp > 1:
-        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
-                "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}
+        plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
     for block in model.blocks:  # one all-gather per block in forward, freed after: peak = one block's params

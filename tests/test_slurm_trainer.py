@@ -80,6 +80,6 @@ def test_fsdp2_tp_across_nodes_matches_ddp(slurm_env: dict[str, str], tmp_path: 
     summary = wait_finished(run_dir, job_id, slurm_env)
     assert abs(summary["final_loss"] - reference["final_loss"]) <= 1e-6 * reference["final_loss"]
     start = read_events(run_dir)[0]
-    assert start["mesh"] == {"dp": 2, "tp": 2}
+    assert start["mesh"] == json.loads((run_dir / "placement.json").read_text())["mesh"] == {"dp": 2, "tp": 2}
     nodes = start["rank_nodes"]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]  # tp pairs inside a node

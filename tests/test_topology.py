@@ -34,7 +34,7 @@ def test_dev_placement_and_ring_quality() -> None:
 
 def test_tp_must_stay_inside_a_node() -> None:
     assert mesh_shape(48, 6, 3) == {"dp": 16, "tp": 3}
-    with pytest.raises(ValueError, match=r"tp=4 must divide tasks_per_node=6 .* use tp in \[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"train.tp=4 must divide cluster.tasks_per_node=6 .* use tp in \[1, 2, 3, 6\]"):
         mesh_shape(48, 6, 4)
 
 
