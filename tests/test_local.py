@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -104,7 +105,10 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path: Path) -> None:
     plain_s, ac_s, bf16_s = (json.loads((d / "summary.json").read_text()) for d in (plain, ac, bf16))
     assert ac_s == plain_s
     assert bf16_s["params_sha256"] != plain_s["params_sha256"] and abs(bf16_s["final_loss"] - plain_s["final_loss"]) < 0.01
-    assert "cpu bf16" in next((bf16 / "submitit").glob("*_0_log.out")).read_text()
+    rank0, rank1 = (next((bf16 / "submitit").glob(f"*_{r}_log.out")).read_text() for r in (0, 1))
+    assert "mesh dp=2 x tp=1, ddp, cpu bf16, starting at step 0/20" in rank0
+    assert re.search(r"step +10/20  loss \d\.\d{4}  lr .* ms/step .* tok/s  data .*%  mem .* MB  mfu n/a", rank0)
+    assert "loss" not in rank1  # console lines come from rank 0 only
 
 
 def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
