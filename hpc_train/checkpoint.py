@@ -137,12 +137,12 @@ def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.o
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     future = None
-    with _helper_threads_single_threaded():
-        if background is None:
+    if background is None:
+        with _helper_threads_single_threaded():
             dcp.save(state, checkpoint_id=folder)  # fsyncs its files
-        else:
-            group, stager = background
-            future = dcp.async_save(state, checkpoint_id=folder, process_group=group, async_stager=stager)
+    else:
+        group, stager = background
+        future = dcp.async_save(state, checkpoint_id=folder, process_group=group, async_stager=stager)
     if injected("kill_rank_during_save") and rank == dist.get_world_size() - 1 and committed(root):
         # A drill: the last rank dies mid-save once a committed checkpoint exists to fall back to.
         os.kill(os.getpid(), signal.SIGKILL)
