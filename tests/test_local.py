@@ -155,7 +155,7 @@ def test_byo_function_is_stopped_requeued_and_resumed(tmp_path: Path) -> None:
     it saves through ctx, the job requeues, and ctx.load resumes it to the uninterrupted run's weights."""
     env = {**os.environ, "PYTHONPATH": EXAMPLES}
     ref_dir, _ = submit([f"out_dir={tmp_path}", "name=ref", *BYO], env=env)
-    run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *BYO, "+fn.kwargs.step_s=0.02", "--no-wait"], env=env)
+    run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *BYO, "+fn.kwargs.step_s=0.05", "--no-wait"], env=env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
     os.kill(int(job_id), signal.SIGTERM)
     wait_until(lambda: (run_dir / "summary.json").exists(), 240, "the resumed run")
