@@ -94,7 +94,7 @@ def run(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tupl
     device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
     ctx = Context(env, mesh, device, run_dir, cfg)
     newest = checkpoint.committed(run_dir / "checkpoints")  # what ctx.load will most likely pick
-    ctx.event("start", int(newest[-1].name.split("_")[1]) if newest else 0, target=cfg.fn._target_,
+    ctx.event("start", checkpoint.step_of(newest[-1]) if newest else 0, target=cfg.fn._target_,
               **start_fields(env, launched_at))
     result = fn(ctx, **cfg.fn.kwargs)
     if ctx.stopped:

@@ -40,6 +40,11 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
+def step_of(folder: Path) -> int:
+    """The step a step_dir() folder holds."""
+    return int(folder.name.split("_")[1])
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -196,7 +201,7 @@ def apply_retention(root: Path, cfg: CheckpointConfig) -> None:
     periodic = [p for p in done if reasons[p] != "stop"]
     keep = {newest, *periodic[-cfg.keep_last:]}
     if cfg.keep_every_steps:
-        keep |= {p for p in periodic if int(p.name.split("_")[1]) % cfg.keep_every_steps == 0}
+        keep |= {p for p in periodic if step_of(p) % cfg.keep_every_steps == 0}
     for p in sorted(root.glob("step_*")):
         if p not in keep and p < newest:
             shutil.rmtree(p, ignore_errors=True)
@@ -263,7 +268,7 @@ def resume(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         folder, skipped = pick_resume(root, show_progress=True)
         for why in skipped:
             on_skip(why)
-        chosen[0] = int(folder.name.split("_")[1]) if folder else -1
+        chosen[0] = step_of(folder) if folder else -1
     dist.broadcast(chosen, src=0)
     if chosen < 0:
         return None, {}
