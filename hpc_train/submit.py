@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from hpc_train.config import CONF_DIR, RunConfig, compose_trials, expand_sweep
+from hpc_train.metrics import EVENTS, read_jsonl
 from hpc_train.sbatch import ClusterConfig, check_syntax, make_executor, render, validate_live
 
 MANIFEST = "sweep.json"
@@ -171,8 +172,15 @@ def _save_manifest(p: Plan, overrides: list[str]) -> None:
     _write_atomic(p.target / MANIFEST, json.dumps(record, indent=1) + "\n")
 
 
-def _adopt_lost_array(p: Plan, array: Array, job_name: str) -> bool:
-    """A previous submit died between sbatch and recording its id: find that array by its job name."""
+# submitit's process_job waits this long for its task's pickle, then fails the task.
+SUBMITIT_PICKLE_WAIT_S = 60
+
+
+def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bool:
+    """A previous submit died between sbatch and recording the array's id, perhaps before submitit renamed
+    the task pickles: find that array by its job name and give every task its pickle. Trials whose task
+    already ended without starting (it waited 60 s for a pickle, or was cancelled) go into a new array
+    appended to p.arrays, so every trial runs, or is queued again, exactly once."""
     from hpc_train import slurm
 
     known = {a.job_id for a in p.arrays if a.job_id}
@@ -182,10 +190,59 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str) -> bool:
     found = {i.split("_")[0] for i in ids} - known  # a cancelled array was given up on: resubmit instead
     if len(found) != 1:
         return False
-    array.job_id = found.pop()
-    for k, i in enumerate(array.trials):
-        p.trials[i].job_id = f"{array.job_id}_{k}"
+    array.job_id, array.submitting = found.pop(), False
+    for k, i in enumerate(array.trials):  # submitit queues a lone trial as a plain job
+        p.trials[i].job_id = f"{array.job_id}_{k}" if len(array.trials) > 1 else array.job_id
+        _write_task_pickle(p.target / "submitit" / f"{p.trials[i].job_id}_submitted.pkl", p.trials[i].run_dir,
+                           executor)
+    written = time.time()
+    queued = _queued_tasks(job_name)
+    started = {i for i in array.trials
+               if any(e["event"] == "start" for e in read_jsonl(Path(p.trials[i].run_dir) / EVENTS))}
+    # A task that gave up on its pickle just before it was written dies within seconds: look again 10 s
+    # after writing when a task still waiting may have been queued that long (Slurm's start <= python's).
+    if any(queued.get(p.trials[i].job_id, written) <= written - SUBMITIT_PICKLE_WAIT_S + 10
+           for i in array.trials if i not in started):
+        time.sleep(max(0.0, written + 10 - time.time()))
+        queued = _queued_tasks(job_name)
+    ended = [i for i in array.trials if i not in started and p.trials[i].job_id not in queued]
+    for i in ended:
+        p.trials[i].job_id = None
+    if ended:
+        p.arrays.append(Array(trials=ended))
     return True
+
+
+def _queued_tasks(job_name: str) -> dict[str, float]:
+    """Tasks Slurm still holds (pending, running, requeued...) by id, with their start time (now for
+    pending ones); one line per array task (-r), so `7_[2-5]` is never left unexpanded."""
+    from datetime import datetime
+
+    from hpc_train import slurm
+
+    out: dict[str, float] = {}
+    for line in slurm.call(["squeue", "-h", "-r", "--name", job_name, "-o", "%i|%S"]).splitlines():
+        task, _, start = line.partition("|")
+        try:
+            out[task] = datetime.fromisoformat(start).timestamp()
+        except ValueError:  # N/A: not started
+            out[task] = time.time()
+    return out
+
+
+def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
+    """The pickle submitit would have renamed into place after sbatch: the same call, the same timeout."""
+    from submitit.core.utils import DelayedSubmission
+
+    from hpc_train.job import run_job
+
+    if path.exists():
+        return
+    delayed = DelayedSubmission(run_job, run_dir)
+    delayed.set_timeout(executor.parameters.get("time", 5), executor.max_num_timeout)  # as map_array does
+    tmp = path.with_name(path.name + ".tmp")
+    delayed.dump(tmp)
+    os.replace(tmp, path)  # a waiting task never loads half a pickle
 
 
 @contextlib.contextmanager
@@ -261,14 +318,18 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
     _save_manifest(p, overrides)
     jobs: list[Any] = []
     done = sum(1 for t in p.trials if t.job_id)
-    for array in p.arrays:
+    for array in p.arrays:  # grows when an adopted array's tasks ended unstarted
         todo = [i for i in array.trials if not p.trials[i].job_id]
-        if not todo or array.job_id or (array.submitting and _adopt_lost_array(p, array, job_name(p.target))):
+        if not todo or array.job_id:
             array.job_id = array.job_id or (p.trials[array.trials[0]].job_id or "").split("_")[0] or None
             array.submitting = False
             continue
         cluster = p.runs[todo[0]].cluster
         executor = make_executor(cluster, p.target / "submitit", job_name(p.target), max_parallel)
+        lost = array.submitting and cluster.executor == "slurm"  # queued, but its id never reached the manifest
+        if lost and _adopt_lost_array(p, array, job_name(p.target), executor):
+            _save_manifest(p, overrides)
+            continue
         array.submitting = True
         _save_manifest(p, overrides)
         if cluster.executor == "local":  # this machine is the cluster: one trial at a time
@@ -283,14 +344,13 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
 
             def queue_array() -> list[Any]:
                 # A try that timed out may still have queued the array: look it up before trying again.
-                if tried and _adopt_lost_array(p, array, job_name(p.target)):
+                if tried and _adopt_lost_array(p, array, job_name(p.target), executor):
                     return []
                 tried.append(1)
                 return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
 
             new = _sbatch_with_retry(queue_array, what)
             if not new:  # adopted: the job ids are recorded already
-                array.submitting = False
                 _save_manifest(p, overrides)
                 continue
         for i, job in zip(todo, new):

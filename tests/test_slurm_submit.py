@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 import cluster
-from conftest import HPC_TRAIN, run, wait_until
+from conftest import HPC_TRAIN, read_events, run, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -97,6 +98,44 @@ def test_resubmit_adds_only_missing_trials(slurm_env: dict[str, str], tmp_path: 
     proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "name=resume", "train.seed=7,8",
                 "--sweep-dir", str(sweep_dir)], env=slurm_env)
     assert proc.returncode == 2 and "resubmit it with the same overrides" in proc.stderr
+
+
+# The submit dies right after sbatch returned: before submitit renamed the task pickles to
+# <array>_<task>_submitted.pkl and before the manifest got the array's id.
+CRASH_AFTER_SBATCH = """
+import os, sys
+from submitit.core import utils
+utils.JobPaths.move_temporary_file = lambda *a, **k: os._exit(3)
+from hpc_train.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_lost_array_whose_pickles_were_never_renamed_runs_every_trial_once(slurm_env: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """Each adopted task waits 60 s for its pickle: the resubmit writes it. A task that already ended
+    without starting (here cancelled) is queued again in a new array; no trial runs twice."""
+    args = ["name=lost", "train.seed=1,2"]
+    crashed = run([sys.executable, "-c", CRASH_AFTER_SBATCH, "submit", "-m", *QUICK, f"out_dir={tmp_path}", *args],
+                  env=slurm_env)
+    assert crashed.returncode == 3, crashed.stdout + crashed.stderr
+    sweep_dir = next(tmp_path.glob("lost-*"))
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())
+    assert manifest["arrays"] == [{"trials": [0, 1], "job_id": None, "submitting": True}]
+    (lost,) = _queued_arrays(manifest["job_name"], slurm_env)
+    assert not list((sweep_dir / "submitit").glob("*_submitted.pkl"))
+    run(["scancel", f"{lost}_1"], env=slurm_env)
+    wait_until(lambda: f"{lost}_1" not in run(["squeue", "-h", "-r", "--name", manifest["job_name"], "-o", "%i"],
+                                               env=slurm_env).stdout.split(), 30, f"task {lost}_1 to end")
+    again = _sweep(args, slurm_env, tmp_path, ["--sweep-dir", str(sweep_dir)])
+    first, second = (t["job_id"] for t in again["trials"])
+    assert first == f"{lost}_0" and (sweep_dir / "submitit" / f"{lost}_0_submitted.pkl").exists()
+    assert second.split("_")[0] != lost
+    assert _queued_arrays(manifest["job_name"], slurm_env) == {lost, second.split("_")[0]}
+    _wait_summaries(again)
+    for t in again["trials"]:
+        starts = [e["job_id"] for e in read_events(Path(t["run_dir"])) if e["event"] == "start"]
+        assert starts == [t["job_id"]]
 
 
 @pytest.mark.parametrize("override, message", [
