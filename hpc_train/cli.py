@@ -22,7 +22,7 @@ USER_ERRORS = ("hydra", "omegaconf")
 def _is_user_error(e: Exception) -> bool:
     from hpc_train.slurm import SlurmError
 
-    return isinstance(e, (ValueError, SlurmError)) or type(e).__module__.split(".")[0] in USER_ERRORS
+    return isinstance(e, (ValueError, SlurmError, PermissionError)) or type(e).__module__.split(".")[0] in USER_ERRORS
 
 
 def _print_dry_run(p: object) -> None:
@@ -105,12 +105,15 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs(path: str) -> list:
+def _runs(path: str, unreadable_ok: bool = False) -> list:
     from hpc_train.ops import find_runs
 
     runs = find_runs(Path(path))
     if not runs:
         raise ValueError(f"no runs under {path}")
+    denied = [r.unreadable for r in runs if r.unreadable]
+    if denied and not unreadable_ok:  # status shows them as rows instead
+        raise ValueError(denied[0])
     return runs
 
 
@@ -121,7 +124,7 @@ def _status(args: argparse.Namespace) -> int:
     from hpc_train import ops
 
     while True:
-        rows = ops.status_rows(_runs(args.path))
+        rows = ops.status_rows(_runs(args.path, unreadable_ok=True))
         if args.json:
             print(json.dumps(rows, indent=1))
         else:

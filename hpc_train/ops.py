@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import signal
 import time
 from dataclasses import dataclass
@@ -26,21 +27,35 @@ class Run:
     job_id: str
     executor: str
     log_dir: Path  # where submitit wrote the per-task logs
+    unreadable: str = ""  # why this user may not read the run's files (another user's owner-only run)
+
+
+def denied(path: Path) -> str:
+    """One line for a file of another user's run: submit makes them owner-only when cluster.env is set."""
+    try:
+        owner = pwd.getpwuid(path.stat().st_uid).pw_name
+    except (OSError, KeyError):
+        owner = "its owner"
+    return (f"cannot read {path}: permission denied (owner-only, as the run's cluster.env holds values); "
+            f"run this as {owner}")
 
 
 def find_runs(path: Path) -> list[Run]:
     """A run directory, a sweep directory, or a folder holding either (one level down)."""
     path = path.resolve()
-    if (path / "sweep.json").exists():
-        manifest = json.loads((path / "sweep.json").read_text())
-        executor = _executor(Path(manifest["trials"][0]["run_dir"])) if manifest["trials"] else "slurm"
-        return [Run(Path(t["run_dir"]), f"{path.name}/{Path(t['run_dir']).name}", t["job_id"] or "", executor,
-                    path / "submitit") for t in manifest["trials"]]
-    if (path / "config.yaml").exists():
-        if (path.parent / "sweep.json").exists():
-            return [r for r in find_runs(path.parent) if r.run_dir == path]
-        sub = json.loads((path / "submission.json").read_text()) if (path / "submission.json").exists() else {}
-        return [Run(path, path.name, sub.get("job_id", ""), sub.get("executor", "slurm"), path / "submitit")]
+    try:
+        if (path / "sweep.json").exists():
+            manifest = json.loads((path / "sweep.json").read_text())
+            executor = _executor(Path(manifest["trials"][0]["run_dir"])) if manifest["trials"] else "slurm"
+            return [Run(Path(t["run_dir"]), f"{path.name}/{Path(t['run_dir']).name}", t["job_id"] or "", executor,
+                        path / "submitit") for t in manifest["trials"]]
+        if (path / "config.yaml").exists():
+            if (path.parent / "sweep.json").exists():  # a trial: its sweep, or the sweep's unreadable row
+                return [r for r in find_runs(path.parent) if r.run_dir == path or r.unreadable]
+            sub = json.loads((path / "submission.json").read_text()) if (path / "submission.json").exists() else {}
+            return [Run(path, path.name, sub.get("job_id", ""), sub.get("executor", "slurm"), path / "submitit")]
+    except PermissionError as e:
+        return [Run(path, path.name, "", "?", path / "submitit", unreadable=denied(Path(e.filename or path)))]
     if path.is_dir():
         return [r for child in sorted(path.iterdir()) if child.is_dir() for r in find_runs(child)]
     raise ValueError(f"{path} is not a run directory, a sweep directory or a folder of them; give e.g. runs/demo-1")
@@ -140,6 +155,10 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     return parts
 
 
+COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "committed_step", "total_steps", "tokens_per_s", "mfu",
+           "goodput", "since_last_event_s", "warnings")
+
+
 def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
     slurm_ids = [r.job_id for r in runs if r.executor == "slurm"]
     try:
@@ -148,10 +167,17 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
         states = {j: f"? ({str(e).splitlines()[0][:40]})" for j in slurm_ids}
     rows = []
     for r in runs:
-        events, metrics = read_jsonl(r.run_dir / EVENTS), read_jsonl(r.run_dir / METRICS)
         import yaml
 
-        cfg = yaml.safe_load((r.run_dir / "config.yaml").read_text())
+        try:
+            cfg = {} if r.unreadable else yaml.safe_load((r.run_dir / "config.yaml").read_text())
+        except PermissionError as e:
+            r.unreadable = denied(Path(e.filename or r.run_dir))
+        if r.unreadable:
+            rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id,
+                         "state": "unreadable: permission denied", "warnings": [r.unreadable]})
+            continue
+        events, metrics = read_jsonl(r.run_dir / EVENTS), read_jsonl(r.run_dir / METRICS)
         state = states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED") if r.executor == "slurm" else local_state(r, events)
         commits = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
         last = max((e["time"] for e in events), default=None)
@@ -188,9 +214,10 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     for col in ("run", "job", "state", "attempts", "restarts", "step", "tokens/s", "MFU", "goodput", "last event", "warnings"):
         table.add_column(col)
     for r in rows:
-        step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps']}"
+        step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps'] or '-'}"
         since = f"{r['since_last_event_s']:.0f} s ago" if r["since_last_event_s"] is not None else "-"
-        table.add_row(r["run"], r["job_id"], r["state"], str(r["attempts"]), str(r["restarts"]), step,
+        counts = ["-" if r[k] is None else str(r[k]) for k in ("attempts", "restarts")]  # None: unreadable
+        table.add_row(r["run"], r["job_id"], r["state"], *counts, step,
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", r["mfu"] or "n/a",
                       f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since, "; ".join(r["warnings"]))
     Console(width=220).print(table)
@@ -199,6 +226,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
 def log_path(run: Run, rank: int) -> Path:
     """submitit's file for this rank: <job>_<rank>_log.out, or <array>_<task>_<rank>_log.out."""
     path = run.log_dir / f"{run.job_id}_{rank}_log.out"
+    if run.log_dir.exists() and not os.access(run.log_dir, os.R_OK | os.X_OK):  # else exists() says False
+        raise ValueError(denied(run.log_dir))
     if not path.exists():
         raise ValueError(f"no log for rank {rank} of {run.label} at {path}; has the job started? "
                          f"(ranks: {sorted(p.name for p in run.log_dir.glob(f'{run.job_id}_*_log.out'))})")

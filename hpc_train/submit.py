@@ -58,6 +58,13 @@ class Plan:
     arrays: list[Array] = field(default_factory=list)
     scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
 
+    @property
+    def private(self) -> bool:
+        """Owner-only files (0600, submitit/ 0700) when any cluster.env value is set: config.yaml, the
+        manifests and the batch script then hold it, and cluster.env is where API keys go. Not always:
+        runs sit in shared project folders, where teammates' `hpc-train status` should keep working."""
+        return any(r.cluster.env for r in self.runs)
+
 
 def next_dir(out_dir: Path, name: str) -> Path:
     """<out_dir>/<name>-<n> with the next free n (not created)."""
@@ -84,20 +91,29 @@ def claim_dir(wanted: Path) -> Path:
             wanted = next_dir(wanted.parent, wanted.name.rsplit("-", 1)[0])
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str, private: bool) -> None:
+    """tmp + os.replace; private: created 0600, so the text is never readable by others, not for a moment."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.unlink(missing_ok=True)  # a killed submit's leftover would keep its old mode under O_CREAT
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666), "w") as f:
+        f.write(text)
     os.replace(tmp, path)
 
 
-def _freeze(run_dir: Path, config: dict[str, Any]) -> None:
+def _submitit_dir(folder: Path, private: bool) -> Path:
+    """Made before submitit writes the batch script, pickles and logs into it: with umask 022 they are 0644."""
+    folder.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
+    return folder
+
+
+def _freeze(run_dir: Path, config: dict[str, Any], private: bool) -> None:
     """config.yaml, written once: a resubmit never overwrites what an attempt may already have read."""
     import yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.yaml").exists():
         dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml: 5x faster for 1,000-trial sweeps
-        _write_atomic(run_dir / "config.yaml", yaml.dump(config, Dumper=dumper, sort_keys=False))
+        _write_atomic(run_dir / "config.yaml", yaml.dump(config, Dumper=dumper, sort_keys=False), private)
 
 
 def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
@@ -169,7 +185,7 @@ def _load_manifest(sweep_dir: Path, overrides: list[str], trials: list[Trial]) -
 def _save_manifest(p: Plan, overrides: list[str]) -> None:
     record = {"sweep_dir": str(p.target), "job_name": job_name(p.target), "overrides": overrides, "updated_at": time.time(),
               "trials": [asdict(t) for t in p.trials], "arrays": [asdict(a) for a in p.arrays]}
-    _write_atomic(p.target / MANIFEST, json.dumps(record, indent=1) + "\n")
+    _write_atomic(p.target / MANIFEST, json.dumps(record, indent=1) + "\n", p.private)
 
 
 # submitit's process_job waits this long for its task's pickle, then fails the task.
@@ -292,15 +308,15 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
     if not multirun:
         run_dir = p.target = claim_dir(p.target)
         p.trials[0].run_dir = str(run_dir)
-        _freeze(run_dir, p.configs[0])
-        executor = make_executor(first.cluster, run_dir / "submitit", job_name(run_dir))
+        _freeze(run_dir, p.configs[0], p.private)
+        executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
         p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
         record = {"executor": first.cluster.executor, "job_id": str(job.job_id), "job_name": job_name(run_dir),
                   "submitted_at": time.time(),
                   "overrides": overrides}
-        (run_dir / "submission.json").write_text(json.dumps(record, indent=1) + "\n")
+        _write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
         return p, [job]
 
     # A sweep: freeze every trial, record the manifest, then one sbatch per array.
@@ -314,7 +330,7 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
         if saved is not None:
             p.arrays = saved
     for t in p.trials:
-        _freeze(Path(t.run_dir), p.configs[t.index])
+        _freeze(Path(t.run_dir), p.configs[t.index], p.private)
     _save_manifest(p, overrides)
     jobs: list[Any] = []
     done = sum(1 for t in p.trials if t.job_id)
@@ -325,7 +341,8 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
             array.submitting = False
             continue
         cluster = p.runs[todo[0]].cluster
-        executor = make_executor(cluster, p.target / "submitit", job_name(p.target), max_parallel)
+        executor = make_executor(cluster, _submitit_dir(p.target / "submitit", p.private), job_name(p.target),
+                                 max_parallel)
         lost = array.submitting and cluster.executor == "slurm"  # queued, but its id never reached the manifest
         if lost and _adopt_lost_array(p, array, job_name(p.target), executor):
             _save_manifest(p, overrides)

@@ -49,6 +49,7 @@ def test_two_resource_shapes_land_as_two_arrays(slurm_env: dict[str, str], tmp_p
     one_node, two_nodes = {t["job_id"].split("_")[0] for t in trials[0::2]}, {t["job_id"].split("_")[0] for t in trials[1::2]}
     assert len(one_node) == len(two_nodes) == 1 and one_node != two_nodes
     assert _queued_arrays(manifest["job_name"], slurm_env) == one_node | two_nodes
+    assert Path(manifest["sweep_dir"], "sweep.json").stat().st_mode & 0o004  # no cluster.env: readable by all
     _wait_summaries(manifest)
     for t, world in zip(trials, [2, 4, 2, 4]):  # 2 tasks per node: the right tasks really ran
         start = json.loads((Path(t["run_dir"]) / "events.jsonl").read_text().splitlines()[0])
