@@ -6,6 +6,7 @@ events.jsonl, metrics.jsonl) plus one Slurm query per refresh; nothing is kept e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -28,6 +29,7 @@ class Run:
     executor: str
     log_dir: Path  # where submitit wrote the per-task logs
     unreadable: str = ""  # why this user may not read the run's files (another user's owner-only run)
+    process: dict[str, Any] | None = None  # local runs: process_identity() of the controller at submit
 
 
 def denied(path: Path) -> str:
@@ -53,7 +55,8 @@ def find_runs(path: Path) -> list[Run]:
             if (path.parent / "sweep.json").exists():  # a trial: its sweep, or the sweep's unreadable row
                 return [r for r in find_runs(path.parent) if r.run_dir == path or r.unreadable]
             sub = json.loads((path / "submission.json").read_text()) if (path / "submission.json").exists() else {}
-            return [Run(path, path.name, sub.get("job_id", ""), sub.get("executor", "slurm"), path / "submitit")]
+            return [Run(path, path.name, sub.get("job_id", ""), sub.get("executor", "slurm"), path / "submitit",
+                        process=sub.get("process"))]
     except PermissionError as e:
         return [Run(path, path.name, "", "?", path / "submitit", unreadable=denied(Path(e.filename or path)))]
     if path.is_dir():
@@ -87,17 +90,36 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     return out
 
 
+def process_identity(pid: int) -> dict[str, Any] | None:
+    """What tells this process from a later one given the same pid: its start time (field 22 of
+    /proc/<pid>/stat, clock ticks after boot) and the boot's id. None when no such process runs."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ") "
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+    if fields[0] == "Z":  # exited; its parent has not reaped it yet
+        return None
+    return {"start_time": int(fields[19]), "boot_id": boot_id}  # fields[0] is field 3
+
+
+def local_pid(run: Run) -> int | None:
+    """The pid of a local run's controller while it is the process submit recorded; None once it exited,
+    even if the pid now belongs to another process."""
+    if not run.job_id.isdigit() or run.process is None:
+        return None
+    return int(run.job_id) if process_identity(int(run.job_id)) == run.process else None
+
+
 def local_state(run: Run, events: list[dict[str, Any]]) -> str:
     names = [e["event"] for e in events]
     if "finish" in names:
         return "COMPLETED"
     if "stopped" in names:
-        return "FAILED"
-    try:
-        os.kill(int(run.job_id), 0)
+        return "CANCELLED" if "cancel" in names else "FAILED"
+    if local_pid(run):
         return "RUNNING"
-    except (ValueError, ProcessLookupError):
-        return "FAILED" if "fail" in names else "UNKNOWN"
+    return "FAILED" if "fail" in names else "UNKNOWN"
 
 
 def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -247,23 +269,31 @@ def attempt_section(text: str, attempt: int | None) -> str:
     return "".join(out)
 
 
+def current_attempt(run_dir: Path) -> int:
+    """The restart count of the last attempt that started, else 0."""
+    starts = [e for e in read_jsonl(run_dir / EVENTS) if e["event"] == "start"]
+    return int(starts[-1]["restart"]) if starts else 0
+
+
 def cancel(runs: list[Run]) -> list[str]:
-    """scancel exactly these runs' jobs (local: SIGINT to the controller); returns what was cancelled."""
+    """scancel exactly these runs' Slurm jobs; SIGTERM to each local run's controller while it is still the
+    process submit recorded (a local run that ended is left alone). Returns the job ids cancelled."""
     from hpc_train import slurm
 
-    for r in runs:  # first, so the record precedes whatever the job logs as it stops
-        if r.job_id:
-            log_event(r.run_dir, "cancel", -1, r.job_id, -1, by="hpc-train cancel")
-    slurm_ids = sorted({r.job_id for r in runs if r.executor == "slurm" and r.job_id})
+    mine = [r for r in runs if r.job_id and (r.executor == "slurm" or local_pid(r))]
+    for r in mine:  # first: the ranks look for it when they stop, and it precedes what they log
+        log_event(r.run_dir, "cancel", -1, r.job_id, current_attempt(r.run_dir), by="hpc-train cancel")
+    slurm_ids = sorted({r.job_id for r in mine if r.executor == "slurm"})
     if slurm_ids:
         slurm.call(["scancel", *slurm_ids])
-    for r in runs:
-        if r.executor == "local" and r.job_id:
-            try:
-                os.kill(int(r.job_id), signal.SIGINT)
-            except ProcessLookupError:
-                continue
-    return [r.job_id for r in runs if r.job_id]
+    for r in mine:
+        pid = local_pid(r) if r.executor == "local" else None
+        # SIGTERM: submitit's controller forwards it to every task, which save at the next step and stop.
+        # SIGINT (no handler there) would kill the controller, which then kills the ranks unsaved.
+        if pid:
+            with contextlib.suppress(ProcessLookupError):  # it exited a moment ago
+                os.kill(pid, signal.SIGTERM)
+    return [r.job_id for r in mine]
 
 
 CHAOS = ("time-limit", "preempt", "requeue", "kill-rank", "lose-node")

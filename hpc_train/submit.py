@@ -316,6 +316,10 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
         record = {"executor": first.cluster.executor, "job_id": str(job.job_id), "job_name": job_name(run_dir),
                   "submitted_at": time.time(),
                   "overrides": overrides}
+        if first.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
+            from hpc_train.ops import process_identity
+
+            record["process"] = process_identity(int(job.job_id))
         _write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
         return p, [job]
 

@@ -1,0 +1,88 @@
+"""status and cancel of local runs: the job id is a PID, trusted only while it is still the controller
+submit recorded (start time and boot id), and a cancel stops the run at a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+
+CONFIG = "cluster: {executor: local, signal_lead_s: 120}\nrequeue: {max_failures: 3}\ntrain: {steps: 40}\n"
+
+
+def identity(pid: int) -> dict:
+    """Field 22 of /proc/<pid>/stat (start time, clock ticks after boot) and this boot's id."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return {"start_time": int(stat.rsplit(")", 1)[1].split()[19]),
+            "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip()}
+
+
+def alive(pid: int, recorded: dict) -> bool:
+    """Still that process: same start time and boot, and not a zombie (its parent, submit, has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" and identity(pid) == recorded
+    except FileNotFoundError:
+        return False
+
+
+def local_run(run_dir: Path, pid: int, process: dict, events: list[dict] = ()) -> Path:
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(CONFIG)
+    (run_dir / "submission.json").write_text(json.dumps({"executor": "local", "job_id": str(pid), "process": process}))
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run_dir
+
+
+def state(run_dir: Path) -> str:
+    proc = run([HPC_TRAIN, "status", str(run_dir), "--json"])
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)[0]["state"]
+
+
+def test_a_reused_pid_is_neither_running_nor_signalled(tmp_path: Path) -> None:
+    sleep = subprocess.Popen(["sleep", "60"])
+    try:
+        real = identity(sleep.pid)
+        started = [{"time": 1.0, "event": "start", "step": 0, "job_id": str(sleep.pid), "restart": 2}]
+        stranger = local_run(tmp_path / "stranger", sleep.pid, {**real, "start_time": real["start_time"] + 1}, started)
+        assert state(stranger) == "UNKNOWN"
+        assert run([HPC_TRAIN, "cancel", str(stranger)]).stdout == "cancelled 0 job(s): \n"
+        assert sleep.poll() is None and not [e for e in read_events(stranger) if e["event"] == "cancel"]
+        ours = local_run(tmp_path / "ours", sleep.pid, real, started)
+        assert state(ours) == "RUNNING"
+        assert run([HPC_TRAIN, "cancel", str(ours)]).stdout == f"cancelled 1 job(s): {sleep.pid}\n"
+        assert sleep.wait(timeout=10) == -15  # SIGTERM, which submitit's controller forwards to every task
+        cancel = [e for e in read_events(ours) if e["event"] == "cancel"]
+        assert [(e["restart"], e["by"]) for e in cancel] == [(2, "hpc-train cancel")]  # the current attempt
+    finally:
+        sleep.kill()
+        sleep.wait()
+    with (ours / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"time": 2.0, "event": "stopped", "step": 5, "job_id": str(sleep.pid), "restart": 2,
+                            "reason": "cancelled (hpc-train cancel): saved, not requeueing"}) + "\n")
+    assert state(ours) == "CANCELLED"
+
+
+def test_cancel_of_a_local_run_saves_and_stops_without_requeue(tmp_path: Path) -> None:
+    """End to end: the cancel event first, then SIGTERM to the controller; the ranks save at the next step
+    boundary, see the cancel, and stop (exit 1, so the controller does not restart them)."""
+    run_dir, job_id = submit([f"out_dir={tmp_path}", "train.steps=40", "checkpoint.every_steps=10",
+                              "train.min_step_time_s=0.2", "--no-wait"])
+    sub = json.loads((run_dir / "submission.json").read_text())
+    assert sub["process"] == identity(int(job_id))
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
+    assert state(run_dir) == "RUNNING"
+    proc = run([HPC_TRAIN, "cancel", str(run_dir)])
+    assert proc.returncode == 0 and proc.stdout == f"cancelled 1 job(s): {job_id}\n", proc.stdout + proc.stderr
+    wait_until(lambda: not alive(int(job_id), sub["process"]), 120, "the controller to exit")
+    events = read_events(run_dir)
+    names = [e["event"] for e in events]
+    cancel = names.index("cancel")
+    assert [e["reason"] for e in events[cancel:] if e["event"] == "checkpoint_committed"] == ["stop"]
+    stopped = [e for e in events if e["event"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["reason"].startswith("cancelled"), stopped
+    assert names.count("start") == 1 and "requeue" not in names, names
+    assert state(run_dir) == "CANCELLED"
