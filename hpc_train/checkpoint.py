@@ -2,26 +2,34 @@
 
 Layout of one checkpoint (one folder per step):
     checkpoints/step_000040/
-        .metadata, __0_0.distcp, ...   DCP: model + optimizer, readable by torch's own tools
-        rank_00000.pt ...              per-rank extras (RNG states), torch.save of plain tensors
-        COMMITTED                      JSON manifest: step, sizes and sha256 of every file; written last
+        .metadata, __0_0.distcp, ...   DCP: model, optimizer, progress (step, tokens), data position
+        rank_00000.pt ...              each rank's own state (RNG), torch.save of plain tensors
+        COMMITTED                      JSON manifest: step, reason, world size, size and sha256 of every
+                                       file; written last
 
-Write order: every rank writes and fsyncs its files (periodic saves in a background thread) -> all
-ranks agree every write is done -> barrier -> rank 0 hashes the files, writes the manifest to
-COMMITTED.tmp, fsyncs it and os.replace()s it to COMMITTED -> barrier. A job killed at any point
-before the replace leaves a folder without COMMITTED, which resume ignores.
+Write order: every rank writes and fsyncs its files (a periodic save in a background thread) and hashes
+what it wrote, in that same writer -> at a step boundary the ranks gather their file lists -> rank 0
+writes the manifest to COMMITTED.tmp, fsyncs it and os.replace()s it to COMMITTED. A job killed at any
+point before the replace leaves a folder without COMMITTED, which resume ignores. Resume verifies the
+newest committed folder with every rank hashing a share of its files, falling back to older ones.
+
+The Saver at the bottom owns the policy: one save in flight at a time, periodic saves in the
+background, stop and final saves synchronous and bounded by the time Slurm leaves, and retention that
+never deletes a committed checkpoint before a newer one is known good.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -31,19 +39,74 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpc_train.config import CheckpointConfig
-from hpc_train.preempt import injected
+from hpc_train.preempt import claim_drill, drill_seconds, injected
 
 MARKER = "COMMITTED"
+STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:06d}"
+    return root / f"step_{step:06d}"  # 7+ digits past step 999,999: every reader sorts by number
 
 
-def step_of(folder: Path) -> int:
-    """The step a step_dir() folder holds."""
-    return int(folder.name.split("_")[1])
+def step_folders(root: Path) -> dict[int, Path]:
+    """Every step folder under root by its step, in numeric order (step_1000000 after step_999980)."""
+    if not root.is_dir():
+        return {}
+    found = {int(m.group(1)): p for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()}
+    return dict(sorted(found.items()))
 
+
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The COMMITTED manifest, or None when it is missing, torn or not ours (never raises)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds, as torch's Stateful protocol (state_dict / load_state_dict): model and
+    optimizer (sharded under FSDP2), step and tokens seen, and `data`, anything with its own
+    state_dict / load_state_dict of tensors (the sampler's position). Each rank's RNG goes to its own
+    rank file. Loop counters live here, so a resumed attempt needs nothing else."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: Any = None
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
+                              "progress": {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}}
+        if self.data is not None:
+            sd["data"] = self.data.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.step, self.tokens_seen = int(sd["progress"]["step"]), int(sd["progress"]["tokens_seen"])
+        if self.data is not None:
+            self.data.load_state_dict(sd["data"])
+
+    @staticmethod
+    def rank_state() -> dict[str, torch.Tensor]:
+        state = {"rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state()
+        return state
+
+    @staticmethod
+    def load_rank_state(state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+
+
+# ---- files and hashes ---------------------------------------------------------------------------------
 
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -62,33 +125,51 @@ def _sha256(path: Path, advance: Callable[[int], Any] = lambda n: None) -> str:
     return h.hexdigest()
 
 
-def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(MARKER)}
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
 
 
-@dataclass
-class Pending:
-    """A save whose files are (being) written; it counts once commit() has written its marker."""
-    folder: Path
-    step: int
-    reason: str  # "periodic" | "stop" | "final"
-    future: Any  # DCP's background write, or None when the write was synchronous
-    started: float
-    stall_s: float  # how long the training loop was blocked by start_save
+def own_files(folder: Path, rank: int) -> list[Path]:
+    """What this rank wrote into a checkpoint: its rank file, its DCP shards (`__<rank>_<i>.distcp`,
+    rank = its rank in the writing group, which spans every rank in order) and, on rank 0, DCP's .metadata."""
+    files = [folder / rank_file(rank), *sorted(folder.glob(f"__{rank}_*.distcp"))]
+    return files + [folder / ".metadata"] if rank == 0 else files
 
 
-def background_writer() -> tuple[Any, Any]:
-    """Collective, once per run: what start_save needs to write in the background. A gloo group kept
-    apart from training's collectives (the writer's run in another thread), and a stager that copies
-    the state into the same host buffers every time: allocating them afresh made the loop's stall
-    0.115x of a synchronous save instead of <0.1x (1.6 GB state, benchmarks/checkpoint_bench.py)."""
-    return dist.new_group(backend="gloo"), _ReusedHostBuffers()
+def manifest_of(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
 
+
+def verify(folder: Path, files: dict[str, dict[str, Any]], advance: Callable[[int], Any] = lambda n: None) -> str:
+    """"" if these manifest entries match the folder, else the first reason they do not."""
+    for name, want in files.items():
+        p = folder / name
+        if not p.exists():
+            return f"{name} is missing"
+        if p.stat().st_size != want["bytes"]:
+            return f"{name} has {p.stat().st_size} bytes, manifest says {want['bytes']}"
+        if _sha256(p, advance) != want["sha256"]:
+            return f"{name} checksum differs from the manifest"
+    return ""
+
+
+def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """Files split over ranks for verification, largest first to the least loaded rank (pure): each
+    rank hashes ~1/world of the bytes, so a 100 GB resume reads 100/world GB per rank, not 100 on rank 0."""
+    load, out = [0] * world, [[] for _ in range(world)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[r].append(name)
+        load[r] += sizes[name]
+    return out
+
+
+# ---- writing ------------------------------------------------------------------------------------------
 
 class _ReusedHostBuffers:
     """DCP's AsyncStager protocol: copy into buffers allocated on the first save and reused after.
-    (torch's BlockingAsyncStager caches too, but pins memory, which fails on CPU-only machines.)"""
+    (torch's BlockingAsyncStager caches too, but pins memory, which fails on CPU-only machines.)
+    Safe because at most one background save is in flight (Saver.periodic waits for the previous)."""
 
     should_synchronize_after_execute = False
 
@@ -109,6 +190,18 @@ class _ReusedHostBuffers:
         pass
 
 
+@dataclass
+class Writer:
+    """What background saves need, made once per attempt (collective): a gloo group kept apart from
+    training's collectives, since the write runs in another thread; host buffers reused from save to
+    save (allocating them afresh made the loop's stall 0.115x of a synchronous save instead of 0.04x,
+    1.6 GB state, benchmarks/checkpoint_bench.py); one thread that waits for DCP's write and hashes it."""
+    group: Any = field(default_factory=lambda: dist.new_group(backend="gloo"))
+    stager: _ReusedHostBuffers = field(default_factory=_ReusedHostBuffers)
+    pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpc_train-ckpt"))
+
+
 @contextmanager
 def _helper_threads_single_threaded() -> Iterator[None]:
     """DCP's collectives run torch ops on gloo's worker threads. A thread's first parallel op gives it
@@ -124,153 +217,236 @@ def _helper_threads_single_threaded() -> Iterator[None]:
         torch.set_num_threads(n)  # the main thread's own pool again
 
 
-def start_save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               extra: dict[str, Any], reason: str, background: tuple[Any, Any] | None = None) -> Pending:
-    """Collective. Writes this rank's extras, then the DCP state: now, or, with `background` (from
-    background_writer()), in a background thread after copying it to host memory; the loop is blocked
-    only for that copy."""
+@dataclass
+class Pending:
+    """A save whose files are (being) written; it counts once commit() has written its marker."""
+    folder: Path
+    step: int
+    reason: str  # "periodic" | "stop" | "final"
+    future: concurrent.futures.Future  # -> (this rank's manifest entries, seconds its write took)
+    started: float
+    stall_s: float  # how long the training loop was blocked by start_save
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def start_save(root: Path, state: TrainState, reason: str, writer: Writer | None, drills: Path,
+               fallback_exists: bool) -> Pending:
+    """Collective. Writes this rank's rank file, then the DCP state: now, or with a Writer in a
+    background thread after copying the state to host memory (the loop is blocked only for that copy).
+    Either way this rank then hashes what it wrote, in the same writer."""
     t0 = time.monotonic()
-    folder = step_dir(root, step)
+    folder = step_dir(root, state.step)
     rank = dist.get_rank()
-    if rank == 0 and folder.exists():  # a torn save of this same step from a killed attempt
+    if rank == 0 and folder.exists():  # a torn or known-bad save of this step from an earlier attempt
         shutil.rmtree(folder)
     dist.barrier()
     folder.mkdir(parents=True, exist_ok=True)
-    rank_file = folder / f"rank_{rank:05d}.pt"
-    torch.save(extra, rank_file)
-    _fsync(rank_file)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    future = None
-    if background is None:
+    torch.save(state.rank_state(), folder / rank_file(rank))
+    _fsync(folder / rank_file(rank))
+    sd = state.state_dict()
+
+    def hashed(write: Any) -> tuple[dict[str, dict[str, Any]], float]:
+        if write is not None:
+            write.result()  # raises if the background write failed: no marker, nothing counts
+        time.sleep(drill_seconds(drills, "slow_storage"))  # a drill: storage this much slower per save
+        return manifest_of(own_files(folder, rank)), time.monotonic() - t0
+
+    if writer is None:
         with _helper_threads_single_threaded():
-            dcp.save(state, checkpoint_id=folder)  # fsyncs its files
+            dcp.save(sd, checkpoint_id=folder)  # fsyncs its files
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(hashed(None))
     else:
-        group, stager = background
-        future = dcp.async_save(state, checkpoint_id=folder, process_group=group, async_stager=stager)
-    if injected("kill_rank_during_save") and rank == dist.get_world_size() - 1 and committed(root):
-        # A drill: the last rank dies mid-save once a committed checkpoint exists to fall back to.
-        os.kill(os.getpid(), signal.SIGKILL)
-    return Pending(folder, step, reason, future, t0, time.monotonic() - t0)
+        write = dcp.async_save(sd, checkpoint_id=folder, process_group=writer.group, async_stager=writer.stager)
+        future = writer.pool.submit(hashed, write)
+    last = rank == dist.get_world_size() - 1
+    if last and fallback_exists and (injected("kill_rank_during_save") or claim_drill(drills, "kill_rank_during_save")):
+        os.kill(os.getpid(), signal.SIGKILL)  # a drill: the last rank dies mid-save, with something to fall back on
+    return Pending(folder, state.step, reason, future, t0, time.monotonic() - t0)
 
 
-def written_everywhere(pending: Pending) -> bool:
-    """Collective: True once every rank's background write has finished (one 4-byte all-reduce)."""
-    flag = torch.tensor([1 if pending.future is None or pending.future.done() else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def commit(pending: Pending, root: Path, cfg: CheckpointConfig) -> float:
-    """Collective. Waits for this rank's write, then rank 0 writes the marker after every rank is done.
-    Returns seconds from start_save to commit."""
-    if pending.future is not None:
-        pending.future.result()  # raises if the background write failed: no marker, nothing counts
-    dist.barrier()
-    if dist.get_rank() == 0:
-        marker = {"step": pending.step, "reason": pending.reason, "world_size": dist.get_world_size(),
-                  "files": _manifest(pending.folder)}
-        tmp = pending.folder / f"{MARKER}.tmp"
-        tmp.write_text(json.dumps(marker, indent=1))
-        _fsync(tmp)
-        os.replace(tmp, pending.folder / MARKER)
-        _fsync(pending.folder)
-        apply_retention(root, cfg)
-    dist.barrier()
-    return time.monotonic() - pending.started
-
-
-def committed(root: Path) -> list[Path]:
-    """Committed checkpoint folders, oldest first."""
-    if not root.exists():
-        return []
-    return sorted(p for p in root.glob("step_*") if (p / MARKER).exists())
-
-
-def apply_retention(root: Path, cfg: CheckpointConfig) -> None:
-    """Keep the newest checkpoint, the last `keep_last` periodic ones and every `keep_every_steps`-th.
-
-    A stop save is kept only while it is the newest: repeated preemptions replace it rather than pile
-    up. Torn folders (no marker) older than the newest commit are removed too; a newer one may be a
-    save in progress."""
-    done = committed(root)
-    if not done:
-        return
-    newest = done[-1]
-    reasons = {p: json.loads((p / MARKER).read_text()).get("reason", "periodic") for p in done}
-    periodic = [p for p in done if reasons[p] != "stop"]
-    keep = {newest, *periodic[-cfg.keep_last:]}
-    if cfg.keep_every_steps:
-        keep |= {p for p in periodic if step_of(p) % cfg.keep_every_steps == 0}
-    for p in sorted(root.glob("step_*")):
-        if p not in keep and p < newest:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def verify(folder: Path, advance: Callable[[int], Any] = lambda n: None) -> str:
-    """"" if every file matches the manifest, else the first reason it does not."""
+def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float]:
+    """Collective. Waits (up to timeout_s) for this rank's write and hash, gathers every rank's manifest
+    entries and, if every rank wrote, rank 0 writes the marker. Returns ("", slowest rank's write
+    seconds) once committed, else (why not, 0). Never hangs on a failed rank: each rank sends its error."""
     try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError) as e:
-        return f"unreadable {MARKER}: {e}"
-    for name, want in marker["files"].items():
-        p = folder / name
-        if not p.exists():
-            return f"{name} is missing"
-        if p.stat().st_size != want["bytes"]:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {want['bytes']}"
-        if _sha256(p, advance) != want["sha256"]:
-            return f"{name} checksum differs from the manifest"
-    return ""
+        files, write_s = pending.future.result(timeout=timeout_s)
+        mine: dict[str, Any] = {"files": files, "write_s": write_s}
+    except concurrent.futures.TimeoutError:
+        mine = {"error": f"not written within {timeout_s:.1f} s"}
+    except Exception as e:
+        mine = {"error": f"{type(e).__name__}: {e}"}
+    pieces: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, mine)
+    why = next((f"rank {r}: {p['error']}" for r, p in enumerate(pieces) if "error" in p), "")
+    if dist.get_rank() == 0 and not why:
+        marker = {"step": pending.step, "reason": pending.reason, "world_size": len(pieces),
+                  "files": {name: entry for p in pieces for name, entry in sorted(p["files"].items())}}
+        try:
+            tmp = pending.folder / f"{MARKER}.tmp"
+            tmp.write_text(json.dumps(marker, indent=1))
+            _fsync(tmp)
+            os.replace(tmp, pending.folder / MARKER)
+            _fsync(pending.folder)
+        except OSError as e:
+            why = f"rank 0 could not write {MARKER}: {e}"
+    verdict = [why]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0], (0.0 if verdict[0] else max(p["write_s"] for p in pieces))
 
 
-def pick_resume(root: Path, show_progress: bool = False) -> tuple[Path | None, list[str]]:
-    """Newest committed checkpoint that verifies; also why newer ones were skipped. With show_progress,
-    a rich progress bar over the bytes hashed (minutes for a large checkpoint) goes to stdout."""
-    from rich.progress import Progress
+# ---- retention (pure plan, then rank 0 deletes) --------------------------------------------------------
 
-    skipped = []
-    with Progress(disable=not show_progress or not committed(root)) as progress:  # no bar, no blank line
-        for folder in reversed(committed(root)):
-            try:
-                total = sum(f["bytes"] for f in json.loads((folder / MARKER).read_text())["files"].values())
-            except (OSError, ValueError, KeyError):
-                total = None
-            task = progress.add_task(f"verifying {folder.name}", total=total)
-            why = verify(folder, lambda n: progress.advance(task, n))
-            if not why:
-                return folder, skipped
-            skipped.append(f"{folder.name}: {why}")
-    return None, skipped
+def retention_plan(folders: dict[int, str | None], cfg: CheckpointConfig, verified: set[int], bad: set[int],
+                   keep: set[int]) -> set[int]:
+    """Steps whose folders to delete (pure). folders: step -> its commit reason ("periodic", "stop",
+    "final"), "" without COMMITTED, None for an unreadable COMMITTED; verified: steps known good in
+    this attempt (resumed from, or committed by it); bad: failed verification; keep: writes in flight.
 
-
-def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective. Loads model and optimizer in place; returns this rank's extras."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    with _helper_threads_single_threaded():
-        dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rank_file = folder / f"rank_{dist.get_rank():05d}.pt"
-    if not rank_file.exists():
-        raise RuntimeError(f"{rank_file} is missing: the checkpoint was written by a different world size "
-                           f"({json.loads((folder / MARKER).read_text())['world_size']} ranks); resume with "
-                           f"that many ranks")
-    return torch.load(rank_file, weights_only=True)  # no pickle code runs on load
+    The anchor is the newest verified checkpoint. Nothing at or above it is deleted (a newer folder may
+    be torn, bad or still being written, but deleting it gains nothing), so a committed checkpoint goes
+    only once a newer one is known good. Below it: the last `keep_last` periodic (and final) ones and
+    every `keep_every_steps`-th stay; stop saves, torn and bad folders go."""
+    if not verified:
+        return set()
+    anchor = max(verified)
+    good = [s for s, r in folders.items() if s <= anchor and r and s not in bad]
+    periodic = sorted(s for s in good if folders[s] != "stop")
+    stay = {anchor, *periodic[-cfg.keep_last:]}
+    if cfg.keep_every_steps:
+        stay |= {s for s in periodic if s % cfg.keep_every_steps == 0}
+    return {s for s in folders if s < anchor and s not in stay and s not in keep}
 
 
-def resume(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           on_skip: Callable[[str], Any] = lambda why: None) -> tuple[Path | None, dict[str, Any]]:
-    """Collective. Rank 0 picks the newest checkpoint that verifies (reporting each newer one it skips),
-    every rank loads that one. Returns (its folder, this rank's extras), or (None, {}) on a fresh run."""
-    chosen = torch.tensor([-1])
-    if dist.get_rank() == 0:
-        folder, skipped = pick_resume(root, show_progress=True)
-        for why in skipped:
-            on_skip(why)
-        chosen[0] = step_of(folder) if folder else -1
-    dist.broadcast(chosen, src=0)
-    if chosen < 0:
-        return None, {}
-    folder = step_dir(root, int(chosen))
-    return folder, load(folder, model, optimizer)
+def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: set[int], keep: set[int]) -> list[int]:
+    """Delete what retention_plan says; returns the steps deleted."""
+    folders = step_folders(root)
+    described = {s: (m.get("reason", "periodic") if (m := read_marker(p)) else None) if (p / MARKER).exists() else ""
+                 for s, p in folders.items()}
+    doomed = sorted(retention_plan(described, cfg, verified, bad, keep))
+    for s in doomed:
+        shutil.rmtree(folders[s], ignore_errors=True)
+    return doomed
+
+
+# ---- the saver: policy for one attempt -----------------------------------------------------------------
+
+@dataclass
+class Saver:
+    """This attempt's checkpoints. One save in flight at a time: a periodic save due while the previous
+    background write still runs first waits for that write and commits it (before, the older save was
+    silently replaced and never committed). Stop and final saves are synchronous; a stop save is bounded
+    by the time Slurm leaves before SIGKILL."""
+    root: Path
+    cfg: CheckpointConfig
+    drills: Path
+    event: Callable[..., None]  # rank 0's events.jsonl
+    expected_write_s: float  # slowest write this run has recorded (every attempt's events, this one's)
+    writer: Writer | None = None
+    pending: Pending | None = None
+    verified: set[int] = field(default_factory=set)  # resumed from, or committed by this attempt
+    bad: set[int] = field(default_factory=set)  # failed verification at resume
+    abandoned: set[int] = field(default_factory=set)  # writes given up on: their threads may still write
+
+    def resume(self, state: TrainState) -> tuple[Path | None, float, float]:
+        """Collective: load the newest committed checkpoint that verifies into `state`. Rank 0 lists the
+        candidates; every rank hashes its share of each until one verifies everywhere. Returns (its
+        folder or None, seconds verifying, seconds loading)."""
+        from rich.progress import Progress
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        listing: list[Any] = [None]
+        if rank == 0:
+            listing[0] = [(s, read_marker(p)) for s, p in reversed(step_folders(self.root).items())
+                          if (p / MARKER).exists()]
+        dist.broadcast_object_list(listing, src=0)
+        t0 = time.monotonic()
+        with Progress(disable=rank != 0 or not listing[0]) as progress:  # rank 0's share, on its log
+            for step, marker in listing[0]:
+                folder = step_dir(self.root, step)
+                if marker is None:
+                    why = f"unreadable {MARKER}"
+                else:
+                    if marker.get("world_size", world) != world:
+                        raise RuntimeError(
+                            f"{folder} was written by {marker['world_size']} ranks and this attempt has {world}; "
+                            f"resume with {marker['world_size']} ranks (cluster.nodes x cluster.tasks_per_node)")
+                    share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
+                    task = progress.add_task(f"verifying {folder.name}", total=sum(marker["files"][n]["bytes"] for n in share))
+                    why = verify(folder, {n: marker["files"][n] for n in share}, lambda n: progress.advance(task, n))
+                whys: list[Any] = [None] * world
+                dist.all_gather_object(whys, why)
+                why = next((w for w in whys if w), "")
+                if not why:
+                    verify_s, t1 = time.monotonic() - t0, time.monotonic()
+                    sd = state.state_dict()
+                    with _helper_threads_single_threaded():
+                        dcp.load(sd, checkpoint_id=folder)
+                    state.load_state_dict(sd)
+                    state.load_rank_state(torch.load(folder / rank_file(rank), weights_only=True))  # no pickle runs
+                    self.verified.add(step)
+                    return folder, verify_s, time.monotonic() - t1
+                self.bad.add(step)
+                self.event("checkpoint_skipped", step, reason=f"{folder.name}: {why}")
+        return None, time.monotonic() - t0, 0.0
+
+    def written_here(self) -> bool:
+        """This rank's part of the save in flight is written (or none is in flight); no collective."""
+        return self.pending is None or self.pending.done()
+
+    def commit_pending(self, timeout_s: float | None = None) -> bool:
+        """Collective: commit the save in flight (waiting up to timeout_s for its writes); on failure
+        record why and leave its folder to a later attempt's retention."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return True
+        t0 = time.monotonic()
+        why, write_s = commit(p, timeout_s)
+        if why:
+            self.abandoned.add(p.step)
+            self.event("checkpoint_abandoned", p.step, reason=p.reason, error=why)
+            return False
+        self.verified.add(p.step)
+        self.expected_write_s = max(self.expected_write_s, write_s)
+        self.event("checkpoint_committed", p.step, path=str(p.folder), reason=p.reason,
+                   save_s=round(time.monotonic() - p.started, 4), write_s=round(write_s, 4),
+                   stall_s=round(p.stall_s, 4), waited_s=round(time.monotonic() - t0, 4))
+        if dist.get_rank() == 0:
+            keep = self.abandoned | ({self.pending.step} if self.pending else set())
+            for s in apply_retention(self.root, self.cfg, self.verified, self.bad, keep):
+                self.event("checkpoint_deleted", s, anchor=max(self.verified))
+        return True
+
+    def save(self, state: TrainState, reason: str, background: bool) -> None:
+        """Collective: start a save of this step (a step already known good is not saved twice)."""
+        if state.step in self.verified:
+            return
+        self.pending = start_save(self.root, state, reason, self.writer if background else None, self.drills,
+                                  fallback_exists=bool(self.verified))
+        if not background:
+            self.commit_pending()
+
+    def periodic(self, state: TrainState) -> None:
+        self.commit_pending()  # one save in flight: wait for the previous write if it still runs
+        self.save(state, "periodic", background=self.writer is not None)
+
+    def stop(self, state: TrainState, left_s: float, agree: Callable[[bool], bool]) -> None:
+        """Collective, at a stop signal with left_s (the same on every rank) before SIGKILL: commit the
+        write in flight if it finishes in time, then save this step if the slowest write this run has
+        seen fits in what is left. With nothing committed yet, save regardless: nothing is lost by trying."""
+        t0 = time.monotonic()
+        need = self.expected_write_s
+        if self.pending is not None:
+            self.commit_pending(timeout_s=max(0.0, left_s - need) if self.verified else left_s)
+        fits = agree(not self.verified or need <= left_s - (time.monotonic() - t0))
+        if not fits and state.step not in self.verified:
+            self.event("stop_save_skipped", state.step, expected_save_s=round(need, 3),
+                       left_s=round(left_s - (time.monotonic() - t0), 3))
+            return
+        self.save(state, "stop", background=False)
+
+    def final(self, state: TrainState) -> None:
+        self.commit_pending()
+        self.save(state, "final", background=False)

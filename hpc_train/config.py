@@ -96,7 +96,7 @@ class TrainConfig:  # train.py
 @dataclass
 class CheckpointConfig:  # checkpoint.py
     every_steps: int = 20  # periodic save; a stop signal also saves at the next step boundary
-    keep_last: int = 2  # periodic checkpoints kept; a stop save is dropped once a newer one commits
+    keep_last: int = 2  # periodic checkpoints kept below the newest verified one; older stop saves go
     keep_every_steps: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
     # Periodic saves write in the background: the loop waits only while state is copied to host memory.
     # Stop saves (signal, last step) are always synchronous.
@@ -122,9 +122,9 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
 
 
 @dataclass
-class FnConfig:  # byo.py: bring your own training function
-    # "package.module.function", called on every rank as function(ctx, **kwargs) with a byo.Context;
-    # empty: the built-in trainer (train.py)
+class FnConfig:  # job.py: the training function, yours or the built-in one
+    # "package.module.function", called on every rank as function(at, **kwargs) with an attempt.Attempt;
+    # empty: the built-in trainer (hpc_train.train.main)
     _target_: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -116,6 +116,14 @@ class Sampler:
         offset = (w - int(self._starts[shard])) * self.seq_len
         return self.shards[shard][offset: offset + self.seq_len + 1]
 
+    def state_dict(self) -> dict[str, Any]:  # the Stateful protocol: checkpointed with the model
+        import torch
+
+        return {"position": torch.tensor(self.position)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
     def next_batch(self, dp_rank: int, dp_size: int, batch_seqs: int) -> tuple[Any, Any]:
         """(inputs, targets) of shape (batch_seqs, seq_len) for this rank; advances past every rank's."""
         import numpy as np

@@ -1,94 +1,123 @@
-"""What submitit pickles and runs on every task: rank env, signal recorder, rendezvous, the trainer,
-then the requeue decision against the run's budgets.
+"""What every task of a job runs (start.py calls run_job): rank env, placed rendezvous, the hang
+watchdog, then the training function with its Attempt, then the one requeue decision.
 
-Importing this module is cheap and torch-free (the login node pickles `run_job` by reference); the
-trainer is imported when the job runs. Exit codes: 0 finished, 144 saved-and-requeued, 1 failed.
+Importing this module is cheap and torch-free (the login node pickles `run_job` by reference); torch
+is imported when the job runs. Exit codes: 0 finished, 144 saved-and-requeued, 1 stopped or failed.
+
+An attempt, from process start to exit (docs/lifecycle.md draws it):
+    start.py installs the record-only USR2/TERM handlers   -> phase "python"
+    imports, frozen config.yaml                            -> phase "imports"
+    placed rendezvous (TCPStore + topology plan)           -> phase "rendezvous"
+    Attempt.build, the function builds its model           -> phase "setup"
+    at.resume(state): verify (every rank a share), load    -> phases "verify", "load"; the `start` event
+    the loop: at.step_end() each step                      -> `first_step`, saves, a `signal`
+    stopped: rank 0 decides (preempt.decide) and requeues  -> `requeue` | `requeue_failed` | `stopped`
+    finished: at.finish(): final save, summary.json        -> `finish`
+    raised or hung: the first rank to fail decides alike   -> `fail`, then as stopped
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from hpc_train.metrics import EVENTS, log_event, read_jsonl
-
-# Slurm may deliver the time-limit warning up to 60 s before the requested lead; 60 s more of margin.
-TIME_LIMIT_SLACK_S = 120
-
-
-def stop_reason(signals: list[str], elapsed_s: float, timeout_min: int, signal_lead_s: int) -> str:
-    """"time_limit" for a USR2 near the end of the allocation, else "preempt" (SIGTERM, or USR2 sent
-    early by preempt_send_user_signal, scancel --signal or `hpc-train chaos`)."""
-    near_end = elapsed_s >= timeout_min * 60 - signal_lead_s - TIME_LIMIT_SLACK_S
-    return "time_limit" if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end else "preempt"
+from hpc_train import preempt
+from hpc_train.metrics import log_event, read_jsonl
+from hpc_train.paths import RunPaths
 
 
-def budget_left(events: list[dict[str, Any]], reason: str, budgets: Any) -> tuple[bool, str]:
-    """May this run requeue once more for `reason`? Counts earlier requeues in events.jsonl (pure)."""
-    used = sum(1 for e in events if e["event"] == "requeue" and e.get("reason") == reason)
-    limit = {"preempt": budgets.max_preemptions, "time_limit": budgets.max_time_limit_requeues,
-             "failure": budgets.max_failures}[reason]
-    key = {"preempt": "max_preemptions", "time_limit": "max_time_limit_requeues", "failure": "max_failures"}[reason]
-    if limit != -1 and used >= limit:
-        return False, f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
-    return True, ""
+def process_start_time() -> float:
+    """When this process started, as Unix time: /proc/self/stat's starttime (clock ticks since boot)
+    against /proc/uptime, good to ~10 ms (btime alone is whole seconds)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def resolve(target: str) -> Callable[..., Any]:
+    """fn._target_ ("pkg.mod.function") -> the function; empty: the built-in trainer."""
+    module, name = (target or "hpc_train.train.main").rsplit(".", 1)
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"fn._target_={target!r}: {module} has no function {name!r}")
+    return fn
 
 
 def run_job(run_dir_str: str) -> dict[str, Any] | None:
     from hpc_train import env as rank_env
-    from hpc_train import preempt  # imports torch
 
-    preempt.install_handlers()  # first: a signal may arrive while torch initialises
-    started, launched_at = time.monotonic(), time.time()
-    run_dir = Path(run_dir_str)
+    preempt.install_handlers()  # start.py did, first thing; this covers a caller that did not
+    process_start = process_start_time()
+    phases_s = {"python": max(0.0, preempt.installed_at[0] - process_start)}
+    paths = RunPaths(Path(run_dir_str))
     if "SLURM_PROCID" not in os.environ:  # local controller restarts in place: count attempts on disk
-        requeues = sum(e["event"] == "requeue" for e in read_jsonl(run_dir / EVENTS))
+        requeues = sum(e["event"] == "requeue" for e in read_jsonl(paths.events))
         os.environ["HPC_TRAIN_ATTEMPT"] = str(requeues)
     env = rank_env.from_env(os.environ)
     os.environ.update(rank_env.torchrun_vars(env))
     print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", flush=True)  # `hpc-train logs --attempt`
     try:
-        return _run(run_dir, env, preempt, started, launched_at)
+        return _run(paths, env, process_start, phases_s)
     except Exception as e:
-        log_event(run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
+        log_event(paths.run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
                   error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
-        _requeue_after_failure(run_dir, env, preempt)
+        if _after_failure(paths, env) and env.executor == "local":
+            sys.exit(preempt.REQUEUE_EXIT_CODE)  # the local controller restarts every task on this code
         raise
 
 
-def _requeue_after_failure(run_dir: Path, env: Any, preempt: Any) -> None:
-    """The first rank to fail decides (an O_EXCL file per attempt): requeue while the failure budget
-    lasts, else record why the run stops. The other ranks die with it (gloo sees the closed peer)."""
+def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: int) -> bool:
+    """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
+    (preempt.decide), act on it and record it. True when the job comes back."""
+    from hpc_train import slurm
+
+    events = read_jsonl(paths.events)
+    fate = slurm.job_fate(env.job_id, env.restart_count) if env.executor == "slurm" else preempt.local_fate(events)
+    action, why = preempt.decide(reason, events, budgets, fate)
+    record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
+    if action == "stop":
+        record("stopped", reason=why)
+        print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
+        return False
+    if action == "slurm":
+        record("requeue", reason=reason, by="slurm", note=why)
+        return True
+    err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
+    if err:  # e.g. no scontrol in the container: a preemption still comes back (Slurm requeues it), a time limit does not
+        record("requeue_failed", reason=reason, fate=fate, error=err)
+        print(f"[hpc_train] requeue failed: {err}; the last committed checkpoint stays; resubmit to go on",
+              file=sys.stderr, flush=True)
+        return True
+    record("requeue", reason=reason, by="hpc_train", fate=fate)
+    return True
+
+
+def _after_failure(paths: RunPaths, env: Any) -> bool:
+    """The first rank to fail in an attempt decides (an O_EXCL file); the others die with it (gloo
+    sees the closed peer). True when the job will come back."""
     from hpc_train.config import load_frozen
 
     try:
-        fd = os.open(run_dir / f".failed-{env.job_id}-{env.restart_count}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        os.close(fd)
+        os.close(os.open(paths.failure_claim(env.job_id, env.restart_count), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        return
+        return False
     try:
-        budgets = load_frozen(run_dir).requeue
+        budgets = load_frozen(paths.run_dir).requeue
     except Exception:  # the config itself is what fails: no point in retrying
-        return
-    ok, why = budget_left(read_jsonl(run_dir / EVENTS), "failure", budgets)
-    if env.executor == "slurm" and preempt.slurm_job_fate(env.job_id, env.restart_count) == "cancelled":
-        ok, why = False, "cancelled (scancel): not requeueing"  # ranks dying of a cancel are no crash loop
-    if not ok:
-        log_event(run_dir, "stopped", -1, env.job_id, env.restart_count, reason=why)
-        print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
-        return
-    err = preempt.requeue_slurm_job(env.job_id) if env.executor == "slurm" else ""
-    log_event(run_dir, "requeue", -1, env.job_id, env.restart_count, reason="failure", error=err or None)
-    if env.executor == "local":
-        sys.exit(preempt.REQUEUE_EXIT_CODE)
+        return False
+    return requeue_or_stop(paths, env, budgets, "failure", -1)
 
 
-def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
+def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
     """One TCPStore rendezvous that also places ranks: every task publishes its node and
     SLURM_TOPOLOGY_ADDR, the store's host (Slurm's task 0) plans the order (topology.py) and publishes
     it, and every task joins the process group under its placed rank. Returns the placed RankEnv."""
@@ -117,7 +146,7 @@ def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
                 addrs.setdefault(n, addr)
             plan = topology.placement(addrs, env.local_world_size, cfg.train.tp)
             store.set("placement", json.dumps(plan))
-            (run_dir / "placement.json").write_text(json.dumps(plan, indent=1) + "\n")
+            paths.placement.write_text(json.dumps(plan, indent=1) + "\n")
         plan = json.loads(store.get("placement"))
         order = plan["nodes"]
         placed = dataclasses.replace(env, rank=order.index(node) * env.local_world_size + env.local_rank,
@@ -137,7 +166,7 @@ def _rendezvous(env: Any, cfg: Any, run_dir: Path) -> Any:
     return placed
 
 
-def _start_watchdog(limit_s: float, run_dir: Path, env: Any, preempt: Any) -> None:
+def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
     """A hung collective never returns, and no signal arrives. A daemon thread watches the loop's
     heartbeat; past `limit_s` it dumps every thread's stack to this rank's log, records the failure,
     requeues within the failure budget and ends the process, so the job fails fast instead of holding
@@ -151,67 +180,56 @@ def _start_watchdog(limit_s: float, run_dir: Path, env: Any, preempt: Any) -> No
         print(f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; "
               f"stacks follow", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        log_event(run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
+        log_event(paths.run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
                   error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
-        try:
-            _requeue_after_failure(run_dir, env, preempt)
-        except SystemExit:
-            pass
-        os._exit(preempt.REQUEUE_EXIT_CODE if env.executor == "local" else 1)
+        requeue = _after_failure(paths, env)
+        os._exit(preempt.REQUEUE_EXIT_CODE if requeue and env.executor == "local" else 1)
 
     preempt.beat()
     threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()
 
 
-def _run(run_dir: Path, env: Any, preempt: Any, started: float, launched_at: float) -> dict[str, Any] | None:
+def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, float]) -> dict[str, Any] | None:
+    t0 = time.time()
     import torch
     import torch.distributed as dist
 
+    from hpc_train.attempt import Attempt
     from hpc_train.config import load_frozen
-    from hpc_train.train import train
 
-    cfg = load_frozen(run_dir)
+    cfg = load_frozen(paths.run_dir)
+    phases_s["imports"] = time.time() - t0
+    if env.executor == "local" and preempt.local_fate(read_jsonl(paths.events)) == "cancelled":
+        if env.rank == 0:  # `hpc-train cancel` came between two attempts
+            log_event(paths.run_dir, "stopped", -1, env.job_id, env.restart_count, reason="cancelled before this attempt started")
+        sys.exit(1)
     if preempt.injected("raise_at_start"):
         raise RuntimeError("injected fault: raise_at_start (HPC_TRAIN_FAULT)")
     # One intra-op thread pool per rank sized to its CPUs: torch's default (all cores in every rank)
     # made 4 ranks on 2 cores 35x slower per step on the dev cluster (350 ms vs 10 ms).
     cores = os.environ.get("SLURM_CPUS_PER_TASK") or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(int(cores))
-    env = _rendezvous(env, cfg, run_dir)
-    _start_watchdog(cfg.train.watchdog_s, run_dir, env, preempt)
-    if cfg.fn._target_:  # the user's own function, with the same services
-        from hpc_train import byo
-
-        outcome, step = byo.run(cfg, env, run_dir, launched_at)
-    else:
-        outcome, step = train(cfg, env, run_dir, launched_at)
-    if outcome == "requeue":
-        # Rank 0 decides against the budgets and tells everyone, so no rank exits with 144 alone.
-        reason = stop_reason(preempt.received, time.monotonic() - started, cfg.cluster.timeout_min,
-                             cfg.cluster.signal_lead_s)
-        verdict = torch.tensor([1])
+    t0 = time.time()
+    env = _rendezvous(env, cfg, paths)
+    phases_s["rendezvous"] = time.time() - t0
+    _start_watchdog(cfg.train.watchdog_s, paths, env)
+    fn = resolve(cfg.fn._target_)
+    at = Attempt.build(env, cfg, paths, process_start, phases_s)
+    result = fn(at, **cfg.fn.kwargs)
+    if at.finished is None and not at.stopped and at.should_stop():  # returned at its own stop check
+        at.stopped = True
+    if at.stopped:
+        # Rank 0 decides and tells everyone, so no rank exits with 144 alone.
+        verdict = torch.tensor([0])
         if env.rank == 0:
-            ok, why = budget_left(read_jsonl(run_dir / EVENTS), reason, cfg.requeue)
-            fate = preempt.slurm_job_fate(env.job_id, env.restart_count) if env.executor == "slurm" else "running"
-            if fate == "cancelled":  # scancel also sends SIGTERM: a cancel must not come back as a requeue
-                ok, why = False, "cancelled (scancel): saved, not requeueing"
-            verdict[0] = int(ok)
-            if ok:
-                # Slurm already requeues a job an operator requeued (`scontrol requeue`): no second call.
-                err = preempt.requeue_slurm_job(env.job_id) if fate == "running" and env.executor == "slurm" else ""
-                log_event(run_dir, "requeue", step, env.job_id, env.restart_count, reason=reason, error=err or None,
-                          by="slurm" if fate == "requeued" else "hpc_train")
-            else:
-                log_event(run_dir, "stopped", step, env.job_id, env.restart_count, reason=why)
-                print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
+            reason = preempt.stop_reason(preempt.received, time.time() - process_start, cfg.cluster.timeout_min,
+                                         cfg.cluster.signal_lead_s)
+            verdict[0] = int(requeue_or_stop(paths, env, cfg.requeue, reason, at.stop_step))
         dist.broadcast(verdict, src=0)
         dist.destroy_process_group()
         sys.stdout.flush()
         sys.exit(preempt.REQUEUE_EXIT_CODE if verdict.item() else 1)
+    summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     dist.barrier()
     dist.destroy_process_group()
-    if env.rank == 0:
-        import json
-
-        return json.loads((run_dir / "summary.json").read_text())
-    return None
+    return summary if env.rank == 0 else None

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train.paths import RunPaths
+
 EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
 
@@ -26,7 +28,7 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def log_event(run_dir: Path, event: str, step: int, job_id: str, restart: int, **fields: Any) -> None:
-    append_jsonl(run_dir / EVENTS, {"time": time.time(), "event": event, "step": step, "job_id": job_id,
+    append_jsonl(RunPaths(run_dir).events, {"time": time.time(), "event": event, "step": step, "job_id": job_id,
                                     "restart": restart, **fields})
 
 

@@ -1,44 +1,36 @@
-"""Stop signals: handlers that only record, a decision all ranks take together, and the requeue.
+"""Stop signals, fault drills and the one requeue decision. Torch-free and cheap to import: the task's
+entry point (start.py) installs the handlers before it imports anything else.
 
 Slurm warns of the time limit with the --signal signal (USR2, not USR1: NCCL may install its own USR1
-handler) and of preemption with SIGTERM to every task (or with the --signal signal when the cluster sets
-preempt_send_user_signal). Either way the handler appends the signal's name and returns: no I/O, no
-collectives, no logging inside a handler. The training loop calls `should_stop()` at each step
-boundary; it all-reduces the flag so every rank saves the same step and exits together.
+handler) and of preemption with SIGTERM to every task (or with USR2 when the cluster sets
+preempt_send_user_signal). The handler appends the signal's name and returns: no I/O, no collectives,
+no logging inside a handler. The attempt (attempt.py) all-reduces the flag at each step boundary, so
+every rank saves the same step; job.py then asks `decide` whether to requeue.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import time
-
-import torch
-import torch.distributed as dist
+from pathlib import Path
+from typing import Any
 
 # submitit's local controller restarts every task of a job when one exits with this code; on Slurm the
 # same code marks "saved and requeued" in sacct's ExitCode column.
 REQUEUE_EXIT_CODE = 144
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+# Slurm may deliver the time-limit warning up to 60 s before the requested lead; 60 s more of margin.
+TIME_LIMIT_SLACK_S = 120
 
 received: list[str] = []  # names of the signals caught so far, in order; read by the loop
 received_at: list[float] = []  # time.monotonic() of each, for the time left to save
 last_beat = [time.monotonic()]  # the loop's heartbeat, read by job.py's hang watchdog
+installed_at = [0.0]  # time.time() when the handlers went in: the "python" phase of a restart ends here
 
 
 def beat() -> None:
     last_beat[0] = time.monotonic()
-
-
-def injected(fault: str) -> bool:
-    """Fault drills: HPC_TRAIN_FAULT=raise_at_start,kill_rank_during_save,hang (set with
-    +cluster.env.HPC_TRAIN_FAULT=...). Each fires in the first attempt only unless its name ends in
-    `_always`, so a drill shows the recovery."""
-    faults = os.environ.get("HPC_TRAIN_FAULT", "").split(",")
-    first_attempt = os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPC_TRAIN_ATTEMPT", "0")) in ("", "0")
-    return f"{fault}_always" in faults or (fault in faults and first_attempt)
 
 
 def _record(signum: int, frame: object) -> None:
@@ -46,56 +38,113 @@ def _record(signum: int, frame: object) -> None:
     received.append(signal.Signals(signum).name)
 
 
-def save_fits(expected_save_s: float, signal_lead_s: float, grace_s: float) -> bool:
-    """Collective: does a stop save of expected_save_s fit, on every rank, before Slurm's SIGKILL? The
-    deadline runs from the first signal: signal_lead_s after a USR2 alone, else grace_s (preemption)."""
-    budget = signal_lead_s if received and "SIGTERM" not in received else grace_s
-    left = (received_at[0] + budget - time.monotonic()) if received_at else float("inf")
-    flag = torch.tensor([1 if expected_save_s <= left else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def install_handlers() -> None:
-    """Replace submitit's handlers (which checkpoint inside the handler, on rank 0 only)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _record)
+    """Record-only handlers for USR2 and TERM, in place of submitit's (which requeue from inside the
+    handler, on rank 0 only, without a save). Idempotent."""
+    if signal.getsignal(signal.SIGTERM) is not _record:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _record)
+        installed_at[0] = time.time()
 
 
-def should_stop() -> bool:
-    """True on every rank if any rank caught a stop signal. One 4-byte all-reduce per step (~0.1 ms on gloo)."""
-    flag = torch.tensor([1 if received else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def stop_reason(signals: list[str], elapsed_s: float, timeout_min: int, signal_lead_s: int) -> str:
+    """"time_limit" for a USR2 near the end of the allocation, else "preempt" (SIGTERM, or USR2 sent
+    early by preempt_send_user_signal, scancel --signal, the batch-shell relay or `hpc-train chaos`)."""
+    near_end = elapsed_s >= timeout_min * 60 - signal_lead_s - TIME_LIMIT_SLACK_S
+    return "time_limit" if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end else "preempt"
 
 
-def slurm_job_fate(job_id: str, restart_count: int) -> str:
-    """What Slurm is doing with this job as the ranks stop: "running" (a time-limit warning or a
-    preemption in its grace time: we requeue), "requeued" (an operator's `scontrol requeue`: COMPLETING
-    with Restarts already incremented) or "cancelled" (scancel: COMPLETING, Restarts unchanged)."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
-    state = re.search(r"JobState=(\S+)", proc.stdout)
-    restarts = re.search(r"Restarts=(\d+)", proc.stdout)
-    if state is None or state.group(1) in ("RUNNING", "SUSPENDED", "PENDING", "REQUEUED"):
-        return "running"  # unknown counts as running: requeueing a live run beats losing it
-    if state.group(1) == "CANCELLED" or (restarts and int(restarts.group(1)) <= restart_count):
-        return "cancelled"
-    return "requeued"
+def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:
+    """From the first signal to Slurm's SIGKILL: the time limit comes signal_lead_s after its warning; a
+    preemption (SIGTERM, or USR2 under preempt_send_user_signal) kills after the partition's GraceTime."""
+    return signal_lead_s if reason == "time_limit" else grace_s
 
 
-def requeue_slurm_job(job_id: str, attempts: int = 4) -> str:
-    """`scontrol requeue` this job; returns "" on success, else scontrol's last message.
+# ---- fault drills ------------------------------------------------------------------------------------
 
-    Retries (1, 2, 4 s) only when the controller did not answer: a preempted job is already being
-    requeued by Slurm itself, scontrol then refuses at once, and that refusal is final and harmless.
+def injected(fault: str) -> bool:
+    """Drills set at submit: HPC_TRAIN_FAULT=raise_at_start,kill_rank_during_save,hang (with
+    +cluster.env.HPC_TRAIN_FAULT=...). Each fires in the first attempt only unless its name ends in
+    `_always`, so a drill shows the recovery."""
+    faults = os.environ.get("HPC_TRAIN_FAULT", "").split(",")
+    first_attempt = os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPC_TRAIN_ATTEMPT", "0")) in ("", "0")
+    return f"{fault}_always" in faults or (fault in faults and first_attempt)
+
+
+def claim_drill(drills: Path, name: str) -> bool:
+    """A one-shot drill armed at run time (`hpc-train chaos RUN kill-rank-during-save` writes
+    drills/<name>): the first process to rename it away fires it, exactly once."""
+    try:
+        os.rename(drills / name, drills / f"{name}.fired-{os.getpid()}")
+        return True
+    except OSError:
+        return False
+
+
+def drill_seconds(drills: Path, name: str) -> float:
+    """A lasting drill armed at run time, e.g. drills/slow_storage holding "3.0": 0 when not armed."""
+    try:
+        return float((drills / name).read_text())
+    except (OSError, ValueError):
+        return 0.0
+
+
+# ---- the requeue decision (pure) ---------------------------------------------------------------------
+
+BUDGET_KEYS = {"preempt": "max_preemptions", "time_limit": "max_time_limit_requeues", "failure": "max_failures"}
+
+
+def failures_in_a_row(events: list[dict[str, Any]]) -> int:
+    """Failure requeues since the run last made progress (committed a step beyond every earlier commit).
+    A crash loop never makes progress; three node faults a month apart each come after progress."""
+    count, best = 0, -1
+    for e in events:
+        if e["event"] == "checkpoint_committed" and e["step"] > best:
+            best, count = e["step"], 0
+        elif e["event"] == "requeue" and e.get("reason") == "failure" and e.get("by") != "slurm":
+            count += 1
+    return count
+
+
+def requeues_counted(events: list[dict[str, Any]], reason: str) -> int:
+    """Requeues this run asked for, for `reason`; those Slurm did by itself cost no budget."""
+    return sum(1 for e in events if e["event"] == "requeue" and e.get("reason") == reason and e.get("by") != "slurm")
+
+
+def local_fate(events: list[dict[str, Any]]) -> str:
+    """The local executor's answer to "what is the scheduler doing with this job": "cancelled" once
+    `hpc-train cancel` wrote its event after the last requeue, else "running"."""
+    fate = "running"
+    for e in events:
+        if e["event"] == "cancel":
+            fate = "cancelled"
+        elif e["event"] == "requeue":
+            fate = "running"
+    return fate
+
+
+def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -> tuple[str, str]:
+    """The one requeue decision, for a clean stop and a failure alike (pure).
+
+    reason: "preempt" | "time_limit" | "failure"; events: the run's events.jsonl; budgets: RequeueConfig;
+    fate: what Slurm is doing with the job (slurm.job_fate / local_fate): "running", "requeued",
+    "cancelled" or "unknown" (scontrol did not answer: treated as running, since requeueing a live run
+    beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
+    does, ("stop", why) when the run ends here.
     """
-    err = ""
-    for attempt in range(attempts):
-        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-        if proc.returncode == 0:
-            return ""
-        err = (proc.stderr or proc.stdout).strip()
-        if not any(word in err.lower() for word in ("timed out", "unable to contact", "connection refused")):
-            break
-        time.sleep(2**attempt)
-    return err
+    if fate == "cancelled":
+        return "stop", "cancelled (scancel or hpc-train cancel): not requeueing"
+    if fate == "requeued":
+        return "slurm", "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent"
+    key = BUDGET_KEYS[reason]
+    limit = getattr(budgets, key)
+    if reason == "failure":
+        used = failures_in_a_row(events)
+        if limit != -1 and used >= limit:
+            return "stop", (f"failure budget spent: {used} failure requeues in a row without a newer checkpoint "
+                            f"(requeue.{key}={limit})")
+    else:
+        used = requeues_counted(events, reason)
+        if limit != -1 and used >= limit:
+            return "stop", f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
+    return "requeue", ""

@@ -136,13 +136,19 @@ def python_command(cluster: ClusterConfig) -> str:
     return shlex.join([*cluster.launcher, sys.executable])
 
 
+def entry_command(python: str, folder: Path) -> str:
+    """What every task runs: our entry (start.py) installs the stop-signal handlers before any import,
+    then runs submitit's pickle; submitit's own entry would install its handlers instead."""
+    return f"{python} -u -m hpc_train.start {shlex.quote(str(folder))}"
+
+
 def render(cluster: ClusterConfig, job_name: str, folder: Path, array_size: int | None = None,
            max_parallel: int | None = None) -> str:
     """The batch script exactly as submitit submits it (pure, but for reading the template files)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     params = executor_parameters(cluster, job_name, max_parallel)
-    command = f"{python_command(cluster)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    command = entry_command(python_command(cluster), folder)
     return _make_sbatch_string(command=command, folder=folder, map_count=array_size, **params)
 
 
@@ -225,10 +231,20 @@ def _gpu_count(gres: str) -> int:
 def make_executor(cluster: ClusterConfig, folder: Path, job_name: str, max_parallel: int | None = None) -> Any:
     import submitit  # lazy: 0.1 s, and only `submit` needs it
 
+    class Local(submitit.LocalExecutor):
+        @property
+        def _submitit_command_str(self) -> str:
+            return entry_command(self.python, self.folder)
+
+    class Slurm(submitit.SlurmExecutor):
+        @property
+        def _submitit_command_str(self) -> str:  # also used for arrays (map_array)
+            return entry_command(self.python, self.folder)
+
     if cluster.executor == "local":
         os.environ.update(cluster.env)  # the local controller and its tasks inherit this process's env
-        executor: Any = submitit.LocalExecutor(folder=folder)
+        executor: Any = Local(folder=folder)
     else:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=1000, python=python_command(cluster))
+        executor = Slurm(folder=folder, max_num_timeout=1000, python=python_command(cluster))
     executor.update_parameters(**executor_parameters(cluster, job_name, max_parallel))
     return executor

@@ -1,4 +1,5 @@
-"""The one place that shells out to Slurm's clients (scontrol, squeue, sacct, sbatch --test-only).
+"""The one place that shells out to Slurm's clients (scontrol, squeue, sacct, sbatch --test-only), on
+the login node and inside the job (the job's fate and its requeue), with one retry policy.
 
 Every call has a timeout and exports SLURM_CONF when the cluster config names one (without it the
 clients try a DNS SRV lookup). Parsers are pure functions of the clients' text, tested on captures.
@@ -29,7 +30,8 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
         except subprocess.TimeoutExpired:
             err = f"`{' '.join(args)}` did not answer within {timeout_s:.0f} s"
         except FileNotFoundError:
-            raise SlurmError(f"`{args[0]}` is not installed here; use cluster=local, or run on a Slurm login node")
+            raise SlurmError(f"`{args[0]}` is not installed here (not on PATH); use cluster=local, or run on a "
+                             f"Slurm login node")
         else:
             if proc.returncode == 0:
                 return proc.stdout + proc.stderr if args[:2] == ["sbatch", "--test-only"] else proc.stdout
@@ -96,6 +98,41 @@ def time_limit_min(text: str) -> float:
 def test_only(script_path: str) -> str:
     """`sbatch --test-only`: Slurm's own verdict on the request, queueing nothing."""
     return call(["sbatch", "--test-only", script_path], timeout_s=30, retries=1)
+
+
+def parse_fate(text: str, restart_count: int) -> str:
+    """`scontrol show job -o` of this job as its ranks stop -> what Slurm is doing with it (pure):
+    "requeued" (Restarts passed ours: an operator's `scontrol requeue`, a node failure, or a preemption
+    Slurm finished requeueing), "cancelled" (scancel: CANCELLED, or COMPLETING with Restarts unchanged),
+    "running" (a time-limit warning, or a preemption in its grace time: we requeue), "unknown"."""
+    fields = parse_key_values(text)
+    state, restarts = fields.get("JobState"), fields.get("Restarts", "")
+    if state is None or not restarts.isdigit():
+        return "unknown"
+    if int(restarts) > restart_count:
+        return "requeued"
+    if state in ("CANCELLED", "COMPLETING"):
+        return "cancelled"
+    return "running"
+
+
+def job_fate(job_id: str, restart_count: int) -> str:
+    """parse_fate of the live job; "unknown" when scontrol is missing (containers) or does not answer.
+    10 s per try, 2 retries: at most ~33 s, inside the 120 s signal lead."""
+    try:
+        return parse_fate(call(["scontrol", "show", "job", "-o", job_id], timeout_s=10, retries=2), restart_count)
+    except SlurmError:
+        return "unknown"
+
+
+def requeue(job_id: str) -> str:
+    """`scontrol requeue` this job (`<array>_<task>` for an array task): "" on success, else why not.
+    A preempted job is being requeued by Slurm already; scontrol then refuses at once, and that is harmless."""
+    try:
+        call(["scontrol", "requeue", job_id], timeout_s=10, retries=2)
+        return ""
+    except SlurmError as e:
+        return str(e)
 
 
 def slurm_env(slurm_conf: str | None) -> None:

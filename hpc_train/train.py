@@ -1,34 +1,32 @@
-"""The training loop, top to bottom: resume, step, stop check, save, log.
+"""The built-in trainer, top to bottom: model, parallelize, resume, then the loop (step, stop check and
+saves through the Attempt, log).
 
     hpc-train submit                                # 2 ranks on this machine (local executor)
     hpc-train submit cluster=dev train.steps=200    # 2 nodes x 2 ranks on the test cluster
     hpc-train submit train.parallelism=fsdp train.tp=2 cluster.tasks_per_node=4   # FSDP2 x TP on a 2x2 mesh
 
-Called by job.py on every rank once torch.distributed is up. Returns ("finished" | "requeue", step);
-the caller exits accordingly. Bit-exact on CPU: a run stopped and resumed any number of times ends with the
-same weights as an uninterrupted one, because data, LR and RNG are functions of the saved state.
+`main(at)` is a client of the Attempt (attempt.py) exactly as a bring-your-own function is: job.py
+calls it on every rank and decides what happens after it returns. Bit-exact on CPU: a run stopped and
+resumed any number of times ends with the same weights as an uninterrupted one, because data, LR and
+RNG are functions of the saved state.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-import sys
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_train import checkpoint, data, preempt
+from hpc_train import data, preempt
+from hpc_train.attempt import Attempt
+from hpc_train.checkpoint import TrainState
 from hpc_train.config import RunConfig, TrainConfig
-from hpc_train.env import RankEnv
-from hpc_train.metrics import METRICS, append_jsonl, log_event
+from hpc_train.metrics import append_jsonl
 from hpc_train.model import GPT
 
 if TYPE_CHECKING:
@@ -41,16 +39,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, "DeviceMesh"]:
-    """This rank's device (the GPU job.py selected, else CPU) and the (dp, tp) mesh. Ranks are
-    node-contiguous (placement) and tp divides tasks_per_node, so the inner tp dimension, consecutive
-    ranks, never leaves a node: TP's per-layer all-reduces stay on NVLink, FSDP's traffic crosses nodes."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return device, init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Module:
@@ -99,15 +87,6 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def start_fields(env: RankEnv, launched_at: float) -> dict[str, object]:
-    """Collective: what the "start" event records for `hpc-train status/report/chaos`: every rank's pid
-    (chaos kill-rank, post-mortems) and node, in placed order (node-contiguous)."""
-    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
-    dist.all_gather(pids, torch.tensor([os.getpid()]))
-    return {"world_size": env.world_size, "nodes": list(env.nodes), "launched_at": launched_at,
-            "pids": [int(p) for p in pids], "rank_nodes": [env.nodes[r // env.local_world_size] for r in range(env.world_size)]}
-
-
 def global_mean(value: torch.Tensor) -> float:
     t = value.detach().to(torch.float64).reshape(1)
     dist.all_reduce(t)
@@ -151,83 +130,53 @@ def params_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tuple[str, int]:
-    tc = cfg.train
-    device, mesh = device_and_mesh(env.world_size, tc.tp)
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()  # a tp group reads one batch
-    on_gpu = device.type == "cuda"
+def main(at: Attempt) -> dict[str, Any] | None:
+    cfg, tc = at.cfg, at.cfg.train
+    dp_rank, dp_size = at.mesh["dp"].get_local_rank(), at.mesh["dp"].size()  # a tp group reads one batch
+    on_gpu = at.device.type == "cuda"
     bf16 = on_gpu if tc.bf16 is None else tc.bf16
     torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = GPT(cfg.model).to(device)
+    model = GPT(cfg.model).to(at.device)
     model.activation_checkpointing = on_gpu if tc.activation_checkpointing is None else tc.activation_checkpointing
-    net = parallelize(model, tc, mesh)
+    net = parallelize(model, tc, at.mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     sampler = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
-    ck, ckpt_root = cfg.checkpoint, run_dir / "checkpoints"
-    background = checkpoint.background_writer() if ck.async_save else None
-    pending: checkpoint.Pending | None = None
-    console = Console(highlight=False, width=200) if env.rank == 0 else None  # rank 0 speaks for the run
-
-    def say(line: str) -> None:
-        if console is not None:
-            console.print(line, markup=False)  # '[hpc_train]' is text, not a style tag
-            sys.stdout.flush()
-
-    def event(name: str, step: int, **fields: object) -> None:
-        if env.rank == 0:
-            log_event(run_dir, name, step, env.job_id, env.restart_count, **fields)
+    state = TrainState(model, optimizer, data=sampler)
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         x, y = sampler.next_batch(dp_rank, dp_size, tc.batch_seqs_per_rank)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return x.to(at.device, non_blocking=True), y.to(at.device, non_blocking=True)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(at.device.type, dtype=torch.bfloat16, enabled=bf16):
             return net(x, y)
 
-    slowest_save_s = [0.0]  # this attempt's; background saves count whole, so it errs long
-
-    def commit(p: checkpoint.Pending) -> None:
-        save_s = checkpoint.commit(p, ckpt_root, ck)
-        slowest_save_s[0] = max(slowest_save_s[0], save_s)
-        event("checkpoint_committed", p.step, path=str(p.folder), reason=p.reason, save_s=round(save_s, 4),
-              stall_s=round(p.stall_s, 4))
-
-    # Resume: rank 0 picks the newest checkpoint that verifies, and every rank loads that one.
-    step, last_loss = 0, float("nan")
-    folder, extra = checkpoint.resume(ckpt_root, model, optimizer, lambda why: event("checkpoint_skipped", 0, reason=why))
-    if folder is not None:
-        step, last_loss = int(extra["step"]), float(extra["loss"])
-        sampler.position = int(extra["data_position"])
-        torch.set_rng_state(extra["rng"])
-        if tc.parallelism == "ddp":
-            # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
-            # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
-            # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
-            loss_of(*next_batch()).backward()
-            optimizer.zero_grad(set_to_none=True)
-            sampler.position = int(extra["data_position"])
-    event("start", step, resumed_from=str(folder) if folder else None, mesh={"dp": dp_size, "tp": tc.tp},
-          **start_fields(env, launched_at))
-    first_step = step
-    say(f"[hpc_train] job {env.job_id} attempt {env.restart_count}: {env.world_size} ranks on {env.num_nodes} "
-        f"node(s), mesh dp={dp_size} x tp={tc.tp}, {tc.parallelism}, {device.type}{' bf16' if bf16 else ''}, "
-        f"starting at step {step}/{tc.steps}")
+    # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
+    if at.resume(state) and tc.parallelism == "ddp":
+        # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
+        # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
+        # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
+        position = sampler.position
+        loss_of(*next_batch()).backward()
+        optimizer.zero_grad(set_to_none=True)
+        sampler.position = position
+    at.say(f"[hpc_train] job {at.env.job_id} attempt {at.env.restart_count}: {at.env.world_size} ranks on "
+           f"{at.env.num_nodes} node(s), mesh dp={dp_size} x tp={tc.tp}, {tc.parallelism}, {at.device.type}"
+           f"{' bf16' if bf16 else ''}, starting at step {state.step}/{tc.steps}")
 
     flops_per_token = model_flops_per_token(model, cfg)
     peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
     tokens_per_step = dp_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
-
-    hang_drill = preempt.injected("hang") and env.rank == env.world_size - 1  # read once, not every step
+    hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
+    first_step, loss = state.step, torch.tensor(float("nan"))
 
     # Go!
-    while step < tc.steps:
+    while state.step < tc.steps:
         t0 = time.monotonic()
-        preempt.beat()  # the hang watchdog (job.py) restarts its clock
-        if hang_drill and step == first_step + 3:
+        if hang_drill and state.step == first_step + 3:
             time.sleep(10**9)  # a drill: the last rank stops, the others block in the next collective
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tc)
+            group["lr"] = lr_at(state.step, tc)
         optimizer.zero_grad(set_to_none=True)
         data_s = 0.0
         for micro in range(tc.grad_accum_steps):
@@ -239,56 +188,27 @@ def train(cfg: RunConfig, env: RankEnv, run_dir: Path, launched_at: float) -> tu
             (loss / tc.grad_accum_steps if tc.grad_accum_steps > 1 else loss).backward()
         clip_grad_norm(model, tc.grad_clip)
         optimizer.step()
-        step += 1
+        state.step += 1
+        state.tokens_seen += tokens_per_step
         if tc.min_step_time_s > 0:
             time.sleep(max(0.0, tc.min_step_time_s - (time.monotonic() - t0)))
         step_time_s = time.monotonic() - t0
-        if step == first_step + 1:  # start -> first step is the restart overhead a report counts
-            event("first_step", step, step_time_s=round(step_time_s, 4))
 
-        stop = preempt.should_stop()  # every rank gets the same answer
-        if stop:
-            event("signal", step, signals=list(preempt.received))
-        if pending and (stop or checkpoint.written_everywhere(pending)):
-            commit(pending)  # a stop waits for the background write: one save at a time
-            pending = None
-        if stop and not preempt.save_fits(slowest_save_s[0], cfg.cluster.signal_lead_s, cfg.cluster.preempt_grace_s):
-            # SIGKILL would land mid-save: leave the last committed checkpoint as it is and go.
-            event("stop_save_skipped", step, expected_save_s=round(slowest_save_s[0], 3))
-            return "requeue", step
-        final = step == tc.steps
-        if stop or final or step % ck.every_steps == 0:
-            last_loss = global_mean(loss)
-            extra = {"step": torch.tensor(step), "tokens_seen": torch.tensor(step * tokens_per_step),
-                     "data_position": torch.tensor(sampler.position),
-                     "loss": torch.tensor(last_loss, dtype=torch.float64), "rng": torch.get_rng_state()}
-            in_background = background is not None and not (stop or final)
-            pending = checkpoint.start_save(ckpt_root, step, model, optimizer, extra,
-                                            "stop" if stop else "final" if final else "periodic",
-                                            background if in_background else None)
-            if not in_background:
-                commit(pending)
-                pending = None
-        if stop:
-            return "requeue", step
-        if step % tc.log_every_steps == 0:
-            last_loss = global_mean(loss)
-            if env.rank == 0:
+        if at.step_end(state, tc.steps):  # every rank agreed to stop: saved (if it fit); the job requeues
+            return None
+        if state.step % tc.log_every_steps == 0:
+            mean_loss = global_mean(loss)
+            if at.env.rank == 0:
                 tokens_per_s = tokens_per_step / step_time_s
-                row = {"time": time.time(), "step": step, "loss": last_loss, "lr": lr_at(step - 1, tc),
+                row = {"time": time.time(), "step": state.step, "loss": mean_loss, "lr": lr_at(state.step - 1, tc),
                        "step_time_s": step_time_s, "data_wait_fraction": data_s / step_time_s,
-                       "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / env.world_size,
-                       "peak_memory_mb": peak_memory_mb(device),
-                       "mfu": mfu(flops_per_token, tokens_per_s / env.world_size, peak_flops)}
-                append_jsonl(run_dir / METRICS, row)
+                       "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / at.env.world_size,
+                       "peak_memory_mb": peak_memory_mb(at.device),
+                       "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops)}
+                append_jsonl(at.paths.metrics, row)
                 mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-                say(f"step {step:6d}/{tc.steps}  loss {last_loss:.4f}  lr {row['lr']:.2e}  "
-                    f"{step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} tok/s  data {row['data_wait_fraction']:.1%}  "
-                    f"mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}")
+                at.say(f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  "
+                       f"{step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} tok/s  data "
+                       f"{row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}")
 
-    summary = {"final_step": step, "final_loss": last_loss, "params_sha256": params_sha256(model)}
-    if env.rank == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    event("finish", step, **summary)
-    say(f"[hpc_train] finished: {json.dumps(summary)}")
-    return "finished", step
+    return at.finish(state, final_loss=global_mean(loss), params_sha256=params_sha256(model))

@@ -1,53 +1,198 @@
-"""Checkpoint folders on disk: what counts, what resume picks, what retention keeps."""
+"""Checkpoints on disk through the real Saver (torch DCP, a 1-rank gloo group in this process): what
+counts, what resume picks, what retention keeps, and what happens when saves overlap or the clock runs out."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+from typing import Any
 
-from hpc_train.checkpoint import MARKER, _manifest, apply_retention, pick_resume, step_dir, verify
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpc_train.checkpoint import MARKER, Saver, TrainState, Writer, apply_retention, step_dir, step_folders
 from hpc_train.config import CheckpointConfig
 
 from conftest import HPC_TRAIN, read_events, run
 
 
-def fake_checkpoint(root: Path, step: int, reason: str = "periodic", commit: bool = True) -> Path:
-    folder = step_dir(root, step)
-    folder.mkdir(parents=True)
-    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
-    (folder / ".metadata").write_bytes(b"meta")
-    if commit:
-        (folder / MARKER).write_text(json.dumps({"step": step, "reason": reason, "files": _manifest(folder)}))
-    return folder
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    """torch.distributed with one rank, as in a 1-task job: the Saver's collectives run for real."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
-def test_resume_skips_torn_and_corrupt_checkpoints(tmp_path: Path) -> None:
-    good = fake_checkpoint(tmp_path, 20)
-    corrupt = fake_checkpoint(tmp_path, 40)
-    fake_checkpoint(tmp_path, 60, commit=False)  # torn: the job died before the marker
-    data = bytearray((corrupt / "__0_0.distcp").read_bytes())
-    data[100] ^= 0xFF  # one flipped byte, same size
-    (corrupt / "__0_0.distcp").write_bytes(data)
-    folder, skipped = pick_resume(tmp_path)
-    assert folder == good
-    assert skipped == ["step_000040: __0_0.distcp checksum differs from the manifest"]
-    (good / ".metadata").unlink()
-    assert verify(good) == ".metadata is missing"
-    assert pick_resume(tmp_path)[0] is None
+def make_state(seed: int = 0) -> TrainState:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return TrainState(model, opt)
+
+
+def make_saver(root: Path, events: list, **cfg: Any) -> Saver:
+    def event(name: str, step: int, **fields: Any) -> None:
+        events.append({"event": name, "step": step, **fields})
+
+    return Saver(root / "checkpoints", CheckpointConfig(**cfg), root / "drills", event, expected_write_s=0.0)
+
+
+def save_at(saver: Saver, state: TrainState, step: int, reason: str = "periodic") -> None:
+    state.step = step
+    saver.save(state, reason, background=False)
+
+
+def names(root: Path) -> list[str]:
+    return [p.name for p in step_folders(root / "checkpoints").values()]
+
+
+def flip_a_byte(folder: Path) -> None:
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
+    shard.write_bytes(data)
+
+
+def test_resume_picks_newest_that_verifies_and_restores_state(tmp_path: Path) -> None:
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=5), make_state()
+    for step in (20, 40):
+        save_at(saver, state, step)
+    want = {k: v.clone() for k, v in state.model.state_dict().items()}
+    save_at(saver, state, 60)
+    (step_dir(tmp_path / "checkpoints", 80)).mkdir()  # torn: a job killed before its marker
+    flip_a_byte(step_dir(tmp_path / "checkpoints", 60))
+    fresh, resumer = make_state(seed=1), make_saver(tmp_path, events)
+    folder, verify_s, load_s = resumer.resume(fresh)
+    assert folder == step_dir(tmp_path / "checkpoints", 40) and fresh.step == 40
+    assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in want.items())
+    assert [e for e in events if e["event"] == "checkpoint_skipped"] == [
+        {"event": "checkpoint_skipped", "step": 60, "reason": "step_000060: __0_0.distcp checksum differs from the manifest"}]
+    assert resumer.bad == {60} and resumer.verified == {40}
+
+
+def test_steps_past_a_million_sort_by_number(tmp_path: Path) -> None:
+    """step_1000000 sorts before step_999980 as a string: resume picked 999,980 and retention deleted
+    1,000,000 right after committing it."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=1), make_state()
+    save_at(saver, state, 999_980)
+    save_at(saver, state, 1_000_000)
+    assert names(tmp_path) == ["step_1000000"]  # keep_last=1: the older one went, the newer stayed
+    fresh = make_state(seed=1)
+    assert make_saver(tmp_path, []).resume(fresh)[0].name == "step_1000000" and fresh.step == 1_000_000
+
+
+def test_retention_never_deletes_a_stop_save_because_a_corrupt_newer_one_exists(tmp_path: Path) -> None:
+    """Step 60 committed but fails verification; resume falls back to 40; this attempt's stop save at 50
+    must survive (it was deleted at once, because 60 was still the "newest")."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=2), make_state()
+    for step in (20, 40, 60):
+        save_at(saver, state, step)
+    assert names(tmp_path) == ["step_000040", "step_000060"]
+    flip_a_byte(step_dir(tmp_path / "checkpoints", 60))
+    attempt2, deleted_before = make_saver(tmp_path, events, keep_last=1), len(events)
+    assert attempt2.resume(make_state())[0].name == "step_000040"
+    save_at(attempt2, state, 50, "stop")
+    assert names(tmp_path) == ["step_000040", "step_000050", "step_000060"]  # 60 is newer than the anchor, 50
+    assert not [e for e in events[deleted_before:] if e["event"] == "checkpoint_deleted"]
+    attempt3 = make_saver(tmp_path, events, keep_last=1)
+    assert attempt3.resume(make_state())[0].name == "step_000050"
+    save_at(attempt3, state, 70)  # a newer verified one: now 40 and 50 (a stop save) may go, and 60 (bad)
+    assert names(tmp_path) == ["step_000070"]
+    assert [(e["step"], e["anchor"]) for e in events[deleted_before:] if e["event"] == "checkpoint_deleted"] == [
+        (40, 70), (50, 70), (60, 70)]
+
+
+def test_a_damaged_committed_file_is_skipped_not_a_crash_loop(tmp_path: Path) -> None:
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=3), make_state()
+    for step in (10, 20):
+        save_at(saver, state, step)
+    (step_dir(tmp_path / "checkpoints", 20) / MARKER).write_text('{"step": 20, "files": {')  # torn JSON
+    save_at(saver, state, 30)  # retention reads every marker: it used to raise here, on every later save
+    fresh = make_state(seed=1)
+    resumer = make_saver(tmp_path, events, keep_last=3)
+    assert resumer.resume(fresh)[0].name == "step_000030"
+    save_at(resumer, fresh, 40)
+    (step_dir(tmp_path / "checkpoints", 40) / MARKER).write_text("not json")
+    (step_dir(tmp_path / "checkpoints", 30) / MARKER).write_text("[]")
+    assert make_saver(tmp_path, events).resume(make_state())[0].name == "step_000010"
+    assert [e["reason"] for e in events if e["event"] == "checkpoint_skipped"] == [
+        "step_000040: unreadable COMMITTED", "step_000030: unreadable COMMITTED", "step_000020: unreadable COMMITTED"]
+
+
+def test_overlapping_background_saves_all_commit(tmp_path: Path) -> None:
+    """Storage slower than the save interval: a periodic save due while the previous write still runs
+    waits for it and commits it first (it was replaced, never committed: with slow storage every periodic
+    save was lost and a crash resumed from step 0)."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=10), make_state()
+    saver.writer = Writer()
+    (tmp_path / "drills").mkdir()
+    (tmp_path / "drills" / "slow_storage").write_text("0.5")
+    for step in (1, 2, 3):
+        state.step = step
+        saver.periodic(state)
+        assert not saver.written_here()  # still writing when the next save comes due
+    saver.final(state.__class__(state.model, state.optimizer, step=4))
+    committed = [(e["step"], e["reason"]) for e in events if e["event"] == "checkpoint_committed"]
+    assert committed == [(1, "periodic"), (2, "periodic"), (3, "periodic"), (4, "final")]
+    assert all(e["waited_s"] >= 0.3 for e in events if e["event"] == "checkpoint_committed" and e["step"] < 4)
+    assert names(tmp_path) == ["step_000001", "step_000002", "step_000003", "step_000004"]
+
+
+def test_stop_waits_for_a_write_in_flight_only_as_long_as_slurm_leaves(tmp_path: Path) -> None:
+    """A stop with 1 s left and a background write that needs 5 s: the write is given up on (it never
+    commits), the stop save is skipped (its measured write does not fit), and stop() returns in ~1 s."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    save_at(saver, state, 10)
+    saver.writer = Writer()
+    saver.expected_write_s = 0.8
+    (tmp_path / "drills").mkdir()
+    (tmp_path / "drills" / "slow_storage").write_text("5")
+    state.step = 20
+    saver.periodic(state)
+    state.step = 21
+    t0 = time.monotonic()
+    saver.stop(state, left_s=1.0, agree=lambda ok: ok)
+    assert time.monotonic() - t0 < 2.0
+    kinds = [(e["event"], e["step"]) for e in events if e["event"] != "checkpoint_deleted"]
+    assert kinds == [("checkpoint_committed", 10), ("checkpoint_abandoned", 20), ("stop_save_skipped", 21)]
+    assert make_saver(tmp_path, []).resume(make_state())[0].name == "step_000010"
+    saver.writer.pool.shutdown(wait=True)
+
+
+def test_first_stop_save_of_a_run_is_never_skipped(tmp_path: Path) -> None:
+    """Nothing committed yet: no time is too short, since nothing is lost by trying."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    saver.expected_write_s = 100.0
+    state.step = 3
+    saver.stop(state, left_s=0.0, agree=lambda ok: ok)
+    assert [(e["event"], e["step"], e["reason"]) for e in events] == [("checkpoint_committed", 3, "stop")]
 
 
 def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
     for step, reason in [(10, "periodic"), (20, "periodic"), (23, "stop"), (30, "periodic"), (33, "stop"),
                          (40, "periodic"), (50, "periodic")]:
-        fake_checkpoint(tmp_path, step, reason)
-    fake_checkpoint(tmp_path, 45, commit=False)  # torn, older than the newest commit
-    fake_checkpoint(tmp_path, 55, commit=False)  # maybe still being written: left alone
-    apply_retention(tmp_path, CheckpointConfig(keep_last=2, keep_every_steps=20))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step_000020", "step_000040", "step_000050", "step_000055"]
-    fake_checkpoint(tmp_path, 52, "stop")
-    apply_retention(tmp_path, CheckpointConfig(keep_last=2, keep_every_steps=20))
-    assert "step_000052" in {p.name for p in tmp_path.iterdir()}  # the newest, even a stop save, stays
+        step_dir(root, step).mkdir(parents=True)
+        (step_dir(root, step) / MARKER).write_text(json.dumps({"step": step, "reason": reason, "files": {}}))
+    step_dir(root, 45).mkdir()  # torn, older than the anchor
+    step_dir(root, 55).mkdir()  # maybe still being written: left alone
+    cfg = CheckpointConfig(keep_last=2, keep_every_steps=20)
+    assert apply_retention(root, cfg, verified={50}, bad=set(), keep=set()) == [10, 23, 30, 33, 45]
+    assert names(tmp_path) == ["step_000020", "step_000040", "step_000050", "step_000055"]
+    assert apply_retention(root, cfg, verified=set(), bad=set(), keep=set()) == []  # no anchor: nothing goes
 
 
 def test_local_crash_loop_stops_after_failure_budget(tmp_path: Path) -> None:
@@ -57,4 +202,4 @@ def test_local_crash_loop_stops_after_failure_budget(tmp_path: Path) -> None:
     events = read_events(tmp_path / "demo-1")
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure", "failure"]
     assert [e["reason"] for e in events if e["event"] == "stopped"] == [
-        "failure budget spent: 2 requeues for failure already (requeue.max_failures=2)"]
+        "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)"]

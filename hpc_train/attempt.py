@@ -1,0 +1,189 @@
+"""One attempt of a run: the services every training function gets, the built-in trainer included.
+
+    hpc-train submit fn._target_=my_pkg.train.main +fn.kwargs.steps=500 cluster=dev cluster.nodes=2
+
+    def main(at: Attempt, steps: int = 500) -> dict | None:   # called on every rank
+        model = ...; optimizer = ...
+        state = TrainState(model, optimizer)             # + data=<anything with state_dict()>
+        at.resume(state)                                 # newest verified checkpoint, or step 0
+        while state.step < steps:
+            ...one optimizer step...
+            state.step += 1
+            if at.step_end(state, steps):                # a stop signal: saved; return, the job requeues
+                return None
+        return at.finish(state, final_loss=...)          # final save, summary.json
+
+job.py builds the Attempt once torch.distributed is up (ranks placed, the hang watchdog armed), calls
+the function and, when it returns stopped, asks the one requeue decision (preempt.decide) what next.
+docs/lifecycle.md draws the states; docs/byo.md has a worked example.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_train import preempt
+from hpc_train.checkpoint import Saver, TrainState, Writer
+from hpc_train.config import RunConfig
+from hpc_train.env import RankEnv
+from hpc_train.metrics import log_event, read_jsonl
+from hpc_train.paths import RunPaths
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Attempt", "TrainState"]
+
+
+def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, "DeviceMesh"]:
+    """This rank's device (the GPU job.py selected, else CPU) and the (dp, tp) mesh. Ranks are
+    node-contiguous (placement) and tp divides tasks_per_node, so the inner tp dimension, consecutive
+    ranks, never leaves a node: TP's per-layer all-reduces stay on NVLink, FSDP's traffic crosses nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return device, init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def slowest_write_s(events: list[dict[str, Any]]) -> float:
+    """The slowest checkpoint write this run has recorded, in any attempt: what a stop save must fit."""
+    return max((e.get("write_s", e.get("save_s", 0.0)) for e in events if e["event"] == "checkpoint_committed"),
+               default=0.0)
+
+
+@dataclass
+class Attempt:
+    env: RankEnv  # this rank after placement: rank, local_rank, world_size, node_rank, nodes
+    cfg: RunConfig  # the frozen config; cfg.checkpoint drives the saves
+    paths: RunPaths  # every file of the run directory
+    mesh: "DeviceMesh"  # ("dp", "tp"); tp = train.tp, inside a node
+    device: torch.device  # this rank's GPU, else CPU
+    saver: Saver
+    process_start: float  # Unix time this process started: the allocation's clock for the time limit
+    phases_s: dict[str, float] = field(default_factory=dict)  # start-up, phase by phase, for the start event
+    stopped: bool = False  # step_end() saw a stop signal: the job requeues (or stops) when fn returns
+    stop_step: int = -1  # the step it stopped at
+    finished: dict[str, Any] | None = None  # the summary, once finish() ran
+    _built_at: float = field(default_factory=time.monotonic)
+    _resumed_at: float | None = None
+    _signalled: bool = False
+
+    @classmethod
+    def build(cls, env: RankEnv, cfg: RunConfig, paths: RunPaths, process_start: float,
+              phases_s: dict[str, float]) -> "Attempt":
+        """Collective: device, mesh, the background writer and what earlier attempts measured."""
+        device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
+        history = torch.tensor([slowest_write_s(read_jsonl(paths.events)) if env.rank == 0 else 0.0], dtype=torch.float64)
+        dist.all_reduce(history, op=dist.ReduceOp.MAX)
+
+        def event(name: str, step: int, **fields: Any) -> None:
+            if env.rank == 0:
+                log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **fields)
+
+        writer = Writer() if cfg.checkpoint.async_save else None
+        saver = Saver(paths.checkpoints, cfg.checkpoint, paths.drills, event, float(history), writer)
+        return cls(env, cfg, paths, mesh, device, saver, process_start, phases_s)
+
+    def event(self, name: str, step: int, **fields: Any) -> None:
+        """Rank 0 appends to events.jsonl; the other ranks do nothing (call it on every rank)."""
+        self.saver.event(name, step, **fields)
+
+    def say(self, line: str) -> None:
+        """One line on rank 0's log (the run's console); silent elsewhere."""
+        if self.env.rank == 0:
+            print(line, flush=True)
+
+    def should_stop(self) -> bool:
+        """Collective: True on every rank once any rank caught a stop signal (one 4-byte all-reduce,
+        ~0.1 ms on gloo). step_end() calls it; call it yourself at other loop boundaries (evaluation)."""
+        preempt.beat()
+        flag = torch.tensor([1 if preempt.received else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def resume(self, state: TrainState) -> bool:
+        """Collective: load the newest checkpoint that verifies into `state` (model, optimizer, step,
+        tokens, data position, this rank's RNG); writes the attempt's `start` event with its start-up
+        phases. Returns False on a fresh run (state untouched)."""
+        self.phases_s["setup"] = time.monotonic() - self._built_at  # model build, parallelize
+        folder, verify_s, load_s = self.saver.resume(state)
+        self.phases_s.update(verify=verify_s, load=load_s)
+        pids = [torch.zeros(1, dtype=torch.int64) for _ in range(self.env.world_size)]
+        dist.all_gather(pids, torch.tensor([os.getpid()]))  # `hpc-train chaos kill-rank`, post-mortems
+        self.event("start", state.step, resumed_from=str(folder) if folder else None,
+                   target=self.cfg.fn._target_ or "hpc_train.train.main",
+                   mesh={"dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()},
+                   world_size=self.env.world_size, nodes=list(self.env.nodes), launched_at=self.process_start,
+                   pids=[int(p) for p in pids],
+                   rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
+                   phases_s={k: round(v, 3) for k, v in self.phases_s.items()})
+        self._resumed_at = time.monotonic()
+        return folder is not None
+
+    def time_left_s(self) -> float:
+        """Collective: seconds until Slurm's SIGKILL, from the first stop signal any rank caught (a
+        time-limit warning leaves cluster.signal_lead_s, a preemption cluster.preempt_grace_s); the same
+        number on every rank."""
+        c = self.cfg.cluster
+        left = float("inf")
+        if preempt.received_at:
+            reason = preempt.stop_reason(preempt.received, time.time() - self.process_start, c.timeout_min,
+                                         c.signal_lead_s)
+            kill_s = preempt.seconds_to_kill(reason, c.signal_lead_s, c.preempt_grace_s)
+            left = preempt.received_at[0] + kill_s - time.monotonic()
+        t = torch.tensor([left], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return float(t.item())
+
+    def _agree(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def step_end(self, state: TrainState, last_step: int) -> bool:
+        """Collective, after each optimizer step. One all-reduce answers both "did any rank catch a stop
+        signal" and "is the background write done on every rank" (then it commits). On a stop: save
+        this step (if it fits before SIGKILL) and return True; the caller returns. Else a periodic save
+        every checkpoint.every_steps. A signal at the last step finishes the run instead."""
+        preempt.beat()  # the hang watchdog (job.py) restarts its clock
+        if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
+            self.event("first_step", state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4))
+            self._resumed_at = None
+        flags = torch.tensor([1 if preempt.received else 0, 0 if self.saver.written_here() else 1], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, unwritten = bool(flags[0]), bool(flags[1])
+        if stop and not self._signalled:
+            self._signalled = True
+            left = self.time_left_s()
+            self.event("signal", state.step, signals=list(preempt.received), left_s=round(left, 2),
+                       finishing=state.step >= last_step)
+            if state.step < last_step:
+                self.stopped, self.stop_step = True, state.step
+                self.saver.stop(state, left, self._agree)
+                return True
+        if self.saver.pending is not None and not unwritten:
+            self.saver.commit_pending()
+        if state.step % self.cfg.checkpoint.every_steps == 0 and state.step < last_step:
+            self.saver.periodic(state)
+        return False
+
+    def finish(self, state: TrainState | None, **summary: Any) -> dict[str, Any]:
+        """Collective: the final save (waiting for any write in flight), summary.json, the finish event."""
+        if state is not None:
+            self.saver.final(state)
+        step = state.step if state is not None else max(self.saver.verified, default=0)
+        self.finished = {"final_step": step, **summary}
+        if self.env.rank == 0:
+            self.paths.summary.write_text(json.dumps(self.finished, indent=1, default=str) + "\n")
+        self.event("finish", step, **self.finished)
+        self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
+        sys.stdout.flush()
+        return self.finished
