@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.metrics import EVENTS, METRICS, lead_warning, log_event, read_jsonl
+from hpc_train.preempt import failures_in_a_row
 
 NO_PROGRESS_WARN_S = 15 * 60
 
@@ -208,9 +209,10 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
         if cfg["cluster"]["executor"] == "slurm":
             lead = lead_warning([r.run_dir], cfg["cluster"]["signal_lead_s"])
             warnings += ["signal lead too short"] if lead else []
-        failures = sum(1 for e in events if e["event"] == "requeue" and e.get("reason") == "failure")
+        failures = failures_in_a_row(events)  # what the job's requeue decision counts
         if failures and failures >= cfg["requeue"]["max_failures"] - 1:
             warnings.append(f"failure budget {failures}/{cfg['requeue']['max_failures']} used")
+        warnings += [f"requeue failed: {e['error']}" for e in events[-3:] if e["event"] == "requeue_failed"]
         if state == "RUNNING" and last is not None and time.time() - last > NO_PROGRESS_WARN_S:
             warnings.append(f"no event for {(time.time() - last) / 60:.0f} min")
         if any(e["event"] == "stopped" for e in events):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpc_train.config import RequeueConfig
-from hpc_train.job import budget_left, stop_reason
+from hpc_train.preempt import decide, stop_reason
 from hpc_train.sbatch import _gpu_count
 from hpc_train.slurm import parse_key_values, time_limit_min
 
@@ -47,8 +47,8 @@ def test_stop_reason(signals: list[str], elapsed_s: float, reason: str) -> None:
 def test_budgets_count_only_their_own_reason() -> None:
     events = [{"event": "requeue", "reason": "preempt"}] * 5 + [{"event": "requeue", "reason": "failure"}]
     budgets = RequeueConfig(max_failures=2, max_time_limit_requeues=0)
-    assert budget_left(events, "preempt", budgets) == (True, "")  # -1: unlimited
-    assert budget_left(events, "failure", budgets) == (True, "")
-    assert budget_left(events + events[-1:], "failure", budgets) == (
-        False, "failure budget spent: 2 requeues for failure already (requeue.max_failures=2)")
-    assert budget_left([], "time_limit", budgets)[0] is False
+    assert decide("preempt", events, budgets, "running") == ("requeue", "")  # -1: unlimited
+    assert decide("failure", events, budgets, "running") == ("requeue", "")
+    assert decide("failure", events + events[-1:], budgets, "running") == (
+        "stop", "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)")
+    assert decide("time_limit", [], budgets, "running")[0] == "stop"

@@ -1,0 +1,196 @@
+"""The attempt lifecycle's pure decisions, driven by seeded random sequences: what must always hold, not
+only the cases we thought of. Each test prints its seed on failure (pytest shows the parameter)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hpc_train import preempt
+from hpc_train.checkpoint import retention_plan, shares
+from hpc_train.config import CheckpointConfig, RequeueConfig
+from hpc_train.slurm import parse_fate
+
+# `scontrol show job -o` of one job, captured on the dev cluster (Slurm 22.05), fields cut to the ones read.
+RUNNING = "JobId=135 JobName=wrap JobState=RUNNING Reason=None Requeue=1 Restarts=0 BatchFlag=1 ExitCode=0:0"
+REQUEUED = "JobId=135 JobName=wrap JobState=PENDING Reason=BeginTime Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0"
+CANCELLED = "JobId=135 JobName=wrap JobState=CANCELLED Reason=None Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:15"
+
+
+def test_job_fate_from_scontrol_captures() -> None:
+    assert parse_fate(RUNNING, restart_count=0) == "running"  # time-limit warning or preemption grace
+    assert parse_fate(REQUEUED, restart_count=0) == "requeued"  # scontrol requeue / node failure: Slurm did it
+    assert parse_fate(CANCELLED, restart_count=1) == "cancelled"
+    assert parse_fate(RUNNING.replace("RUNNING", "COMPLETING"), restart_count=0) == "cancelled"
+    assert parse_fate("slurm_load_jobs error: Invalid job id specified", restart_count=0) == "unknown"
+
+
+def test_stop_reason_and_time_to_kill() -> None:
+    # 60-minute job, 120 s lead: a USR2 in the last 120 + 120 s of slack is the time-limit warning
+    assert preempt.stop_reason(["SIGUSR2"], 3400, 60, 120) == "time_limit"
+    assert preempt.stop_reason(["SIGUSR2"], 600, 60, 120) == "preempt"  # preempt_send_user_signal, chaos
+    assert preempt.stop_reason(["SIGUSR2", "SIGTERM"], 3400, 60, 120) == "preempt"
+    # after a USR2 preemption Slurm kills after GraceTime, not signal_lead_s
+    assert preempt.seconds_to_kill("preempt", 120, 30) == 30
+    assert preempt.seconds_to_kill("time_limit", 120, 30) == 120
+
+
+def ev(name: str, step: int = 0, **f: object) -> dict:
+    return {"event": name, "step": step, **f}
+
+
+def test_decide_cases() -> None:
+    b = RequeueConfig(max_preemptions=-1, max_time_limit_requeues=2, max_failures=2)
+    assert preempt.decide("preempt", [], b, "cancelled")[0] == "stop"
+    assert preempt.decide("failure", [], b, "requeued") == (
+        "slurm", "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent")
+    assert preempt.decide("preempt", [ev("requeue", reason="preempt")] * 500, b, "running") == ("requeue", "")
+    assert preempt.decide("preempt", [], b, "unknown") == ("requeue", "")  # scontrol silent: keep the run alive
+    tl = [ev("requeue", reason="time_limit")] * 2
+    assert preempt.decide("time_limit", tl, b, "running") == (
+        "stop", "time_limit budget spent: 2 requeues for time_limit already (requeue.max_time_limit_requeues=2)")
+    # Requeues Slurm did by itself (an operator's, a node failure) cost nothing
+    assert preempt.decide("time_limit", [ev("requeue", reason="time_limit", by="slurm")] * 5, b, "running")[0] == "requeue"
+
+
+def test_failure_budget_counts_failures_in_a_row_not_a_lifetime() -> None:
+    """Three node faults a month apart, each after progress, no longer stop a run; a crash loop does."""
+    b = RequeueConfig(max_failures=2)
+    fault = ev("requeue", reason="failure", by="hpc_train")
+    spaced = [ev("checkpoint_committed", 100), fault, ev("checkpoint_committed", 200), fault,
+              ev("checkpoint_committed", 300), fault, ev("checkpoint_committed", 400)]
+    assert preempt.failures_in_a_row(spaced) == 0 and preempt.decide("failure", spaced, b, "running")[0] == "requeue"
+    loop = [ev("checkpoint_committed", 100), fault, ev("checkpoint_committed", 100), fault]  # same step again: no progress
+    assert preempt.failures_in_a_row(loop) == 2
+    assert preempt.decide("failure", loop, b, "running") == (
+        "stop", "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decide_random_histories(seed: int) -> None:
+    """Random event logs, random budgets and fates: the invariants of the one requeue decision."""
+    rng = random.Random(seed)
+    budgets = RequeueConfig(max_preemptions=rng.choice([-1, 0, 1, 3]), max_time_limit_requeues=rng.choice([0, 1, 3]),
+                            max_failures=rng.choice([0, 1, 2, 5]))
+    events: list[dict] = []
+    step = 0
+    for _ in range(rng.randint(0, 60)):
+        kind = rng.choice(["commit", "requeue", "requeue_slurm", "signal", "cancel"])
+        if kind == "commit":
+            step += rng.choice([0, 10, 20])
+            events.append(ev("checkpoint_committed", step))
+        elif kind.startswith("requeue"):
+            events.append(ev("requeue", reason=rng.choice(list(preempt.BUDGET_KEYS)),
+                             by="slurm" if kind == "requeue_slurm" else "hpc_train"))
+        else:
+            events.append(ev(kind))
+    for reason in preempt.BUDGET_KEYS:
+        for fate in ("running", "requeued", "cancelled", "unknown"):
+            action, why = preempt.decide(reason, events, budgets, fate)
+            limit = getattr(budgets, preempt.BUDGET_KEYS[reason])
+            if fate == "cancelled":
+                assert action == "stop" and why.startswith("cancelled")
+            elif fate == "requeued":
+                assert action == "slurm"  # never a second requeue, never budget
+            elif limit == -1:
+                assert action == "requeue"
+            else:
+                used = preempt.failures_in_a_row(events) if reason == "failure" else preempt.requeues_counted(events, reason)
+                assert (action == "stop") == (used >= limit) and (action == "stop") == (why != "")
+        # Requeueing again and again for one reason stops after exactly `limit` more requeues (no progress between)
+        limit = getattr(budgets, preempt.BUDGET_KEYS[reason])
+        if limit != -1:
+            log, more = list(events), 0
+            while preempt.decide(reason, log, budgets, "running")[0] == "requeue":
+                log.append(ev("requeue", reason=reason, by="hpc_train"))
+                more += 1
+            used = preempt.failures_in_a_row(events) if reason == "failure" else preempt.requeues_counted(events, reason)
+            assert more == max(0, limit - used)
+    assert preempt.local_fate(events + [ev("cancel")]) == "cancelled"
+    assert preempt.local_fate(events + [ev("cancel"), ev("requeue", reason="preempt")]) == "running"
+
+
+def random_folders(rng: random.Random, n: int) -> dict[int, str | None]:
+    steps = rng.sample(range(1, 2_000_000, 7), n)
+    return {s: rng.choice(["periodic", "periodic", "periodic", "stop", "final", "", None]) for s in steps}
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_retention_plan_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    folders = random_folders(rng, rng.randint(0, 30))
+    committed = [s for s, r in folders.items() if r]
+    verified = set(rng.sample(committed, rng.randint(0, min(3, len(committed)))))
+    bad = set(rng.sample(sorted(set(committed) - verified), rng.randint(0, max(0, len(committed) - len(verified)) // 2)))
+    keep = set(rng.sample(sorted(folders), rng.randint(0, min(2, len(folders)))))
+    cfg = CheckpointConfig(keep_last=rng.randint(1, 4), keep_every_steps=rng.choice([0, 7, 70]))
+    doomed = retention_plan(folders, cfg, verified, bad, keep)
+    assert doomed <= set(folders) and not doomed & keep
+    if not verified:
+        assert doomed == set()  # no checkpoint known good in this attempt: nothing may go
+        return
+    anchor = max(verified)
+    assert all(s < anchor for s in doomed)  # a committed checkpoint goes only once a newer one is known good
+    good_periodic = sorted(s for s, r in folders.items() if s <= anchor and r and r != "stop" and s not in bad)
+    assert not doomed & set(good_periodic[-cfg.keep_last:])
+    if cfg.keep_every_steps:
+        assert not {s for s in doomed if s % cfg.keep_every_steps == 0 and s in good_periodic}
+    torn_or_bad_below = {s for s, r in folders.items() if s < anchor and (not r or s in bad) and s not in keep}
+    assert torn_or_bad_below <= doomed  # junk below the anchor never piles up
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_checkpoint_folder_storm_model(seed: int) -> None:
+    """A model of the checkpoint folder through a random storm: commits and stop saves (retention by the
+    real plan after each), torn saves, and between attempts a flipped byte or a garbled COMMITTED in the
+    newest folder. Resume is modelled as Saver.resume does it. What must hold: every deletion has a newer
+    checkpoint known good at that moment, and every attempt resumes from the newest good folder on disk."""
+    rng = random.Random(seed)
+    cfg = CheckpointConfig(keep_last=rng.randint(1, 3), keep_every_steps=rng.choice([0, 50]))
+    folders: dict[int, str | None] = {}
+    corrupt: set[int] = set()
+    verified: set[int] = set()
+    bad: set[int] = set()
+    step = 0
+    for _ in range(200):
+        what = rng.choice(["commit", "commit", "commit", "stop", "torn", "corrupt", "garble", "restart"])
+        if what in ("commit", "stop"):
+            step += rng.randint(1, 30)
+            folders[step] = "periodic" if what == "commit" else "stop"  # a save replaces a torn folder
+            corrupt.discard(step)
+            verified.add(step)
+            for s in retention_plan(folders, cfg, verified, bad, set()):
+                if folders[s] != "":  # a committed one (torn folders are never a fallback)
+                    assert any(v > s and v in folders and v not in corrupt for v in verified), (seed, s, verified)
+                del folders[s]
+            continue
+        if what == "torn":
+            folders.setdefault(step + rng.randint(1, 30), "")
+            continue
+        if what in ("corrupt", "garble") and folders:  # between attempts, on the newest folder
+            newest = max(folders)
+            corrupt.add(newest)
+            if what == "garble" and folders[newest]:
+                folders[newest] = None
+        # a new attempt: every committed folder, newest first, until one verifies
+        verified, bad = set(), set()
+        for s in sorted((s for s, r in folders.items() if r != ""), reverse=True):
+            if s in corrupt or folders[s] is None:
+                bad.add(s)
+            else:
+                verified.add(s)
+                break
+        good = [s for s, r in folders.items() if r and s not in corrupt]
+        assert max(verified, default=None) == max(good, default=None)  # the newest good one, never an older
+        step = max(verified, default=0)
+
+
+def test_verification_shares_cover_every_file_once_and_balance() -> None:
+    sizes = {".metadata": 25_000, **{f"__{r}_0.distcp": 500_000_000 + r for r in range(8)},
+             **{f"rank_{r:05d}.pt": 6_654 for r in range(8)}}
+    split = shares(sizes, 4)
+    assert sorted(n for part in split for n in part) == sorted(sizes)
+    loads = [sum(sizes[n] for n in part) for part in split]
+    assert max(loads) - min(loads) <= 500_000_000 * 0.01  # two shards each, within 1%
+    assert shares(sizes, 1) == [sorted(sizes, key=lambda n: (-sizes[n], n))]
