@@ -126,6 +126,7 @@ class Attempt:
                    rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
                    phases_s={k: round(v, 3) for k, v in self.phases_s.items()})
         self._resumed_at = time.monotonic()
+        preempt.beat(state.step)
         return folder is not None
 
     def time_left_s(self) -> float:
@@ -153,7 +154,7 @@ class Attempt:
         signal" and "is the background write done on every rank" (then it commits). On a stop: save
         this step (if it fits before SIGKILL) and return True; the caller returns. Else a periodic save
         every checkpoint.every_steps. A signal at the last step finishes the run instead."""
-        preempt.beat()  # the hang watchdog (job.py) restarts its clock
+        preempt.beat(state.step)  # the hang watchdog (job.py) restarts its clock
         if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
             self.event("first_step", state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4))
             self._resumed_at = None

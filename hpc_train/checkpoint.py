@@ -24,7 +24,6 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import time
@@ -39,32 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpc_train.config import CheckpointConfig
+from hpc_train.paths import MARKER, read_marker, step_dir, step_folders
 from hpc_train.preempt import claim_drill, drill_seconds, injected
-
-MARKER = "COMMITTED"
-STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:06d}"  # 7+ digits past step 999,999: every reader sorts by number
-
-
-def step_folders(root: Path) -> dict[int, Path]:
-    """Every step folder under root by its step, in numeric order (step_1000000 after step_999980)."""
-    if not root.is_dir():
-        return {}
-    found = {int(m.group(1)): p for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()}
-    return dict(sorted(found.items()))
-
-
-def read_marker(folder: Path) -> dict[str, Any] | None:
-    """The COMMITTED manifest, or None when it is missing, torn or not ours (never raises)."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
-    except (OSError, ValueError):
-        return None
-
 
 @dataclass
 class TrainState:

@@ -162,7 +162,7 @@ def _chaos(args: argparse.Namespace) -> int:
     from hpc_train import ops
 
     for run in _runs(args.run):
-        print(f"{run.label}: {ops.chaos(run, args.action, args.rank)}")
+        print(f"{run.label}: {ops.chaos(run, args.action, args.rank, args.seconds)}")
     return 0
 
 
@@ -258,10 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("cancel", help="cancel exactly this run's or sweep's jobs")
     p.add_argument("path")
     p.set_defaults(func=_cancel)
-    p = sub.add_parser("chaos", help="inject a fault into a running job (drills); recorded in events.jsonl")
+    from hpc_train.ops import CHAOS  # torch-free, no Slurm call
+
+    p = sub.add_parser("chaos", help="inject a fault into a running job (drills); recorded in events.jsonl",
+                       description="actions:\n" + "\n".join(f"  {a:22s} {w}" for a, w in CHAOS.items()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run")
-    p.add_argument("action", choices=["time-limit", "preempt", "requeue", "kill-rank", "lose-node"])
+    p.add_argument("action", choices=list(CHAOS))
     p.add_argument("--rank", type=int, default=0, help="kill-rank: this rank; lose-node: the node of this rank")
+    p.add_argument("--seconds", type=float, default=2.0, help="slow-storage: seconds added to each write (0: off)")
     p.set_defaults(func=_chaos)
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")
     p.add_argument("run")

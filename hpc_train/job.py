@@ -68,7 +68,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     try:
         return _run(paths, env, process_start, phases_s)
     except Exception as e:
-        log_event(paths.run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
+        log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
                   error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
         if _after_failure(paths, env) and env.executor == "local":
             sys.exit(preempt.REQUEUE_EXIT_CODE)  # the local controller restarts every task on this code
@@ -114,7 +114,7 @@ def _after_failure(paths: RunPaths, env: Any) -> bool:
         budgets = load_frozen(paths.run_dir).requeue
     except Exception:  # the config itself is what fails: no point in retrying
         return False
-    return requeue_or_stop(paths, env, budgets, "failure", -1)
+    return requeue_or_stop(paths, env, budgets, "failure", preempt.step_reached[0])
 
 
 def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
@@ -180,7 +180,7 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
         print(f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; "
               f"stacks follow", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        log_event(paths.run_dir, "fail", -1, env.job_id, env.restart_count, rank=env.rank,
+        log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
                   error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
         requeue = _after_failure(paths, env)
         os._exit(preempt.REQUEUE_EXIT_CODE if requeue and env.executor == "local" else 1)

@@ -298,28 +298,64 @@ def cancel(runs: list[Run]) -> list[str]:
     return [r.job_id for r in mine]
 
 
-CHAOS = ("time-limit", "preempt", "requeue", "kill-rank", "lose-node")
+CHAOS = {  # action -> what it injects; recorded as a `chaos` event
+    "time-limit": "USR2 to every task, as Slurm's time-limit warning",
+    "preempt": "SIGTERM to every task, as a preemption",
+    "batch-term": "SIGTERM to the batch shell only (scancel --batch), as --signal=B:TERM or an operator",
+    "requeue": "scontrol requeue",
+    "kill-rank": "SIGKILL to one rank",
+    "lose-node": "SIGKILL to every rank on one node, as a lost node",
+    "kill-rank-during-save": "the last rank SIGKILLs itself in the middle of its next save (once)",
+    "slow-storage": "every later checkpoint write takes --seconds longer (0: back to normal)",
+    "corrupt-checkpoint": "one byte flipped in the newest committed checkpoint (the next resume skips it)",
+}
+DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint")  # files in the run dir: local runs too
 
 
-def chaos(run: Run, action: str, rank: int = 0) -> str:
-    """Inject a fault into a running job and record it in events.jsonl as injected."""
+def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
+    """Inject a fault into a running job (or arm a drill the job fires) and record it in events.jsonl."""
     from hpc_train import slurm
+    from hpc_train.paths import RunPaths, read_marker, step_folders
 
     if action not in CHAOS:
-        raise ValueError(f"chaos action {action!r}: use one of {CHAOS}")
-    if run.executor != "slurm":
-        raise ValueError(f"{run.label} runs on the local executor; chaos drills need Slurm (cluster=dev)")
-    events = read_jsonl(run.run_dir / EVENTS)
+        raise ValueError(f"chaos action {action!r}: use one of {list(CHAOS)}")
+    if run.executor != "slurm" and action not in DRILLS:
+        raise ValueError(f"{run.label} runs on the local executor; chaos {action} needs Slurm (cluster=dev); "
+                         f"local runs take {', '.join(DRILLS)}")
+    paths = RunPaths(run.run_dir)
+    events = read_jsonl(paths.events)
     start = next((e for e in reversed(events) if e["event"] == "start"), None)
-    if action == "time-limit":
-        slurm.call(["scancel", "--signal=USR2", run.job_id])
-        what = "USR2 to every task, as Slurm's time-limit warning"
-    elif action == "preempt":
-        slurm.call(["scancel", "--signal=TERM", run.job_id])
-        what = "SIGTERM to every task, as a preemption"
+    what = CHAOS[action]
+    if action in ("time-limit", "preempt", "batch-term"):
+        signal_arg = ["--signal=USR2"] if action == "time-limit" else ["--signal=TERM"]
+        slurm.call(["scancel", *signal_arg, *(["--batch"] if action == "batch-term" else []), run.job_id])
     elif action == "requeue":
         slurm.call(["scontrol", "requeue", run.job_id])
-        what = "scontrol requeue"
+    elif action in ("kill-rank-during-save", "slow-storage"):
+        paths.drills.mkdir(exist_ok=True)
+        drill = paths.drills / action.replace("-", "_")
+        if action == "slow-storage":
+            drill = paths.drills / "slow_storage"
+            if seconds <= 0:
+                drill.unlink(missing_ok=True)
+            else:
+                drill.write_text(f"{seconds}\n")
+            what = f"checkpoint writes {seconds:g} s slower" if seconds > 0 else "checkpoint writes at normal speed"
+        else:
+            drill.write_text("armed\n")
+    elif action == "corrupt-checkpoint":
+        committed = [(s, m) for s, f in step_folders(paths.checkpoints).items() if (m := read_marker(f))]
+        if not committed:
+            raise ValueError(f"{run.label} has no committed checkpoint to corrupt yet")
+        step, marker = committed[-1]
+        name = max(marker["files"], key=lambda n: marker["files"][n]["bytes"])
+        target = paths.checkpoints / f"step_{step:06d}" / name
+        with open(target, "r+b") as f:  # same size, one byte changed: only the checksum can tell
+            f.seek(marker["files"][name]["bytes"] // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        what = f"one byte flipped in {target.relative_to(run.run_dir)}"
     else:
         if start is None or "pids" not in start:
             raise ValueError(f"{run.label} has not started yet (no start event with rank pids); try again shortly")
@@ -334,7 +370,7 @@ def chaos(run: Run, action: str, rank: int = 0) -> str:
                         str(pid)], timeout_s=60, retries=0)
         what = f"SIGKILL to rank {rank} (pid {pids[rank]} on {nodes[rank]})" if action == "kill-rank" else \
             f"SIGKILL to every rank on {nodes[rank]} ({len(targets)} processes), as a lost node"
-    log_event(run.run_dir, "chaos", start["step"] if start else -1, run.job_id, start["restart"] if start else -1,
+    log_event(run.run_dir, "chaos", start["step"] if start else -1, run.job_id, current_attempt(run.run_dir),
               action=action, injected=what)
     return what
 

@@ -15,8 +15,14 @@ node (submit, status, report) and the job read and write the same names through 
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+MARKER = "COMMITTED"  # a checkpoint folder counts once this manifest is in it (checkpoint.py writes it last)
+STEP_DIR = re.compile(r"step_(\d+)")
 
 
 @dataclass(frozen=True)
@@ -66,3 +72,24 @@ class RunPaths:
     def failure_claim(self, job_id: str, restart: int) -> Path:
         """Created O_EXCL by the first rank to fail in an attempt: that rank alone decides the requeue."""
         return self.run_dir / f".failed-{job_id}-{restart}"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"  # 7+ digits past step 999,999: every reader sorts by number
+
+
+def step_folders(root: Path) -> dict[int, Path]:
+    """Every step folder under root by its step, in numeric order (step_1000000 after step_999980)."""
+    if not root.is_dir():
+        return {}
+    found = {int(m.group(1)): p for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()}
+    return dict(sorted(found.items()))
+
+
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The COMMITTED manifest, or None when it is missing, torn or not ours (never raises)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+    except (OSError, ValueError):
+        return None

@@ -26,11 +26,14 @@ TIME_LIMIT_SLACK_S = 120
 received: list[str] = []  # names of the signals caught so far, in order; read by the loop
 received_at: list[float] = []  # time.monotonic() of each, for the time left to save
 last_beat = [time.monotonic()]  # the loop's heartbeat, read by job.py's hang watchdog
+step_reached = [-1]  # the last step the loop finished: what a failure event records
 installed_at = [0.0]  # time.time() when the handlers went in: the "python" phase of a restart ends here
 
 
-def beat() -> None:
+def beat(step: int | None = None) -> None:
     last_beat[0] = time.monotonic()
+    if step is not None:
+        step_reached[0] = step
 
 
 def _record(signum: int, frame: object) -> None:

@@ -111,7 +111,7 @@ def test_retention_never_deletes_a_stop_save_because_a_corrupt_newer_one_exists(
         (40, 70), (50, 70), (60, 70)]
 
 
-def test_a_damaged_committed_file_is_skipped_not_a_crash_loop(tmp_path: Path) -> None:
+def test_a_damaged_committed_file_is_skipped_never_fatal(tmp_path: Path) -> None:
     events: list = []
     saver, state = make_saver(tmp_path, events, keep_last=3), make_state()
     for step in (10, 20):
@@ -126,7 +126,8 @@ def test_a_damaged_committed_file_is_skipped_not_a_crash_loop(tmp_path: Path) ->
     (step_dir(tmp_path / "checkpoints", 30) / MARKER).write_text("[]")
     assert make_saver(tmp_path, events).resume(make_state())[0].name == "step_000010"
     assert [e["reason"] for e in events if e["event"] == "checkpoint_skipped"] == [
-        "step_000040: unreadable COMMITTED", "step_000030: unreadable COMMITTED", "step_000020: unreadable COMMITTED"]
+        "step_000040: unreadable COMMITTED", "step_000030: unreadable COMMITTED"]
+    assert [(e["step"], e["anchor"]) for e in events if e["event"] == "checkpoint_deleted"] == [(20, 30)]  # below a good one
 
 
 def test_overlapping_background_saves_all_commit(tmp_path: Path) -> None:
@@ -203,3 +204,60 @@ def test_local_crash_loop_stops_after_failure_budget(tmp_path: Path) -> None:
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure", "failure"]
     assert [e["reason"] for e in events if e["event"] == "stopped"] == [
         "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)"]
+
+
+@pytest.fixture()
+def our_handlers():
+    """hpc_train's record-only USR2/TERM handlers in this process, as in a task; pytest's restored after."""
+    import signal
+
+    from hpc_train import preempt
+
+    saved = {s: signal.getsignal(s) for s in preempt.STOP_SIGNALS}
+    preempt.install_handlers()
+    yield preempt
+    for s, h in saved.items():
+        signal.signal(s, h)
+    preempt.received.clear()
+    preempt.received_at.clear()
+
+
+def make_attempt(tmp_path: Path) -> Any:
+    from hpc_train.attempt import Attempt
+    from hpc_train.config import RunConfig
+    from hpc_train.env import RankEnv
+    from hpc_train.paths import RunPaths
+
+    env = RankEnv("local", 0, 0, 1, 1, 0, 1, ("127.0.0.1",), "127.0.0.1", 0, "1", 0)
+    return Attempt.build(env, RunConfig(), RunPaths(tmp_path), time.time(), {})
+
+
+def test_a_signal_at_the_last_step_finishes_instead_of_requeueing(tmp_path: Path, our_handlers: Any) -> None:
+    import signal
+
+    at, state = make_attempt(tmp_path), make_state()
+    at.resume(state)
+    state.step = 60
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert at.step_end(state, last_step=60) is False and not at.stopped
+    summary = at.finish(state, final_loss=1.0)
+    assert summary == {"final_step": 60, "final_loss": 1.0}
+    events = read_events(tmp_path)
+    assert [(e["event"], e["step"]) for e in events if e["event"] in ("signal", "checkpoint_committed", "finish")] == [
+        ("signal", 60), ("checkpoint_committed", 60), ("finish", 60)]
+    assert next(e for e in events if e["event"] == "signal")["finishing"] is True
+
+
+def test_an_early_usr2_leaves_the_grace_time_not_the_signal_lead(tmp_path: Path, our_handlers: Any) -> None:
+    """preempt_send_user_signal: USR2 at preemption, SIGKILL after GraceTime (preempt_grace_s=30), not
+    after signal_lead_s=120; the stop save is budgeted against 30 s."""
+    import signal
+
+    at, state = make_attempt(tmp_path), make_state()
+    at.resume(state)
+    state.step = 7
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert at.step_end(state, last_step=60) is True and at.stopped and at.stop_step == 7
+    sig = next(e for e in read_events(tmp_path) if e["event"] == "signal")
+    assert 29 <= sig["left_s"] <= 30
+    assert [(e["step"], e["reason"]) for e in read_events(tmp_path) if e["event"] == "checkpoint_committed"] == [(7, "stop")]

@@ -48,7 +48,7 @@ def test_term_to_batch_shell_only_saves_and_resumes(slurm_env: dict[str, str], t
     stop_saves = [e for e in events if e["event"] == "checkpoint_committed" and e["reason"] == "stop"]
     assert [e["step"] for e in stop_saves] == [signals[0]["step"]]
     requeues = [e for e in events if e["event"] == "requeue"]
-    assert len(requeues) == 1 and requeues[0]["error"] is None
+    assert len(requeues) == 1 and requeues[0]["by"] == "hpc_train"
     assert requeues[0]["reason"] == "preempt"  # far from the time limit: an external stop, not the clock
     starts = [e for e in events if e["event"] == "start"]
     assert [s["restart"] for s in starts] == [0, 1] and starts[1]["step"] == signals[0]["step"]

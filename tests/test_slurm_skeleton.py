@@ -91,7 +91,7 @@ def test_time_limit_warning_usr2(slurm_env: dict[str, str], tmp_path: Path, refe
     signals = [e for e in events if e["event"] == "signal"]
     assert signals and signals[0]["signals"] == ["SIGUSR2"]
     requeues = [e for e in events if e["event"] == "requeue"]
-    assert len(requeues) == 1 and requeues[0]["error"] is None  # our own `scontrol requeue` succeeded
+    assert len(requeues) == 1 and requeues[0]["by"] == "hpc_train"  # our own `scontrol requeue` succeeded
     starts = [e for e in events if e["event"] == "start"]
     assert [s["restart"] for s in starts] == [0, 1] and starts[1]["step"] == signals[0]["step"]
 

@@ -1,0 +1,28 @@
+"""A seeded fault storm on the real cluster (tests/storm.py): one run through 6 faults of different
+kinds, then the invariants. HPC_TRAIN_STORM_SEED replays another sequence; the seed is printed."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import storm
+from conftest import run
+
+pytestmark = pytest.mark.slurm
+
+
+def test_fault_storm_keeps_every_invariant(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    seed = int(os.environ.get("HPC_TRAIN_STORM_SEED", "2026"))
+    print(f"\nstorm seed {seed} (replay: HPC_TRAIN_STORM_SEED={seed})")
+    result = storm.run_storm(slurm_env, tmp_path, seed, n_faults=6, steps=200)
+    figures = storm.figures(result)
+    print(f"storm figures: {figures}")
+    violations = storm.check(result)
+    assert not violations, f"seed {seed}: {violations}"
+    assert figures["faults"] == 6 and figures["finished"]
+    states = run(["sinfo", "-h", "-N", "-o", "%N %t"], env=slurm_env).stdout
+    assert not re.search(r"drain|down|fail", states), states
