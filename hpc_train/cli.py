@@ -182,14 +182,16 @@ def _report(args: argparse.Namespace) -> int:
                           ("stall", "checkpoint stall"), ("overhead", "restart overhead (launch -> training)")):
             table.add_row(what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-")
         table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
-        attempts = Table(title="attempts")
-        for col in ("attempt", "job", "steps", "wall s", "start-up s", "ended by", "signals"):
+        attempts = Table(title="attempts (start-up: python imports rendezvous setup verify load first-step, seconds)")
+        for col in ("attempt", "job", "steps", "wall s", "start-up s", "start-up by phase", "ended by", "signals"):
             attempts.add_column(col)
         for a in atts:
+            phases = " ".join(f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-" for k in
+                              ("python", "imports", "rendezvous", "setup", "verify", "load", "first_step"))
             attempts.add_row(str(a["restart"]), str(a["job_id"]), f"{a['start_step']}->{a['reached_step']}",
                              f"{a['end'] - a['launched']:.1f}", f"{(a['start'] or a['end']) - a['launched']:.1f}",
-                             a["ended_by"], ",".join(a["signals"]))
-        console = Console(width=160)
+                             phases, a["ended_by"], ",".join(a["signals"]))
+        console = Console(width=200)
         console.print(table)
         console.print(attempts)
         print(f"picture: {made}" if made.endswith(".png") else made)

@@ -144,6 +144,9 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "committed_step": max((e["step"] for e in commits), default=None),
             "stall_s": sum(e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits),
             "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
+            # start-up, phase by phase (job.py): python, imports, rendezvous, setup, verify, load, first step
+            "phases_s": {**(start.get("phases_s", {}) if start else {}),
+                         **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {})},
         })
     return out
 
