@@ -261,3 +261,26 @@ def test_an_early_usr2_leaves_the_grace_time_not_the_signal_lead(tmp_path: Path,
     sig = next(e for e in read_events(tmp_path) if e["event"] == "signal")
     assert 29 <= sig["left_s"] <= 30
     assert [(e["step"], e["reason"]) for e in read_events(tmp_path) if e["event"] == "checkpoint_committed"] == [(7, "stop")]
+
+
+def test_first_stop_of_an_attempt_is_judged_by_earlier_attempts_writes(tmp_path: Path, our_handlers: Any) -> None:
+    """An earlier attempt measured a 100 s write; this attempt has saved nothing yet and gets a SIGTERM
+    with 30 s of grace: the stop save cannot finish before SIGKILL, so it is skipped (it used to "fit",
+    since each attempt started from 0 s)."""
+    import signal
+
+    from hpc_train.metrics import log_event
+
+    first, state = make_attempt(tmp_path), make_state()
+    first.resume(state)
+    save_at(first.saver, state, 5)  # something committed to fall back on
+    log_event(tmp_path, "checkpoint_committed", 5, "1", 0, reason="periodic", write_s=100.0)  # as measured then
+    second = make_attempt(tmp_path)
+    assert second.saver.expected_write_s == 100.0
+    state = make_state()
+    second.resume(state)
+    state.step = 6
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert second.step_end(state, last_step=60) is True
+    skipped = [e for e in read_events(tmp_path) if e["event"] == "stop_save_skipped"]
+    assert [(e["step"], e["expected_save_s"]) for e in skipped] == [(6, 100.0)] and skipped[0]["left_s"] <= 30
