@@ -71,6 +71,7 @@ class Attempt:
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up, phase by phase, for the start event
     stopped: bool = False  # step_end() saw a stop signal: the job requeues (or stops) when fn returns
     stop_step: int = -1  # the step it stopped at
+    kill_deadline: float = float("inf")  # time.monotonic() when Slurm's SIGKILL is due, from the first signal
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
     _built_at: float = field(default_factory=time.monotonic)
     _resumed_at: float | None = None
@@ -168,6 +169,7 @@ class Attempt:
                        finishing=state.step >= last_step)
             if state.step < last_step:
                 self.stopped, self.stop_step = True, state.step
+                self.kill_deadline = time.monotonic() + left
                 self.saver.stop(state, left, self._agree)
                 return True
         if self.saver.pending is not None and not unwritten:

@@ -75,9 +75,10 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         raise
 
 
-def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: int) -> bool:
+def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: int) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
-    (preempt.decide), act on it and record it. True when the job comes back."""
+    (preempt.decide), act on it and record it. Returns "requeue" (the job comes back), "wait" (only
+    Slurm can bring it back: stay alive until it ends the job) or "stop"."""
     from hpc_train import slurm
 
     events = read_jsonl(paths.events)
@@ -87,18 +88,21 @@ def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: 
     if action == "stop":
         record("stopped", reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
-        return False
+        return "stop"
     if action == "slurm":
         record("requeue", reason=reason, by="slurm", note=why)
-        return True
+        return "requeue"
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
-    if err:  # e.g. no scontrol in the container: a preemption still comes back (Slurm requeues it), a time limit does not
-        record("requeue_failed", reason=reason, fate=fate, error=err)
-        print(f"[hpc_train] requeue failed: {err}; the last committed checkpoint stays; resubmit to go on",
-              file=sys.stderr, flush=True)
-        return True
-    record("requeue", reason=reason, by="hpc_train", fate=fate)
-    return True
+    if not err:
+        record("requeue", reason=reason, by="hpc_train", fate=fate)
+        return "requeue"
+    # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
+    # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
+    record("requeue_failed", reason=reason, fate=fate, error=err)
+    then = "waiting for Slurm to end and requeue the preempted job" if reason == "preempt" else \
+        "the last committed checkpoint stays; resubmit to go on"
+    print(f"[hpc_train] requeue failed: {err}; {then}", file=sys.stderr, flush=True)
+    return "wait" if reason == "preempt" else "stop"
 
 
 def _after_failure(paths: RunPaths, env: Any) -> bool:
@@ -114,7 +118,7 @@ def _after_failure(paths: RunPaths, env: Any) -> bool:
         budgets = load_frozen(paths.run_dir).requeue
     except Exception:  # the config itself is what fails: no point in retrying
         return False
-    return requeue_or_stop(paths, env, budgets, "failure", preempt.step_reached[0])
+    return requeue_or_stop(paths, env, budgets, "failure", preempt.step_reached[0]) == "requeue"
 
 
 def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
@@ -220,15 +224,21 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         at.stopped = True
     if at.stopped:
         # Rank 0 decides and tells everyone, so no rank exits with 144 alone.
+        actions = ("stop", "requeue", "wait")
         verdict = torch.tensor([0])
         if env.rank == 0:
             reason = preempt.stop_reason(preempt.received, time.time() - process_start, cfg.cluster.timeout_min,
                                          cfg.cluster.signal_lead_s)
-            verdict[0] = int(requeue_or_stop(paths, env, cfg.requeue, reason, at.stop_step))
+            verdict[0] = actions.index(requeue_or_stop(paths, env, cfg.requeue, reason, at.stop_step))
         dist.broadcast(verdict, src=0)
         dist.destroy_process_group()
         sys.stdout.flush()
-        sys.exit(preempt.REQUEUE_EXIT_CODE if verdict.item() else 1)
+        if actions[int(verdict)] == "wait":  # until Slurm's kill at GraceTime's end, + 60 s (KillWait defaults to 30 s)
+            until = min(at.kill_deadline, time.monotonic() + cfg.cluster.preempt_grace_s) + 60
+            while time.monotonic() < until:
+                preempt.beat()
+                time.sleep(1)
+        sys.exit(preempt.REQUEUE_EXIT_CODE if actions[int(verdict)] != "stop" else 1)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     dist.barrier()
     dist.destroy_process_group()
