@@ -34,7 +34,7 @@ from hpc_train import preempt
 from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
-from hpc_train.metrics import log_event, read_jsonl
+from hpc_train.metrics import log_event, read_events
 from hpc_train.paths import RunPaths
 
 if TYPE_CHECKING:
@@ -55,8 +55,8 @@ def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, "DeviceMesh
 
 def slowest_write_s(events: list[dict[str, Any]]) -> float:
     """The slowest checkpoint write this run has recorded, in any attempt: what a stop save must fit."""
-    return max((e.get("write_s", e.get("save_s", 0.0)) for e in events if e["event"] == "checkpoint_committed"),
-               default=0.0)
+    times = [e.get("write_s", e.get("save_s", 0.0)) for e in events if e["event"] == "checkpoint_committed"]
+    return max((t for t in times if isinstance(t, (int, float))), default=0.0)
 
 
 @dataclass
@@ -67,10 +67,11 @@ class Attempt:
     mesh: "DeviceMesh"  # ("dp", "tp"); tp = train.tp, inside a node
     device: torch.device  # this rank's GPU, else CPU
     saver: Saver
-    process_start: float  # Unix time this process started: the allocation's clock for the time limit
+    process_start: float  # Unix time this process started (launched_at)
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up, phase by phase, for the start event
     stopped: bool = False  # step_end() saw a stop signal: the job requeues (or stops) when fn returns
     stop_step: int = -1  # the step it stopped at
+    stop_reason: str = ""  # "time_limit" | "preempt", judged once, by every rank's signals, at the stop
     kill_deadline: float = float("inf")  # time.monotonic() when Slurm's SIGKILL is due, from the first signal
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
     _built_at: float = field(default_factory=time.monotonic)
@@ -82,7 +83,7 @@ class Attempt:
               phases_s: dict[str, float]) -> "Attempt":
         """Collective: device, mesh, the background writer and what earlier attempts measured."""
         device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
-        history = torch.tensor([slowest_write_s(read_jsonl(paths.events)) if env.rank == 0 else 0.0], dtype=torch.float64)
+        history = torch.tensor([slowest_write_s(read_events(paths.run_dir)) if env.rank == 0 else 0.0], dtype=torch.float64)
         dist.all_reduce(history, op=dist.ReduceOp.MAX)
 
         def event(name: str, step: int, **fields: Any) -> None:
@@ -130,20 +131,21 @@ class Attempt:
         preempt.beat(state.step)
         return folder is not None
 
-    def time_left_s(self) -> float:
-        """Collective: seconds until Slurm's SIGKILL, from the first stop signal any rank caught (a
-        time-limit warning leaves cluster.signal_lead_s, a preemption cluster.preempt_grace_s); the same
-        number on every rank."""
+    def time_left_s(self) -> tuple[float, str]:
+        """Collective: (seconds until Slurm's SIGKILL, why) from the first stop signal any rank caught, the
+        same on every rank. A USR2 near the allocation's end is the time-limit warning ("time_limit":
+        cluster.signal_lead_s left); anything else, a USR2 under preempt_send_user_signal included, is a
+        preemption ("preempt": cluster.preempt_grace_s left). One rank's SIGTERM makes it a preemption."""
         c = self.cfg.cluster
-        left = float("inf")
+        left, code = float("inf"), 0.0
         if preempt.received_at:
-            reason = preempt.stop_reason(preempt.received, time.time() - self.process_start, c.timeout_min,
-                                         c.signal_lead_s)
+            allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or self.process_start)
+            reason = preempt.stop_reason(preempt.received, time.time() - allocated_at, c.timeout_min, c.signal_lead_s)
             kill_s = preempt.seconds_to_kill(reason, c.signal_lead_s, c.preempt_grace_s)
-            left = preempt.received_at[0] + kill_s - time.monotonic()
-        t = torch.tensor([left], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return float(t.item())
+            left, code = preempt.received_at[0] + kill_s - time.monotonic(), 2.0 if reason == "preempt" else 1.0
+        t = torch.tensor([-left, code], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the least time left, the strongest reason
+        return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
 
     def _agree(self, ok: bool) -> bool:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -164,11 +166,11 @@ class Attempt:
         stop, unwritten = bool(flags[0]), bool(flags[1])
         if stop and not self._signalled:
             self._signalled = True
-            left = self.time_left_s()
-            self.event("signal", state.step, signals=list(preempt.received), left_s=round(left, 2),
+            left, reason = self.time_left_s()
+            self.event("signal", state.step, signals=list(preempt.received), reason=reason, left_s=round(left, 2),
                        finishing=state.step >= last_step)
             if state.step < last_step:
-                self.stopped, self.stop_step = True, state.step
+                self.stopped, self.stop_step, self.stop_reason = True, state.step, reason
                 self.kill_deadline = time.monotonic() + left
                 self.saver.stop(state, left, self._agree)
                 return True

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,11 +36,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpc_train.config import CheckpointConfig
 from hpc_train.paths import MARKER, read_marker, step_dir, step_folders
-from hpc_train.preempt import claim_drill, drill_seconds, injected
+from hpc_train.preempt import Unrecoverable, claim_drill, drill_seconds, injected
 
 @dataclass
 class TrainState:
@@ -116,15 +118,21 @@ def manifest_of(paths: list[Path]) -> dict[str, dict[str, Any]]:
 
 
 def verify(folder: Path, files: dict[str, dict[str, Any]], advance: Callable[[int], Any] = lambda n: None) -> str:
-    """"" if these manifest entries match the folder, else the first reason they do not."""
+    """"" if these manifest entries match the folder, else the first reason they do not (never raises)."""
     for name, want in files.items():
         p = folder / name
-        if not p.exists():
+        try:
+            st = p.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                return f"{name} is not a regular file"
+            if st.st_size != want["bytes"]:
+                return f"{name} has {st.st_size} bytes, manifest says {want['bytes']}"
+            if _sha256(p, advance) != want["sha256"]:
+                return f"{name} checksum differs from the manifest"
+        except FileNotFoundError:
             return f"{name} is missing"
-        if p.stat().st_size != want["bytes"]:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {want['bytes']}"
-        if _sha256(p, advance) != want["sha256"]:
-            return f"{name} checksum differs from the manifest"
+        except OSError as e:
+            return f"{name} is unreadable: {e}"
     return ""
 
 
@@ -214,25 +222,43 @@ def start_save(root: Path, state: TrainState, reason: str, writer: Writer | None
     t0 = time.monotonic()
     folder = step_dir(root, state.step)
     rank = dist.get_rank()
-    if rank == 0 and folder.exists():  # a torn or known-bad save of this step from an earlier attempt
-        shutil.rmtree(folder)
-    dist.barrier()
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(state.rank_state(), folder / rank_file(rank))
-    _fsync(folder / rank_file(rank))
+    failed: list[Any] = [""]
+    if rank == 0:  # a torn or known-bad save of this step from an earlier attempt, or a stray file by its name
+        try:
+            if folder.is_dir() and not folder.is_symlink():
+                shutil.rmtree(folder)
+            elif folder.exists() or folder.is_symlink():
+                folder.unlink()
+            folder.mkdir(parents=True)
+        except OSError as e:
+            failed[0] = f"cannot make {folder}: {e}"
+    dist.broadcast_object_list(failed, src=0)  # every rank raises, or none
+    if failed[0]:
+        raise RuntimeError(failed[0])
+    try:
+        torch.save(state.rank_state(), folder / rank_file(rank))
+        _fsync(folder / rank_file(rank))
+        rank_file_error: Exception | None = None
+    except Exception as e:  # torch.save says RuntimeError for EFBIG/ENOSPC; reported at commit, by every rank
+        rank_file_error = e
     sd = state.state_dict()
 
     def hashed(write: Any) -> tuple[dict[str, dict[str, Any]], float]:
         if write is not None:
             write.result()  # raises if the background write failed: no marker, nothing counts
+        if rank_file_error is not None:
+            raise rank_file_error
         time.sleep(drill_seconds(drills, "slow_storage"))  # a drill: storage this much slower per save
         return manifest_of(own_files(folder, rank)), time.monotonic() - t0
 
     if writer is None:
-        with _helper_threads_single_threaded():
-            dcp.save(sd, checkpoint_id=folder)  # fsyncs its files
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(hashed(None))
+        try:  # a failed write or hash is this save's error, reported at commit on every rank
+            with _helper_threads_single_threaded():
+                dcp.save(sd, checkpoint_id=folder)  # fsyncs its files; raises on every rank alike
+            future.set_result(hashed(None))
+        except (Exception, CheckpointException) as e:
+            future.set_exception(e)
     else:
         write = dcp.async_save(sd, checkpoint_id=folder, process_group=writer.group, async_stager=writer.stager)
         future = writer.pool.submit(hashed, write)
@@ -251,7 +277,7 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
         mine: dict[str, Any] = {"files": files, "write_s": write_s}
     except concurrent.futures.TimeoutError:
         mine = {"error": f"not written within {timeout_s:.1f} s"}
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         mine = {"error": f"{type(e).__name__}: {e}"}
     pieces: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pieces, mine)
@@ -338,14 +364,15 @@ class Saver:
                           if (p / MARKER).exists()]
         dist.broadcast_object_list(listing, src=0)
         t0 = time.monotonic()
+        load_failed = ""
         with Progress(disable=rank != 0 or not listing[0]) as progress:  # rank 0's share, on its log
             for step, marker in listing[0]:
                 folder = step_dir(self.root, step)
                 if marker is None:
                     why = f"unreadable {MARKER}"
                 else:
-                    if marker.get("world_size", world) != world:
-                        raise RuntimeError(
+                    if marker["world_size"] != world:
+                        raise Unrecoverable(
                             f"{folder} was written by {marker['world_size']} ranks and this attempt has {world}; "
                             f"resume with {marker['world_size']} ranks (cluster.nodes x cluster.tasks_per_node)")
                     share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
@@ -356,15 +383,21 @@ class Saver:
                 why = next((w for w in whys if w), "")
                 if not why:
                     verify_s, t1 = time.monotonic() - t0, time.monotonic()
-                    sd = state.state_dict()
-                    with _helper_threads_single_threaded():
-                        dcp.load(sd, checkpoint_id=folder)
-                    state.load_state_dict(sd)
-                    state.load_rank_state(torch.load(folder / rank_file(rank), weights_only=True))  # no pickle runs
-                    self.verified.add(step)
-                    return folder, verify_s, time.monotonic() - t1
+                    try:  # DCP raises on every rank alike, so every rank goes on to the next folder
+                        sd = state.state_dict()
+                        with _helper_threads_single_threaded():
+                            dcp.load(sd, checkpoint_id=folder)
+                        state.load_state_dict(sd)
+                        state.load_rank_state(torch.load(folder / rank_file(rank), weights_only=True))  # no pickle runs
+                        self.verified.add(step)
+                        return folder, verify_s, time.monotonic() - t1
+                    except CheckpointException as e:
+                        why = load_failed = f"verified but did not load: {str(e).splitlines()[0][:300]}"
                 self.bad.add(step)
                 self.event("checkpoint_skipped", step, reason=f"{folder.name}: {why}")
+        if load_failed:  # the model may hold part of that checkpoint: a fresh start would not be one
+            raise RuntimeError(f"no checkpoint loaded and a partial load may have changed the model ({load_failed}); "
+                               f"the next attempt starts clean")
         return None, time.monotonic() - t0, 0.0
 
     def written_here(self) -> bool:
@@ -384,18 +417,21 @@ class Saver:
             self.event("checkpoint_abandoned", p.step, reason=p.reason, error=why)
             return False
         self.verified.add(p.step)
+        self.bad.discard(p.step)  # a bad folder this attempt saved again is good now
         self.expected_write_s = max(self.expected_write_s, write_s)
         self.event("checkpoint_committed", p.step, path=str(p.folder), reason=p.reason,
                    save_s=round(time.monotonic() - p.started, 4), write_s=round(write_s, 4),
                    stall_s=round(p.stall_s, 4), waited_s=round(time.monotonic() - t0, 4))
         if dist.get_rank() == 0:
-            keep = self.abandoned | ({self.pending.step} if self.pending else set())
-            for s in apply_retention(self.root, self.cfg, self.verified, self.bad, keep):
+            for s in apply_retention(self.root, self.cfg, self.verified, self.bad, self.abandoned):
                 self.event("checkpoint_deleted", s, anchor=max(self.verified))
         return True
 
     def save(self, state: TrainState, reason: str, background: bool) -> None:
-        """Collective: start a save of this step (a step already known good is not saved twice)."""
+        """Collective: start a save of this step (a step already known good is not saved twice), after
+        committing the one in flight: one save at a time, so none is ever replaced before it commits and
+        two writes never share the host buffers."""
+        self.commit_pending()
         if state.step in self.verified:
             return
         self.pending = start_save(self.root, state, reason, self.writer if background else None, self.drills,
@@ -404,8 +440,7 @@ class Saver:
             self.commit_pending()
 
     def periodic(self, state: TrainState) -> None:
-        self.commit_pending()  # one save in flight: wait for the previous write if it still runs
-        self.save(state, "periodic", background=self.writer is not None)
+        self.save(state, "periodic", background=self.writer is not None)  # waits for a write still running
 
     def stop(self, state: TrainState, left_s: float, agree: Callable[[bool], bool]) -> None:
         """Collective, at a stop signal with left_s (the same on every rank) before SIGKILL: commit the
@@ -423,5 +458,4 @@ class Saver:
         self.save(state, "stop", background=False)
 
     def final(self, state: TrainState) -> None:
-        self.commit_pending()
         self.save(state, "final", background=False)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpc_train import preempt
-from hpc_train.metrics import log_event, read_jsonl
+from hpc_train.metrics import log_event, read_events
 from hpc_train.paths import RunPaths
 
 
@@ -60,19 +60,23 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     phases_s = {"python": max(0.0, preempt.installed_at[0] - process_start)}
     paths = RunPaths(Path(run_dir_str))
     if "SLURM_PROCID" not in os.environ:  # local controller restarts in place: count attempts on disk
-        requeues = sum(e["event"] == "requeue" for e in read_jsonl(paths.events))
+        requeues = sum(e["event"] == "requeue" for e in read_events(paths.run_dir))
         os.environ["HPC_TRAIN_ATTEMPT"] = str(requeues)
     env = rank_env.from_env(os.environ)
     os.environ.update(rank_env.torchrun_vars(env))
     print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", flush=True)  # `hpc-train logs --attempt`
     try:
         return _run(paths, env, process_start, phases_s)
-    except Exception as e:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
         log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
                   error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
-        if _after_failure(paths, env) and env.executor == "local":
-            sys.exit(preempt.REQUEUE_EXIT_CODE)  # the local controller restarts every task on this code
-        raise
+        verdict, grace_s = _after_failure(paths, env, e)
+        traceback.print_exc()  # this rank's log keeps the whole story
+        if verdict == "wait" or (verdict == "requeue" and env.executor == "local"):
+            _leave(verdict, grace_s)  # 144: the local controller restarts every task on this code
+        _leave("stop", 0.0)
 
 
 def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: int) -> str:
@@ -81,7 +85,7 @@ def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: 
     Slurm can bring it back: stay alive until it ends the job) or "stop"."""
     from hpc_train import slurm
 
-    events = read_jsonl(paths.events)
+    events = read_events(paths.run_dir)
     fate = slurm.job_fate(env.job_id, env.restart_count) if env.executor == "slurm" else preempt.local_fate(events)
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
@@ -99,26 +103,47 @@ def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: 
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
     record("requeue_failed", reason=reason, fate=fate, error=err)
-    then = "waiting for Slurm to end and requeue the preempted job" if reason == "preempt" else \
+    preempted = reason == "preempt" or "SIGTERM" in preempt.received  # a crash inside a preemption's grace too
+    then = "waiting for Slurm to end and requeue the preempted job" if preempted else \
         "the last committed checkpoint stays; resubmit to go on"
     print(f"[hpc_train] requeue failed: {err}; {then}", file=sys.stderr, flush=True)
-    return "wait" if reason == "preempt" else "stop"
+    return "wait" if preempted else "stop"
 
 
-def _after_failure(paths: RunPaths, env: Any) -> bool:
+def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> None:
+    """Exit with the verdict's code, without joining a background checkpoint write that was given up on
+    (it could hold the process for as long as the slow storage takes). "wait": stay alive until Slurm
+    kills the job at GraceTime's end (+ 60 s; KillWait defaults to 30 s), which requeues a preempted job;
+    one that exits inside its grace time is not requeued."""
+    preempt.last_beat[0] = float("inf")  # the hang watchdog has nothing left to watch
+    if verdict == "wait":
+        start = preempt.received_at[0] if preempt.received_at else time.monotonic()
+        until = min(kill_deadline, start + grace_s) + 60
+        while time.monotonic() < until:
+            time.sleep(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(preempt.REQUEUE_EXIT_CODE if verdict != "stop" else 1)
+
+
+def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None) -> tuple[str, float]:
     """The first rank to fail in an attempt decides (an O_EXCL file); the others die with it (gloo
-    sees the closed peer). True when the job will come back."""
+    sees the closed peer). Returns (its verdict, or "" for the others; the partition's grace time)."""
     from hpc_train.config import load_frozen
 
     try:
         os.close(os.open(paths.failure_claim(env.job_id, env.restart_count), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        return False
+        return "", 0.0
     try:
-        budgets = load_frozen(paths.run_dir).requeue
+        cfg = load_frozen(paths.run_dir)
     except Exception:  # the config itself is what fails: no point in retrying
-        return False
-    return requeue_or_stop(paths, env, budgets, "failure", preempt.step_reached[0]) == "requeue"
+        return "stop", 0.0
+    if isinstance(error, preempt.Unrecoverable):
+        log_event(paths.run_dir, "stopped", preempt.step_reached[0], env.job_id, env.restart_count, reason=str(error))
+        print(f"[hpc_train] not requeueing: {error}", file=sys.stderr, flush=True)
+        return "stop", 0.0
+    return requeue_or_stop(paths, env, cfg.requeue, "failure", preempt.step_reached[0]), cfg.cluster.preempt_grace_s
 
 
 def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
@@ -159,7 +184,10 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
         if torch.cuda.is_available():  # one GPU per task: the task's own if Slurm bound one, else by local rank
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
             backend = "cpu:gloo,cuda:nccl"  # CPU tensors (resume step, verdicts) still go through gloo
-        dist.init_process_group(backend, store=store, rank=placed.rank, world_size=env.world_size, timeout=timeout)
+        # Collectives wait up to the hang watchdog's limit (900 s), not the rendezvous timeout: rank 0's requeue
+        # decision (two scontrol calls, up to ~66 s) or one rank's slower write must not time out the others.
+        dist.init_process_group(backend, store=store, rank=placed.rank, world_size=env.world_size,
+                                timeout=max(timeout, timedelta(seconds=cfg.train.watchdog_s)))
     except Exception as e:
         raise RuntimeError(
             f"task {env.rank}/{env.world_size} on {socket.gethostname()}: rendezvous at {where} failed within "
@@ -186,8 +214,8 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
                   error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
-        requeue = _after_failure(paths, env)
-        os._exit(preempt.REQUEUE_EXIT_CODE if requeue and env.executor == "local" else 1)
+        verdict, grace_s = _after_failure(paths, env)
+        _leave(verdict if verdict == "wait" or (verdict == "requeue" and env.executor == "local") else "stop", grace_s)
 
     preempt.beat()
     threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()
@@ -203,7 +231,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
 
     cfg = load_frozen(paths.run_dir)
     phases_s["imports"] = time.time() - t0
-    if env.executor == "local" and preempt.local_fate(read_jsonl(paths.events)) == "cancelled":
+    if env.executor == "local" and preempt.local_fate(read_events(paths.run_dir)) == "cancelled":
         if env.rank == 0:  # `hpc-train cancel` came between two attempts
             log_event(paths.run_dir, "stopped", -1, env.job_id, env.restart_count, reason="cancelled before this attempt started")
         sys.exit(1)
@@ -221,24 +249,16 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
     at = Attempt.build(env, cfg, paths, process_start, phases_s)
     result = fn(at, **cfg.fn.kwargs)
     if at.finished is None and not at.stopped and at.should_stop():  # returned at its own stop check
-        at.stopped = True
-    if at.stopped:
+        at.stopped, at.stop_reason = True, at.time_left_s()[1]
+    if at.stopped and at.finished is None:
         # Rank 0 decides and tells everyone, so no rank exits with 144 alone.
         actions = ("stop", "requeue", "wait")
         verdict = torch.tensor([0])
         if env.rank == 0:
-            reason = preempt.stop_reason(preempt.received, time.time() - process_start, cfg.cluster.timeout_min,
-                                         cfg.cluster.signal_lead_s)
-            verdict[0] = actions.index(requeue_or_stop(paths, env, cfg.requeue, reason, at.stop_step))
+            verdict[0] = actions.index(requeue_or_stop(paths, env, cfg.requeue, at.stop_reason, at.stop_step))
         dist.broadcast(verdict, src=0)
         dist.destroy_process_group()
-        sys.stdout.flush()
-        if actions[int(verdict)] == "wait":  # until Slurm's kill at GraceTime's end, + 60 s (KillWait defaults to 30 s)
-            until = min(at.kill_deadline, time.monotonic() + cfg.cluster.preempt_grace_s) + 60
-            while time.monotonic() < until:
-                preempt.beat()
-                time.sleep(1)
-        sys.exit(preempt.REQUEUE_EXIT_CODE if actions[int(verdict)] != "stop" else 1)
+        _leave(actions[int(verdict)], cfg.cluster.preempt_grace_s, at.kill_deadline)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     dist.barrier()
     dist.destroy_process_group()

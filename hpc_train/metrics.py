@@ -13,8 +13,6 @@ from typing import Any
 
 from hpc_train.paths import RunPaths
 
-EVENTS = "events.jsonl"
-METRICS = "metrics.jsonl"
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -33,16 +31,35 @@ def log_event(run_dir: Path, event: str, step: int, job_id: str, restart: int, *
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """All complete records; a torn last line (writer killed mid-write) is skipped."""
+    """All complete records that are JSON objects; a torn last line (writer killed mid-write) is skipped."""
     if not path.exists():
         return []
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """events.jsonl: the records every reader may index (a str `event`, a numeric `time`, an int `step`);
+    a line someone edited into another shape is skipped rather than crash a decision or `status`."""
+    return [e for e in read_jsonl(RunPaths(run_dir).events)
+            if isinstance(e.get("event"), str) and _number(e.get("time")) and type(e.get("step")) is int
+            and type(e.get("restart", 0)) is int]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows with a numeric `time` and `step`."""
+    return [m for m in read_jsonl(RunPaths(run_dir).metrics) if _number(m.get("time")) and _number(m.get("step"))]
 
 
 # Slurm may deliver the --signal warning up to 60 s before the requested lead (its sweep runs once a minute).
@@ -52,9 +69,10 @@ SLURM_SIGNAL_SLACK_S = 60
 def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
     """"" if signal_lead_s covers the slowest measured save + the slowest step + Slurm's slack in these
     runs, else a warning that names the measurements and the value to use."""
-    saves = [e.get("save_s", 0.0) for d in run_dirs for e in read_jsonl(d / EVENTS) if e["event"] == "checkpoint_committed"]
-    steps = [m.get("step_time_s", 0.0) for d in run_dirs for m in read_jsonl(d / METRICS)]
-    steps += [e.get("step_time_s", 0.0) for d in run_dirs for e in read_jsonl(d / EVENTS) if e["event"] == "first_step"]
+    saves = [e.get("save_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "checkpoint_committed"]
+    steps = [m.get("step_time_s", 0.0) for d in run_dirs for m in read_metrics(d)]
+    steps += [e.get("step_time_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "first_step"]
+    saves, steps = [x for x in saves if _number(x)], [x for x in steps if _number(x)]
     if not saves:
         return ""
     needed = max(saves) + max(steps, default=0.0) + SLURM_SIGNAL_SLACK_S

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train.metrics import EVENTS, METRICS, lead_warning, log_event, read_jsonl
+from hpc_train.metrics import lead_warning, log_event, read_events, read_metrics
 from hpc_train.preempt import failures_in_a_row
 
 NO_PROGRESS_WARN_S = 15 * 60
@@ -203,7 +203,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id,
                          "state": "unreadable: permission denied", "warnings": [r.unreadable]})
             continue
-        events, metrics = read_jsonl(r.run_dir / EVENTS), read_jsonl(r.run_dir / METRICS)
+        events, metrics = read_events(r.run_dir), read_metrics(r.run_dir)
         state = states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED") if r.executor == "slurm" else local_state(r, events)
         commits = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
         last = max((e["time"] for e in events), default=None)
@@ -276,7 +276,7 @@ def attempt_section(text: str, attempt: int | None) -> str:
 
 def current_attempt(run_dir: Path) -> int:
     """The restart count of the last attempt that started, else 0."""
-    starts = [e for e in read_jsonl(run_dir / EVENTS) if e["event"] == "start"]
+    starts = [e for e in read_events(run_dir) if e["event"] == "start"]
     return int(starts[-1]["restart"]) if starts else 0
 
 
@@ -326,7 +326,7 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
         raise ValueError(f"{run.label} runs on the local executor; chaos {action} needs Slurm (cluster=dev); "
                          f"local runs take {', '.join(DRILLS)}")
     paths = RunPaths(run.run_dir)
-    events = read_jsonl(paths.events)
+    events = read_events(run.run_dir)
     start = next((e for e in reversed(events) if e["event"] == "start"), None)
     what = CHAOS[action]
     if action in ("time-limit", "preempt", "batch-term"):
@@ -380,7 +380,7 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
 
 def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str, Any]], str]:
     """Goodput parts, attempts, and the PNG path written ('' when matplotlib is missing)."""
-    events, metrics = read_jsonl(run.run_dir / EVENTS), read_jsonl(run.run_dir / METRICS)
+    events, metrics = read_events(run.run_dir), read_metrics(run.run_dir)
     parts, atts = goodput(events, metrics), attempts(events)
     if png is None:
         return parts, atts, ""
@@ -406,7 +406,7 @@ def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str,
     ax_t.set(xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput "
              f"{parts['goodput']:.1%} (orange: start-up, blue: training)")
     ax_t.legend(loc="lower right", fontsize=8)
-    ax_l.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], ".-")
+    ax_l.plot([m["step"] for m in metrics], [m.get("loss", float("nan")) for m in metrics], ".-")
     ax_l.set(xlabel="step", ylabel="loss")
     ax_s.plot([m["time"] - t0 for m in metrics], [m.get("tokens_per_s", 0) for m in metrics], ".-")
     ax_s.set(xlabel="seconds since first launch", ylabel="tokens/s")

@@ -87,9 +87,19 @@ def step_folders(root: Path) -> dict[int, Path]:
 
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
-    """The COMMITTED manifest, or None when it is missing, torn or not ours (never raises)."""
+    """The COMMITTED manifest, or None when it is missing, torn, or not of our shape (never raises): every
+    entry a plain file name in this folder with an int size and a sha256, DCP's .metadata and one rank
+    file per rank among them, an int world size. A foreign or damaged manifest is skipped, not trusted."""
     try:
         marker = json.loads((folder / MARKER).read_text())
-        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
     except (OSError, ValueError):
         return None
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        return None
+    files, world = marker["files"], marker.get("world_size")
+    shaped = all(isinstance(n, str) and Path(n).name == n and n not in (".", "..") and isinstance(e, dict)
+                 and type(e.get("bytes")) is int and e["bytes"] >= 0 and isinstance(e.get("sha256"), str)
+                 for n, e in files.items())
+    complete = type(world) is int and world >= 1 and ".metadata" in files and all(
+        f"rank_{r:05d}.pt" in files for r in range(world))
+    return marker if shaped and complete else None

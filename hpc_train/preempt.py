@@ -23,6 +23,10 @@ STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 # Slurm may deliver the time-limit warning up to 60 s before the requested lead; 60 s more of margin.
 TIME_LIMIT_SLACK_S = 120
 
+class Unrecoverable(RuntimeError):
+    """A failure no requeue can fix (e.g. the checkpoint needs another world size): the run stops at once."""
+
+
 received: list[str] = []  # names of the signals caught so far, in order; read by the loop
 received_at: list[float] = []  # time.monotonic() of each, for the time left to save
 last_beat = [time.monotonic()]  # the loop's heartbeat, read by job.py's hang watchdog
@@ -116,14 +120,11 @@ def requeues_counted(events: list[dict[str, Any]], reason: str) -> int:
 
 def local_fate(events: list[dict[str, Any]]) -> str:
     """The local executor's answer to "what is the scheduler doing with this job": "cancelled" once
-    `hpc-train cancel` wrote its event after the last requeue, else "running"."""
-    fate = "running"
-    for e in events:
-        if e["event"] == "cancel":
-            fate = "cancelled"
-        elif e["event"] == "requeue":
-            fate = "running"
-    return fate
+    `hpc-train cancel` wrote its event in the attempt of the last requeue or later (a cancel that raced
+    that requeue still counts: the next attempt stops at once), else "running"."""
+    cancels = [e.get("restart", 0) for e in events if e["event"] == "cancel"]
+    requeues = [e.get("restart", 0) for e in events if e["event"] == "requeue"]
+    return "cancelled" if cancels and max(cancels) >= max(requeues, default=-1) else "running"
 
 
 def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -> tuple[str, str]:

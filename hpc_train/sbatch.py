@@ -87,7 +87,9 @@ class ClusterConfig:
 
 def setup_lines(cluster: ClusterConfig) -> list[str]:
     """The batch script's setup section: site template, env exports, user lines, the signal relay."""
-    lines: list[str] = []
+    # The allocation's start, for telling the time-limit warning from a preemption (Slurm 22.05 exports no
+    # start or end time to the job; a task's own start can be minutes later behind a container launch).
+    lines: list[str] = ["export HPC_TRAIN_ALLOCATED_AT=$(date +%s)"]
     if cluster.template:
         text = (TEMPLATES_DIR / f"{cluster.template}.sh").read_text()
         try:

@@ -32,6 +32,8 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
         except FileNotFoundError:
             raise SlurmError(f"`{args[0]}` is not installed here (not on PATH); use cluster=local, or run on a "
                              f"Slurm login node")
+        except OSError as e:  # on PATH but not runnable: no exec bit, a noexec mount, another architecture
+            raise SlurmError(f"`{args[0]}` cannot run here: {e}")
         else:
             if proc.returncode == 0:
                 return proc.stdout + proc.stderr if args[:2] == ["sbatch", "--test-only"] else proc.stdout
@@ -103,14 +105,17 @@ def test_only(script_path: str) -> str:
 def parse_fate(text: str, restart_count: int) -> str:
     """`scontrol show job -o` of this job as its ranks stop -> what Slurm is doing with it (pure):
     "requeued" (Restarts passed ours: an operator's `scontrol requeue`, a node failure, or a preemption
-    Slurm finished requeueing), "cancelled" (scancel: CANCELLED, or COMPLETING with Restarts unchanged),
-    "running" (a time-limit warning, or a preemption in its grace time: we requeue), "unknown"."""
+    Slurm finished requeueing), "cancelled" (scancel: CANCELLED, or COMPLETING with Restarts unchanged
+    and not for the time limit), "running" (a time-limit warning, the time limit itself, or a preemption
+    in its grace time: we requeue), "unknown"."""
     fields = parse_key_values(text)
     state, restarts = fields.get("JobState"), fields.get("Restarts", "")
     if state is None or not restarts.isdigit():
         return "unknown"
     if int(restarts) > restart_count:
         return "requeued"
+    if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
+        return "running"  # the limit came during the stop: a finished job can still be requeued
     if state in ("CANCELLED", "COMPLETING"):
         return "cancelled"
     return "running"

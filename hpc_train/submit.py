@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from hpc_train.config import CONF_DIR, RunConfig, compose_trials, expand_sweep
-from hpc_train.metrics import EVENTS, read_jsonl
+from hpc_train.metrics import read_events
 from hpc_train.sbatch import ClusterConfig, check_syntax, make_executor, render, validate_live
 
 MANIFEST = "sweep.json"
@@ -214,7 +214,7 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
     written = time.time()
     queued = _queued_tasks(job_name)
     started = {i for i in array.trials
-               if any(e["event"] == "start" for e in read_jsonl(Path(p.trials[i].run_dir) / EVENTS))}
+               if any(e["event"] == "start" for e in read_events(Path(p.trials[i].run_dir)))}
     # A task that gave up on its pickle just before it was written dies within seconds: look again 10 s
     # after writing when a task still waiting may have been queued that long (Slurm's start <= python's).
     if any(queued.get(p.trials[i].job_id, written) <= written - SUBMITIT_PICKLE_WAIT_S + 10

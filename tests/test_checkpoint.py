@@ -187,7 +187,9 @@ def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path
     for step, reason in [(10, "periodic"), (20, "periodic"), (23, "stop"), (30, "periodic"), (33, "stop"),
                          (40, "periodic"), (50, "periodic")]:
         step_dir(root, step).mkdir(parents=True)
-        (step_dir(root, step) / MARKER).write_text(json.dumps({"step": step, "reason": reason, "files": {}}))
+        files = {n: {"bytes": 0, "sha256": ""} for n in (".metadata", "rank_00000.pt")}
+        (step_dir(root, step) / MARKER).write_text(json.dumps({"step": step, "reason": reason, "world_size": 1,
+                                                               "files": files}))
     step_dir(root, 45).mkdir()  # torn, older than the anchor
     step_dir(root, 55).mkdir()  # maybe still being written: left alone
     cfg = CheckpointConfig(keep_last=2, keep_every_steps=20)
@@ -284,3 +286,64 @@ def test_first_stop_of_an_attempt_is_judged_by_earlier_attempts_writes(tmp_path:
     assert second.step_end(state, last_step=60) is True
     skipped = [e for e in read_events(tmp_path) if e["event"] == "stop_save_skipped"]
     assert [(e["step"], e["expected_save_s"]) for e in skipped] == [(6, 100.0)] and skipped[0]["left_s"] <= 30
+
+
+@pytest.mark.parametrize("damage", [
+    {"files": {"x": 5}},  # entries of another shape
+    {"files": {"../outside": {"bytes": 1, "sha256": "0"}, ".metadata": {"bytes": 1, "sha256": "0"},
+               "rank_00000.pt": {"bytes": 1, "sha256": "0"}}, "world_size": 1},  # a file outside the folder
+    {"files": {".metadata": {"bytes": 1, "sha256": "0"}, "rank_00000.pt": {"bytes": 1, "sha256": "0"}},
+     "world_size": "1"},  # world size as a string
+    {"files": {}, "world_size": 1},  # nothing listed: would "verify" and then fail to load
+    {"files": {".": {"bytes": 1, "sha256": "0"}, "rank_00000.pt": {"bytes": 1, "sha256": "0"}}, "world_size": 1},
+])
+def test_a_valid_json_manifest_of_the_wrong_shape_is_skipped(tmp_path: Path, damage: dict) -> None:
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=3), make_state()
+    save_at(saver, state, 10)
+    save_at(saver, state, 20)
+    (step_dir(tmp_path / "checkpoints", 20) / MARKER).write_text(json.dumps({"step": 20, **damage}))
+    assert make_saver(tmp_path, events).resume(make_state())[0].name == "step_000010"
+    assert [e["reason"] for e in events if e["event"] == "checkpoint_skipped"] == ["step_000020: unreadable COMMITTED"]
+
+
+def test_a_file_where_a_step_folder_goes_is_replaced(tmp_path: Path) -> None:
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    (tmp_path / "checkpoints").mkdir()
+    step_dir(tmp_path / "checkpoints", 20).write_text("a stray file")
+    save_at(saver, state, 20)
+    assert [(e["event"], e["step"]) for e in events] == [("checkpoint_committed", 20)]
+
+
+def test_failed_writes_are_abandoned_and_training_goes_on(tmp_path: Path) -> None:
+    """Writes fail as on a full disk (RLIMIT_FSIZE: EFBIG past 1 KiB), in the background and in a
+    synchronous save: each save is given up on (`checkpoint_abandoned`, never committed) and the next
+    one commits once writes work again. DCP raises a CheckpointException, a BaseException: it used to
+    escape every handler (no fail event, no requeue decision, a traceback)."""
+    import resource
+    import signal
+
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    saver.writer = Writer()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel's SIGXFSZ ends the process
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+        state.step = 1
+        saver.periodic(state)
+        saver.pending.future.exception()  # the background write has failed
+        state.step = 2
+        saver.save(state, "stop", background=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    state.step = 3
+    saver.periodic(state)
+    saver.final(TrainState(state.model, state.optimizer, step=4))
+    kinds = [(e["event"], e["step"]) for e in events if e["event"] != "checkpoint_deleted"]
+    assert kinds == [("checkpoint_abandoned", 1), ("checkpoint_abandoned", 2), ("checkpoint_committed", 3),
+                     ("checkpoint_committed", 4)]
+    assert "File too large" in next(e["error"] for e in events if e["event"] == "checkpoint_abandoned")
+    assert make_saver(tmp_path, []).resume(make_state())[0].name == "step_000004"

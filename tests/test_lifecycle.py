@@ -23,6 +23,8 @@ def test_job_fate_from_scontrol_captures() -> None:
     assert parse_fate(REQUEUED, restart_count=0) == "requeued"  # scontrol requeue / node failure: Slurm did it
     assert parse_fate(CANCELLED, restart_count=1) == "cancelled"
     assert parse_fate(RUNNING.replace("RUNNING", "COMPLETING"), restart_count=0) == "cancelled"
+    # the time limit struck during the stop save: COMPLETING too, but nobody cancelled (Slurm can requeue it)
+    assert parse_fate(RUNNING.replace("RUNNING", "COMPLETING").replace("Reason=None", "Reason=TimeLimit"), 0) == "running"
     assert parse_fate("slurm_load_jobs error: Invalid job id specified", restart_count=0) == "unknown"
 
 
@@ -107,8 +109,11 @@ def test_decide_random_histories(seed: int) -> None:
                 more += 1
             used = preempt.failures_in_a_row(events) if reason == "failure" else preempt.requeues_counted(events, reason)
             assert more == max(0, limit - used)
-    assert preempt.local_fate(events + [ev("cancel")]) == "cancelled"
-    assert preempt.local_fate(events + [ev("cancel"), ev("requeue", reason="preempt")]) == "running"
+    last = max((e.get("restart", 0) for e in events if e["event"] == "requeue"), default=0)
+    assert preempt.local_fate(events + [ev("cancel", restart=last)]) == "cancelled"
+    # a cancel that raced its own attempt's requeue still counts; a later attempt's requeue supersedes it
+    assert preempt.local_fate(events + [ev("cancel", restart=last + 1), ev("requeue", restart=last + 1)]) == "cancelled"
+    assert preempt.local_fate(events + [ev("cancel", restart=last + 1), ev("requeue", restart=last + 2)]) == "running"
 
 
 def random_folders(rng: random.Random, n: int) -> dict[int, str | None]:
