@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,14 @@ def slurm_env() -> dict[str, str]:
     yield test_cluster.client_env()
     if started and not os.environ.get("HPC_TRAIN_KEEP_CLUSTER"):
         test_cluster.down()
+
+
+@pytest.fixture()
+def no_node_left_drained(slurm_env: dict[str, str]):
+    """After the test: no node drained, down or failed (a test that takes a node away puts it back)."""
+    yield
+    states = run(["sinfo", "-h", "-N", "-o", "%N %t"], env=slurm_env).stdout
+    assert not re.search(r"drain|down|fail", states), states
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, timeout_s: float = 120, **kw: Any) -> subprocess.CompletedProcess:

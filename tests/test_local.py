@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 import torch

@@ -4,7 +4,6 @@ submit recorded (start time and boot id), and a cancel stops the run at a checkp
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 

@@ -4,7 +4,6 @@ first second of a task, no `scontrol` inside the job, a node failure Slurm reque
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,7 @@ import pytest
 from conftest import (HPC_TRAIN, RUN_ARGS, high_job_preempting, read_events, run, sacct_state, submit,
                       wait_finished, wait_until)
 
-pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(autouse=True)
-def no_node_left_down(slurm_env: dict[str, str]):
-    yield
-    states = run(["sinfo", "-h", "-N", "-o", "%N %t"], env=slurm_env).stdout
-    assert not re.search(r"drain|down|fail", states), states
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]
 
 
 def test_usr2_in_the_first_second_of_a_task_is_recorded_saved_and_budgeted(slurm_env: dict[str, str], tmp_path: Path,

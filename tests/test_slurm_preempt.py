@@ -4,7 +4,6 @@ uninterrupted reference bit for bit, and no node may be left drained."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,7 @@ import pytest
 from conftest import (HPC_TRAIN, RUN_ARGS, high_job_preempting, interrupted_run, read_events, run, sacct_state,
                       submit, wait_until)
 
-pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(autouse=True)
-def no_node_left_drained(slurm_env: dict[str, str]):
-    yield
-    states = run(["sinfo", "-h", "-N", "-o", "%N %t"], env=slurm_env).stdout
-    assert not re.search(r"drain|down|fail", states), states
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]
 
 
 def starts(events: list[dict]) -> list[int]:
