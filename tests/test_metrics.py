@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from hpc_train.metrics import EVENTS, METRICS, append_jsonl, lead_warning, read_jsonl
+from hpc_train.metrics import append_jsonl, lead_warning, log_event, read_events, read_jsonl
+from hpc_train.paths import RunPaths
 
 
 def test_signal_lead_warning_names_measurements_and_the_value_to_use(tmp_path: Path) -> None:
-    append_jsonl(tmp_path / EVENTS, {"event": "checkpoint_committed", "save_s": 41.2})
-    append_jsonl(tmp_path / EVENTS, {"event": "checkpoint_committed", "save_s": 12.0})
-    append_jsonl(tmp_path / METRICS, {"step": 10, "step_time_s": 3.1})
+    log_event(tmp_path, "checkpoint_committed", 20, "1", 0, save_s=41.2)
+    log_event(tmp_path, "checkpoint_committed", 40, "1", 0, save_s=12.0)
+    append_jsonl(RunPaths(tmp_path).metrics, {"time": 1.0, "step": 10, "step_time_s": 3.1})
     assert lead_warning([tmp_path], 120) == ""  # 41.2 + 3.1 + 60 = 104.3 fits
     assert lead_warning([tmp_path], 90) == (
         "cluster.signal_lead_s=90 is shorter than measured: the slowest save took 41.2 s and the slowest step "
@@ -19,7 +21,20 @@ def test_signal_lead_warning_names_measurements_and_the_value_to_use(tmp_path: P
 
 
 def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
-    append_jsonl(tmp_path / EVENTS, {"event": "start"})
-    with open(tmp_path / EVENTS, "a") as f:
+    events = RunPaths(tmp_path).events
+    append_jsonl(events, {"event": "start"})
+    with open(events, "a") as f:
         f.write('{"event": "sig')  # the writer was killed mid-line
-    assert read_jsonl(tmp_path / EVENTS) == [{"event": "start"}]
+    assert read_jsonl(events) == [{"event": "start"}]
+
+
+def test_lines_of_another_shape_are_skipped_by_every_reader(tmp_path: Path) -> None:
+    """Someone edited events.jsonl: a list, an empty object, a string step. The decisions and `status`
+    index e["event"], e["time"], e["step"]; those lines are left out rather than crash them."""
+    log_event(tmp_path, "start", 0, "1", 0)
+    with open(RunPaths(tmp_path).events, "a") as f:
+        for odd in ([1, 2], {}, {"event": "requeue"}, {"event": "requeue", "time": 1.0, "step": "7"}, "text"):
+            f.write(json.dumps(odd) + "\n")
+    log_event(tmp_path, "finish", 60, "1", 0)
+    assert [e["event"] for e in read_events(tmp_path)] == ["start", "finish"]
+    assert len(read_jsonl(RunPaths(tmp_path).events)) == 5  # the dicts; read_events keeps the well-formed ones
