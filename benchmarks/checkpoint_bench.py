@@ -5,8 +5,8 @@
 
 Prints (never asserts):
   - dd: bytes written with `dd if=/dev/zero bs=16M conv=fsync`, MB/s
-  - synchronous save (hpc_train.checkpoint.start_save + commit: DCP files fsynced, manifest with
-    sha256, COMMITTED marker): MB/s and the ratio to dd (target >= 0.8)
+  - synchronous save (hpc_train.checkpoint.start_save + commit: DCP files fsynced, each rank's sha256
+    of what it wrote, COMMITTED marker): MB/s and the ratio to dd (target >= 0.8)
   - async save: how long the training loop is blocked (copy to host memory) / synchronous save time
     (target <= 0.1)
 One process, world size 1, gloo; model and optimizer state sizes are printed.
@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from hpc_train import checkpoint
-from hpc_train.config import CheckpointConfig
 
 
 def main() -> None:
@@ -44,8 +43,7 @@ def main() -> None:
     model(torch.randn(2, 4096)).sum().backward()
     opt.step()  # materialise exp_avg / exp_avg_sq
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-    extra = {"step": torch.tensor(1), "rng": torch.get_rng_state()}
-    cfg = CheckpointConfig(keep_last=1)
+    state = checkpoint.TrainState(model, opt, step=1)
     mb = state_bytes / 1e6
 
     dd_file = root / "dd.bin"
@@ -56,13 +54,15 @@ def main() -> None:
     dd_file.unlink()
 
     def save(step: int, background: bool) -> tuple[float, float]:
-        pending = checkpoint.start_save(root / "ckpt", step, model, opt, extra, "periodic",
-                                        writer if background else None)
+        state.step = step
+        pending = checkpoint.start_save(root / "ckpt", state, "periodic", writer if background else None,
+                                        root / "drills", False)
         stall = pending.stall_s
-        total = checkpoint.commit(pending, root / "ckpt", cfg)
-        return stall, total
+        why, _ = checkpoint.commit(pending)
+        assert not why, why
+        return stall, time.monotonic() - pending.started
 
-    writer = checkpoint.background_writer()
+    writer = checkpoint.Writer()
     save(0, False)  # warm-up: first DCP call plans and imports
     sync = [save(s, False)[1] for s in (1, 2, 3)]
     asyn = [save(s, True) for s in (4, 5, 6, 7)][1:]  # the first one allocates the reused host buffers

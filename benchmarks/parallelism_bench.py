@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 from hpc_train import data
 from hpc_train.config import DataConfig, ModelConfig, TrainConfig
 from hpc_train.model import GPT
-from hpc_train.train import clip_grad_norm, device_and_mesh, parallelize, peak_memory_mb
+from hpc_train.attempt import device_and_mesh
+from hpc_train.train import clip_grad_norm, parallelize, peak_memory_mb
 
 WORLD, STEPS, GLOBAL_BATCH = 4, 30, 16
 SMALL = ModelConfig(seq_len=128, d_model=256, n_layers=4, n_heads=8)
