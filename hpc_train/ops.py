@@ -245,7 +245,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
         since = f"{r['since_last_event_s']:.0f} s ago" if r["since_last_event_s"] is not None else "-"
         counts = ["-" if r[k] is None else str(r[k]) for k in ("attempts", "restarts")]  # None: unreadable
         table.add_row(r["run"], r["job_id"], r["state"], *counts, step,
-                      f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", r["mfu"] or "n/a",
+                      f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
+                      f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
                       f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since, "; ".join(r["warnings"]))
     Console(width=220).print(table)
 

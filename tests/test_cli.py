@@ -75,3 +75,20 @@ def test_users_config_dir_adds_options(tmp_path: Path) -> None:
     proc = run([HPC_TRAIN, "submit", "--config-dir", str(tmp_path), "--cfg", "job", "cluster=mysite"])
     assert proc.returncode == 0, proc.stderr
     assert "partition: gpu" in proc.stdout and "nodes: 3" in proc.stdout and "d_model: 64" in proc.stdout
+
+
+def test_status_shows_a_numeric_mfu(tmp_path: Path) -> None:
+    """A GPU run's metrics carry a float MFU; rich cannot render a float, and `status` crashed on it."""
+    import json
+
+    from hpc_train.metrics import append_jsonl, log_event
+
+    run_dir = tmp_path / "gpu-1"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("cluster: {executor: local, signal_lead_s: 120}\ntrain: {steps: 60}\n"
+                                         "requeue: {max_failures: 2}\n")
+    (run_dir / "submission.json").write_text(json.dumps({"executor": "local", "job_id": ""}))
+    log_event(run_dir, "start", 0, "1", 0)
+    append_jsonl(run_dir / "metrics.jsonl", {"time": 1.0, "step": 10, "tokens_per_s": 1e6, "mfu": 0.4213})
+    out = run([HPC_TRAIN, "status", str(run_dir)])
+    assert out.returncode == 0 and "42.1%" in out.stdout, out.stdout + out.stderr
