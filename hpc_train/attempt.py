@@ -186,8 +186,10 @@ class Attempt:
             self.saver.final(state)
         step = state.step if state is not None else max(self.saver.verified, default=0)
         self.finished = {"final_step": step, **summary}
-        if self.env.rank == 0:
-            self.paths.summary.write_text(json.dumps(self.finished, indent=1, default=str) + "\n")
+        if self.env.rank == 0:  # whole or absent: readers poll for it
+            tmp = self.paths.summary.with_name("summary.json.tmp")
+            tmp.write_text(json.dumps(self.finished, indent=1, default=str) + "\n")
+            os.replace(tmp, self.paths.summary)
         self.event("finish", step, **self.finished)
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()
