@@ -41,7 +41,18 @@ def test_no_scontrol_inside_the_job(slurm_env: dict[str, str], tmp_path: Path, r
     must not raise: a warning saves, records `requeue_failed` with the reason and ends the job cleanly;
     a preemption still comes back and finishes bit-exact."""
     no_clients = ["cluster.launcher=[env,'PATH=/nonexistent']"]
-    warned, warned_id = submit([*RUN_ARGS, *no_clients, f"out_dir={tmp_path}", "name=warned"], env=slurm_env)
+    # A preemption: our requeue fails, so the ranks wait for Slurm to kill the job at the end of its
+    # GraceTime (30 s on `low`), which requeues it; had they exited, the job would have ended FAILED.
+    preempted, preempted_id = submit([*RUN_ARGS, *no_clients, f"out_dir={tmp_path}", "name=preempted"], env=slurm_env)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(preempted)), 120, "a checkpoint")
+    nodes = ",".join(next(e for e in read_events(preempted) if e["event"] == "start")["nodes"])
+    high_job_preempting(slurm_env, [], nodes=nodes)(preempted_id)
+    wait_until(lambda: any(e["event"] == "requeue_failed" for e in read_events(preempted)), 120, "the failed requeue")
+
+    # Meanwhile, on the two other nodes (`debug`: nothing preempts it), a time-limit warning: it saves,
+    # records `requeue_failed` with the reason and ends the job, no traceback.
+    warned, warned_id = submit([*RUN_ARGS, *no_clients, "cluster.partition=debug", f"out_dir={tmp_path}", "name=warned"],
+                               env=slurm_env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(warned)), 120, "a checkpoint")
     assert run(["scancel", "--signal=USR2", warned_id], env=slurm_env).returncode == 0
     wait_until(lambda: sacct_state(warned_id, slurm_env) in ("FAILED", "COMPLETED"), 120, "the warned job to end")
@@ -54,12 +65,6 @@ def test_no_scontrol_inside_the_job(slurm_env: dict[str, str], tmp_path: Path, r
     log = "".join(p.read_text() for p in (warned / "submitit").glob("*_log.out"))
     assert "requeue failed:" in log and "Traceback" not in log
 
-    # A preemption: our requeue fails too, so the ranks wait for Slurm to kill the job at the end of its
-    # GraceTime (30 s on `low`), which requeues it; had they exited, the job would have ended FAILED.
-    preempted, preempted_id = submit([*RUN_ARGS, *no_clients, f"out_dir={tmp_path}", "name=preempted"], env=slurm_env)
-    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(preempted)), 120, "a checkpoint")
-    nodes = ",".join(next(e for e in read_events(preempted) if e["event"] == "start")["nodes"])
-    high_job_preempting(slurm_env, [], nodes=nodes)(preempted_id)
     summary = wait_finished(preempted, preempted_id, slurm_env, timeout_s=300)
     assert summary["params_sha256"] == reference["params_sha256"]
     events = read_events(preempted)
