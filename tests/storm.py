@@ -83,8 +83,9 @@ def run_storm(env: dict[str, str], out: Path, seed: int, n_faults: int, steps: i
     rng = random.Random(seed)
     faults = sequence(rng, n_faults)
     say(f"storm seed {seed}: {' '.join(faults)}")
-    # The uninterrupted reference runs beside the storm, in `debug`, which nothing preempts.
+    # The uninterrupted reference runs first: beside the storm it would share nodes the `high` job must take.
     ref_dir, _ = submit([*train_args(steps), "cluster.partition=debug", f"out_dir={out}", "name=ref"], env=env)
+    wait_until(lambda: (ref_dir / "summary.json").exists(), 600, "the storm's uninterrupted reference")
     trigger = out / "storm-1" / "drills" / "scontrol_fail_once"
     run_dir, job_id = submit([*train_args(steps), f"out_dir={out}", "name=storm",
                               f"cluster.setup=['export PATH={FAULT_BIN}:$PATH']",
@@ -135,7 +136,6 @@ def run_storm(env: dict[str, str], out: Path, seed: int, n_faults: int, steps: i
             test_cluster.reconfigure()
         last = time.time()
     chaos("slow-storage", "--seconds", "0")
-    wait_until(lambda: (ref_dir / "summary.json").exists(), 300, "the storm's uninterrupted reference")
     storm.reference = json.loads((ref_dir / "summary.json").read_text())
     wait_until(lambda: (run_dir / "summary.json").exists() or
                any(e["event"] == "stopped" for e in read_events(run_dir)), 300, "the storm run to finish")
