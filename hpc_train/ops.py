@@ -319,7 +319,7 @@ DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint")  # file
 def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
     """Inject a fault into a running job (or arm a drill the job fires) and record it in events.jsonl."""
     from hpc_train import slurm
-    from hpc_train.paths import RunPaths, read_marker, step_folders
+    from hpc_train.paths import RunPaths, read_marker, step_dir, step_folders
 
     if action not in CHAOS:
         raise ValueError(f"chaos action {action!r}: use one of {list(CHAOS)}")
@@ -353,7 +353,7 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
             raise ValueError(f"{run.label} has no committed checkpoint to corrupt yet")
         step, marker = committed[-1]
         name = max(marker["files"], key=lambda n: marker["files"][n]["bytes"])
-        target = paths.checkpoints / f"step_{step:06d}" / name
+        target = step_dir(paths.checkpoints, step) / name
         with open(target, "r+b") as f:  # same size, one byte changed: only the checksum can tell
             f.seek(marker["files"][name]["bytes"] // 2)
             byte = f.read(1)
