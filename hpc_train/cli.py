@@ -1,5 +1,6 @@
 """`hpc-train` command line. Argument parsing only; every import is lazy and none reaches torch.
 
+    hpc-train init                                            # ./conf: the starter configs, yours to edit
     hpc-train submit                                          # demo: 2 ranks on this machine, waits
     hpc-train submit cluster=dev train.steps=200              # 2 nodes x 2 ranks on the test cluster
     hpc-train submit -m cluster=dev train.lr=1e-3,3e-3 cluster.nodes=1,2   # 4 trials as 2 job arrays
@@ -53,19 +54,36 @@ def _print_table(p: object) -> None:
     Console(width=200).print(table)
 
 
-def _submit(args: argparse.Namespace) -> int:
-    from hpc_train.config import CONF_DIR, compose, explain
+def _init(args: argparse.Namespace) -> int:
+    import shutil
 
-    config_dir = CONF_DIR
-    if args.config_dir:  # searched after conf/: add options (cluster/mysite.yaml) without copying ours
-        args.overrides.insert(0, f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
+    from hpc_train.config import CONF_DIR
+
+    target = Path(args.dir) / "conf"
+    if target.exists():
+        raise ValueError(f"{target} exists already; init never overwrites a config. Edit it, or move it away "
+                         f"and run hpc-train init again for a fresh copy")
+    shutil.copytree(CONF_DIR, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    groups = sorted(d.name for d in target.iterdir() if d.is_dir())
+    where = "" if Path(args.dir).resolve() == Path.cwd() else f"cd {args.dir} && "
+    print(f"wrote {target}/: config.yaml and the groups {', '.join(groups)}\n"
+          f"hpc-train submit run in {Path(args.dir).resolve()} now composes from it. Describe your cluster in "
+          f"{target}/cluster/example_site.yaml, then: {where}hpc-train submit --cfg job cluster=example_site")
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from hpc_train.config import ConfigSource, compose, explain, expand_sweep
+
     try:
+        source = ConfigSource.find(args.config_path, args.config_name, args.config_dir)
         if args.cfg:
             from omegaconf import OmegaConf
 
             from hpc_train.config import to_run_config
 
-            cfg = compose(args.overrides, config_dir)
+            expand_sweep(args.overrides, multirun=False)  # a sweep value: say "add -m" (Hydra: "Ambiguous value")
+            cfg = compose(args.overrides, source)
             to_run_config(cfg)
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
@@ -73,7 +91,7 @@ def _submit(args: argparse.Namespace) -> int:
 
         from hpc_train.metrics import lead_warning
 
-        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, config_dir)
+        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source)
         slurm_run = p.runs[0].cluster.executor == "slurm"
         warning = slurm_run and lead_warning(submit.previous_runs(p), p.runs[0].cluster.signal_lead_s)
         if warning:
@@ -232,17 +250,37 @@ class _progress:
             self.bar.stop()
 
 
+class _Version(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from hpc_train.provenance import describe
+
+        print(describe())
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpc-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version, where it is installed "
+                                                                     "and its git commit, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("init", help="copy the starter configs into ./conf (or DIR/conf), where submit finds them")
+    p.add_argument("dir", nargs="?", default=".", help="the folder to hold conf/ (default: this one)")
+    p.set_defaults(func=_init)
     p = sub.add_parser("submit", help="compose a config, freeze run directories and submit")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. cluster=dev train.steps=200")
     p.add_argument("-m", "--multirun", action="store_true", help="expand sweeps (a=1,2 range() choice()) into trials")
     p.add_argument("--dry-run", action="store_true", help="print each array's batch script and each trial's config")
     p.add_argument("--sweep-dir", type=Path, help="an existing sweep directory: submit only its missing trials")
     p.add_argument("--max-parallel", type=int, help="at most this many tasks of an array run at once (%%N)")
-    p.add_argument("--config-dir", help="your own config dir, searched too: e.g. DIR/cluster/mysite.yaml")
+    # Hydra's three flags, with Hydra's meaning (hydra/_internal/utils.py): -cp replaces the primary config
+    # directory, -cn picks its file, -cd adds a directory searched after it.
+    p.add_argument("-cp", "--config-path", help="the primary config directory (default: ./conf if this folder "
+                                                "has one, else the package's; `hpc-train init` writes ./conf)")
+    p.add_argument("-cn", "--config-name", help="the primary config file in it, without .yaml (default: config)")
+    p.add_argument("-cd", "--config-dir", action="append", default=[],
+                   help="a directory searched after the primary one: add options (DIR/cluster/mysite.yaml) "
+                        "without copying the rest; may be repeated")
     p.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_submit)

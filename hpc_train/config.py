@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_train import shipped_dir
 from hpc_train.sbatch import ClusterConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(shipped_dir("conf"))  # the starter configs; `hpc-train init` copies them to ./conf
 
 
 @dataclass
@@ -190,21 +191,46 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 
-def compose(overrides: list[str], config_dir: Path = CONF_DIR) -> Any:
-    """Compose conf/config.yaml with Hydra overrides; returns the DictConfig, typed by RunConfig."""
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a config is composed from, as in Hydra: the primary config directory (--config-path; else
+    ./conf when the current folder has one; else the package's) and file (--config-name), then
+    directories searched after it (--config-dir: add options such as cluster/mysite.yaml, copy nothing)."""
+    dir: Path = CONF_DIR
+    name: str = "config"
+    extra: tuple[Path, ...] = ()
+
+    @staticmethod
+    def find(config_path: str | None = None, config_name: str | None = None,
+             config_dirs: list[str] | tuple[str, ...] = ()) -> "ConfigSource":
+        primary = Path(config_path) if config_path else Path("conf") if Path("conf").is_dir() else CONF_DIR
+        for d in (primary, *map(Path, config_dirs)):
+            if not d.is_dir():
+                raise ValueError(f"config directory {str(d)!r} does not exist; give a folder holding config.yaml "
+                                 f"and groups such as cluster/ (hpc-train init writes one to ./conf)")
+        return ConfigSource(primary.resolve(), config_name or "config", tuple(Path(d).resolve() for d in config_dirs))
+
+    def is_group(self, key: str) -> bool:
+        return any((d / key).is_dir() for d in (self.dir, *self.extra))
+
+
+def compose(overrides: list[str], source: ConfigSource = ConfigSource()) -> Any:
+    """Compose the source's primary config with Hydra overrides; returns the DictConfig, typed by RunConfig."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register_schema()
-    with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
+    if source.extra:  # Hydra's --config-dir: searched after the primary directory
+        overrides = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in source.extra)}]", *overrides]
+    with initialize_config_dir(config_dir=str(source.dir), version_base=None):
+        return hydra_compose(config_name=source.name, overrides=overrides)
 
 
-def expand_sweep(overrides: list[str]) -> list[list[str]]:
+def expand_sweep(overrides: list[str], multirun: bool = True) -> list[list[str]]:
     """Hydra's sweep grammar -> one override list per trial, in Hydra's order (last key varies fastest).
 
     `a=1,2`, `a=range(0,10,2)`, `a=choice(x,y)` and config-group sweeps (`model=tiny,small`) expand;
-    everything else is passed through to every trial.
+    everything else is passed through to every trial. Without multirun a sweep is refused: add -m.
     """
     import itertools
 
@@ -212,6 +238,10 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
 
     axes = []
     for o in OverridesParser.create().parse_overrides(overrides):
+        if o.is_sweep_override() and not multirun:
+            raise ValueError(f"{o.input_line!r} gives several values, a sweep: add -m to run one trial per value "
+                             f"(hpc-train submit -m ... {o.input_line}), or write one value; a list value is "
+                             f"written [a,b], a string with a comma is quoted")
         if o.is_sweep_override():
             if o.is_interval_sweep():
                 raise ValueError(f"{o.input_line!r}: interval() needs an optimizing sweeper; list the values, "
@@ -222,7 +252,8 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(trial) for trial in itertools.product(*axes)]
 
 
-def compose_trials(trials: list[list[str]], config_dir: Path = CONF_DIR) -> list[tuple[dict[str, Any], RunConfig]]:
+def compose_trials(trials: list[list[str]],
+                   source: ConfigSource = ConfigSource()) -> list[tuple[dict[str, Any], RunConfig]]:
     """(resolved config as plain dicts, its validated RunConfig) per trial.
 
     Hydra's compose costs ~50 ms, 53 s for 1,000 trials. So compose once per distinct set of
@@ -241,16 +272,16 @@ def compose_trials(trials: list[list[str]], config_dir: Path = CONF_DIR) -> list
     for trial in trials:
         parsed = parser.parse_overrides(trial)
         fast = [o for o in parsed if o.type.name == "CHANGE" and o.package is None and "${" not in o.input_line
-                and not o.key_or_group.startswith("hydra.") and not (config_dir / o.key_or_group).is_dir()]
+                and not o.key_or_group.startswith("hydra.") and not source.is_group(o.key_or_group)]
         structural = tuple(o.input_line for o in parsed if o not in fast)
         if structural not in bases:
-            cfg = compose(list(structural), config_dir)
+            cfg = compose(list(structural), source)
             raw = OmegaConf.to_container(cfg, resolve=False)
             node_refs = re.search(r"\$\{(?!oc\.env:)", str(raw)) is not None
             bases[structural] = (OmegaConf.to_container(cfg, resolve=True), node_refs)  # type: ignore[assignment]
         base, node_refs = bases[structural]
         if node_refs and fast:
-            cfg = compose(trial, config_dir)
+            cfg = compose(trial, source)
             resolved = OmegaConf.to_container(cfg, resolve=True)
         else:
             resolved = copy.deepcopy(base)
@@ -260,18 +291,32 @@ def compose_trials(trials: list[list[str]], config_dir: Path = CONF_DIR) -> list
     return out
 
 
+def _nearest(word: str, options: Any) -> str | None:
+    import difflib
+
+    near = difflib.get_close_matches(word, [str(o) for o in options], n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def did_you_mean(key: str, part: int, options: Any) -> str:
+    """"\ndid you mean train.steps?" for key "trian.steps" whose part 0 is not among options; "" if none is near."""
+    parts = key.split(".")
+    near = _nearest(parts[part], options)
+    return f"\ndid you mean {'.'.join([*parts[:part], near, *parts[part + 1:]])}?" if near else ""
+
+
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
     node = tree
     for i, part in enumerate(parents):
         if not isinstance(node.get(part), dict):
             raise ValueError(f"Could not override '{key}': '{'.'.join(parents[:i + 1])}' is not a config group "
-                             f"or section")
+                             f"or section{did_you_mean(key, i, [k for k, v in node.items() if isinstance(v, dict)])}")
         node = node[part]
     if leaf not in node:
         where = ".".join(parents) or "the top level"
         raise ValueError(f"Could not override '{key}': no key '{leaf}'\nvalid keys under {where}: "
-                         f"{', '.join(node)}")
+                         f"{', '.join(node)}{did_you_mean(key, len(parents), node)}")
     node[leaf] = value
 
 
@@ -285,7 +330,8 @@ def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
     for key in data:
         if key not in names:
             raise ValueError(f"Key '{path}{key}' is not in {cls.__name__}\n"
-                             f"valid keys under {path.rstrip('.') or 'the top level'}: {', '.join(names)}")
+                             f"valid keys under {path.rstrip('.') or 'the top level'}: {', '.join(names)}"
+                             f"{did_you_mean(path + key, path.count('.'), names)}")
     kwargs = {}
     for key, value in data.items():
         hint = hints[key]
@@ -331,13 +377,19 @@ def load_frozen(run_dir: Path) -> RunConfig:
 
 
 def explain(error: Exception) -> str:
-    """Hydra/OmegaConf's message and its cause; for an unknown key, the valid keys beside it."""
+    """Hydra/OmegaConf's message and its cause; for an unknown key, the valid keys beside it; for a
+    misspelled key or group option, the nearest one."""
     from dataclasses import fields, is_dataclass
 
     lines = [line for line in str(error).splitlines() if not line.startswith("To append to your config")]
     cause = error.__cause__
     if cause is not None:
         lines.append(str(cause))
+    missing = getattr(error, "missing_cfg_file", None) or ""  # Hydra's MissingConfigException: "cluster/devv"
+    if getattr(error, "options", None) and "/" in missing:
+        group, _, option = missing.rpartition("/")
+        near = _nearest(option, error.options)  # type: ignore[attr-defined]
+        lines.append(f"did you mean {group.replace('/', '.')}={near}?" if near else "")
     full_key = getattr(cause, "full_key", None) or ""
     if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError") and full_key:
         node: Any = RunConfig
@@ -349,5 +401,8 @@ def explain(error: Exception) -> str:
                 break
         if is_dataclass(node):
             where = ".".join(parents) or "the top level"
-            lines.append(f"valid keys under {where}: {', '.join(f.name for f in fields(node))}")
-    return "\n".join(lines)
+            names = [f.name for f in fields(node)]
+            overridden = re.search(r"Could not override '([^']+)'", str(error))  # the whole key: trian.steps
+            key = overridden.group(1) if overridden else full_key
+            lines.append(f"valid keys under {where}: {', '.join(names)}{did_you_mean(key, len(parents), names)}")
+    return "\n".join(line for line in lines if line)

@@ -19,6 +19,7 @@ An attempt, from process start to exit (docs/lifecycle.md draws it):
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import time
@@ -231,6 +232,13 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
 
     cfg = load_frozen(paths.run_dir)
     phases_s["imports"] = time.time() - t0
+    if env.local_rank == 0 and paths.code.exists():  # one task per node: each node may have its own install
+        from hpc_train.provenance import differences
+
+        changed = differences(json.loads(paths.code.read_text()))
+        if changed:
+            log_event(paths.run_dir, "code_changed", -1, env.job_id, env.restart_count, rank=env.rank, detail=changed)
+            print(f"[hpc_train] warning: {changed}", file=sys.stderr, flush=True)
     if env.executor == "local" and preempt.local_fate(read_events(paths.run_dir)) == "cancelled":
         if env.rank == 0:  # `hpc-train cancel` came between two attempts
             log_event(paths.run_dir, "stopped", -1, env.job_id, env.restart_count, reason="cancelled before this attempt started")

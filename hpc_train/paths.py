@@ -4,6 +4,7 @@ node (submit, status, report) and the job read and write the same names through 
     runs/demo-1/
         config.yaml       the resolved config, frozen at submit; attempts re-read it, never recompose
         submission.json   executor, job id, overrides (local runs: the controller's pid and start time)
+        code.json         which code validated it (version, package path, git commit); code.diff beside it
         submitit/         submitit's pickles and the per-task logs <job>_<task>_log.out
         checkpoints/      step_NNNNNN/ folders; only those with COMMITTED count
         events.jsonl      what happened, every attempt (docs/lifecycle.md lists the events)
@@ -36,6 +37,10 @@ class RunPaths:
     @property
     def submission(self) -> Path:
         return self.run_dir / "submission.json"
+
+    @property
+    def code(self) -> Path:
+        return self.run_dir / "code.json"
 
     @property
     def submitit(self) -> Path:

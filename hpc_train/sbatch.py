@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_train import shipped_dir
+
 EXECUTORS = ("local", "slurm")
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "sbatch_templates"
+TEMPLATES_DIR = Path(shipped_dir("sbatch_templates"))
 SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -140,8 +142,11 @@ def python_command(cluster: ClusterConfig) -> str:
 
 def entry_command(python: str, folder: Path) -> str:
     """What every task runs: our entry (start.py) installs the stop-signal handlers before any import,
-    then runs submitit's pickle; submitit's own entry would install its handlers instead."""
-    return f"{python} -u -m hpc_train.start {shlex.quote(str(folder))}"
+    then runs submitit's pickle; submitit's own entry would install its handlers instead. By its path,
+    not `-m hpc_train.start`: -m puts the cwd (the submit folder) first on sys.path, where a ./hpc_train
+    would shadow the package that validated the run; start.py imports the package beside it."""
+    start = Path(__file__).resolve().parent / "start.py"
+    return f"{python} -u {shlex.quote(str(start))} {shlex.quote(str(folder))}"
 
 
 def render(cluster: ClusterConfig, job_name: str, folder: Path, array_size: int | None = None,

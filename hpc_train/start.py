@@ -1,6 +1,6 @@
 """The first Python of every task, in place of submitit's `python -m submitit.core._submit FOLDER`.
 
-    python -u -m hpc_train.start FOLDER     # what srun (or submitit's local controller) runs per task
+    python -u .../hpc_train/start.py FOLDER   # what srun (or submitit's local controller) runs per task
 
 submitit's entry installs its own USR2/TERM handlers, which requeue from inside the handler without a
 save, and only after it has loaded the job's pickle; until our job code replaced them (after torch's
@@ -11,7 +11,24 @@ entry does (wait for the pickle, run it, pickle the result), minus submitit's ha
 
 import sys
 
-from hpc_train import preempt  # torch-free: signal, os, time
+if __spec__ is None:  # run by its path (sbatch.entry_command), not by -m: import the package beside it
+    import importlib.util
+    import os
+
+    # sys.path[0] is this folder, whose env.py, data.py... would shadow top-level modules of those names.
+    # hpc_train comes from exactly this folder, the package that validated the run, whatever sys.path
+    # holds; the cwd (the submit folder, first on sys.path under -m) goes last: it is there only for
+    # users' fn._target_ modules, and a ./hpc_train in it can no longer shadow us.
+    here = os.path.dirname(os.path.realpath(__file__))
+    if sys.path and os.path.realpath(sys.path[0] or ".") == here:  # not with -P / PYTHONSAFEPATH
+        del sys.path[0]
+    sys.path.append(os.getcwd())
+    spec = importlib.util.spec_from_file_location("hpc_train", os.path.join(here, "__init__.py"),
+                                                  submodule_search_locations=[here])
+    sys.modules["hpc_train"] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(sys.modules["hpc_train"])  # type: ignore[union-attr]
+
+from hpc_train import preempt  # noqa: E402  torch-free: signal, os, time
 
 preempt.install_handlers()
 

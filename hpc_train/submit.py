@@ -7,6 +7,8 @@ resubmitted sweep always find them.
 
 A run directory holds everything a (re)started attempt needs and everything it leaves:
     config.yaml      the resolved config, frozen at submit; attempts re-read it, never recompose
+    code.json        which code validated it: version, package path, git commit (provenance.py)
+    code.diff        uncommitted changes to tracked files at submit, if any (a sweep: in the sweep dir)
     submission.json  executor, job id, overrides
     submitit/        submitit's pickles and the per-task logs (<job>_<task>_log.out)
     checkpoints/     step_NNNNNN/ folders; only those with COMMITTED count
@@ -26,8 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hpc_train.config import CONF_DIR, RunConfig, compose_trials, expand_sweep
+from hpc_train.config import ConfigSource, RunConfig, compose_trials, expand_sweep
 from hpc_train.metrics import read_events
+from hpc_train.paths import RunPaths
 from hpc_train.sbatch import ClusterConfig, check_syntax, make_executor, render, validate_live
 
 MANIFEST = "sweep.json"
@@ -106,14 +109,30 @@ def _submitit_dir(folder: Path, private: bool) -> Path:
     return folder
 
 
-def _freeze(run_dir: Path, config: dict[str, Any], private: bool) -> None:
-    """config.yaml, written once: a resubmit never overwrites what an attempt may already have read."""
+def _freeze(run_dir: Path, config: dict[str, Any], private: bool, code: str) -> None:
+    """config.yaml and code.json, written once: a resubmit never overwrites what an attempt may already
+    have read, and a job started by newer code says so (job.py compares code.json)."""
     import yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.yaml").exists():
         dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml: 5x faster for 1,000-trial sweeps
         _write_atomic(run_dir / "config.yaml", yaml.dump(config, Dumper=dumper, sort_keys=False), private)
+    if not RunPaths(run_dir).code.exists():
+        _write_atomic(RunPaths(run_dir).code, code, private)
+
+
+def _code_identity(target: Path, private: bool) -> str:
+    """code.json's text, computed once per submit (3 git calls, ~10 ms); the diff, if any, goes to
+    <target>/code.diff once, not into each of a sweep's trials."""
+    from hpc_train import provenance
+
+    record, diff = provenance.identity()
+    if diff:
+        record["diff_file"] = str(target / "code.diff")
+        if not (target / "code.diff").exists():
+            _write_atomic(target / "code.diff", diff, private)
+    return json.dumps(record, indent=1) + "\n"
 
 
 def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
@@ -135,12 +154,12 @@ def previous_runs(p: "Plan") -> list[Path]:
 
 
 def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, max_parallel: int | None = None,
-         config_dir: Path = CONF_DIR, validate: bool = True) -> Plan:
+         source: ConfigSource = ConfigSource(), validate: bool = True) -> Plan:
     """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""
     from hpc_train import slurm
 
-    trial_overrides = expand_sweep(overrides) if multirun else [overrides]
-    composed = compose_trials(trial_overrides, config_dir)
+    trial_overrides = expand_sweep(overrides, multirun)
+    composed = compose_trials(trial_overrides, source)
     configs, runs = [c for c, _ in composed], [r for _, r in composed]
     for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
         if c["data"].get("path"):
@@ -308,7 +327,7 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
     if not multirun:
         run_dir = p.target = claim_dir(p.target)
         p.trials[0].run_dir = str(run_dir)
-        _freeze(run_dir, p.configs[0], p.private)
+        _freeze(run_dir, p.configs[0], p.private, _code_identity(run_dir, p.private))
         executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
@@ -333,8 +352,9 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
         saved = _load_manifest(p.target, overrides, p.trials)
         if saved is not None:
             p.arrays = saved
+    code = _code_identity(p.target, p.private)
     for t in p.trials:
-        _freeze(Path(t.run_dir), p.configs[t.index], p.private)
+        _freeze(Path(t.run_dir), p.configs[t.index], p.private, code)
     _save_manifest(p, overrides)
     jobs: list[Any] = []
     done = sum(1 for t in p.trials if t.job_id)

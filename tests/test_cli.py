@@ -3,6 +3,7 @@ login-node path never imports torch."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -29,6 +30,11 @@ from conftest import HPC_TRAIN, run
     ("data=tokens|data.path=/nonexistent", r"data.path='/nonexistent' has no readable meta.json .*; write one with "
                                            r"`hpc-train prepare-data FILES... --out /nonexistent`"),
     ("fn._target_=not a path", r"fn._target_='not a path' is not a dotted path; write package.module.function"),
+    ("trian.steps=5", r"Could not override 'trian.steps'.*\ndid you mean train.steps\?"),
+    ("train.step=5", r"no key 'step'.*\ndid you mean train.steps\?"),
+    ("cluster=devv", r"Could not find 'cluster/devv'.*\ndid you mean cluster=dev\?"),
+    ("+trian.x=1", r"Key 'trian' is not in RunConfig.*\ndid you mean train\?"),
+    ("train.lr=1e-3,3e-3", r"'train.lr=1e-3,3e-3' gives several values, a sweep: add -m to run one trial per value"),
 ])
 def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, message: str) -> None:
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *override.split("|")])
@@ -38,6 +44,51 @@ def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, mes
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 
+@pytest.mark.parametrize("override, message", [
+    ("trian.steps=5", r"Key 'trian' not in 'RunConfig'.*\ndid you mean train.steps\?"),
+    ("model=tinny", r"Could not find 'model/tinny'.*\ndid you mean model=tiny\?"),
+    ("train.lr=1e-3,3e-3", r"'train.lr=1e-3,3e-3' gives several values, a sweep: add -m"),
+])
+def test_cfg_job_suggests_the_nearest_key(override: str, message: str) -> None:
+    """--cfg composes through Hydra itself, whose errors explain() completes."""
+    proc = run([HPC_TRAIN, "submit", "--cfg", "job", override])
+    assert proc.returncode == 2 and re.search(message, proc.stderr, re.S), proc.stderr
+
+
+def test_version_names_the_installed_package() -> None:
+    import hpc_train
+
+    proc = run([HPC_TRAIN, "--version"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"hpc-train {hpc_train.__version__} from {Path(hpc_train.__file__).resolve().parent}")
+
+
+def test_init_writes_a_starter_conf_that_submit_then_uses(tmp_path: Path) -> None:
+    """./conf of the current folder is the primary config directory, as in Hydra; init never overwrites."""
+    proc = run([HPC_TRAIN, "init"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote conf/" in proc.stdout and (tmp_path / "conf" / "config.yaml").is_file()
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text("d_model: 96\nn_heads: 3\n")
+    cfg = run([HPC_TRAIN, "submit", "--cfg", "job", "model=mine"], cwd=tmp_path)
+    assert cfg.returncode == 0 and "d_model: 96" in cfg.stdout, cfg.stderr
+    again = run([HPC_TRAIN, "init"], cwd=tmp_path)
+    assert again.returncode == 2 and "hpc-train init: error: conf exists already; init never overwrites" in again.stderr
+    assert (tmp_path / "conf" / "model" / "mine.yaml").exists()
+
+
+def test_config_path_and_name_pick_the_primary_config(tmp_path: Path) -> None:
+    """Hydra's -cp replaces the primary directory (from any folder), -cn picks the file in it."""
+    assert run([HPC_TRAIN, "init", str(tmp_path)]).returncode == 0
+    conf = tmp_path / "conf"
+    (conf / "big.yaml").write_text((conf / "config.yaml").read_text().replace("name: demo", "name: big"))
+    (conf / "train" / "default.yaml").write_text("steps: 5\n")
+    proc = run([HPC_TRAIN, "submit", "--cfg", "job", "--config-path", str(conf), "--config-name", "big"])
+    assert proc.returncode == 0, proc.stderr
+    assert "name: big" in proc.stdout and "steps: 5" in proc.stdout
+    missing = run([HPC_TRAIN, "submit", "--cfg", "job", "-cp", str(tmp_path / "nope")])
+    assert missing.returncode == 2 and f"config directory '{tmp_path}/nope' does not exist" in missing.stderr
+
+
 def test_cfg_job_prints_the_composed_config() -> None:
     proc = run([HPC_TRAIN, "submit", "--cfg", "job", "cluster=dev", "train.steps=7"])
     assert proc.returncode == 0, proc.stderr
@@ -45,7 +96,7 @@ def test_cfg_job_prints_the_composed_config() -> None:
     assert "slurm_conf: /" in proc.stdout  # ${oc.env:...} resolved
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["submit", "--cfg", "job"], ["submit", "--dry-run", "-m", "train.seed=1,2"],
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["submit", "--cfg", "job"], ["submit", "--dry-run", "-m", "train.seed=1,2"],
                                   ["submit", "--no-wait", "train.steps=2"]])
 def test_login_node_path_never_imports_torch(argv: list[str], tmp_path: Path) -> None:
     """`submit` itself too: it pickles run_job by reference; only the job's own processes import torch."""
@@ -54,8 +105,13 @@ def test_login_node_path_never_imports_torch(argv: list[str], tmp_path: Path) ->
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
-    assert "hydra" in imported or argv == ["--help"]
+    assert "hydra" in imported or argv[0].startswith("--")
     assert "torch" not in imported
+    if "--no-wait" in argv:  # a single run records which code validated it
+        import hpc_train
+
+        code = json.loads(next(tmp_path.glob("*/code.json")).read_text())
+        assert code["version"] == hpc_train.__version__ and code["path"] == str(Path(hpc_train.__file__).resolve().parent)
 
 
 def test_dry_run_prints_scripts_and_configs_and_writes_nothing(tmp_path: Path) -> None:
@@ -70,6 +126,7 @@ def test_dry_run_prints_scripts_and_configs_and_writes_nothing(tmp_path: Path) -
 
 
 def test_users_config_dir_adds_options(tmp_path: Path) -> None:
+    """Hydra's -cd: searched after the primary directory, so a site file needs no copy of the rest."""
     (tmp_path / "cluster").mkdir()
     (tmp_path / "cluster" / "mysite.yaml").write_text("executor: slurm\npartition: gpu\nnodes: 3\n")
     proc = run([HPC_TRAIN, "submit", "--config-dir", str(tmp_path), "--cfg", "job", "cluster=mysite"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import hpc_train
 from hpc_train.config import compose, to_run_config
 from hpc_train.sbatch import render
 
@@ -30,6 +31,7 @@ def test_rendered_script_matches_golden(name: str, overrides: list[str], array_s
     run = to_run_config(compose(overrides))
     script = render(run.cluster, "golden-1", Path("/runs/golden-1/submitit"), array_size, max_parallel)
     script = script.replace(sys.executable, "/venv/bin/python")  # the golden file is machine-independent
+    script = script.replace(str(Path(hpc_train.__file__).resolve().parent), "/venv/hpc_train")  # start.py
     path = GOLDEN / f"{name}.sbatch"
     if os.environ.get("HPC_TRAIN_UPDATE_GOLDEN"):
         path.write_text(script)

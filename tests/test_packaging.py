@@ -1,0 +1,101 @@
+"""Which code runs: a plain (non-editable) install carries conf/ and sbatch_templates/, and a job imports
+the package that validated it, never a ./hpc_train of the folder it was submitted from."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import hpc_train
+from conftest import HPC_TRAIN, read_events, run
+from hpc_train.provenance import differences, identity
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Path) -> None:
+    """`pip install .` as a wheel (into --target, as into a fresh venv), then a fresh empty folder: init,
+    compose and render work from the installed copy alone. ~5 s: one wheel build, four interpreters."""
+    src, site, fresh = tmp_path / "src", tmp_path / "site", tmp_path / "fresh"
+    src.mkdir()
+    for part in ("pyproject.toml", "README.md", "hpc_train", "conf", "sbatch_templates"):  # built outside the repo:
+        if (REPO / part).is_dir():  # no build/ left in it, no race with another build
+            shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / part, src / part)
+    proc = run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                "--disable-pip-version-check", "--target", str(site), str(src)], timeout_s=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shipped = {p.relative_to(REPO).as_posix() for d in ("conf", "sbatch_templates") for p in (REPO / d).rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    installed = {p.relative_to(site / "hpc_train").as_posix() for d in ("conf", "sbatch_templates")
+                 for p in (site / "hpc_train" / d).rglob("*") if p.is_file()}
+    assert installed == shipped
+
+    fresh.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    cli = [sys.executable, "-m", "hpc_train.cli"]
+    version = run([*cli, "--version"], env=env, cwd=fresh)
+    assert version.returncode == 0, version.stderr
+    assert f"hpc-train {hpc_train.__version__} from {site.resolve()}/hpc_train" in version.stdout, version.stdout
+    init = run([*cli, "init"], env=env, cwd=fresh)
+    assert init.returncode == 0 and (fresh / "conf" / "cluster" / "dev.yaml").is_file(), init.stdout + init.stderr
+    (fresh / "conf" / "train" / "default.yaml").write_text("steps: 7\n")  # the user's ./conf is the primary
+    cfg = run([*cli, "submit", "--cfg", "job", "cluster=dev", "model=tiny"], env=env, cwd=fresh)
+    assert cfg.returncode == 0, cfg.stderr
+    assert "steps: 7" in cfg.stdout and "executor: slurm" in cfg.stdout and "d_model: 64" in cfg.stdout
+    render = ("import hpc_train, sys\n"
+              "from hpc_train.config import compose, to_run_config\n"
+              "from hpc_train.sbatch import render\n"
+              "run = to_run_config(compose(['cluster=slurm', 'cluster.template=apptainer', "
+              "'+cluster.template_vars.image=/img.sif']))\n"
+              "print(hpc_train.__file__)\n"
+              "print(render(run.cluster, 'pkg-1', __import__('pathlib').Path('/runs/pkg-1/submitit')))\n")
+    out = run([sys.executable, "-c", render], env=env, cwd=fresh)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == str(site.resolve() / "hpc_train" / "__init__.py")  # not the repo's
+    assert "test -r /img.sif" in out.stdout and "hpc_train signal relay" in out.stdout  # both templates shipped
+    assert f"-u {site.resolve()}/hpc_train/start.py /runs/pkg-1/submitit" in out.stdout
+
+
+def test_job_imports_the_package_that_validated_it_and_says_when_code_changed(tmp_path: Path) -> None:
+    """Submitted from a folder holding a ./hpc_train that dies on import: the job still trains (before,
+    `python -m hpc_train.start` put the submit folder first on sys.path and every rank died). The trial's
+    code.json was frozen by an older version (a sweep resubmitted after an upgrade keeps its trials'
+    code.json): the job trains, and records a `code_changed` event naming the change."""
+    shadow = tmp_path / "hpc_train"
+    shadow.mkdir()
+    for name in ("__init__.py", "start.py"):
+        (shadow / name).write_text("raise SystemExit('SHADOWED: imported ./hpc_train of the submit folder')\n")
+    sweep = tmp_path / "runs" / "sweep-1"
+    recorded, _ = identity()
+    (sweep / "0000").mkdir(parents=True)
+    (sweep / "0000" / "code.json").write_text(json.dumps({**recorded, "version": "0.0.9"}))
+    proc = run([HPC_TRAIN, "submit", "-m", "--sweep-dir", str(sweep), "train.steps=2", "checkpoint.async_save=false"],
+               cwd=tmp_path, timeout_s=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trial = sweep / "0000"
+    events = read_events(trial)
+    assert [e["event"] for e in events if e["event"] == "finish"] == ["finish"], events
+    changed = [e for e in events if e["event"] == "code_changed"]
+    assert len(changed) == 1 and f"version '0.0.9' -> '{hpc_train.__version__}'" in changed[0]["detail"], events
+    assert "other code than the code that validated the run" in changed[0]["detail"]
+    assert "SHADOWED" not in "".join(p.read_text() for p in (sweep / "submitit").glob("*_log.*"))
+
+
+def test_code_identity_of_this_checkout(tmp_path: Path) -> None:
+    """code.json's fields for an editable install in a git checkout; the job's comparison finds no change
+    against itself, and names each field that differs."""
+    record, diff = identity()
+    assert record["path"] == str(Path(hpc_train.__file__).resolve().parent) and record["version"] == hpc_train.__version__
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0 and (REPO / ".git").exists():
+        assert record["git_commit"] == head.stdout.strip() and record["git_dirty"] == bool(diff)
+    assert differences(record) == ""
+    moved = differences({**record, "path": "/elsewhere/hpc_train"})
+    assert f"path '/elsewhere/hpc_train' -> '{record['path']}'" in moved and "Resubmit" in moved
+
