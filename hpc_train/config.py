@@ -238,11 +238,11 @@ def expand_sweep(overrides: list[str], multirun: bool = True) -> list[list[str]]
 
     axes = []
     for o in OverridesParser.create().parse_overrides(overrides):
-        if o.is_sweep_override() and not multirun:
-            raise ValueError(f"{o.input_line!r} gives several values, a sweep: add -m to run one trial per value "
-                             f"(hpc-train submit -m ... {o.input_line}), or write one value; a list value is "
-                             f"written [a,b], a string with a comma is quoted")
         if o.is_sweep_override():
+            if not multirun:
+                raise ValueError(f"{o.input_line!r} gives several values, a sweep: add -m to run one trial per "
+                                 f"value (hpc-train submit -m ... {o.input_line}), or write one value; a list value "
+                                 f"is written [a,b], a string with a comma is quoted")
             if o.is_interval_sweep():
                 raise ValueError(f"{o.input_line!r}: interval() needs an optimizing sweeper; list the values, "
                                  f"e.g. range() or a,b,c")

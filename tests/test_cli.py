@@ -74,6 +74,13 @@ def test_init_writes_a_starter_conf_that_submit_then_uses(tmp_path: Path) -> Non
     again = run([HPC_TRAIN, "init"], cwd=tmp_path)
     assert again.returncode == 2 and "hpc-train init: error: conf exists already; init never overwrites" in again.stderr
     assert (tmp_path / "conf" / "model" / "mine.yaml").exists()
+    # A team's shared site options, listed in conf/config.yaml with Hydra's searchpath (docs/submitting.md)
+    (tmp_path / "site" / "cluster").mkdir(parents=True)
+    (tmp_path / "site" / "cluster" / "mysite.yaml").write_text("executor: slurm\npartition: gpu\nnodes: 3\n")
+    with open(tmp_path / "conf" / "config.yaml", "a") as f:
+        f.write(f"hydra:\n  searchpath: [file://{tmp_path / 'site'}]\n")
+    site = run([HPC_TRAIN, "submit", "--cfg", "job", "cluster=mysite"], cwd=tmp_path)
+    assert site.returncode == 0 and "partition: gpu" in site.stdout and "nodes: 3" in site.stdout, site.stderr
 
 
 def test_config_path_and_name_pick_the_primary_config(tmp_path: Path) -> None:
