@@ -114,13 +114,17 @@ class Attempt:
     def resume(self, state: TrainState) -> bool:
         """Collective: load the newest checkpoint that verifies into `state` (model, optimizer, step,
         tokens, data position, this rank's RNG); writes the attempt's `start` event with its start-up
-        phases. Returns False on a fresh run (state untouched)."""
+        phases. Returns False on a fresh run (state untouched, or with checkpoint.init_from the weights
+        of another run's checkpoint, at step 0)."""
         self.phases_s["setup"] = time.monotonic() - self._built_at  # model build, parallelize
         folder, verify_s, load_s = self.saver.resume(state)
+        source = None
+        if folder is None and self.cfg.checkpoint.init_from:  # a new run, from another run's weights: step 0
+            source, verify_s, load_s = self.saver.init_from(state)
         self.phases_s.update(verify=verify_s, load=load_s)
         pids = [torch.zeros(1, dtype=torch.int64) for _ in range(self.env.world_size)]
         dist.all_gather(pids, torch.tensor([os.getpid()]))  # `hpc-train chaos kill-rank`, post-mortems
-        self.event("start", state.step, resumed_from=str(folder) if folder else None,
+        self.event("start", state.step, resumed_from=str(folder) if folder else None, init_from=source,
                    target=self.cfg.fn._target_ or "hpc_train.train.main",
                    mesh={"dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()},
                    world_size=self.env.world_size, nodes=list(self.env.nodes), launched_at=self.process_start,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
 from hpc_train.config import CheckpointConfig
 from hpc_train.paths import MARKER, read_marker, step_dir, step_folders
@@ -145,6 +145,27 @@ def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
         out[r].append(name)
         load[r] += sizes[name]
     return out
+
+
+def shape_mismatch(saved: dict[str, Any], sd: dict[str, Any]) -> str:
+    """"" when every tensor of `sd` (nested, as DCP flattens it: "model.tok.weight") is in the checkpoint's
+    metadata with the same global shape and no model tensor of the checkpoint is left over; else the
+    first few differences, in words."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(sd)
+    wrong = []
+    for key, t in flat.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        have = getattr(saved.get(key), "size", None)  # TensorStorageMetadata.size: the global shape
+        if have is None:
+            wrong.append(f"{key} is not in the checkpoint")
+        elif tuple(have) != tuple(t.shape):
+            wrong.append(f"{key} is {list(have)} in the checkpoint but {list(t.shape)} here")
+    wrong += [f"{key} of the checkpoint has no place here" for key in saved
+              if key.startswith("model.") and key not in flat]
+    return "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
 
 
 # ---- writing ------------------------------------------------------------------------------------------
@@ -399,6 +420,43 @@ class Saver:
             raise RuntimeError(f"no checkpoint loaded and a partial load may have changed the model ({load_failed}); "
                                f"the next attempt starts clean")
         return None, time.monotonic() - t0, 0.0
+
+    def init_from(self, state: TrainState) -> tuple[dict[str, Any], float, float]:
+        """Collective: a new run's weights (and optimizer state, with checkpoint.init_from_optimizer) from
+        another run's committed checkpoint, verified as a resume verifies (every rank hashes a share). Step,
+        tokens, data position and RNG stay fresh: it is a new run. Any world size: DCP reshards on load.
+        Raises Unrecoverable (no requeue can fix it) when the folder does not verify or the shapes differ.
+        Returns (what the start event records, seconds verifying, seconds loading)."""
+        folder, with_optim = Path(self.cfg.init_from), self.cfg.init_from_optimizer
+        rank, world = dist.get_rank(), dist.get_world_size()
+        t0 = time.monotonic()
+        marker = read_marker(folder)
+        if marker is None:
+            raise Unrecoverable(f"checkpoint.init_from={folder}: no readable {MARKER} manifest there (deleted by its "
+                                f"run's retention, or never committed); submit again with another committed step "
+                                f"folder of that run")
+        share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
+        whys: list[Any] = [None] * world
+        dist.all_gather_object(whys, verify(folder, {n: marker["files"][n] for n in share}))
+        why = next((w for w in whys if w), "")
+        if why:
+            raise Unrecoverable(f"checkpoint.init_from={folder} does not verify: {why}; submit again with another "
+                                f"committed step folder of that run")
+        verify_s, t1 = time.monotonic() - t0, time.monotonic()
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
+        wrong = shape_mismatch(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata, sd)
+        if wrong:
+            raise Unrecoverable(f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "
+                                f"trained with (its run's config.yaml), or drop checkpoint.init_from")
+        with _helper_threads_single_threaded():
+            dcp.load(sd, checkpoint_id=folder)  # only the keys asked for: a partial load of that checkpoint
+        if with_optim:
+            set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:
+            set_model_state_dict(state.model, sd["model"])
+        source = {"path": str(folder), "step": marker.get("step"), "optimizer": with_optim}
+        return source, verify_s, time.monotonic() - t1
 
     def written_here(self) -> bool:
         """This rank's part of the save in flight is written (or none is in flight); no collective."""

@@ -102,12 +102,20 @@ class CheckpointConfig:  # checkpoint.py
     # Periodic saves write in the background: the loop waits only while state is copied to host memory.
     # Stop saves (signal, last step) are always synchronous.
     async_save: bool = True
+    # A new run starting from another run's committed checkpoint: a run directory (its newest), its
+    # checkpoints/ folder or one step folder. Frozen at submit as the absolute step folder; used only
+    # while this run has no checkpoint of its own. Weights only, unless init_from_optimizer.
+    init_from: str = ""
+    init_from_optimizer: bool = False  # also the AdamW state (moments, step count, betas, weight decay)
 
     def __post_init__(self) -> None:
         if self.every_steps < 1 or self.keep_last < 1 or self.keep_every_steps < 0:
             raise ValueError(f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
                              f"{self.keep_last} must be >= 1, checkpoint.keep_every_steps="
                              f"{self.keep_every_steps} >= 0")
+        if self.init_from_optimizer and not self.init_from:
+            raise ValueError("checkpoint.init_from_optimizer=true needs checkpoint.init_from=PATH (a run directory "
+                             "or a step folder of another run)")
 
 
 @dataclass
