@@ -123,6 +123,26 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume(args: argparse.Namespace) -> int:
+    """A stopped, cancelled or failed run again, same run directory and config, from its last checkpoint."""
+    from hpc_train import submit
+
+    budgets = {k: v for k in ("max_preemptions", "max_time_limit_requeues", "max_failures")
+               if (v := getattr(args, k)) is not None}
+    job, lines = submit.resume(Path(args.run), budgets, args.reason)
+    print("\n".join(lines))
+    if type(job).__name__ != "LocalJob" or args.no_wait:
+        print(f"follow it: hpc-train status {args.run}")
+        return 0
+    try:  # local executor: this machine is the cluster, so wait and show the outcome, as submit does
+        summary = job.results()[0]
+    except Exception as e:
+        print(f"job failed; log: hpc-train logs {args.run}\n{e}", file=sys.stderr)
+        return 1
+    print(f"finished: {summary}")
+    return 0
+
+
 def _runs(path: str, unreadable_ok: bool = False) -> list:
     from hpc_train.ops import find_runs
 
@@ -284,6 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_submit)
+    p = sub.add_parser("resume", help="start a stopped, cancelled or failed run again, from its last checkpoint",
+                       description="Same run directory, frozen config.yaml and events.jsonl; a new attempt (and job). "
+                                   "Budget options are recorded in the `resume` event and apply over config.yaml.")
+    p.add_argument("run", help="the run directory (a sweep's trial: SWEEP/0003)")
+    p.add_argument("--reason", default="", help="why, for events.jsonl (who is recorded anyway)")
+    p.add_argument("--max-failures", type=int, help="set requeue.max_failures (failure requeues in a row)")
+    p.add_argument("--max-preemptions", type=int, help="set requeue.max_preemptions (-1: unlimited)")
+    p.add_argument("--max-time-limit-requeues", type=int, help="set requeue.max_time_limit_requeues")
+    p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
+    p.set_defaults(func=_resume)
     p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")
     p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
     p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")

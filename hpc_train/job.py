@@ -18,6 +18,7 @@ An attempt, from process start to exit (docs/lifecycle.md draws it):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -60,10 +61,17 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     process_start = process_start_time()
     phases_s = {"python": max(0.0, preempt.installed_at[0] - process_start)}
     paths = RunPaths(Path(run_dir_str))
+    events = read_events(paths.run_dir)
+    # `hpc-train resume` wrote the number of the attempt it started (before submitting): the run's attempts
+    # go on from there, though a resumed Slurm job counts SLURM_RESTART_COUNT from 0 again.
+    resumes = [i for i, e in enumerate(events) if e["event"] == "resume"]
+    base = events[resumes[-1]]["restart"] if resumes else 0
     if "SLURM_PROCID" not in os.environ:  # local controller restarts in place: count attempts on disk
-        requeues = sum(e["event"] == "requeue" for e in read_events(paths.run_dir))
-        os.environ["HPC_TRAIN_ATTEMPT"] = str(requeues)
+        requeues = sum(e["event"] == "requeue" for e in events[resumes[-1] + 1 if resumes else 0:])
+        os.environ["HPC_TRAIN_ATTEMPT"] = str(base + requeues)
     env = rank_env.from_env(os.environ)
+    if env.executor == "slurm" and base:
+        env = dataclasses.replace(env, restart_count=env.restart_count + base)
     os.environ.update(rank_env.torchrun_vars(env))
     print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", flush=True)  # `hpc-train logs --attempt`
     try:
@@ -87,7 +95,9 @@ def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: 
     from hpc_train import slurm
 
     events = read_events(paths.run_dir)
-    fate = slurm.job_fate(env.job_id, env.restart_count) if env.executor == "slurm" else preempt.local_fate(events)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
+    fate = slurm.job_fate(env.job_id, restarts) if env.executor == "slurm" else preempt.local_fate(events)
+    budgets = dataclasses.replace(budgets, **preempt.budget_changes(events))  # raised by `hpc-train resume`
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
     if action == "stop":

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.metrics import lead_warning, log_event, read_events, read_metrics
-from hpc_train.preempt import failures_in_a_row
+from hpc_train.preempt import budget_changes, failures_in_a_row
 
 NO_PROGRESS_WARN_S = 15 * 60
 
@@ -112,8 +112,15 @@ def local_pid(run: Run) -> int | None:
     return int(run.job_id) if process_identity(int(run.job_id)) == run.process else None
 
 
+def since_resume(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events after the last `hpc-train resume` (all of them if never resumed): how it ended before no
+    longer says how it is now."""
+    last = max((i for i, e in enumerate(events) if e["event"] == "resume"), default=-1)
+    return events[last + 1:]
+
+
 def local_state(run: Run, events: list[dict[str, Any]]) -> str:
-    names = [e["event"] for e in events]
+    names = [e["event"] for e in since_resume(events)]
     if "finish" in names:
         return "COMPLETED"
     if "stopped" in names:
@@ -137,7 +144,7 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         commits = [e for e in evs if e["event"] == "checkpoint_committed"]
         ended = next((e["event"] for e in reversed(evs) if e["event"] in ("finish", "requeue", "stopped", "fail")), "running")
         out.append({
-            "restart": restart, "job_id": evs[0].get("job_id"), "launched": launched,
+            "restart": restart, "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None), "launched": launched,
             "start": start["time"] if start else None, "start_step": start["step"] if start else None,
             "first_step": first["time"] if first else None, "end": max(e["time"] for e in evs), "ended_by": ended,
             "reached_step": max([e["step"] for e in evs] + [start["step"] if start else 0]),
@@ -213,13 +220,14 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             lead = lead_warning([r.run_dir], cfg["cluster"]["signal_lead_s"])
             warnings += ["signal lead too short"] if lead else []
         failures = failures_in_a_row(events)  # what the job's requeue decision counts
-        if failures and failures >= cfg["requeue"]["max_failures"] - 1:
-            warnings.append(f"failure budget {failures}/{cfg['requeue']['max_failures']} used")
+        max_failures = {**cfg["requeue"], **budget_changes(events)}["max_failures"]  # hpc-train resume may raise it
+        if failures and failures >= max_failures - 1:
+            warnings.append(f"failure budget {failures}/{max_failures} used")
         warnings += [f"requeue failed: {e['error']}" for e in events[-3:] if e["event"] == "requeue_failed"]
         if state == "RUNNING" and last is not None and time.time() - last > NO_PROGRESS_WARN_S:
             warnings.append(f"no event for {(time.time() - last) / 60:.0f} min")
-        if any(e["event"] == "stopped" for e in events):
-            warnings.append(next(e["reason"] for e in events if e["event"] == "stopped"))
+        if any(e["event"] == "stopped" for e in since_resume(events)):
+            warnings.append(next(e["reason"] for e in since_resume(events) if e["event"] == "stopped"))
         rows.append({
             "run": r.label, "job_id": r.job_id, "state": state, "attempts": len(atts),
             "restarts": max((a["restart"] for a in atts), default=0),
@@ -276,8 +284,8 @@ def attempt_section(text: str, attempt: int | None) -> str:
 
 
 def current_attempt(run_dir: Path) -> int:
-    """The restart count of the last attempt that started, else 0."""
-    starts = [e for e in read_events(run_dir) if e["event"] == "start"]
+    """The restart count of the last attempt that started (or that `hpc-train resume` submitted), else 0."""
+    starts = [e for e in read_events(run_dir) if e["event"] in ("start", "resume")]
     return int(starts[-1]["restart"]) if starts else 0
 
 

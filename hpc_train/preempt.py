@@ -118,12 +118,20 @@ def requeues_counted(events: list[dict[str, Any]], reason: str) -> int:
     return sum(1 for e in events if e["event"] == "requeue" and e.get("reason") == reason and e.get("by") != "slurm")
 
 
+def budget_changes(events: list[dict[str, Any]]) -> dict[str, int]:
+    """requeue.* values set by `hpc-train resume --max-...` (its `resume` events' budgets, later over
+    earlier): they apply over the frozen config.yaml, which is never rewritten."""
+    return {k: v for e in events if e["event"] == "resume" for k, v in (e.get("budgets") or {}).items()
+            if k in BUDGET_KEYS.values() and type(v) is int}
+
+
 def local_fate(events: list[dict[str, Any]]) -> str:
     """The local executor's answer to "what is the scheduler doing with this job": "cancelled" once
     `hpc-train cancel` wrote its event in the attempt of the last requeue or later (a cancel that raced
-    that requeue still counts: the next attempt stops at once), else "running"."""
+    that requeue still counts: the next attempt stops at once), else "running". A `resume` starts a new
+    attempt as a requeue does: the cancel that stopped the run before it no longer counts."""
     cancels = [e.get("restart", 0) for e in events if e["event"] == "cancel"]
-    requeues = [e.get("restart", 0) for e in events if e["event"] == "requeue"]
+    requeues = [e.get("restart", 0) for e in events if e["event"] in ("requeue", "resume")]
     return "cancelled" if cancels and max(cancels) >= max(requeues, default=-1) else "running"
 
 

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -135,6 +135,46 @@ def _code_identity(target: Path, private: bool) -> str:
     return json.dumps(record, indent=1) + "\n"
 
 
+# Model fields that set a parameter's shape (n_heads only regroups the same q/k/v matrix).
+SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers")
+
+
+def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
+    """checkpoint.init_from=PATH -> the committed step folder it names: PATH itself, or the newest committed
+    one under a run directory or its checkpoints/. Raises ValueError when there is none, or when the source
+    run's config.yaml has another model shape than `config` (both the built-in trainer). The job verifies
+    the files' checksums before loading (reading them all here would take as long as a resume)."""
+    import yaml
+
+    from hpc_train.paths import MARKER, STEP_DIR, read_marker, step_folders
+
+    p = Path(path).expanduser().resolve()
+    if STEP_DIR.fullmatch(p.name):
+        if read_marker(p) is None:
+            raise ValueError(f"checkpoint.init_from={path}: {p} has no valid {MARKER} manifest (a save that never "
+                             f"finished, or not a checkpoint); give a committed step folder, or the run directory "
+                             f"for its newest")
+        folder = p
+    else:
+        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        committed = [f for f in step_folders(root).values() if read_marker(f) is not None]
+        if not committed:
+            raise ValueError(f"checkpoint.init_from={path}: no committed checkpoint under {root} (no step_*/{MARKER}); "
+                             f"give a run directory that saved one, or one of its step folders")
+        folder = committed[-1]
+    source_config = folder.parent.parent / "config.yaml"
+    theirs = yaml.safe_load(source_config.read_text()) if source_config.is_file() else None
+    if theirs and not (theirs.get("fn") or {}).get("_target_") and not config["fn"].get("_target_"):
+        model = theirs.get("model") or {}
+        differ = [k for k in SHAPE_FIELDS if k in model and model[k] != config["model"][k]]
+        if differ:
+            wrong = "; ".join(f"model.{k}={config['model'][k]} but the checkpoint has {model[k]}" for k in differ)
+            raise ValueError(f"checkpoint.init_from={path}: {wrong} (its run's {source_config}); set "
+                             f"{' '.join(f'model.{k}={model[k]}' for k in differ)}, or drop checkpoint.init_from to "
+                             f"train from scratch")
+    return folder
+
+
 def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
     """Trials grouped by identical resource request, each group split at MaxArraySize (pure)."""
     groups: dict[str, list[int]] = {}
@@ -164,6 +204,8 @@ def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, ma
     for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
         if c["data"].get("path"):
             c["data"]["path"] = str(Path(c["data"]["path"]).resolve())
+        if c["checkpoint"].get("init_from"):  # frozen as one step folder: every attempt starts from the same
+            c["checkpoint"]["init_from"] = str(init_from_checkpoint(c["checkpoint"]["init_from"], c))
     first: ClusterConfig = runs[0].cluster
     if first.slurm_conf:
         slurm.slurm_env(first.slurm_conf)
@@ -404,3 +446,122 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
             progress(done, len(p.trials))
     _save_manifest(p, overrides)
     return p, jobs
+
+
+# ---- hpc-train resume --------------------------------------------------------------------------------
+
+# Slurm states of a job that is queued, running or coming back: a run in one of them is not resumed.
+ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "CONFIGURING",
+                 "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED")
+
+
+def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, list[str]]:
+    """`hpc-train resume RUN`: queue a stopped, cancelled or failed run again under its own identity (run
+    directory, frozen config.yaml, events.jsonl), to go on from its newest committed checkpoint. Refuses a
+    run that is queued, running or finished. `budgets` (requeue.* keys) are recorded in the `resume` event
+    and apply over the frozen config, which stays as submitted. Writes the `resume` event (the attempt it
+    starts, who, why) before queueing, then the new job id where status finds it (submission.json, or the
+    sweep's sweep.json). Returns (the submitit job, sentences for the user)."""
+    import getpass
+    import socket
+
+    from hpc_train import ops, preempt, slurm
+    from hpc_train.config import load_frozen
+    from hpc_train.job import run_job
+    from hpc_train.metrics import log_event
+    from hpc_train.paths import RunPaths, read_marker, step_folders
+
+    runs = ops.find_runs(path)
+    if len(runs) != 1:
+        raise ValueError(f"{path} holds {len(runs)} runs; resume one of them, e.g. hpc-train resume {runs[0].run_dir}")
+    run = runs[0]
+    if run.unreadable:
+        raise ValueError(run.unreadable)
+    events = read_events(run.run_dir)
+    finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
+    if finish is not None:
+        raise ValueError(f"{run.label} finished at step {finish['step']}: there is nothing to resume. To train on from "
+                         f"its weights, start a new run: hpc-train submit checkpoint.init_from={run.run_dir} ...")
+    cfg = load_frozen(run.run_dir)  # checks it still validates here: data path, fn._target_
+    slurm.slurm_env(cfg.cluster.slurm_conf)
+    state = ""
+    if run.executor == "slurm" and run.job_id:
+        try:
+            state = ops.slurm_states([run.job_id]).get(run.job_id, "")
+        except slurm.SlurmError as e:
+            raise slurm.SlurmError(f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
+                                   f"({e}); try again once Slurm answers") from None
+        if state in ACTIVE_STATES:
+            raise ValueError(f"{run.label} is still {state} (job {run.job_id}): there is nothing to resume; follow it "
+                             f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel {run.run_dir}")
+    elif run.executor == "local" and (pid := ops.local_pid(run)):
+        raise ValueError(f"{run.label} is still running (local controller pid {pid}): there is nothing to resume; "
+                         f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
+                         f"{run.run_dir}")
+
+    since = ops.since_resume(events)
+    stopped = next((e for e in reversed(since) if e["event"] == "stopped"), None)
+    failed = next((e for e in reversed(since) if e["event"] == "fail"), None)
+    why = (stopped["reason"] if stopped else f"its last attempt failed: {failed['error']}" if failed else
+           f"Slurm ended job {run.job_id} as {state} without a word in events.jsonl" if state else
+           "it ended without a word in events.jsonl (killed?)")
+    try:
+        limits = replace(cfg.requeue, **{**preempt.budget_changes(events), **budgets})
+    except ValueError as e:
+        raise ValueError(f"{e}; e.g. --max-failures 4") from None
+    used = {"max_preemptions": preempt.requeues_counted(events, "preempt"),
+            "max_time_limit_requeues": preempt.requeues_counted(events, "time_limit"),
+            "max_failures": preempt.failures_in_a_row(events)}
+    what = {"max_preemptions": "preemptions", "max_time_limit_requeues": "time-limit requeues",
+            "max_failures": "failures in a row"}
+    spent = [k for k in used if getattr(limits, k) != -1 and used[k] >= getattr(limits, k)]
+    budget_line = "budgets: " + ", ".join(
+        f"{what[k]} {used[k]}/{'unlimited' if getattr(limits, k) == -1 else getattr(limits, k)}"
+        f"{' (raised now)' if k in budgets else ''}" for k in used)
+    lines = [f"{run.label} stopped because {why}", budget_line]
+    lines += [f"the {what[k]} budget is still spent: the next such stop ends the run; raise it with "
+              f"--{k.replace('_', '-')} {used[k] + 2}" for k in spent]
+    committed = [(s, f) for s, f in step_folders(RunPaths(run.run_dir).checkpoints).items() if read_marker(f)]
+    if committed:
+        lines.append(f"resuming from {committed[-1][1]}, its newest committed checkpoint (verified when the job "
+                     f"starts; an older one if it does not verify)")
+    elif cfg.checkpoint.init_from:
+        if read_marker(Path(cfg.checkpoint.init_from)) is None:
+            raise ValueError(f"{run.label} has no committed checkpoint of its own and its checkpoint.init_from="
+                             f"{cfg.checkpoint.init_from} is no longer committed (deleted?); submit a new run instead")
+        lines.append(f"no committed checkpoint of its own: starting again from checkpoint.init_from="
+                     f"{cfg.checkpoint.init_from}")
+    else:
+        lines.append("no committed checkpoint: starting again from step 0")
+
+    target = run.log_dir.parent  # the run directory, or the sweep directory of a trial (its submitit/ and job name)
+    private = bool(cfg.cluster.env)
+    if cfg.cluster.executor == "slurm":
+        script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
+        check_syntax(script)
+        validate_live(cfg.cluster, script, 1, None)
+    attempt = max((e["restart"] for e in events), default=-1) + 1
+    log_event(run.run_dir, "resume", committed[-1][0] if committed else 0, "", attempt,
+              by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason or "hpc-train resume",
+              budgets=budgets, previous_job_id=run.job_id, stopped_because=why)
+    executor = make_executor(cfg.cluster, _submitit_dir(target / "submitit", private), job_name(target))
+    with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
+        job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run.run_dir)), str(run.run_dir))
+    job_id = str(job.job_id)
+    if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
+        manifest = json.loads((target / MANIFEST).read_text())
+        for t in manifest["trials"]:
+            if Path(t["run_dir"]) == run.run_dir:
+                t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
+                t["job_id"] = job_id
+        _write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
+    else:
+        sub = RunPaths(run.run_dir).submission
+        record = json.loads(sub.read_text()) if sub.exists() else {"executor": cfg.cluster.executor}
+        record["previous_job_ids"] = [*record.get("previous_job_ids", []), *([run.job_id] if run.job_id else [])]
+        record.update(job_id=job_id, job_name=job_name(target), resumed_at=time.time())
+        if cfg.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
+            record["process"] = ops.process_identity(int(job_id))
+        _write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
+    lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
+    return job, lines

@@ -91,3 +91,123 @@ def test_init_from_refuses_other_shapes_and_a_damaged_source(tmp_path: Path, one
     with pytest.raises(Unrecoverable, match=r"does not verify: __0_0.distcp checksum differs from the manifest; "
                                             r"submit again with another committed step folder"):
         attempt_from(tmp_path / "new", init_from=str(folder)).resume(trained(seed=1))
+
+
+# ---- the command line, on the local executor ------------------------------------------------------------
+
+ARGS = ["train.steps=30", "checkpoint.every_steps=10", "cluster.tasks_per_node=2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run: what a resumed one must match, and the source of init_from runs."""
+    run_dir, _ = submit([f"out_dir={tmp_path_factory.mktemp('ref')}", "name=ref", *ARGS])
+    assert (run_dir / "summary.json").exists()
+    return run_dir
+
+
+def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Path, reference: Path) -> None:
+    from hpc_train.ops import process_identity
+
+    run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *ARGS, "train.min_step_time_s=0.2", "--no-wait"])
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
+    busy = run([HPC_TRAIN, "resume", str(run_dir)])
+    assert busy.returncode == 2 and busy.stderr.startswith(
+        f"hpc-train resume: error: cut-1 is still running (local controller pid {job_id}): there is nothing to "
+        f"resume; follow it with hpc-train logs -f {run_dir}, or stop it first with hpc-train cancel {run_dir}")
+    assert run([HPC_TRAIN, "cancel", str(run_dir)]).returncode == 0
+    wait_until(lambda: process_identity(int(job_id)) is None, 120, "the cancelled run's controller to exit")
+
+    proc = run([HPC_TRAIN, "resume", str(run_dir), "--max-failures", "5", "--reason", "cancelled by mistake"],
+               timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    stop = next(e for e in read_events(run_dir) if e["event"] == "checkpoint_committed" and e["reason"] == "stop")
+    assert out[:3] == [
+        "cut-1 stopped because cancelled (scancel or hpc-train cancel): not requeueing",
+        "budgets: preemptions 0/unlimited, time-limit requeues 0/100, failures in a row 0/5 (raised now)",
+        f"resuming from {stop['path']}, its newest committed checkpoint (verified when the job starts; an older one "
+        f"if it does not verify)"]
+    new_id = out[3].split()[3]
+    assert out[3] == f"resumed as job {new_id} (attempt 1); run directory {run_dir}" and new_id != job_id
+    assert json.loads((run_dir / "summary.json").read_text()) == json.loads((reference / "summary.json").read_text())
+
+    events = read_events(run_dir)
+    resume = next(e for e in events if e["event"] == "resume")
+    assert (resume["restart"], resume["step"], resume["reason"], resume["budgets"], resume["previous_job_id"]) == (
+        1, stop["step"], "cancelled by mistake", {"max_failures": 5}, job_id)
+    assert "@" in resume["by"]
+    assert [(e["restart"], e["step"]) for e in events if e["event"] == "start"] == [(0, 0), (1, stop["step"])]
+    rows = json.loads(run([HPC_TRAIN, "status", str(run_dir), "--json"]).stdout)
+    assert [(r["job_id"], r["state"], r["attempts"], r["warnings"]) for r in rows] == [(new_id, "COMPLETED", 2, [])]
+    assert json.loads((run_dir / "submission.json").read_text())["previous_job_ids"] == [job_id]
+
+    again = run([HPC_TRAIN, "resume", str(run_dir)])
+    assert again.returncode == 2 and again.stderr == (
+        f"hpc-train resume: error: cut-1 finished at step 30: there is nothing to resume. To train on from its "
+        f"weights, start a new run: hpc-train submit checkpoint.init_from={run_dir} ...\n")
+
+
+def test_resume_of_a_run_that_spent_its_failure_budget(tmp_path: Path) -> None:
+    """A crash with requeue.max_failures=0 stops the run; resume says why and raises the budget."""
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *ARGS, "train.steps=10", "requeue.max_failures=0",
+                "+cluster.env.HPC_TRAIN_FAULT=raise_at_start"], timeout_s=240)
+    assert proc.returncode == 1
+    run_dir = tmp_path / "demo-1"
+    proc = run([HPC_TRAIN, "resume", str(run_dir), "--no-wait"], timeout_s=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[:4] == [
+        "demo-1 stopped because failure budget spent: 0 failure requeues in a row without a newer checkpoint "
+        "(requeue.max_failures=0)",
+        "budgets: preemptions 0/unlimited, time-limit requeues 0/100, failures in a row 0/0",
+        "the failures in a row budget is still spent: the next such stop ends the run; raise it with --max-failures 2",
+        "no committed checkpoint: starting again from step 0"]
+    wait_until(lambda: (run_dir / "summary.json").exists(), 240, "the resumed run's summary")
+    assert [e["restart"] for e in read_events(run_dir) if e["event"] == "start"] == [1]
+    bad = run([HPC_TRAIN, "resume", str(run_dir), "--max-failures", "-3"])
+    assert bad.returncode == 2 and "finished at step 10" in bad.stderr  # finished is checked first
+
+
+def test_init_from_starts_a_new_run_from_the_source_weights(tmp_path: Path, reference: Path) -> None:
+    """The new run's first loss (step 1, before its first update) is the source's final weights' loss on
+    the new run's first batch, computed here from the source checkpoint: the weights came through exactly."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from hpc_train import data
+    from hpc_train.config import DataConfig, ModelConfig
+    from hpc_train.model import GPT
+
+    run_dir, _ = submit([f"out_dir={tmp_path}", "name=ft", *ARGS, "train.steps=5", "train.log_every_steps=1",
+                         f"checkpoint.init_from={reference}"])
+    source = reference / "checkpoints" / "step_000030"
+    assert f"init_from: {source}\n" in (run_dir / "config.yaml").read_text()  # frozen as the step folder
+    start = next(e for e in read_events(run_dir) if e["event"] == "start")
+    assert (start["step"], start["resumed_from"], start["init_from"]) == (
+        0, None, {"path": str(source), "step": 30, "optimizer": False})
+
+    dcp_to_torch_save(source, tmp_path / "source.pt")
+    model = GPT(ModelConfig())
+    model.load_state_dict(torch.load(tmp_path / "source.pt", weights_only=True)["model"])
+    losses = []
+    for dp_rank in (0, 1):  # each rank's sampler starts at position 0 and reads its share
+        x, y = data.open_sampler(DataConfig(), 32, 256).next_batch(dp_rank, 2, 8)
+        with torch.no_grad():
+            losses.append(model(x, y).double().item())
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and math.isclose(first["loss"], sum(losses) / 2, rel_tol=1e-6)
+    assert first["loss"] < math.log(256) - 1  # trained weights: far below a fresh model's ~ln(256)
+
+
+def test_init_from_is_checked_at_submit(tmp_path: Path, reference: Path) -> None:
+    wrong = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", f"checkpoint.init_from={reference}", "model.d_model=128"])
+    assert wrong.returncode == 2 and wrong.stderr == (
+        f"hpc-train submit: error: checkpoint.init_from={reference}: model.d_model=128 but the checkpoint has 64 "
+        f"(its run's {reference}/config.yaml); set model.d_model=64, or drop checkpoint.init_from to train from "
+        f"scratch\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    none = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", f"checkpoint.init_from={empty}"])
+    assert none.returncode == 2 and none.stderr == (
+        f"hpc-train submit: error: checkpoint.init_from={empty}: no committed checkpoint under {empty} (no "
+        f"step_*/COMMITTED); give a run directory that saved one, or one of its step folders\n")
+    assert list(tmp_path.iterdir()) == [empty]  # nothing written, nothing queued
