@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -154,8 +155,10 @@ def test_resume_of_a_run_that_spent_its_failure_budget(tmp_path: Path) -> None:
                 "+cluster.env.HPC_TRAIN_FAULT=raise_at_start"], timeout_s=240)
     assert proc.returncode == 1
     run_dir = tmp_path / "demo-1"
-    proc = run([HPC_TRAIN, "resume", str(run_dir), "--no-wait"], timeout_s=120)
+    proc = run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", "resume", str(run_dir), "--no-wait"],
+               timeout_s=120)
     assert proc.returncode == 0, proc.stderr
+    assert "torch" not in {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert proc.stdout.splitlines()[:4] == [
         "demo-1 stopped because failure budget spent: 0 failure requeues in a row without a newer checkpoint "
         "(requeue.max_failures=0)",
