@@ -144,7 +144,8 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         commits = [e for e in evs if e["event"] == "checkpoint_committed"]
         ended = next((e["event"] for e in reversed(evs) if e["event"] in ("finish", "requeue", "stopped", "fail")), "running")
         out.append({
-            "restart": restart, "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None), "launched": launched,
+            "restart": restart, "launched": launched,
+            "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None),  # a `resume` event has none yet
             "start": start["time"] if start else None, "start_step": start["step"] if start else None,
             "first_step": first["time"] if first else None, "end": max(e["time"] for e in evs), "ended_by": ended,
             "reached_step": max([e["step"] for e in evs] + [start["step"] if start else 0]),

@@ -493,7 +493,8 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
                                    f"({e}); try again once Slurm answers") from None
         if state in ACTIVE_STATES:
             raise ValueError(f"{run.label} is still {state} (job {run.job_id}): there is nothing to resume; follow it "
-                             f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel {run.run_dir}")
+                             f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel "
+                             f"{run.run_dir}")
     elif run.executor == "local" and (pid := ops.local_pid(run)):
         raise ValueError(f"{run.label} is still running (local controller pid {pid}): there is nothing to resume; "
                          f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
@@ -505,10 +506,11 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     why = (stopped["reason"] if stopped else f"its last attempt failed: {failed['error']}" if failed else
            f"Slurm ended job {run.job_id} as {state} without a word in events.jsonl" if state else
            "it ended without a word in events.jsonl (killed?)")
-    try:
-        limits = replace(cfg.requeue, **{**preempt.budget_changes(events), **budgets})
-    except ValueError as e:
-        raise ValueError(f"{e}; e.g. --max-failures 4") from None
+    for k, v in budgets.items():
+        if v < (-1 if k == "max_preemptions" else 0):
+            flag, unlimited = f"--{k.replace('_', '-')}", " (or -1: unlimited)" if k == "max_preemptions" else ""
+            raise ValueError(f"{flag} {v}: a budget is a count >= 0{unlimited}; e.g. {flag} 4")
+    limits = replace(cfg.requeue, **{**preempt.budget_changes(events), **budgets})
     used = {"max_preemptions": preempt.requeues_counted(events, "preempt"),
             "max_time_limit_requeues": preempt.requeues_counted(events, "time_limit"),
             "max_failures": preempt.failures_in_a_row(events)}

@@ -150,25 +150,30 @@ def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Pa
 
 
 def test_resume_of_a_run_that_spent_its_failure_budget(tmp_path: Path) -> None:
-    """A crash with requeue.max_failures=0 stops the run; resume says why and raises the budget."""
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *ARGS, "train.steps=10", "requeue.max_failures=0",
-                "+cluster.env.HPC_TRAIN_FAULT=raise_at_start"], timeout_s=240)
+    """A crash at every start with requeue.max_failures=0 stops the run at once. Resume says why, and the
+    budget it raises is the one the job then decides with: one failure requeue, then a stop at 1/1."""
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *ARGS, "requeue.max_failures=0",
+                "+cluster.env.HPC_TRAIN_FAULT=raise_at_start_always"], timeout_s=240)
     assert proc.returncode == 1
     run_dir = tmp_path / "demo-1"
-    proc = run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", "resume", str(run_dir), "--no-wait"],
-               timeout_s=120)
-    assert proc.returncode == 0, proc.stderr
+    bad = run([HPC_TRAIN, "resume", str(run_dir), "--max-failures", "-3"])
+    assert bad.returncode == 2 and bad.stderr == (
+        "hpc-train resume: error: --max-failures -3: a budget is a count >= 0; e.g. --max-failures 4\n")
+    proc = run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", "resume", str(run_dir), "--max-failures",
+                "1"], timeout_s=240)
     assert "torch" not in {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
-    assert proc.stdout.splitlines()[:4] == [
+    assert proc.returncode == 1 and proc.stdout.splitlines()[:4] == [
         "demo-1 stopped because failure budget spent: 0 failure requeues in a row without a newer checkpoint "
         "(requeue.max_failures=0)",
-        "budgets: preemptions 0/unlimited, time-limit requeues 0/100, failures in a row 0/0",
-        "the failures in a row budget is still spent: the next such stop ends the run; raise it with --max-failures 2",
-        "no committed checkpoint: starting again from step 0"]
-    wait_until(lambda: (run_dir / "summary.json").exists(), 240, "the resumed run's summary")
-    assert [e["restart"] for e in read_events(run_dir) if e["event"] == "start"] == [1]
-    bad = run([HPC_TRAIN, "resume", str(run_dir), "--max-failures", "-3"])
-    assert bad.returncode == 2 and "finished at step 10" in bad.stderr  # finished is checked first
+        "budgets: preemptions 0/unlimited, time-limit requeues 0/100, failures in a row 0/1 (raised now)",
+        "no committed checkpoint: starting again from step 0",
+        f"resumed as job {proc.stdout.split('resumed as job ')[1].split()[0]} (attempt 1); run directory {run_dir}"]
+    events = read_events(run_dir)
+    assert [(e["event"], e["restart"]) for e in events if e["event"] in ("resume", "requeue", "stopped")] == [
+        ("stopped", 0), ("resume", 1), ("requeue", 1), ("stopped", 2)]
+    stopped = [e["reason"] for e in events if e["event"] == "stopped"]
+    assert stopped[-1] == "failure budget spent: 1 failure requeues in a row without a newer checkpoint (requeue.max_failures=1)"
+    assert (run_dir / "config.yaml").read_text().count("max_failures: 0") == 1  # the frozen config, as submitted
 
 
 def test_init_from_starts_a_new_run_from_the_source_weights(tmp_path: Path, reference: Path) -> None:
