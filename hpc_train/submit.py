@@ -469,7 +469,7 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     from hpc_train.config import load_frozen
     from hpc_train.job import run_job
     from hpc_train.metrics import log_event
-    from hpc_train.paths import RunPaths, read_marker, step_folders
+    from hpc_train.paths import read_marker, step_folders
 
     runs = ops.find_runs(path)
     if len(runs) != 1:
@@ -536,6 +536,13 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     else:
         lines.append("no committed checkpoint: starting again from step 0")
 
+    code = RunPaths(run.run_dir).code
+    if code.exists():  # the job records a `code_changed` event too; say it before anything is queued
+        from hpc_train.provenance import differences
+
+        if differences(json.loads(code.read_text())):
+            lines.append(f"warning: this is not the code that validated the run ({code}); the job will train with "
+                         f"it and record a code_changed event")
     target = run.log_dir.parent  # the run directory, or the sweep directory of a trial (its submitit/ and job name)
     private = bool(cfg.cluster.env)
     if cfg.cluster.executor == "slurm":
