@@ -14,6 +14,7 @@ from typing import Any
 
 from hpc_train import shipped_dir
 from hpc_train.sbatch import ClusterConfig
+from hpc_train.tracking import TrackingConfig
 
 CONF_DIR = Path(shipped_dir("conf"))  # the starter configs; `hpc-train init` copies them to ./conf
 
@@ -169,6 +170,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     requeue: RequeueConfig = field(default_factory=RequeueConfig)
     fn: FnConfig = field(default_factory=FnConfig)
+    metrics: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow (tracking.py)
 
     def __post_init__(self) -> None:
         from hpc_train.topology import mesh_shape

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_train import data, preempt
+from hpc_train import data, preempt, tracking
 from hpc_train.attempt import Attempt
 from hpc_train.checkpoint import TrainState
 from hpc_train.config import RunConfig, TrainConfig
@@ -169,6 +169,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     tokens_per_step = dp_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
     first_step, loss = state.step, torch.tensor(float("nan"))
+    tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank)  # metrics.tensorboard/wandb/mlflow
 
     # Go!
     while state.step < tc.steps:
@@ -195,6 +196,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
         step_time_s = time.monotonic() - t0
 
         if at.step_end(state, tc.steps):  # every rank agreed to stop: saved (if it fit); the job requeues
+            tracker.close()  # the requeue leaves by os._exit: W&B writes its offline run only on close
             return None
         if state.step % tc.log_every_steps == 0:
             mean_loss = global_mean(loss)
@@ -206,6 +208,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
                        "peak_memory_mb": peak_memory_mb(at.device),
                        "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops)}
                 append_jsonl(at.paths.metrics, row)
+                tracker.log(state.step, row)
                 mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
                 at.say(f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  "
                        f"{step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} tok/s  data "
