@@ -127,6 +127,7 @@ class Attempt:
         self.event("start", state.step, resumed_from=str(folder) if folder else None, init_from=source,
                    target=self.cfg.fn._target_ or "hpc_train.train.main",
                    mesh={"dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()},
+                   vocab_size=self.cfg.model.vocab_size,  # data=tokens: raised to the data's meta.json (config.py)
                    world_size=self.env.world_size, nodes=list(self.env.nodes), launched_at=self.process_start,
                    pids=[int(p) for p in pids],
                    rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],

@@ -8,6 +8,7 @@
     hpc-train submit --dry-run -m cluster=dev train.seed=range(8)          # print scripts, queue nothing
     hpc-train submit --cfg job model.d_model=128              # print the composed config
     hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
+    hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
     hpc-train submit data=tokens data.path=data/notes         # train on them
 """
 
@@ -239,9 +240,10 @@ def _report(args: argparse.Namespace) -> int:
 def _prepare_data(args: argparse.Namespace) -> int:
     from hpc_train import data
 
-    meta = data.prepare([Path(p) for p in args.inputs], Path(args.out), args.shard_tokens)
+    meta = data.prepare([Path(p) for p in args.inputs], Path(args.out), args.shard_tokens, args.tokenizer)
     print(f"{meta['tokens']:,} tokens from {meta['documents']} file(s) in {len(meta['shards'])} shard(s) under "
-          f"{args.out}\ntrain on them: hpc-train submit data=tokens data.path={args.out}")
+          f"{args.out} ({meta['tokenizer']}, vocab {meta['vocab_size']:,}, {meta['dtype']})\n"
+          f"train on them: hpc-train submit data=tokens data.path={args.out}")
     return 0
 
 
@@ -342,10 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("--png", help="where to write the picture (default: RUN/report.png)")
     p.set_defaults(func=_report)
-    p = sub.add_parser("prepare-data", help="local text files -> byte-level token shards for data=tokens")
+    p = sub.add_parser("prepare-data", help="local text files -> token shards (bytes, BPE) for data=tokens")
     p.add_argument("inputs", nargs="+", help="text files, or directories searched recursively")
     p.add_argument("--out", required=True, help="a new directory for shard_*.bin and meta.json")
-    p.add_argument("--shard-tokens", type=int, default=256 * 2**20, help="tokens (bytes) per shard (default 256 MiB)")
+    p.add_argument("--shard-tokens", type=int, default=256 * 2**20, help="tokens per shard (default 256 Mi)")
+    p.add_argument("--tokenizer", default="bytes", help="bytes (default, vocab 256); bpe:VOCAB trains a byte-level "
+                   "BPE on the inputs; or a tokenizer.json (both need: pip install 'hpc_train[tokenizers]')")
     p.set_defaults(func=_prepare_data)
     args = parser.parse_args(argv)
     if args.func is _submit:

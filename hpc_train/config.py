@@ -21,7 +21,7 @@ CONF_DIR = Path(shipped_dir("conf"))  # the starter configs; `hpc-train init` co
 
 @dataclass
 class ModelConfig:  # model.py
-    vocab_size: int = 256  # byte-level tokens
+    vocab_size: int = 256  # byte-level tokens; data=tokens raises it to the data's (meta.json)
     seq_len: int = 32
     d_model: int = 64
     n_layers: int = 2
@@ -183,10 +183,9 @@ class RunConfig:
         if self.data.source == "tokens":
             from hpc_train.data import read_meta
 
-            vocab = read_meta(Path(self.data.path))["vocab_size"]
-            if vocab > self.model.vocab_size:
-                raise ValueError(f"data.path={self.data.path!r} holds {vocab} token ids but model.vocab_size="
-                                 f"{self.model.vocab_size}; set model.vocab_size={vocab}")
+            # The data's tokenizer sets the vocabulary: raised to meta.json's vocab_size (a larger one, e.g.
+            # padded to a multiple of 64 for faster matmuls, is kept). Frozen into config.yaml at submit.
+            self.model.vocab_size = max(self.model.vocab_size, int(read_meta(Path(self.data.path))["vocab_size"]))
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):
             raise ValueError(f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the run "
@@ -297,7 +296,9 @@ def compose_trials(trials: list[list[str]],
             resolved = copy.deepcopy(base)
             for o in fast:
                 _set_dotted(resolved, o.key_or_group, o.value())
-        out.append((resolved, build(RunConfig, resolved)))  # type: ignore[arg-type]
+        run = build(RunConfig, resolved)
+        resolved["model"]["vocab_size"] = run.model.vocab_size  # type: ignore[index]  # from data.path's meta.json
+        out.append((resolved, run))  # type: ignore[arg-type]
     return out
 
 

@@ -3,7 +3,8 @@
     hpc-train prepare-data notes/*.txt --out data/notes        # byte tokens -> data/notes/shard_*.bin
     hpc-train submit data=tokens data.path=data/notes model.seq_len=128
 
-The tokenizer is bytes: token = byte value (vocab 256), documents joined by a NUL byte (text holds none).
+The tokenizer is bytes by default: token = byte value (vocab 256), documents joined by a NUL byte (text
+holds none); `--tokenizer bpe:VOCAB` or `--tokenizer FILE.json` use Hugging Face tokenizers (tokenize.py).
 The sampler cuts the token stream into windows of seq_len + 1 and visits them in a seeded permutation,
 a new one each epoch. Its position (sequences consumed, all ranks together) is saved in every checkpoint,
 so a resumed run reads exactly the windows the uninterrupted run would have read.
@@ -19,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_train import tokenize
+
 META = "meta.json"
-SEPARATOR = b"\x00"  # between documents
 
 
-def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int) -> dict[str, Any]:
-    """Write the byte tokens of every file under `inputs` (sorted, recursively) into shards of at most
+def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str = "bytes") -> dict[str, Any]:
+    """Write the tokens (bytes by default; tokenize.py) of every file under `inputs` (sorted, recursively) into shards of at most
     `shard_tokens` tokens, plus meta.json. Writes into <out_dir>.tmp and renames it once complete, so an
     interrupted run leaves nothing that looks usable; refuses an existing out_dir rather than mixing."""
     if out_dir.exists():
@@ -32,6 +34,7 @@ def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int) -> dict[str, A
                          f"overwritten)")
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    tokenize.check(tokenizer)
     files: list[Path] = []
     for p in inputs:
         if p.is_dir():
@@ -45,6 +48,7 @@ def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int) -> dict[str, A
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         raise ValueError(f"{tmp} exists (an interrupted prepare-data?); remove it and run again")
+    enc = tokenize.open_encoder(tokenizer, files)  # bytes; or trains a BPE on the files (before tmp exists)
     tmp.mkdir(parents=True)
     shards: list[dict[str, Any]] = []
     out = None
@@ -57,21 +61,20 @@ def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int) -> dict[str, A
                     out.close()
                 shards.append({"file": f"shard_{len(shards):05d}.bin", "tokens": 0})
                 out = open(tmp / shards[-1]["file"], "wb")
-            room = shard_tokens - shards[-1]["tokens"]
+            room = (shard_tokens - shards[-1]["tokens"]) * enc.itemsize  # in bytes
             out.write(chunk[:room])
-            shards[-1]["tokens"] += len(chunk[:room])
+            shards[-1]["tokens"] += len(chunk[:room]) // enc.itemsize
             chunk = chunk[room:]
 
     for i, f in enumerate(files):
-        with open(f, "rb") as src:
-            for block in iter(lambda: src.read(1 << 20), b""):
-                write(block)
+        for block in enc.encode_file(f):
+            write(block)
         if i < len(files) - 1:
-            write(SEPARATOR)
+            write(enc.separator)
     if out is not None:
         out.close()
-    meta = {"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint8", "documents": len(files),
-            "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    enc.save(tmp)  # tokenizer.json beside the shards (not for bytes)
+    meta = {**enc.meta, "documents": len(files), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
     (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp, out_dir)
     return meta
