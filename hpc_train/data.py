@@ -4,7 +4,7 @@
     hpc-train submit data=tokens data.path=data/notes model.seq_len=128
 
 The tokenizer is bytes by default: token = byte value (vocab 256), documents joined by a NUL byte (text
-holds none); `--tokenizer bpe:VOCAB` or `--tokenizer FILE.json` use Hugging Face tokenizers (tokenize.py).
+holds none); `--tokenizer bpe:VOCAB` or `--tokenizer FILE.json` use Hugging Face tokenizers (tokenizer.py).
 The sampler cuts the token stream into windows of seq_len + 1 and visits them in a seeded permutation,
 a new one each epoch. Its position (sequences consumed, all ranks together) is saved in every checkpoint,
 so a resumed run reads exactly the windows the uninterrupted run would have read.
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_train import tokenize
+from hpc_train.tokenizer import open_encoder
 
 META = "meta.json"
 
 
 def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str = "bytes") -> dict[str, Any]:
-    """Write the tokens (bytes by default; tokenize.py) of every file under `inputs` (sorted, recursively) into shards of at most
+    """Write the tokens (tokenizer.py) of every file under `inputs` (sorted, recursively) into shards of at most
     `shard_tokens` tokens, plus meta.json. Writes into <out_dir>.tmp and renames it once complete, so an
     interrupted run leaves nothing that looks usable; refuses an existing out_dir rather than mixing."""
     if out_dir.exists():
@@ -34,7 +34,6 @@ def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str
                          f"overwritten)")
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
-    tokenize.check(tokenizer)
     files: list[Path] = []
     for p in inputs:
         if p.is_dir():
@@ -48,7 +47,7 @@ def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         raise ValueError(f"{tmp} exists (an interrupted prepare-data?); remove it and run again")
-    enc = tokenize.open_encoder(tokenizer, files)  # bytes; or trains a BPE on the files (before tmp exists)
+    enc = open_encoder(tokenizer, files)  # bytes (default); checks, or trains a BPE on the files, before tmp exists
     tmp.mkdir(parents=True)
     shards: list[dict[str, Any]] = []
     out = None

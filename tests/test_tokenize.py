@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import HPC_TRAIN, read_events, run
 from hpc_train.data import prepare
-from hpc_train.tokenize import dtype_for
+from hpc_train.tokenizer import dtype_for
 
 
 def write_corpus(folder: Path, docs: int = 6) -> list[str]:
@@ -113,3 +115,15 @@ def test_train_on_bpe_tokens_the_model_vocabulary_comes_from_meta_json(tmp_path:
     assert [e["vocab_size"] for e in read_events(run_dir) if e["event"] == "start"] == [512]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_loss"] < math.log(512) - 1.0  # 6.24 at random init
+
+
+def test_without_hugging_face_tokenizers_the_error_names_the_pip_command(tmp_path: Path) -> None:
+    """sys.modules[name] = None is how Python marks a module absent; the real `main` runs in a subprocess."""
+    write_corpus(tmp_path / "in", docs=1)
+    code = ("import sys; sys.modules['tokenizers'] = None; from hpc_train.cli import main; "
+            f"sys.exit(main(['prepare-data', '{tmp_path / 'in'}', '--out', '{tmp_path / 'out'}', '--tokenizer', "
+            "'bpe:512']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and ("--tokenizer bpe:512 needs Hugging Face tokenizers, which is not installed in "
+                                     "this Python; run: pip install 'hpc_train[tokenizers]'") in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
