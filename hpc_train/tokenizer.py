@@ -85,7 +85,8 @@ def check(spec: str) -> None:
 
 
 def open_encoder(spec: str, files: list[Path]) -> Encoder:
-    """bytes; or a byte-level BPE trained on `files` (~1 s per 10 MB); or the user's tokenizer.json."""
+    """bytes; or a byte-level BPE trained on `files` (14 MB: 9 s of CPU, training and encoding); or the
+    user's tokenizer.json."""
     check(spec)
     if spec == "bytes":
         return Encoder({"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint8"}, b"\x00")  # text holds no NUL
