@@ -24,5 +24,5 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned `torch>=2.4` would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,wandb,mlflow]'
 echo "bootstrap: ready ($(.venv/bin/python -c 'import torch, submitit, hydra; print("torch", torch.__version__, "submitit", submitit.__version__, "hydra", hydra.__version__)'))"
