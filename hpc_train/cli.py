@@ -7,6 +7,7 @@
     hpc-train submit -m ... --sweep-dir runs/demo-3           # complete a half-submitted sweep
     hpc-train submit --dry-run -m cluster=dev train.seed=range(8)          # print scripts, queue nothing
     hpc-train submit --cfg job model.d_model=128              # print the composed config
+    hpc-train results runs/demo-3 --sort train.lr             # a sweep's trials: overrides, state, loss
     hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
     hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
     hpc-train submit data=tokens data.path=data/notes         # train on them
@@ -114,14 +115,63 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"submitted job {p.trials[0].job_id}; run directory {p.target}")
     if type(jobs[0]).__name__ != "LocalJob" or args.no_wait:
         return 0
-    # Local executor: this machine is the cluster, so wait and show the outcome.
+    return _wait_local(jobs[0], Path(p.target))
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative when under the current folder."""
     try:
-        summary = jobs[0].results()[0]  # rank 0 returns the summary
-    except Exception as e:
-        print(f"job failed; log: {p.target}/submitit\n{e}", file=sys.stderr)
-        return 1
-    print(f"finished: {summary}")
-    return 0
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _wait_local(job: object, run_dir: Path) -> int:
+    """Local executor: this machine is the cluster, so wait and say how the run ended. Ctrl-C detaches:
+    submit started the controller and its ranks ignoring SIGINT (and SIGHUP), so a Ctrl-C at the
+    terminal, which reaches the whole foreground process group, stops only this wait."""
+    run = _shown(run_dir)
+    print(f"waiting for {run_dir.name} to finish (Ctrl-C detaches; the run goes on)", flush=True)
+    try:
+        job.wait()  # type: ignore[attr-defined]  # submitit polls the controller process once a second
+    except KeyboardInterrupt:
+        print(f"\ndetached: {run_dir.name} keeps running on this machine\n"
+              f"  hpc-train logs {run} -f     # follow rank 0's log; returns when the run ends\n"
+              f"  hpc-train status {run}      # state, step, goodput\n"
+              f"  hpc-train cancel {run}      # stop it (it saves a checkpoint first)")
+        return 130  # the shell's code for "ended by Ctrl-C"
+    code, text = _local_outcome(run_dir)
+    print(text, file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+def _local_outcome(run_dir: Path) -> tuple[int, str]:
+    """Exit code and the sentence for a local run whose controller exited: finished, cancelled or failed."""
+    import json
+
+    from hpc_train.metrics import read_events
+    from hpc_train.ops import since_resume
+    from hpc_train.paths import RunPaths
+
+    run, paths, events = _shown(run_dir), RunPaths(run_dir), since_resume(read_events(run_dir))
+    if paths.summary.exists():
+        summary = json.loads(paths.summary.read_text())
+        return 0, (f"finished {run_dir.name}: {summary['final_step']} steps, final loss {summary['final_loss']:.4f}; "
+                   f"the run lives in {run}\n"
+                   f"next: hpc-train report {run}   # where the time went, and {run}/report.png\n"
+                   f"      hpc-train logs {run}     # rank 0's log")
+    stopped = next((e for e in reversed(events) if e["event"] == "stopped"), None)
+    if stopped and any(e["event"] == "cancel" for e in events):
+        return 1, f"{run_dir.name} was cancelled at step {stopped['step']}: {stopped['reason']}"
+    fails = [e for e in events if e["event"] == "fail"]
+    if not fails:
+        return 1, (f"{run_dir.name} ended without finishing (no summary.json, no failure recorded); "
+                   f"see its log: hpc-train logs {run}")
+    last = [e for e in fails if e["restart"] == fails[-1]["restart"]][0]  # the last attempt's first failure
+    rank = last.get("rank", 0)
+    return 1, (f"{run_dir.name} failed: {last['error']} (rank {rank}, attempt {last['restart']})"
+               + (f"\nnot requeued: {stopped['reason']}" if stopped else "")
+               + f"\nthe traceback: hpc-train logs {run} --rank {rank}")
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -135,13 +185,7 @@ def _resume(args: argparse.Namespace) -> int:
     if type(job).__name__ != "LocalJob" or args.no_wait:
         print(f"follow it: hpc-train status {args.run}")
         return 0
-    try:  # local executor: this machine is the cluster, so wait and show the outcome, as submit does
-        summary = job.results()[0]
-    except Exception as e:
-        print(f"job failed; log: hpc-train logs {args.run}\n{e}", file=sys.stderr)
-        return 1
-    print(f"finished: {summary}")
-    return 0
+    return _wait_local(job, Path(args.run))  # local executor: wait and say how it ended, as submit does
 
 
 def _runs(path: str, unreadable_ok: bool = False) -> list:
@@ -181,11 +225,21 @@ def _logs(args: argparse.Namespace) -> int:
     runs = _runs(args.run)
     if len(runs) != 1:
         raise ValueError(f"{args.run} holds {len(runs)} runs; name one, e.g. {runs[0].run_dir}")
-    path = ops.log_path(runs[0], args.rank)
-    text = path.read_text()
-    print(ops.attempt_section(text, args.attempt), end="")
-    if args.follow:
-        ops.follow(path, text)
+    run = runs[0]
+    out = ops.log_path(run, args.rank)
+    err = ops.stderr_path(out)
+    out_bytes, err_bytes = out.read_bytes(), err.read_bytes() if err.exists() else b""
+    out_text, err_text = out_bytes.decode(errors="replace"), err_bytes.decode(errors="replace")
+    labels = (f"---- rank {args.rank} stdout: {out} ----", f"---- rank {args.rank} stderr: {err} ----")
+    print(ops.attempt_section(out_text, args.attempt), end="")
+    errors = ops.attempt_section(err_text, args.attempt)  # job.py starts each attempt there with the header too
+    if ops.has_output(errors):  # tracebacks, warnings, stack dumps: after the log, labelled
+        print(labels[1])
+        print(errors, end="" if errors.endswith("\n") else "\n")
+    if args.follow:  # then both streams as they grow, labelled at each switch; returns when the run ends
+        streams = [(out, len(out_bytes), labels[0]), (err, len(err_bytes), labels[1])]
+        ops.follow(streams, labels[1] if ops.has_output(errors) else labels[0], lambda: ops.run_ended(run),
+                   check_every_s=10.0 if run.executor == "slurm" else 0.5)  # sacct: at most once per 10 s
     return 0
 
 
@@ -234,6 +288,16 @@ def _report(args: argparse.Namespace) -> int:
         console.print(table)
         console.print(attempts)
         print(f"picture: {made}" if made.endswith(".png") else made)
+    return 0
+
+
+def _results(args: argparse.Namespace) -> int:
+    from hpc_train import ops
+
+    path = Path(args.sweep_dir)
+    rows = ops.sort_results(ops.results_rows(path), args.sort, args.reverse)
+    title = f"{path.name}: {len(rows)} trial(s), by {args.sort}{' (highest first)' if args.reverse else ''}"
+    ops.print_results(rows, title, "json" if args.json else "csv" if args.csv else "table")
     return 0
 
 
@@ -325,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--attempt", type=int, help="only this attempt (0 = first); default: all")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing what both streams append; returns when the run ends")
     p.set_defaults(func=_logs)
     p = sub.add_parser("cancel", help="cancel exactly this run's or sweep's jobs")
     p.add_argument("path")
@@ -344,6 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("--png", help="where to write the picture (default: RUN/report.png)")
     p.set_defaults(func=_report)
+    p = sub.add_parser("results", help="a sweep's trials side by side: overrides, state, loss, goodput; sorted")
+    p.add_argument("sweep_dir", help="the sweep directory `submit -m` printed, e.g. runs/mix-1")
+    p.add_argument("--sort", default="final_loss", help="a column or an override key, e.g. goodput, train.lr "
+                   "(default: final_loss, lowest first)")
+    p.add_argument("--reverse", action="store_true", help="highest first")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
+    fmt.add_argument("--csv", action="store_true", help="the rows as CSV, one column per override key")
+    p.set_defaults(func=_results)
     p = sub.add_parser("prepare-data", help="local text files -> token shards (bytes, BPE) for data=tokens")
     p.add_argument("inputs", nargs="+", help="text files, or directories searched recursively")
     p.add_argument("--out", required=True, help="a new directory for shard_*.bin and meta.json")

@@ -73,7 +73,8 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     if env.executor == "slurm" and base:
         env = dataclasses.replace(env, restart_count=env.restart_count + base)
     os.environ.update(rank_env.torchrun_vars(env))
-    print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", flush=True)  # `hpc-train logs --attempt`
+    for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
+        print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
     try:
         return _run(paths, env, process_start, phases_s)
     except (SystemExit, KeyboardInterrupt):

@@ -1,4 +1,4 @@
-"""Operations on runs that exist: status, logs, cancel, chaos, report. Torch-free (login node).
+"""Operations on runs that exist: status, logs, cancel, chaos, report, results. Torch-free (login node).
 
 Everything is read from what runs leave in their directories (submission.json, sweep.json,
 events.jsonl, metrics.jsonl) plus one Slurm query per refresh; nothing is kept elsewhere.
@@ -11,10 +11,11 @@ import json
 import os
 import pwd
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpc_train.metrics import lead_warning, log_event, read_events, read_metrics
 from hpc_train.preempt import budget_changes, failures_in_a_row
@@ -71,7 +72,7 @@ def _executor(run_dir: Path) -> str:
     return yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["executor"]
 
 
-def slurm_states(job_ids: list[str]) -> dict[str, str]:
+def slurm_states(job_ids: list[str], retries: int = 3) -> dict[str, str]:
     """State per job id: one sacct call, then squeue for what accounting has not caught up with yet."""
     from hpc_train import slurm
 
@@ -79,13 +80,14 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     if not ids:
         return {}
     out: dict[str, str] = {}
-    for line in slurm.call(["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", "JobID,State"]).splitlines():
+    sacct = ["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", "JobID,State"]
+    for line in slurm.call(sacct, retries=retries).splitlines():
         if "|" in line:
             job, state = line.split("|")[:2]
             out[job] = state.split()[0]
     missing = [j for j in ids if j not in out]
     if missing:
-        for line in slurm.call(["squeue", "-h", "-j", ",".join(missing), "-o", "%i|%T"]).splitlines():
+        for line in slurm.call(["squeue", "-h", "-j", ",".join(missing), "-o", "%i|%T"], retries=retries).splitlines():
             job, state = line.split("|")
             out[job] = state
     return out
@@ -189,16 +191,31 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     return parts
 
 
+def slurm_states_or_error(job_ids: list[str], retry_after_s: float = 1.0) -> tuple[dict[str, str], str]:
+    """slurm_states, asked a second time when it fails: status is a read, safe to repeat, and slurm.call
+    retries only timeouts and the errors it knows as transient. Each ask lets slurm.call retry once,
+    so a controller that never answers costs 4 tries of 30 s, as one call with its default 3 retries
+    did. After both fail: no states, and the whole error for the user (the controller may be down:
+    status still shows what the run directories say)."""
+    if not [j for j in job_ids if j]:
+        return {}, ""
+    for attempt in range(2):
+        try:
+            return slurm_states(job_ids, retries=1), ""
+        except Exception as e:  # SlurmError, or output we could not parse
+            error = str(e).strip()
+            if attempt == 0:
+                time.sleep(retry_after_s)
+    return {}, error
+
+
 COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "committed_step", "total_steps", "tokens_per_s", "mfu",
            "goodput", "since_last_event_s", "warnings")
 
 
 def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
     slurm_ids = [r.job_id for r in runs if r.executor == "slurm"]
-    try:
-        states = slurm_states(slurm_ids) if slurm_ids else {}
-    except Exception as e:  # the controller may be down: show what the run directories say
-        states = {j: f"? ({str(e).splitlines()[0][:40]})" for j in slurm_ids}
+    states, state_error = slurm_states_or_error(slurm_ids)
     rows = []
     for r in runs:
         import yaml
@@ -239,6 +256,8 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             "since_last_event_s": round(time.time() - last, 1) if last else None,
             "warnings": warnings,
         })
+        if state_error and r.executor == "slurm":  # shown once below the table, in full
+            rows[-1].update(state="unknown", state_error=state_error)
     return rows
 
 
@@ -257,7 +276,98 @@ def print_status(rows: list[dict[str, Any]]) -> None:
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                       f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
                       f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since, "; ".join(r["warnings"]))
-    Console(width=220).print(table)
+    console = Console(width=220)
+    console.print(table)
+    for error in dict.fromkeys(r["state_error"] for r in rows if r.get("state_error")):
+        console.print(f"state unknown: {error}", markup=False, highlight=False, soft_wrap=True)
+
+
+RESULT_COLUMNS = ("trial", "state", "step", "final_loss", "val_loss", "goodput", "run_dir")
+
+
+def results_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per trial of a sweep, in sweep.json's order: its overrides (key -> value as typed), the
+    state and goodput of its status row, the last step and loss logged (summary.json's final_loss once
+    it finished), and the last val_loss in metrics.jsonl, if the run evaluates."""
+    if not (sweep_dir / "sweep.json").exists():
+        raise ValueError(f"{sweep_dir} is not a sweep directory (no sweep.json); give the folder "
+                         f"`hpc-train submit -m ...` printed, e.g. runs/mix-1")
+    runs = find_runs(sweep_dir)
+    if any(r.unreadable for r in runs):
+        raise ValueError(next(r.unreadable for r in runs if r.unreadable))
+    trials = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
+    rows = []
+    for trial, run, status in zip(trials, runs, status_rows(runs)):
+        metrics = read_metrics(run.run_dir)
+        summary_path = run.run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        losses = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
+        vals = [m["val_loss"] for m in metrics if isinstance(m.get("val_loss"), (int, float))]
+        rows.append({
+            "trial": run.run_dir.name,
+            "overrides": {k: v for k, _, v in (o.partition("=") for o in trial["overrides"])},
+            "state": status["state"],
+            "step": summary.get("final_step", losses[-1]["step"] if losses else None),
+            "final_loss": summary.get("final_loss", losses[-1]["loss"] if losses else None),
+            "val_loss": vals[-1] if vals else None,
+            "goodput": status["goodput"],
+            "run_dir": str(run.run_dir),
+        })
+    return rows
+
+
+def sort_results(rows: list[dict[str, Any]], key: str, reverse: bool = False) -> list[dict[str, Any]]:
+    """Rows sorted by a column or an override key (numbers as numbers: "3e-4" < "1e-3"); rows without
+    a value last either way (a trial that has not logged a loss yet)."""
+    keys = [*RESULT_COLUMNS, *dict.fromkeys(k for r in rows for k in r["overrides"])]
+    if key not in keys:
+        raise ValueError(f"--sort {key}: no such column; use one of {', '.join(keys)}")
+
+    def get(row: dict[str, Any]) -> Any:
+        return row[key] if key in RESULT_COLUMNS else row["overrides"].get(key)
+
+    def value(row: dict[str, Any]) -> tuple[int, float, str]:
+        try:
+            return (0, float(get(row)), "")
+        except (TypeError, ValueError):
+            return (1, 0.0, str(get(row)))
+
+    present = sorted((r for r in rows if get(r) is not None), key=value, reverse=reverse)
+    return present + [r for r in rows if get(r) is None]
+
+
+def print_results(rows: list[dict[str, Any]], title: str, fmt: str) -> None:
+    """fmt "table" (overrides every trial shares go in the title), "json" or "csv" (every override)."""
+    overrides = list(dict.fromkeys(k for r in rows for k in r["overrides"]))
+    if fmt == "json":
+        print(json.dumps(rows, indent=1))
+        return
+    if fmt == "csv":
+        import csv
+
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(["trial", *overrides, *RESULT_COLUMNS[1:]])
+        for r in rows:
+            writer.writerow([r["trial"], *(r["overrides"].get(k, "") for k in overrides),
+                             *("" if r[c] is None else r[c] for c in RESULT_COLUMNS[1:])])
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    varying = [k for k in overrides if len({r["overrides"].get(k) for r in rows}) > 1]
+    common = " ".join(f"{k}={rows[0]['overrides'][k]}" for k in overrides if k not in varying)
+    table = Table(title=title)
+    for col in ("trial", *varying, "state", "step", "final loss", "val loss", "goodput"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["trial"], *(r["overrides"].get(k, "-") for k in varying), r["state"],
+                      "-" if r["step"] is None else str(r["step"]),
+                      *("-" if r[k] is None else f"{r[k]:.4f}" for k in ("final_loss", "val_loss")),
+                      "-" if r["goodput"] is None else f"{r['goodput']:.1%}")
+    console = Console(width=220)
+    console.print(table)
+    if common:
+        console.print(f"in every trial: {common}", markup=False, highlight=False, soft_wrap=True)
 
 
 def log_path(run: Run, rank: int) -> Path:
@@ -388,6 +498,21 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
     return what
 
 
+def report_marks(atts: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the report's axes show, chosen without drawing (pure): one integer tick per attempt, the
+    attempt boundaries (seconds since the first launch; the step each later attempt resumed from), and
+    a tokens/s axis from 0, so 0.3 tok/s of noise on 4,000 stays a flat line instead of a cliff."""
+    t0 = atts[0]["launched"] if atts else 0.0
+    rates = [m["tokens_per_s"] for m in metrics if isinstance(m.get("tokens_per_s"), (int, float))]
+    return {
+        "t0": t0,
+        "attempt_ticks": [a["restart"] for a in atts],
+        "boundaries_s": [a["launched"] - t0 for a in atts[1:]],
+        "boundary_steps": [a["start_step"] for a in atts[1:] if a["start_step"] is not None],
+        "tokens_per_s_ylim": (0.0, max(rates, default=0.0) * 1.1 or 1.0),  # 10% headroom above the top point
+    }
+
+
 def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str, Any]], str]:
     """Goodput parts, attempts, and the PNG path written ('' when matplotlib is missing)."""
     events, metrics = read_events(run.run_dir), read_metrics(run.run_dir)
@@ -401,41 +526,99 @@ def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str,
         import matplotlib.pyplot as plt
     except ImportError:
         return parts, atts, "matplotlib is not installed: pip install 'hpc_train[plot]' (or matplotlib) for the PNG"
-    t0 = atts[0]["launched"] if atts else 0.0
+    png.parent.mkdir(parents=True, exist_ok=True)
+    marks = report_marks(atts, metrics)
+    t0 = marks["t0"]
     fig, (ax_t, ax_l, ax_s) = plt.subplots(3, 1, figsize=(10, 8), height_ratios=[1.2, 1, 1])
-    for a in atts:
-        ax_t.barh(a["restart"], a["end"] - a["launched"], left=a["launched"] - t0, color="#9ecae1")
+    for k, a in enumerate(atts):
+        ax_t.barh(a["restart"], a["end"] - a["launched"], left=a["launched"] - t0, color="#9ecae1",
+                  label="training" if k == 0 else None)
         if a["start"]:
-            ax_t.barh(a["restart"], a["start"] - a["launched"], left=a["launched"] - t0, color="#fdae6b")
+            ax_t.barh(a["restart"], a["start"] - a["launched"], left=a["launched"] - t0, color="#fdae6b",
+                      label="start-up" if k == 0 else None)
     commits = [e for e in events if e["event"] == "checkpoint_committed"]
     ax_t.scatter([e["time"] - t0 for e in commits], [e["restart"] for e in commits], marker="|", s=200,
                  color="green", label="checkpoint committed")
     sig = [e for e in events if e["event"] in ("signal", "chaos", "fail")]
     ax_t.scatter([e["time"] - t0 for e in sig], [e["restart"] for e in sig], marker="x", s=80, color="red",
                  label="signal / injected / failure")
-    ax_t.set(xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput "
-             f"{parts['goodput']:.1%} (orange: start-up, blue: training)")
-    ax_t.legend(loc="lower right", fontsize=8)
+    ax_t.set_yticks(marks["attempt_ticks"])
+    ax_t.set(xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput {parts['goodput']:.1%}")
+    ax_t.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, never over them
     ax_l.plot([m["step"] for m in metrics], [m.get("loss", float("nan")) for m in metrics], ".-")
     ax_l.set(xlabel="step", ylabel="loss")
     ax_s.plot([m["time"] - t0 for m in metrics], [m.get("tokens_per_s", 0) for m in metrics], ".-")
-    ax_s.set(xlabel="seconds since first launch", ylabel="tokens/s")
+    ax_s.set(xlabel="seconds since first launch", ylabel="tokens/s", ylim=marks["tokens_per_s_ylim"],
+             xlim=ax_t.get_xlim())  # the same clock as the timeline above, boundaries aligned
+    for ax, xs in ((ax_t, marks["boundaries_s"]), (ax_s, marks["boundaries_s"]), (ax_l, marks["boundary_steps"])):
+        for k, x in enumerate(xs):
+            ax.axvline(x, color="gray", linestyle="--", linewidth=1, label="next attempt" if k == 0 and ax is ax_l else None)
+    if marks["boundary_steps"]:
+        ax_l.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return parts, atts, str(png)
 
 
-def follow(path: Path, start_text: str, every_s: float = 0.5) -> None:
-    """`tail -f`: print what is appended until Ctrl-C."""
-    with open(path) as f:
-        f.seek(len(start_text.encode()))
-        try:
-            while True:
-                chunk = f.read()
+def stderr_path(out: Path) -> Path:
+    """The rank's stderr beside its stdout: <job>_<rank>_log.err (tracebacks, warnings, stack dumps)."""
+    return out.with_name(out.name.removesuffix(".out") + ".err")
+
+
+def has_output(text: str) -> bool:
+    """More than the attempt headers job.py prints to both streams."""
+    return any(line.strip() and not line.startswith("==== hpc_train attempt ") for line in text.splitlines())
+
+
+# Slurm states after which nothing more is written to a job's logs. Not PREEMPTED: our jobs are requeued.
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
+
+
+def run_ended(run: Run) -> bool:
+    """Whether the run's ranks will write no more: a local controller that is gone (it outlives every
+    attempt of its ranks), or a Slurm job in a final state (a requeue goes through PENDING, not final)."""
+    if run.executor != "slurm":
+        return local_pid(run) is None
+    try:
+        state = slurm_states([run.job_id], retries=0).get(run.job_id, "")
+    except Exception:  # no answer this time: keep following, ask again at the next check
+        return False
+    return state.rstrip("+") in FINAL_STATES
+
+
+def follow(streams: list[tuple[Path, int, str]], last_label: str, ended: Callable[[], bool], check_every_s: float,
+           every_s: float = 0.5) -> None:
+    """`tail -f` of several files (path, bytes already shown, label), each chunk under its label whenever
+    the stream changes; returns on Ctrl-C, or once ended() says nothing more will be written and what
+    was written before that is shown."""
+    files: dict[Path, Any] = {}
+    next_check = 0.0  # at once: following a run that has ended prints what is left and returns
+    try:
+        while True:
+            done = False
+            if time.monotonic() >= next_check:  # asked before reading, so the last read sees every last line
+                done, next_check = ended(), time.monotonic() + check_every_s
+            quiet = True
+            for path, offset, label in streams:
+                if path not in files:
+                    if not path.exists():
+                        continue
+                    files[path] = open(path, errors="replace")  # noqa: SIM115  (closed below)
+                    files[path].seek(offset)
+                chunk = files[path].read()
                 if chunk:
+                    if label != last_label:
+                        print(label, flush=True)
+                        last_label = label
                     print(chunk, end="", flush=True)
-                else:
-                    time.sleep(every_s)
-        except KeyboardInterrupt:
-            return
+                    quiet = False
+            if done:
+                return
+            if quiet:
+                time.sleep(every_s)
+    except KeyboardInterrupt:
+        return
+    finally:
+        for f in files.values():
+            f.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -326,8 +327,11 @@ def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
 def _stdio_to_devnull() -> Iterator[None]:
     """The local executor's controller inherits our stdout/stderr and outlives us: holding them, it would
     keep `hpc-train submit --no-wait | tee log` (or a test's pipe) open until the job ends. Its own
-    output goes to the per-task log files."""
+    output goes to the per-task log files. It also inherits SIGINT and SIGHUP ignored, as do its ranks
+    (Python keeps an inherited SIG_IGN): a Ctrl-C at the terminal, or closing it, reaches the whole
+    foreground process group, and must stop only `hpc-train submit` waiting, never the run."""
     saved = [os.dup(1), os.dup(2)]
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGHUP)}
     sys.stdout.flush()
     sys.stderr.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -340,6 +344,8 @@ def _stdio_to_devnull() -> Iterator[None]:
         os.dup2(saved[1], 2)
         for fd in (*saved, devnull):
             os.close(fd)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _sbatch_with_retry(submit_once: Callable[[], Any], what: str, attempts: int = 4, backoff_s: float = 1.0) -> Any:

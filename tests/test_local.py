@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import torch
@@ -20,10 +21,13 @@ def test_demo_runs_checkpoints_and_finishes(tmp_path: Path) -> None:
     """`hpc-train submit` with no overrides waits for the local job and prints its summary."""
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}"], timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "finished: {'final_step': 60" in proc.stdout
     run_dir = tmp_path / "demo-1"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 60 and summary["final_loss"] < 5.0
+    assert proc.stdout.endswith(
+        f"finished demo-1: 60 steps, final loss {summary['final_loss']:.4f}; the run lives in {run_dir}\n"
+        f"next: hpc-train report {run_dir}   # where the time went, and {run_dir}/report.png\n"
+        f"      hpc-train logs {run_dir}     # rank 0's log\n")
     assert [e["event"] for e in read_events(run_dir)][0] == "start"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000040", "step_000060"]  # keep_last=2
     assert (run_dir / "config.yaml").exists()
@@ -70,6 +74,59 @@ def test_status_logs_and_report_of_a_local_run(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "no log for rank 7 of demo-1" in missing.stderr
     report = run([HPC_TRAIN, "report", str(run_dir)])
     assert report.returncode == 0 and "goodput" in report.stdout and (run_dir / "report.png").exists()
+    png = tmp_path / "not" / "yet" / "r.png"  # a folder that does not exist is made
+    report = run([HPC_TRAIN, "report", str(run_dir), "--png", str(png)])
+    assert report.returncode == 0 and f"picture: {png}" in report.stdout, report.stderr
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_ctrl_c_while_waiting_detaches_and_the_run_finishes(tmp_path: Path) -> None:
+    """Ctrl-C at a terminal signals the whole foreground process group: the CLI, submitit's controller
+    and every rank. Done here with killpg on the CLI's own group: the CLI says how to follow the run and
+    exits at once, the ranks go on, and `logs -f` started meanwhile returns when the run has finished."""
+    proc = subprocess.Popen([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=20", "train.min_step_time_s=0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run_dir = tmp_path / "demo-1"
+    try:
+        wait_until(lambda: any(e["event"] == "start" for e in read_events(run_dir)), 120, "the ranks to start")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, out + err
+    assert out.endswith(f"\ndetached: demo-1 keeps running on this machine\n"
+                        f"  hpc-train logs {run_dir} -f     # follow rank 0's log; returns when the run ends\n"
+                        f"  hpc-train status {run_dir}      # state, step, goodput\n"
+                        f"  hpc-train cancel {run_dir}      # stop it (it saves a checkpoint first)\n")
+    assert not (run_dir / "summary.json").exists()  # it was still training
+    follow = run([HPC_TRAIN, "logs", str(run_dir), "-f"], timeout_s=120)
+    assert follow.returncode == 0 and (run_dir / "summary.json").exists(), follow.stderr
+    assert "step     20/20" in follow.stdout and "[hpc_train] finished at step 20" in follow.stdout
+    assert [e["event"] for e in read_events(run_dir)].count("start") == 1
+
+
+def test_a_failed_run_names_the_rank_and_logs_shows_its_traceback(tmp_path: Path) -> None:
+    """The wait ends with what failed and the command to type (not submitit's `job.stderr(0)`); `logs`
+    shows that rank's stderr after its log, labelled; `logs -f` of a run that has ended returns."""
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=10", "requeue.max_failures=0",
+                "+cluster.env.HPC_TRAIN_FAULT=raise_at_start"], timeout_s=240)
+    run_dir = tmp_path / "demo-1"
+    assert proc.returncode == 1 and "job.stderr" not in proc.stderr, proc.stdout + proc.stderr
+    m = re.search(r"^demo-1 failed: RuntimeError: injected fault: raise_at_start \(HPC_TRAIN_FAULT\) "
+                  r"\(rank (\d), attempt 0\)\nnot requeued: failure budget spent: .*\n"
+                  rf"the traceback: hpc-train logs {run_dir} --rank (\d)\n$", proc.stderr, re.M)
+    assert m and m.group(1) == m.group(2), proc.stderr
+    rank = m.group(1)
+    log = run([HPC_TRAIN, "logs", str(run_dir), "--rank", rank])
+    err_file = next((run_dir / "submitit").glob(f"*_{rank}_log.err"))
+    assert log.returncode == 0 and log.stdout.startswith(f"==== hpc_train attempt 0 rank {rank} ====\n")
+    stderr_part = log.stdout.split(f"---- rank {rank} stderr: {err_file} ----\n")[1]
+    assert "Traceback (most recent call last)" in stderr_part
+    assert stderr_part.endswith("RuntimeError: injected fault: raise_at_start (HPC_TRAIN_FAULT)\n")
+    assert run([HPC_TRAIN, "logs", str(run_dir), "--rank", rank, "--attempt", "0"]).stdout == log.stdout
+    follow = run([HPC_TRAIN, "logs", str(run_dir), "--rank", rank, "-f"], timeout_s=30)
+    assert follow.returncode == 0 and follow.stdout == log.stdout
 
 
 def test_ddp_fsdp2_and_fsdp2_tp_reach_the_same_loss_and_resume_exactly(tmp_path: Path) -> None:

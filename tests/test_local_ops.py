@@ -4,10 +4,13 @@ submit recorded (start time and boot id), and a cancel stops the run at a checkp
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+
+from hpc_train.ops import report_marks
 
 CONFIG = "cluster: {executor: local, signal_lead_s: 120}\nrequeue: {max_failures: 3}\ntrain: {steps: 40}\n"
 
@@ -85,3 +88,59 @@ def test_cancel_of_a_local_run_saves_and_stops_without_requeue(tmp_path: Path) -
     assert len(stopped) == 1 and stopped[0]["reason"].startswith("cancelled"), stopped
     assert names.count("start") == 1 and "requeue" not in names, names
     assert state(run_dir) == "CANCELLED"
+
+
+SACCT_ERROR = ("sacct: error: slurm_persist_conn_open: Something happened with the receiving/processing of the "
+               "persistent connection init message to localhost:6819: Unspecified error\n"
+               "sacct: error: Problem talking to the database: Unspecified error")
+
+
+def slurm_run(tmp_path: Path, job_id: str) -> tuple[Path, dict[str, str]]:
+    """A Slurm run directory, and an env whose `sacct` fails while the file `fail` exists (removed at the
+    first failure when `fail` says "once"), else says the job runs. A fake: no cluster here, and a real
+    sacct cannot be made to fail on demand (with no controller it spends 30 s per try)."""
+    run_dir = tmp_path / "r1"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(CONFIG.replace("executor: local", "executor: slurm"))
+    (run_dir / "submission.json").write_text(json.dumps({"executor": "slurm", "job_id": job_id}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fail = tmp_path / "fail"
+    (bin_dir / "sacct").write_text(
+        f"#!/bin/sh\nif [ -e {fail} ]; then\n  grep -q once {fail} && rm {fail}\n"
+        f"  printf '%s\\n' '{SACCT_ERROR.splitlines()[0]}' '{SACCT_ERROR.splitlines()[1]}' >&2\n  exit 1\nfi\n"
+        f"echo '{job_id}|RUNNING'\n")
+    (bin_dir / "sacct").chmod(0o755)
+    return run_dir, {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_status_asks_sacct_again_when_it_fails_once(tmp_path: Path) -> None:
+    run_dir, env = slurm_run(tmp_path, "4242")
+    (tmp_path / "fail").write_text("once")
+    proc = run([HPC_TRAIN, "status", str(run_dir), "--json"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)[0]["state"] == "RUNNING" and not (tmp_path / "fail").exists()
+
+
+def test_status_says_unknown_and_the_whole_sacct_error_below_the_table(tmp_path: Path) -> None:
+    run_dir, env = slurm_run(tmp_path, "4242")
+    (tmp_path / "fail").write_text("always")
+    row = json.loads(run([HPC_TRAIN, "status", str(run_dir), "--json"], env=env).stdout)[0]
+    error = f"`sacct -X -n -P -j 4242 -o JobID,State` failed: {SACCT_ERROR}"
+    assert (row["state"], row["state_error"]) == ("unknown", error)
+    proc = run([HPC_TRAIN, "status", str(run_dir)], env=env)
+    assert proc.returncode == 0, proc.stderr
+    table_row = next(line for line in proc.stdout.splitlines() if line.startswith("│ r1"))
+    assert table_row.split("│")[3].strip() == "unknown"
+    assert proc.stdout.endswith(f"┘\nstate unknown: {error}\n")
+
+
+def test_report_marks_integer_attempts_boundaries_and_a_rate_axis_from_zero() -> None:
+    atts = [{"restart": 0, "launched": 100.0, "start_step": 0}, {"restart": 1, "launched": 130.5, "start_step": 20},
+            {"restart": 2, "launched": 171.0, "start_step": 40}]
+    metrics = [{"step": s, "time": 100.0 + s, "tokens_per_s": 4000.0 + 0.3 * (s % 20 == 10)} for s in range(0, 60, 10)]
+    marks = report_marks(atts, metrics)
+    assert marks["attempt_ticks"] == [0, 1, 2]  # one tick per attempt, no 0.5
+    assert marks["boundaries_s"] == [30.5, 71.0] and marks["boundary_steps"] == [20, 40]
+    assert marks["tokens_per_s_ylim"] == (0.0, 4000.3 * 1.1)  # 0.3 tok/s of noise stays flat
+    assert report_marks([], [])["tokens_per_s_ylim"] == (0.0, 1.0)

@@ -1,0 +1,85 @@
+"""`hpc-train results SWEEP_DIR`: a sweep's trials side by side, from a real two-trial local sweep
+(one `submit -m`, ~35 s on 2 cores: the local executor runs the trials one after the other)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import HPC_TRAIN, run
+
+from hpc_train.ops import sort_results
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("results")
+    proc = run([HPC_TRAIN, "submit", "-m", f"out_dir={out}", "train.lr=1e-3,3e-3", "train.steps=6",
+                "train.log_every_steps=2"], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sweep_dir = out / "demo-1"
+    # An evaluating trainer logs val_loss in metrics.jsonl; these trials do not evaluate, so give trial 0 one.
+    with (sweep_dir / "0000" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"time": 1.0, "step": 6, "val_loss": 4.25}) + "\n")
+    return sweep_dir
+
+
+def final_loss(run_dir: Path) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["final_loss"]
+
+
+def test_results_table_is_sorted_by_final_loss(sweep: Path) -> None:
+    proc = run([HPC_TRAIN, "results", str(sweep)])
+    assert proc.returncode == 0, proc.stderr
+    best, worst = sorted(["0000", "0001"], key=lambda t: final_loss(sweep / t))
+    lines = proc.stdout.splitlines()
+    assert "demo-1: 2 trial(s), by final_loss" in lines[0]
+    header = next(l for l in lines if "trial" in l and "state" in l)
+    assert [c.strip() for c in header.strip("┃").split("┃")] == [
+        "trial", "train.lr", "state", "step", "final loss", "val loss", "goodput"]  # only the swept key
+    rows = [[c.strip() for c in l.strip("│").split("│")] for l in lines if l.startswith("│")]
+    assert [r[0] for r in rows] == [best, worst]
+    by_trial = {r[0]: r for r in rows}
+    assert by_trial["0000"][1:6] == ["0.001", "COMPLETED", "6", f"{final_loss(sweep / '0000'):.4f}", "4.2500"]
+    assert by_trial["0001"][1:6] == ["0.003", "COMPLETED", "6", f"{final_loss(sweep / '0001'):.4f}", "-"]
+    assert by_trial["0000"][6].endswith("%")
+    assert lines[-1] == f"in every trial: out_dir={sweep.parent} train.steps=6 train.log_every_steps=2"
+
+
+def test_results_json_and_csv_sorted_by_an_override(sweep: Path) -> None:
+    rows = json.loads(run([HPC_TRAIN, "results", str(sweep), "--json", "--sort", "train.lr", "--reverse"]).stdout)
+    assert [r["trial"] for r in rows] == ["0001", "0000"]  # 3e-3 first
+    assert rows[1]["overrides"] == {"out_dir": str(sweep.parent), "train.lr": "0.001", "train.steps": "6",
+                                    "train.log_every_steps": "2"}
+    assert rows[1]["val_loss"] == 4.25 and rows[0]["val_loss"] is None
+    assert rows[1]["final_loss"] == final_loss(sweep / "0000") and rows[1]["state"] == "COMPLETED"
+    assert 0 < rows[1]["goodput"] <= 1 and rows[1]["run_dir"] == str(sweep / "0000")
+    proc = run([HPC_TRAIN, "results", str(sweep), "--csv", "--sort", "train.lr"])
+    table = list(csv.DictReader(io.StringIO(proc.stdout)))
+    assert [(r["trial"], r["train.lr"], r["val_loss"]) for r in table] == [("0000", "0.001", "4.25"),
+                                                                          ("0001", "0.003", "")]
+    assert list(table[0]) == ["trial", "out_dir", "train.lr", "train.steps", "train.log_every_steps", "state",
+                              "step", "final_loss", "val_loss", "goodput", "run_dir"]
+
+
+def test_results_refuses_an_unknown_sort_key_and_a_run_that_is_not_a_sweep(sweep: Path) -> None:
+    proc = run([HPC_TRAIN, "results", str(sweep), "--sort", "lr"])
+    assert proc.returncode == 2 and proc.stderr == (
+        "hpc-train results: error: --sort lr: no such column; use one of trial, state, step, final_loss, val_loss, "
+        "goodput, run_dir, out_dir, train.lr, train.steps, train.log_every_steps\n")
+    proc = run([HPC_TRAIN, "results", str(sweep / "0000")])
+    assert proc.returncode == 2 and f"{sweep / '0000'} is not a sweep directory (no sweep.json)" in proc.stderr
+
+
+def test_sort_puts_missing_values_last_and_compares_numbers_as_numbers() -> None:
+    def row(trial: str, lr: str, loss: float | None) -> dict:
+        return {"trial": trial, "overrides": {"train.lr": lr}, "final_loss": loss}
+
+    rows = [row("a", "1e-3", None), row("b", "3e-4", 2.0), row("c", "2e-3", 1.0)]
+    assert [r["trial"] for r in sort_results(rows, "final_loss")] == ["c", "b", "a"]
+    assert [r["trial"] for r in sort_results(rows, "final_loss", reverse=True)] == ["b", "c", "a"]
+    assert [r["trial"] for r in sort_results(rows, "train.lr")] == ["b", "a", "c"]  # 3e-4 < 1e-3 < 2e-3
