@@ -95,10 +95,10 @@ SACCT_ERROR = ("sacct: error: slurm_persist_conn_open: Something happened with t
                "sacct: error: Problem talking to the database: Unspecified error")
 
 
-def slurm_run(tmp_path: Path, job_id: str) -> tuple[Path, dict[str, str]]:
+def slurm_run(tmp_path: Path, job_id: str, state: str = "RUNNING") -> tuple[Path, dict[str, str]]:
     """A Slurm run directory, and an env whose `sacct` fails while the file `fail` exists (removed at the
-    first failure when `fail` says "once"), else says the job runs. A fake: no cluster here, and a real
-    sacct cannot be made to fail on demand (with no controller it spends 30 s per try)."""
+    first failure when `fail` says "once"), else gives the job this state. A fake: no cluster here, and a
+    real sacct cannot be made to fail on demand (with no controller it spends 30 s per try)."""
     run_dir = tmp_path / "r1"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(CONFIG.replace("executor: local", "executor: slurm"))
@@ -109,7 +109,7 @@ def slurm_run(tmp_path: Path, job_id: str) -> tuple[Path, dict[str, str]]:
     (bin_dir / "sacct").write_text(
         f"#!/bin/sh\nif [ -e {fail} ]; then\n  grep -q once {fail} && rm {fail}\n"
         f"  printf '%s\\n' '{SACCT_ERROR.splitlines()[0]}' '{SACCT_ERROR.splitlines()[1]}' >&2\n  exit 1\nfi\n"
-        f"echo '{job_id}|RUNNING'\n")
+        f"echo '{job_id}|{state}'\n")
     (bin_dir / "sacct").chmod(0o755)
     return run_dir, {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
@@ -144,3 +144,16 @@ def test_report_marks_integer_attempts_boundaries_and_a_rate_axis_from_zero() ->
     assert marks["boundaries_s"] == [30.5, 71.0] and marks["boundary_steps"] == [20, 40]
     assert marks["tokens_per_s_ylim"] == (0.0, 4000.3 * 1.1)  # 0.3 tok/s of noise stays flat
     assert report_marks([], [])["tokens_per_s_ylim"] == (0.0, 1.0)
+
+
+def test_logs_follow_of_a_slurm_job_in_a_final_state_prints_both_streams_and_returns(tmp_path: Path) -> None:
+    run_dir, env = slurm_run(tmp_path, "4242", state="COMPLETED")
+    (run_dir / "submitit").mkdir()
+    (run_dir / "submitit" / "4242_0_log.out").write_text("==== hpc_train attempt 0 rank 0 ====\nstep 10/10\n")
+    err = run_dir / "submitit" / "4242_0_log.err"
+    err.write_text("==== hpc_train attempt 0 rank 0 ====\nUserWarning: something\n")
+    proc = run([HPC_TRAIN, "logs", str(run_dir), "-f"], env=env, timeout_s=20)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ("==== hpc_train attempt 0 rank 0 ====\nstep 10/10\n"
+                           f"---- rank 0 stderr: {err} ----\n==== hpc_train attempt 0 rank 0 ====\n"
+                           "UserWarning: something\n")
