@@ -57,11 +57,18 @@ def _print_table(p: object) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
+    import os
     import shutil
 
     from hpc_train.config import CONF_DIR
 
     target = Path(args.dir) / "conf"
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        raise ValueError(f"{args.dir} is a file, not a folder; give the folder to hold conf/ (default: this one), "
+                         f"e.g. hpc-train init {Path(args.dir).parent}")
+    if target.is_symlink() and not target.exists():
+        raise ValueError(f"{target} is a symlink to {os.readlink(target)}, which does not exist; remove it (rm "
+                         f"{target}) or create what it points to, then run hpc-train init again")
     if target.exists():
         raise ValueError(f"{target} exists already; init never overwrites a config. Edit it, or move it away "
                          f"and run hpc-train init again for a fresh copy")
@@ -94,6 +101,7 @@ def _submit(args: argparse.Namespace) -> int:
         from hpc_train.metrics import lead_warning
 
         p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source)
+        print(f"hpc-train submit: config {source.dir / source.name}.yaml", file=sys.stderr)  # ./conf, -cp or shipped
         slurm_run = p.runs[0].cluster.executor == "slurm"
         warning = slurm_run and lead_warning(submit.previous_runs(p), p.runs[0].cluster.signal_lead_s)
         if warning:
@@ -361,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-parallel", type=int, help="at most this many tasks of an array run at once (%%N)")
     # Hydra's three flags, with Hydra's meaning (hydra/_internal/utils.py): -cp replaces the primary config
     # directory, -cn picks its file, -cd adds a directory searched after it.
-    p.add_argument("-cp", "--config-path", help="the primary config directory (default: ./conf if this folder "
-                                                "has one, else the package's; `hpc-train init` writes ./conf)")
+    p.add_argument("-cp", "--config-path", help="the primary config directory (default: ./conf if it holds "
+                                                "config.yaml, else the package's; `hpc-train init` writes ./conf)")
     p.add_argument("-cn", "--config-name", help="the primary config file in it, without .yaml (default: config)")
     p.add_argument("-cd", "--config-dir", action="append", default=[],
                    help="a directory searched after the primary one: add options (DIR/cluster/mysite.yaml) "

@@ -203,7 +203,7 @@ def register_schema() -> None:
 @dataclass(frozen=True)
 class ConfigSource:
     """Where a config is composed from, as in Hydra: the primary config directory (--config-path; else
-    ./conf when the current folder has one; else the package's) and file (--config-name), then
+    ./conf when it holds config.yaml (or the --config-name file); else the package's) and file (--config-name), then
     directories searched after it (--config-dir: add options such as cluster/mysite.yaml, copy nothing)."""
     dir: Path = CONF_DIR
     name: str = "config"
@@ -212,7 +212,9 @@ class ConfigSource:
     @staticmethod
     def find(config_path: str | None = None, config_name: str | None = None,
              config_dirs: list[str] | tuple[str, ...] = ()) -> "ConfigSource":
-        primary = Path(config_path) if config_path else Path("conf") if Path("conf").is_dir() else CONF_DIR
+        # ./conf only when it holds the primary config: a project's unrelated conf/ (or a dangling link) is not ours
+        own = Path("conf") / f"{config_name or 'config'}.yaml"
+        primary = Path(config_path) if config_path else Path("conf") if own.is_file() else CONF_DIR
         for d in (primary, *map(Path, config_dirs)):
             if not d.is_dir():
                 raise ValueError(f"config directory {str(d)!r} does not exist; give a folder holding config.yaml "

@@ -156,3 +156,36 @@ def test_status_shows_a_numeric_mfu(tmp_path: Path) -> None:
     append_jsonl(run_dir / "metrics.jsonl", {"time": 1.0, "step": 10, "tokens_per_s": 1e6, "mfu": 0.4213})
     out = run([HPC_TRAIN, "status", str(run_dir)])
     assert out.returncode == 0 and "42.1%" in out.stdout, out.stdout + out.stderr
+
+
+def test_init_into_a_file_or_a_dangling_conf_link_says_what_to_fix(tmp_path: Path) -> None:
+    """Before: NotADirectoryError and FileExistsError tracebacks."""
+    (tmp_path / "afile").write_text("x")
+    proc = run([HPC_TRAIN, "init", "afile"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == (
+        "hpc-train init: error: afile is a file, not a folder; give the folder to hold conf/ (default: this one), "
+        "e.g. hpc-train init .\n")
+    (tmp_path / "conf").symlink_to(tmp_path / "gone")
+    proc = run([HPC_TRAIN, "init"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"hpc-train init: error: conf is a symlink to {tmp_path}/gone, which does not exist; remove it (rm conf) or "
+        f"create what it points to, then run hpc-train init again\n")
+
+
+def test_a_conf_folder_without_config_yaml_is_not_the_primary_config(tmp_path: Path) -> None:
+    """A project's own conf/ (here: logging settings) is not hpc-train's; submit says which config it used."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "logging.ini").write_text("[loggers]\n")
+    proc = run([HPC_TRAIN, "submit", "--dry-run", "cluster=dev", "train.steps=3"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr  # before: "Cannot find primary config 'config'"
+    from hpc_train.config import CONF_DIR
+
+    assert f"hpc-train submit: config {CONF_DIR.resolve()}/config.yaml\n" in proc.stderr
+    (tmp_path / "conf" / "config.yaml").write_text((CONF_DIR / "config.yaml").read_text())
+    for group in ("cluster", "model", "train", "data", "checkpoint", "experiment"):
+        if (CONF_DIR / group).is_dir():
+            (tmp_path / "conf" / group).symlink_to(CONF_DIR / group)
+    proc = run([HPC_TRAIN, "submit", "--dry-run", "cluster=dev", "train.steps=3"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"hpc-train submit: config {tmp_path}/conf/config.yaml\n" in proc.stderr
+
