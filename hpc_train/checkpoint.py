@@ -430,7 +430,18 @@ class Saver:
         folder, with_optim = Path(self.cfg.init_from), self.cfg.init_from_optimizer
         rank, world = dist.get_rank(), dist.get_world_size()
         t0 = time.monotonic()
-        marker = read_marker(folder)
+        # Rank 0 reads, every rank gets its answer: a folder deleted meanwhile fails all ranks together,
+        # none waiting in the all_gather below for one that raised (as resume lists for every rank).
+        found: list[Any] = [None]
+        if rank == 0:
+            marker = read_marker(folder)
+            try:
+                meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata if marker else None
+            except Exception:  # .metadata gone or torn: the marker's checksums would fail it anyway
+                marker, meta = None, None
+            found[0] = (marker, meta)
+        dist.broadcast_object_list(found, src=0)
+        marker, meta = found[0]
         if marker is None:
             raise Unrecoverable(f"checkpoint.init_from={folder}: no readable {MARKER} manifest there (deleted by its "
                                 f"run's retention, or never committed); submit again with another committed step "
@@ -445,7 +456,7 @@ class Saver:
         verify_s, t1 = time.monotonic() - t0, time.monotonic()
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
-        wrong = shape_mismatch(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata, sd)
+        wrong = shape_mismatch(meta, sd)
         if wrong:
             raise Unrecoverable(f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "
                                 f"trained with (its run's config.yaml), or drop checkpoint.init_from")

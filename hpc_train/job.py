@@ -61,8 +61,11 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     process_start = process_start_time()
     phases_s = {"python": max(0.0, preempt.installed_at[0] - process_start)}
     paths = RunPaths(Path(run_dir_str))
-    events = read_events(paths.run_dir)
-    # `hpc-train resume` wrote the number of the attempt it started (before submitting): the run's attempts
+    from hpc_train.submit import LOCK, locked
+
+    with locked(paths.run_dir / LOCK, shared=True):  # an `hpc-train resume` still recording its event: wait
+        events = read_events(paths.run_dir)
+    # `hpc-train resume` wrote the number of the attempt it started (holding the lock): the run's attempts
     # go on from there, though a resumed Slurm job counts SLURM_RESTART_COUNT from 0 again.
     resumes = [i for i, e in enumerate(events) if e["event"] == "resume"]
     base = events[resumes[-1]]["restart"] if resumes else 0
@@ -72,6 +75,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     env = rank_env.from_env(os.environ)
     if env.executor == "slurm" and base:
         env = dataclasses.replace(env, restart_count=env.restart_count + base)
+    os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)  # the run's attempt: drills fire in attempt 0 only
     os.environ.update(rank_env.torchrun_vars(env))
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
@@ -246,7 +250,10 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
     if env.local_rank == 0 and paths.code.exists():  # one task per node: each node may have its own install
         from hpc_train.provenance import differences
 
-        changed = differences(json.loads(paths.code.read_text()))
+        try:  # a check that informs: it never fails the attempt (a damaged code.json, git's odd output)
+            changed = differences(json.loads(paths.code.read_text()))
+        except Exception as e:
+            changed = f"could not compare the code with code.json ({type(e).__name__}: {e})"
         if changed:
             log_event(paths.run_dir, "code_changed", -1, env.job_id, env.restart_count, rank=env.rank, detail=changed)
             print(f"[hpc_train] warning: {changed}", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import json
 import os
 import pwd
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ def find_runs(path: Path) -> list[Run]:
             manifest = json.loads((path / "sweep.json").read_text())
             executor = _executor(Path(manifest["trials"][0]["run_dir"])) if manifest["trials"] else "slurm"
             return [Run(Path(t["run_dir"]), f"{path.name}/{Path(t['run_dir']).name}", t["job_id"] or "", executor,
-                        path / "submitit") for t in manifest["trials"]]
+                        path / "submitit", process=t.get("process")) for t in manifest["trials"]]
         if (path / "config.yaml").exists():
             if (path.parent / "sweep.json").exists():  # a trial: its sweep, or the sweep's unreadable row
                 return [r for r in find_runs(path.parent) if r.run_dir == path or r.unreadable]
@@ -103,7 +104,8 @@ def process_identity(pid: int) -> dict[str, Any] | None:
         return None
     if fields[0] == "Z":  # exited; its parent has not reaped it yet
         return None
-    return {"start_time": int(fields[19]), "boot_id": boot_id}  # fields[0] is field 3
+    # fields[0] is field 3; the host: a pid says nothing on another machine (resume refuses there)
+    return {"start_time": int(fields[19]), "boot_id": boot_id, "host": socket.gethostname()}
 
 
 def local_pid(run: Run) -> int | None:
@@ -111,7 +113,8 @@ def local_pid(run: Run) -> int | None:
     even if the pid now belongs to another process."""
     if not run.job_id.isdigit() or run.process is None:
         return None
-    return int(run.job_id) if process_identity(int(run.job_id)) == run.process else None
+    now = process_identity(int(run.job_id)) or {}
+    return int(run.job_id) if all(now.get(k) == v for k, v in run.process.items()) else None  # older: no host
 
 
 def since_resume(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -74,7 +74,8 @@ def injected(fault: str) -> bool:
     +cluster.env.HPC_TRAIN_FAULT=...). Each fires in the first attempt only unless its name ends in
     `_always`, so a drill shows the recovery."""
     faults = os.environ.get("HPC_TRAIN_FAULT", "").split(",")
-    first_attempt = os.environ.get("SLURM_RESTART_COUNT", os.environ.get("HPC_TRAIN_ATTEMPT", "0")) in ("", "0")
+    # The run's attempt (job.py sets it on Slurm too): a resumed job's SLURM_RESTART_COUNT starts at 0 again.
+    first_attempt = os.environ.get("HPC_TRAIN_ATTEMPT", "0") in ("", "0")
     return f"{fault}_always" in faults or (fault in faults and first_attempt)
 
 
@@ -102,12 +103,15 @@ BUDGET_KEYS = {"preempt": "max_preemptions", "time_limit": "max_time_limit_reque
 
 
 def failures_in_a_row(events: list[dict[str, Any]]) -> int:
-    """Failure requeues since the run last made progress (committed a step beyond every earlier commit).
-    A crash loop never makes progress; three node faults a month apart each come after progress."""
+    """Failure requeues since the run last made progress (committed a step beyond every earlier commit)
+    or was resumed (`hpc-train resume` is a person's word that the cause is fixed). A crash loop never
+    makes progress; three node faults a month apart each come after progress."""
     count, best = 0, -1
     for e in events:
         if e["event"] == "checkpoint_committed" and e["step"] > best:
             best, count = e["step"], 0
+        elif e["event"] == "resume":
+            count = 0
         elif e["event"] == "requeue" and e.get("reason") == "failure" and e.get("by") != "slurm":
             count += 1
     return count

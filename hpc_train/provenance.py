@@ -5,8 +5,9 @@
 
 Torch-free: submit writes the record on the login node; the first task on every node compares it with
 the code it imported. The git fields are filled only when this package's own files are tracked in a git
-checkout (an editable install); code.diff holds `git diff HEAD` of tracked files only, so untracked
-files (a .env, a key file) never land in a run directory.
+checkout (an editable install). code.diff holds `git diff HEAD` of the package's own tracked files only
+(hpc_train/: not the rest of the repository, not untracked files such as a .env or a key file), as
+bytes (a source file need not be UTF-8), owner-only, capped at DIFF_CAP_BYTES.
 """
 
 from __future__ import annotations
@@ -21,30 +22,43 @@ import hpc_train
 
 PACKAGE_DIR = Path(hpc_train.__file__).resolve().parent
 COMPARED = ("version", "path", "git_commit", "git_diff_sha256")
+DIFF_CAP_BYTES = 4 << 20  # a diff past 4 MiB is a vendored blob, not an edit: code.json keeps its full hash
 
 
-def _git(*args: str) -> str | None:
-    """git's stdout, or None when git is missing, slow (10 s) or says no."""
+def _git(*args: str) -> bytes | None:
+    """git's stdout as bytes (a modified file may hold any bytes), or None when git is missing, slow (10 s)
+    or says no."""
     try:
-        proc = subprocess.run(["git", "-C", str(PACKAGE_DIR), *args], capture_output=True, text=True, timeout=10)
+        proc = subprocess.run(["git", "-C", str(PACKAGE_DIR), *args], capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout if proc.returncode == 0 else None
 
 
-def identity() -> tuple[dict[str, Any], str]:
-    """(code.json's record, the diff of tracked files against HEAD: "" when clean or not a checkout)."""
+def identity() -> tuple[dict[str, Any], bytes]:
+    """(code.json's record, the diff of the package's tracked files against HEAD: b"" when clean or not a
+    checkout)."""
     record: dict[str, Any] = {"version": hpc_train.__version__, "path": str(PACKAGE_DIR), "python": sys.executable,
                               "git_commit": None, "git_dirty": None, "git_diff_sha256": None}
     # A wheel inside a venv inside some repository is not that repository's code: ask for our own file.
     if _git("ls-files", "--error-unmatch", "__init__.py") is None:
         return record, ""
-    commit, diff = _git("rev-parse", "HEAD"), _git("diff", "HEAD", "--no-color", "--no-ext-diff")
+    # --relative with pathspec ".": only this package's folder, paths relative to it
+    commit = _git("rev-parse", "HEAD")
+    diff = _git("diff", "HEAD", "--no-color", "--no-ext-diff", "--relative", "--", ".")
     if commit is None or diff is None:
-        return record, ""
-    record.update(git_commit=commit.strip(), git_dirty=bool(diff),
-                  git_diff_sha256=hashlib.sha256(diff.encode()).hexdigest())
+        return record, b""
+    record.update(git_commit=commit.decode("ascii", "replace").strip(), git_dirty=bool(diff),
+                  git_diff_sha256=hashlib.sha256(diff).hexdigest())
     return record, diff
+
+
+def capped(diff: bytes) -> bytes:
+    """code.diff's content: the diff, or its first DIFF_CAP_BYTES and a line saying it was cut."""
+    if len(diff) <= DIFF_CAP_BYTES:
+        return diff
+    return diff[:DIFF_CAP_BYTES] + (f"\n# hpc-train: code.diff capped at {DIFF_CAP_BYTES} of {len(diff)} bytes; "
+                                    f"code.json's git_diff_sha256 is the hash of the whole diff\n").encode()
 
 
 def describe() -> str:

@@ -140,6 +140,39 @@ def requeue(job_id: str) -> str:
         return str(e)
 
 
+def parse_squeue_states(text: str) -> dict[str, str]:
+    """`squeue -h -r -o %i|%T` -> {job id: state}. -r lists each pending array task (123_4) rather than
+    one line `123_[4-7]`, so a pending task is found by its own id."""
+    return dict(line.split("|", 1) for line in text.splitlines() if "|" in line)
+
+
+def live_states(job_ids: list[str]) -> dict[str, str]:
+    """State per job id, for a safety check ("is it still queued or running?"): slurmctld first (squeue
+    knows every job it holds, at once), sacct only for ids it no longer knows (accounting may lag the
+    controller by seconds, or be down)."""
+    ids = [j for j in job_ids if j]
+    if not ids:
+        return {}
+    try:
+        listed = parse_squeue_states(call(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"]))
+    except SlurmError as e:
+        if "invalid job id" not in str(e).lower():  # squeue's answer for a job it no longer holds
+            raise
+        listed = {}
+    out: dict[str, str] = {}
+    for j in ids:  # an array's own id: the state of any task it still holds
+        state = listed.get(j) or next((s for k, s in listed.items() if k.startswith(f"{j}_")), "")
+        if state:
+            out[j] = state
+    missing = [j for j in ids if j not in out]
+    if missing:
+        for line in call(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobID,State"]).splitlines():
+            job, _, state = line.partition("|")
+            if job in missing and state:
+                out[job] = state.split()[0]
+    return out
+
+
 def slurm_env(slurm_conf: str | None) -> None:
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf

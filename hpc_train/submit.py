@@ -20,10 +20,14 @@ A run directory holds everything a (re)started attempt needs and everything it l
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,6 +47,7 @@ class Trial:
     overrides: list[str]
     run_dir: str
     job_id: str | None = None
+    process: dict[str, Any] | None = None  # a local trial: ops.process_identity of its controller
 
 
 @dataclass
@@ -95,13 +100,44 @@ def claim_dir(wanted: Path) -> Path:
             wanted = next_dir(wanted.parent, wanted.name.rsplit("-", 1)[0])
 
 
-def _write_atomic(path: Path, text: str, private: bool) -> None:
-    """tmp + os.replace; private: created 0600, so the text is never readable by others, not for a moment."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a killed submit's leftover would keep its old mode under O_CREAT
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666), "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def _write_atomic(path: Path, text: str | bytes, private: bool) -> None:
+    """A unique temp file in the same folder (two writers never share one) + os.replace; private: 0600,
+    so the text is never readable by others, not for a moment; else 0666 less the umask, as open() does."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # created 0600
+    try:
+        if not private:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+LOCK = ".lock"  # in a run directory: held by `hpc-train resume` until the new job id is recorded
+
+
+@contextlib.contextmanager
+def locked(lock_file: Path, wait: bool = True, busy: str = "", shared: bool = False) -> Iterator[None]:
+    """flock on lock_file, a file never replaced (so every holder locks the same inode). wait=False: raise
+    ValueError(busy) at once when another process holds it. A file system without flock (Lustre mounted
+    without -o flock) goes on unlocked: the lock narrows a race, nothing depends on it to be correct."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise ValueError(busy) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _submitit_dir(folder: Path, private: bool) -> Path:
@@ -131,8 +167,8 @@ def _code_identity(target: Path, private: bool) -> str:
     record, diff = provenance.identity()
     if diff:
         record["diff_file"] = str(target / "code.diff")
-        if not (target / "code.diff").exists():
-            _write_atomic(target / "code.diff", diff, private)
+        if not (target / "code.diff").exists():  # owner-only always: a diff may hold what was never committed
+            _write_atomic(target / "code.diff", provenance.capped(diff), private=True)
     return json.dumps(record, indent=1) + "\n"
 
 
@@ -174,6 +210,34 @@ def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
                              f"{' '.join(f'model.{k}={model[k]}' for k in differ)}, or drop checkpoint.init_from to "
                              f"train from scratch")
     return folder
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # instant, no space; the source run deleting its folder leaves this name
+    except OSError:  # another file system (EXDEV), or another user's file (fs.protected_hardlinks: EPERM)
+        shutil.copy2(src, dst)
+
+
+def pin_init_from(target: Path, configs: list[dict[str, Any]]) -> None:
+    """Each checkpoint.init_from step folder hardlinked (else copied) into <target>/init_from/<6 hex of its
+    path>/, with source.json naming the original, and the frozen config pointed there: the source run's
+    retention may delete its folder before this job starts (a job can wait in the queue for days)."""
+    import hashlib
+
+    for c in configs:
+        source = c["checkpoint"].get("init_from")
+        if not source or Path(source).is_relative_to(target):
+            continue
+        pinned = target / "init_from" / hashlib.sha1(source.encode()).hexdigest()[:6] / Path(source).name
+        if not pinned.exists():  # a resubmitted sweep pinned it already
+            pinned.parent.mkdir(parents=True, exist_ok=True)
+            tmp = pinned.with_name(f".{pinned.name}.{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(source, tmp, copy_function=_link_or_copy)
+            os.replace(tmp, pinned)  # whole or absent: the COMMITTED marker never appears in a partial copy
+            _write_atomic(pinned.parent / "source.json", json.dumps({"init_from": source}) + "\n", private=False)
+        c["checkpoint"]["init_from"] = str(pinned)
 
 
 def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
@@ -240,14 +304,25 @@ def _load_manifest(sweep_dir: Path, overrides: list[str], trials: list[Trial]) -
         raise ValueError(f"{sweep_dir} holds a sweep of {old['overrides']}, not {overrides}; resubmit it with "
                          f"the same overrides, or drop --sweep-dir to start a new sweep")
     for t, saved in zip(trials, old["trials"]):
-        t.job_id = saved["job_id"]
+        t.job_id, t.process = saved["job_id"], saved.get("process")
     return [Array(**a) for a in old["arrays"]]
 
 
 def _save_manifest(p: Plan, overrides: list[str]) -> None:
-    record = {"sweep_dir": str(p.target), "job_name": job_name(p.target), "overrides": overrides, "updated_at": time.time(),
-              "trials": [asdict(t) for t in p.trials], "arrays": [asdict(a) for a in p.arrays]}
-    _write_atomic(p.target / MANIFEST, json.dumps(record, indent=1) + "\n", p.private)
+    """Under sweep.json's lock: a trial `hpc-train resume` queued meanwhile keeps the job id it recorded
+    (those with previous_job_ids), not the one this submit knew."""
+    with locked(p.target / (MANIFEST + ".lock")):
+        path = p.target / MANIFEST
+        disk = {t["index"]: t for t in json.loads(path.read_text())["trials"]} if path.exists() else {}
+        trials = []
+        for t in p.trials:
+            saved = disk.get(t.index, {})
+            if saved.get("previous_job_ids"):  # resumed: its record wins, and this submit learns it
+                t.job_id, t.process = saved["job_id"], saved.get("process")
+            trials.append({**saved, **asdict(t)})
+        record = {"sweep_dir": str(p.target), "job_name": job_name(p.target), "overrides": overrides,
+                  "updated_at": time.time(), "trials": trials, "arrays": [asdict(a) for a in p.arrays]}
+        _write_atomic(path, json.dumps(record, indent=1) + "\n", p.private)
 
 
 # submitit's process_job waits this long for its task's pickle, then fails the task.
@@ -261,11 +336,8 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
     appended to p.arrays, so every trial runs, or is queued again, exactly once."""
     from hpc_train import slurm
 
-    known = {a.job_id for a in p.arrays if a.job_id}
-    out = slurm.call(["sacct", "-X", "-n", "-P", "--name", job_name, "-o", "JobID,State", "-S", "now-7days"])
-    ids = [line.split("|")[0] for line in out.splitlines() if line and "CANCELLED" not in line]
-    ids += slurm.call(["squeue", "-h", "--name", job_name, "-o", "%F"]).split()
-    found = {i.split("_")[0] for i in ids} - known  # a cancelled array was given up on: resubmit instead
+    known = {a.job_id for a in p.arrays if a.job_id} | _manifest_ids(p.target)  # incl. trials' resumed jobs
+    found = _jobs_named(job_name) - known  # a cancelled array was given up on: resubmit instead
     if len(found) != 1:
         return False
     array.job_id, array.submitting = found.pop(), False
@@ -289,6 +361,27 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
     if ended:
         p.arrays.append(Array(trials=ended))
     return True
+
+
+def _jobs_named(job_name: str) -> set[str]:
+    """Ids (an array's base id) of this user's jobs of that name, queued or run in 7 days, not cancelled."""
+    from hpc_train import slurm
+
+    out = slurm.call(["sacct", "-X", "-n", "-P", "--name", job_name, "-o", "JobID,State", "-S", "now-7days"])
+    ids = [line.split("|")[0] for line in out.splitlines() if line and "CANCELLED" not in line]
+    ids += slurm.call(["squeue", "-h", "--name", job_name, "-o", "%F"]).split()
+    return {i.split("_")[0] for i in ids}
+
+
+def _manifest_ids(target: Path) -> set[str]:
+    """Every job id sweep.json or submission.json records (base ids), now or before a resume."""
+    ids: list[str] = []
+    for name in (MANIFEST, "submission.json"):
+        if (target / name).exists():
+            record = json.loads((target / name).read_text())
+            for r in [record, *record.get("trials", []), *record.get("arrays", [])]:
+                ids += [r.get("job_id") or "", *r.get("previous_job_ids", [])]
+    return {i.split("_")[0] for i in ids if i}
 
 
 def _queued_tasks(job_name: str) -> dict[str, float]:
@@ -375,6 +468,7 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
     if not multirun:
         run_dir = p.target = claim_dir(p.target)
         p.trials[0].run_dir = str(run_dir)
+        pin_init_from(run_dir, p.configs)
         _freeze(run_dir, p.configs[0], p.private, _code_identity(run_dir, p.private))
         executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
@@ -401,6 +495,7 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
         if saved is not None:
             p.arrays = saved
     code = _code_identity(p.target, p.private)
+    pin_init_from(p.target, p.configs)
     for t in p.trials:
         _freeze(Path(t.run_dir), p.configs[t.index], p.private, code)
     _save_manifest(p, overrides)
@@ -422,8 +517,14 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
         array.submitting = True
         _save_manifest(p, overrides)
         if cluster.executor == "local":  # this machine is the cluster: one trial at a time
+            from hpc_train.ops import process_identity
+
             with _stdio_to_devnull():
                 new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
+            # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
+            p.trials[todo[0]].job_id = str(new[0].job_id)
+            p.trials[todo[0]].process = process_identity(int(new[0].job_id))
+            _save_manifest(p, overrides)
             with contextlib.suppress(Exception):  # a failed trial is in its events.jsonl; go on
                 new[0].results()
         else:
@@ -465,9 +566,31 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     """`hpc-train resume RUN`: queue a stopped, cancelled or failed run again under its own identity (run
     directory, frozen config.yaml, events.jsonl), to go on from its newest committed checkpoint. Refuses a
     run that is queued, running or finished. `budgets` (requeue.* keys) are recorded in the `resume` event
-    and apply over the frozen config, which stays as submitted. Writes the `resume` event (the attempt it
-    starts, who, why) before queueing, then the new job id where status finds it (submission.json, or the
-    sweep's sweep.json). Returns (the submitit job, sentences for the user)."""
+    and apply over the frozen config, which stays as submitted. Once sbatch succeeded, writes the `resume`
+    event (the attempt it starts, who, why) and the new job id where status finds it (submission.json, or
+    the sweep's sweep.json). Returns (the submitit job, sentences for the user)."""
+    from hpc_train import ops
+
+    runs = ops.find_runs(path)
+    if not runs:
+        raise ValueError(f"{path} is not a run directory: it holds no run (no config.yaml, no sweep.json); see what "
+                         f"it holds with hpc-train status {path}")
+    if len(runs) != 1:
+        raise ValueError(f"{path} holds {len(runs)} runs; resume one of them, e.g. hpc-train resume {runs[0].run_dir}")
+    run = runs[0]
+    if run.unreadable:
+        raise ValueError(run.unreadable)
+    # Held from the state check until the new job id is recorded: a second resume of this run is refused
+    # (it would queue a second copy), and a sweep's submit driver waits to write sweep.json.
+    target = run.log_dir.parent  # the run directory, or the sweep directory of a trial (its submitit/ and job name)
+    busy = (f"{run.label} is already being resumed by another hpc-train resume; follow it with hpc-train status "
+            f"{run.run_dir}")
+    with locked(run.run_dir / LOCK, wait=False, busy=busy), \
+            locked(target / (MANIFEST + ".lock")) if (target / MANIFEST).exists() else contextlib.nullcontext():
+        return _resume(ops.find_runs(run.run_dir)[0], budgets, reason)
+
+
+def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[str]]:
     import getpass
     import socket
 
@@ -477,12 +600,6 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     from hpc_train.metrics import log_event
     from hpc_train.paths import read_marker, step_folders
 
-    runs = ops.find_runs(path)
-    if len(runs) != 1:
-        raise ValueError(f"{path} holds {len(runs)} runs; resume one of them, e.g. hpc-train resume {runs[0].run_dir}")
-    run = runs[0]
-    if run.unreadable:
-        raise ValueError(run.unreadable)
     events = read_events(run.run_dir)
     finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
     if finish is not None:
@@ -493,7 +610,7 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     state = ""
     if run.executor == "slurm" and run.job_id:
         try:
-            state = ops.slurm_states([run.job_id]).get(run.job_id, "")
+            state = slurm.live_states([run.job_id]).get(run.job_id, "")
         except slurm.SlurmError as e:
             raise slurm.SlurmError(f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
                                    f"({e}); try again once Slurm answers") from None
@@ -501,6 +618,10 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
             raise ValueError(f"{run.label} is still {state} (job {run.job_id}): there is nothing to resume; follow it "
                              f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel "
                              f"{run.run_dir}")
+    elif run.executor == "local" and run.process and run.process.get("host", socket.gethostname()) != socket.gethostname():
+        raise ValueError(f"{run.label} ran on host {run.process['host']}, not here ({socket.gethostname()}): its local "
+                         f"controller can only be seen there; run hpc-train resume {run.run_dir} on "
+                         f"{run.process['host']}")
     elif run.executor == "local" and (pid := ops.local_pid(run)):
         raise ValueError(f"{run.label} is still running (local controller pid {pid}): there is nothing to resume; "
                          f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
@@ -519,13 +640,15 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     limits = replace(cfg.requeue, **{**preempt.budget_changes(events), **budgets})
     used = {"max_preemptions": preempt.requeues_counted(events, "preempt"),
             "max_time_limit_requeues": preempt.requeues_counted(events, "time_limit"),
-            "max_failures": preempt.failures_in_a_row(events)}
+            "max_failures": 0}  # a resume resets failures in a row: a person decided the cause is fixed
     what = {"max_preemptions": "preemptions", "max_time_limit_requeues": "time-limit requeues",
             "max_failures": "failures in a row"}
     spent = [k for k in used if getattr(limits, k) != -1 and used[k] >= getattr(limits, k)]
     budget_line = "budgets: " + ", ".join(
         f"{what[k]} {used[k]}/{'unlimited' if getattr(limits, k) == -1 else getattr(limits, k)}"
         f"{' (raised now)' if k in budgets else ''}" for k in used)
+    if failures := preempt.failures_in_a_row(events):
+        budget_line += f" (was {failures}: reset by this resume)"
     lines = [f"{run.label} stopped because {why}", budget_line]
     lines += [f"the {what[k]} budget is still spent: the next such stop ends the run; raise it with "
               f"--{k.replace('_', '-')} {used[k] + 2}" for k in spent]
@@ -549,34 +672,50 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
         if differences(json.loads(code.read_text())):
             lines.append(f"warning: this is not the code that validated the run ({code}); the job will train with "
                          f"it and record a code_changed event")
-    target = run.log_dir.parent  # the run directory, or the sweep directory of a trial (its submitit/ and job name)
+    target = run.log_dir.parent
     private = bool(cfg.cluster.env)
     if cfg.cluster.executor == "slurm":
         script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
         check_syntax(script)
         validate_live(cfg.cluster, script, 1, None)
     attempt = max((e["restart"] for e in events), default=-1) + 1
-    log_event(run.run_dir, "resume", committed[-1][0] if committed else 0, "", attempt,
+    executor = make_executor(cfg.cluster, _submitit_dir(target / "submitit", private), job_name(target))
+    tried: list[int] = []
+
+    def queue() -> Any:
+        # A try that timed out may have queued the job: look it up by name (minus every id recorded) first.
+        if tried and cfg.cluster.executor == "slurm":
+            found = _jobs_named(job_name(target)) - _manifest_ids(target) - {run.job_id.split("_")[0]}
+            if len(found) == 1:
+                return type("Adopted", (), {"job_id": found.pop()})()
+        tried.append(1)
+        return executor.submit(run_job, str(run.run_dir))
+
+    with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
+        job = _sbatch_with_retry(queue, str(run.run_dir))
+    job_id = str(job.job_id)
+    # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
+    # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
+    log_event(run.run_dir, "resume", committed[-1][0] if committed else 0, job_id, attempt,
               by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason or "hpc-train resume",
               budgets=budgets, previous_job_id=run.job_id, stopped_because=why)
-    executor = make_executor(cfg.cluster, _submitit_dir(target / "submitit", private), job_name(target))
-    with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
-        job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run.run_dir)), str(run.run_dir))
-    job_id = str(job.job_id)
+    process = ops.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
     if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
         manifest = json.loads((target / MANIFEST).read_text())
+        mode = (target / MANIFEST).stat().st_mode & 0o777
         for t in manifest["trials"]:
             if Path(t["run_dir"]) == run.run_dir:
                 t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
-                t["job_id"] = job_id
+                t["job_id"], t["process"] = job_id, process
         _write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
+        os.chmod(target / MANIFEST, mode)  # as submit made it: shared, or owner-only
     else:
         sub = RunPaths(run.run_dir).submission
         record = json.loads(sub.read_text()) if sub.exists() else {"executor": cfg.cluster.executor}
         record["previous_job_ids"] = [*record.get("previous_job_ids", []), *([run.job_id] if run.job_id else [])]
         record.update(job_id=job_id, job_name=job_name(target), resumed_at=time.time())
-        if cfg.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
-            record["process"] = ops.process_identity(int(job_id))
+        if process:  # the job id is the controller's pid, which the OS reuses
+            record["process"] = process
         _write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
     lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
     return job, lines

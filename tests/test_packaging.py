@@ -35,6 +35,7 @@ def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Pat
     installed = {p.relative_to(site / "hpc_train").as_posix() for d in ("conf", "sbatch_templates")
                  for p in (site / "hpc_train" / d).rglob("*") if p.is_file()}
     assert installed == shipped
+    assert (site / "hpc_train" / "py.typed").is_file()  # PEP 561: type checkers read the annotations
 
     fresh.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
@@ -99,3 +100,37 @@ def test_code_identity_of_this_checkout(tmp_path: Path) -> None:
     moved = differences({**record, "path": "/elsewhere/hpc_train"})
     assert f"path '/elsewhere/hpc_train' -> '{record['path']}'" in moved and "Resubmit" in moved
 
+
+
+def test_code_diff_is_bytes_of_the_package_only_and_owner_only(tmp_path: Path) -> None:
+    """A checkout whose tracked hpc_train/model.py holds a non-UTF-8 byte (before: --version and submit
+    died in UnicodeDecodeError), and a modified file outside the package (README.md, before: in the diff):
+    code.diff holds the package's change only, as bytes, 0600 even for a run that is not private."""
+    repo = tmp_path / "repo"
+    for part in ("hpc_train", "conf", "sbatch_templates"):
+        shutil.copytree(REPO / part, repo / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "README.md").write_text("secret notes\n")
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    with open(repo / "hpc_train" / "model.py", "ab") as f:
+        f.write(b"# caf\xe9 in latin-1\n")
+    (repo / "README.md").write_text("secret notes, edited\n")
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    version = run([sys.executable, "-m", "hpc_train.cli", "--version"], env=env, cwd=tmp_path)
+    assert version.returncode == 0 and "+ uncommitted changes" in version.stdout, version.stdout + version.stderr
+    code = ("import hashlib, json, os, pathlib, sys\n"
+            "from hpc_train.submit import _code_identity\n"
+            "out = pathlib.Path(sys.argv[1]); out.mkdir()\n"
+            "record = json.loads(_code_identity(out, private=False))\n"
+            "diff = (out / 'code.diff').read_bytes()\n"
+            "print(oct(os.stat(out / 'code.diff').st_mode & 0o777), record['git_diff_sha256'] == "
+            "hashlib.sha256(diff).hexdigest())\n"
+            "sys.stdout.buffer.write(diff)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], env=env, cwd=tmp_path,
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    first, _, diff = proc.stdout.partition(b"\n")
+    assert first == b"0o600 True"
+    assert b"+# caf\xe9 in latin-1" in diff and b"model.py" in diff
+    assert b"README" not in diff and b"secret" not in diff

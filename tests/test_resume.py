@@ -188,10 +188,15 @@ def test_init_from_starts_a_new_run_from_the_source_weights(tmp_path: Path, refe
     run_dir, _ = submit([f"out_dir={tmp_path}", "name=ft", *ARGS, "train.steps=5", "train.log_every_steps=1",
                          f"checkpoint.init_from={reference}"])
     source = reference / "checkpoints" / "step_000030"
-    assert f"init_from: {source}\n" in (run_dir / "config.yaml").read_text()  # frozen as the step folder
+    # Pinned at submit: hardlinked into the run (the source's retention cannot take it), the original named
+    pinned = next((run_dir / "init_from").glob("*/step_000030"))
+    assert f"init_from: {pinned}\n" in (run_dir / "config.yaml").read_text()  # frozen as the pinned step folder
+    assert json.loads((pinned.parent / "source.json").read_text()) == {"init_from": str(source)}
+    assert sorted(p.name for p in pinned.iterdir()) == sorted(p.name for p in source.iterdir())
+    assert all((pinned / p.name).stat().st_ino == p.stat().st_ino for p in source.iterdir())
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
     assert (start["step"], start["resumed_from"], start["init_from"]) == (
-        0, None, {"path": str(source), "step": 30, "optimizer": False})
+        0, None, {"path": str(pinned), "step": 30, "optimizer": False})
 
     dcp_to_torch_save(source, tmp_path / "source.pt")
     model = GPT(ModelConfig())
@@ -219,3 +224,275 @@ def test_init_from_is_checked_at_submit(tmp_path: Path, reference: Path) -> None
         f"hpc-train submit: error: checkpoint.init_from={empty}: no committed checkpoint under {empty} (no "
         f"step_*/COMMITTED); give a run directory that saved one, or one of its step folders\n")
     assert list(tmp_path.iterdir()) == [empty]  # nothing written, nothing queued
+
+
+# ---- resume's guards: one resume at a time, the live controller of a sweep's trial, hosts ----------------
+
+def stopped_local_run(run_dir: Path, process: dict[str, Any] | None = None) -> Path:
+    """A local run that was cancelled at step 5 and whose controller is gone (a pid nothing runs as)."""
+    import yaml
+
+    from hpc_train.config import compose_trials
+    from hpc_train.metrics import log_event
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(compose_trials([["train.steps=10"]])[0][0]))
+    (run_dir / "submission.json").write_text(json.dumps({"executor": "local", "job_id": "1", "process": process or {
+        "start_time": 1, "boot_id": "gone"}}))
+    log_event(run_dir, "start", 0, "1", 0)
+    log_event(run_dir, "stopped", 5, "1", 0, reason="cancelled")
+    return run_dir
+
+
+# The real command, with sbatch (here the local controller's start) taking 3 s: the window two resumes race in.
+SLOW_SBATCH = """import os, sys, time
+from hpc_train import submit
+class Job:
+    job_id = str(os.getpid())
+class Executor:
+    def submit(self, fn, run_dir):
+        time.sleep(3.0)
+        return Job()
+submit.make_executor = lambda *a, **k: Executor()
+from hpc_train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_two_resumes_at_once_queue_one_job(tmp_path: Path) -> None:
+    """Before: both saw a stopped run and both queued it (two jobs training into one run directory)."""
+    import subprocess
+
+    run_dir = stopped_local_run(tmp_path / "demo-1")
+    procs = [subprocess.Popen([sys.executable, "-c", SLOW_SBATCH, "resume", str(run_dir), "--no-wait"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [(p.wait(timeout=60), *p.communicate()) for p in procs]
+    queued = [o for o in outs if o[0] == 0]
+    refused = [o for o in outs if o[0] != 0]
+    assert len(queued) == 1 and len(refused) == 1, outs
+    assert refused[0][0] == 2 and refused[0][2].startswith("hpc-train resume: error: demo-1 is ") and (
+        f"demo-1 is already being resumed by another hpc-train resume; follow it with hpc-train status {run_dir}"
+        in refused[0][2] or "demo-1 is still running (local controller pid" in refused[0][2]), refused
+    assert [e["event"] for e in read_events(run_dir)].count("resume") == 1
+
+
+def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> None:
+    """Before: a local sweep recorded its trial's controller only once the trial ended, so resume saw no
+    live process and started a second copy of a training trial."""
+    import subprocess
+
+    from hpc_train.ops import process_identity
+
+    driver = subprocess.Popen([HPC_TRAIN, "submit", "-m", f"out_dir={tmp_path}", "name=sw", "train.steps=400",
+                               "train.min_step_time_s=0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    trial = tmp_path / "sw-1" / "0000"
+    try:
+        wait_until(lambda: any(e["event"] == "start" for e in read_events(trial)), 120, "the trial to start")
+        recorded = json.loads((tmp_path / "sw-1" / "sweep.json").read_text())["trials"][0]
+        assert recorded["job_id"] and recorded["process"] == process_identity(int(recorded["job_id"]))
+        busy = run([HPC_TRAIN, "resume", str(trial)])
+        assert busy.returncode == 2 and busy.stderr.startswith(
+            f"hpc-train resume: error: sw-1/0000 is still running (local controller pid {recorded['job_id']}): there "
+            f"is nothing to resume"), busy.stderr
+    finally:
+        driver.kill()
+        driver.wait()
+        run([HPC_TRAIN, "cancel", str(trial)])
+    pid = int(json.loads((tmp_path / "sw-1" / "sweep.json").read_text())["trials"][0]["job_id"])
+    wait_until(lambda: process_identity(pid) is None, 120, "the cancelled trial's controller to exit")
+
+
+def test_submit_keeps_the_job_id_a_resume_recorded(tmp_path: Path) -> None:
+    """The sweep's submit driver saves sweep.json after each trial: a trial resumed meanwhile keeps its new
+    job id (before: the driver wrote back the id it knew, and status/cancel lost the resumed job)."""
+    from hpc_train import submit
+
+    sweep = tmp_path / "sw-1"
+    sweep.mkdir()
+    p = submit.Plan(sweep, [submit.Trial(0, ["a=1"], str(sweep / "0000"), "11"),
+                            submit.Trial(1, ["a=2"], str(sweep / "0001"), "12")], [], [])
+    submit._save_manifest(p, ["a=1,2"])
+    manifest = json.loads((sweep / "sweep.json").read_text())
+    manifest["trials"][0].update(job_id="77", previous_job_ids=["11"])  # what resume writes
+    (sweep / "sweep.json").write_text(json.dumps(manifest))
+    p.trials[1].job_id = "13"
+    submit._save_manifest(p, ["a=1,2"])
+    trials = json.loads((sweep / "sweep.json").read_text())["trials"]
+    assert [(t["job_id"], t.get("previous_job_ids")) for t in trials] == [("77", ["11"]), ("13", None)]
+    assert p.trials[0].job_id == "77"
+
+
+def test_resume_refuses_another_hosts_local_run_and_keeps_sweep_json_mode(tmp_path: Path) -> None:
+    elsewhere = stopped_local_run(tmp_path / "far-1", {"start_time": 1, "boot_id": "b", "host": "node-far"})
+    proc = run([HPC_TRAIN, "resume", str(elsewhere)])
+    import socket
+
+    assert proc.returncode == 2 and proc.stderr == (
+        f"hpc-train resume: error: far-1 ran on host node-far, not here ({socket.gethostname()}): its local "
+        f"controller can only be seen there; run hpc-train resume {elsewhere} on node-far\n")
+
+    sweep = tmp_path / "sw-1"
+    trial = stopped_local_run(sweep / "0000")
+    (trial / "submission.json").unlink()
+    (sweep / "sweep.json").write_text(json.dumps({"sweep_dir": str(sweep), "overrides": [], "arrays": [], "trials": [
+        {"index": 0, "overrides": [], "run_dir": str(trial), "job_id": "1"}]}))
+    (sweep / "sweep.json").chmod(0o640)
+    proc = run([sys.executable, "-c", SLOW_SBATCH.replace("3.0", "0"), "resume", str(trial)])
+    assert proc.returncode == 0, proc.stderr
+    assert (sweep / "sweep.json").stat().st_mode & 0o777 == 0o640  # before: rewritten 0644
+    saved = json.loads((sweep / "sweep.json").read_text())["trials"][0]
+    assert saved["previous_job_ids"] == ["1"] and saved["process"]["host"] == socket.gethostname()
+
+
+def test_resume_of_a_folder_without_runs_says_so(tmp_path: Path) -> None:
+    proc = run([HPC_TRAIN, "resume", str(tmp_path)])
+    assert proc.returncode == 2 and proc.stderr == (  # before: IndexError's traceback
+        f"hpc-train resume: error: {tmp_path} is not a run directory: it holds no run (no config.yaml, no "
+        f"sweep.json); see what it holds with hpc-train status {tmp_path}\n")
+
+
+def slurm_run_dir(tmp_path: Path) -> Path:
+    import yaml
+
+    from hpc_train.config import compose_trials
+    from hpc_train.metrics import log_event
+
+    run_dir = tmp_path / "sl-1"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(compose_trials([["cluster=slurm"]])[0][0]))
+    (run_dir / "submission.json").write_text(json.dumps({"executor": "slurm", "job_id": "100"}))
+    log_event(run_dir, "stopped", 5, "100", 0, reason="cancelled")
+    return run_dir
+
+
+@pytest.fixture
+def fake_slurm(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """resume's Slurm calls answered here: job 100 ended; sbatch's answers scripted per test."""
+    from hpc_train import slurm, submit
+
+    state: dict[str, Any] = {"named": {"100"}, "submits": 0, "sbatch": []}
+
+    def sbatch(fn: Any, run_dir: str) -> Any:
+        state["submits"] += 1
+        return state["sbatch"].pop(0)()
+
+    monkeypatch.setattr(slurm, "live_states", lambda ids: {"100": "CANCELLED"})
+    monkeypatch.setattr(submit, "validate_live", lambda *a: None)
+    monkeypatch.setattr(submit, "_jobs_named", lambda name: set(state["named"]))
+    monkeypatch.setattr(submit, "make_executor", lambda *a, **k: type("E", (), {"submit": lambda self, f, d: sbatch(f, d)})())
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    return state
+
+
+def test_resume_retry_adopts_the_job_a_timed_out_sbatch_queued(tmp_path: Path, fake_slurm: dict[str, Any]) -> None:
+    """sbatch timed out but queued job 555: the retry finds it by name (100, recorded, is not it) instead of
+    queueing a second copy. Before: two jobs, and the run recorded the second."""
+    from hpc_train import submit
+
+    def timed_out() -> Any:
+        fake_slurm["named"].add("555")
+        raise RuntimeError("sbatch: error: Socket timed out on send/recv operation")
+
+    fake_slurm["sbatch"] = [timed_out, lambda: type("J", (), {"job_id": "556"})()]
+    run_dir = slurm_run_dir(tmp_path)
+    job, lines = submit.resume(run_dir, {})
+    assert (job.job_id, fake_slurm["submits"]) == ("555", 1)
+    assert json.loads((run_dir / "submission.json").read_text())["job_id"] == "555"
+    assert [(e["event"], e["job_id"]) for e in read_events(run_dir) if e["event"] == "resume"] == [("resume", "555")]
+
+
+def test_resume_event_only_once_sbatch_succeeded(tmp_path: Path, fake_slurm: dict[str, Any]) -> None:
+    """A resume that queued nothing leaves no `resume` event (before: one, which reset the run's budgets
+    and attempt count for a job that never existed)."""
+    from hpc_train import slurm, submit
+
+    def down() -> Any:
+        raise RuntimeError("sbatch: error: Unable to contact slurm controller")
+
+    fake_slurm["sbatch"] = [down] * 4
+    run_dir = slurm_run_dir(tmp_path)
+    with pytest.raises(slurm.SlurmError, match="sbatch failed 4 times"):
+        submit.resume(run_dir, {})
+    assert [e["event"] for e in read_events(run_dir)] == ["stopped"]
+
+
+def test_live_states_asks_squeue_first_and_sacct_for_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pending array task is pending by its own id (squeue -r), though accounting may not know it yet;
+    sacct answers only for what slurmctld no longer holds."""
+    from hpc_train import slurm
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n"
+                                    "case \"$*\" in *-r*) printf '123_4|PENDING\\n123_5|PENDING\\n';; "
+                                    "*) printf '123_[4-5]|PENDING\\n';; esac\n")
+    (bin_dir / "sacct").write_text(f"#!/bin/sh\necho sacct \"$@\" >> {tmp_path}/calls\nprintf '99|CANCELLED by 1000\\n'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    assert slurm.live_states(["123_4"]) == {"123_4": "PENDING"}
+    assert "sacct" not in (tmp_path / "calls").read_text()
+    assert slurm.live_states(["123_5", "99"]) == {"123_5": "PENDING", "99": "CANCELLED"}
+    assert "sacct -X -n -P -j 99 " in (tmp_path / "calls").read_text()
+
+
+def test_a_resume_resets_failures_in_a_row_and_first_attempt_drills(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resume is a person's word that the cause is fixed; and a resumed Slurm job (SLURM_RESTART_COUNT 0
+    again) is attempt 1 of the run: a first-attempt drill does not fire again."""
+    from hpc_train import preempt
+
+    crash = [{"event": "requeue", "reason": "failure", "step": 0}] * 2
+    assert preempt.failures_in_a_row(crash) == 2
+    assert preempt.failures_in_a_row([*crash, {"event": "resume", "step": 0}]) == 0
+    assert preempt.failures_in_a_row([*crash, {"event": "resume", "step": 0}, *crash[:1]]) == 1
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "raise_at_start")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "1")
+    assert not preempt.injected("raise_at_start")
+    monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "0")
+    assert preempt.injected("raise_at_start")
+
+
+INIT_FROM_RANK = """import sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch, torch.distributed as dist
+from hpc_train import checkpoint
+from hpc_train.checkpoint import Saver, TrainState
+from hpc_train.config import CheckpointConfig
+from hpc_train.preempt import Unrecoverable
+rank, folder, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=20))
+if rank == 1:  # the folder deleted between rank 0's look and rank 1's
+    checkpoint.read_marker = lambda p: None
+torch.manual_seed(1)
+model = torch.nn.Linear(8, 8)
+state = TrainState(model, torch.optim.AdamW(model.parameters()))
+saver = Saver(Path(folder).parent, CheckpointConfig(init_from=folder), Path(folder).parent / "drills",
+              lambda *a, **k: None, 0.0)
+t0 = time.monotonic()
+try:
+    source, _, _ = saver.init_from(state)
+    print(f"rank {rank}: loaded step {source['step']} in {time.monotonic() - t0:.1f} s", flush=True)
+except Unrecoverable as e:
+    print(f"rank {rank}: Unrecoverable {e}", flush=True)
+"""
+
+
+def test_init_from_ranks_agree_on_what_rank_0_read(tmp_path: Path, one_rank_group: Any) -> None:
+    """Rank 0 reads the manifest and the DCP metadata and broadcasts them: a rank that would have seen the
+    folder gone no longer raises alone while the others wait for it in a collective (before: rank 0 hung
+    20 s in all_gather, then died of the timeout)."""
+    import socket
+    import subprocess
+
+    _, folder = source_checkpoint(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", INIT_FROM_RANK, str(r), str(folder), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert [o.splitlines()[-1].split(" in ")[0] for o in outs] == ["rank 0: loaded step 40", "rank 1: loaded step 40"]
