@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -16,10 +17,10 @@ CONFIG = "cluster: {executor: local, signal_lead_s: 120}\nrequeue: {max_failures
 
 
 def identity(pid: int) -> dict:
-    """Field 22 of /proc/<pid>/stat (start time, clock ticks after boot) and this boot's id."""
+    """Field 22 of /proc/<pid>/stat (start time, clock ticks after boot), this boot's id, this host."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     return {"start_time": int(stat.rsplit(")", 1)[1].split()[19]),
-            "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip()}
+            "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(), "host": socket.gethostname()}
 
 
 def alive(pid: int, recorded: dict) -> bool:
