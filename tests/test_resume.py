@@ -365,51 +365,60 @@ def slurm_run_dir(tmp_path: Path) -> Path:
     return run_dir
 
 
+FAKE_SLURM = {  # the clients' command lines, as a cluster answers them; $STATE holds what sbatch queued
+    "squeue": """case "$*" in
+  *--name*) cat "$STATE/queued" 2>/dev/null;;
+  *) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;;
+esac""",
+    "sacct": """printf '100|CANCELLED by 1000\\n'""",
+    "sbatch": """n=$(cat "$STATE/sbatch_calls" 2>/dev/null || echo 0); echo $((n + 1)) > "$STATE/sbatch_calls"
+case "$(sed -n "$((n + 1))p" "$STATE/script")" in
+  queued_then_timeout) echo 555 >> "$STATE/queued"; echo "sbatch: error: Socket timed out on send/recv operation" >&2; exit 1;;
+  down) echo "sbatch: error: Batch job submission failed: Unable to contact slurm controller" >&2; exit 1;;
+  *) echo "Submitted batch job 556";;
+esac""",
+}
+
+
 @pytest.fixture
-def fake_slurm(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """resume's Slurm calls answered here: job 100 ended; sbatch's answers scripted per test."""
-    from hpc_train import slurm, submit
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """sbatch, squeue and sacct answering as a cluster would where a real one cannot be made to (an sbatch
+    that queued the job and then timed out); validate_live is tested on the real cluster."""
+    import os
 
-    state: dict[str, Any] = {"named": {"100"}, "submits": 0, "sbatch": []}
+    from hpc_train import submit
 
-    def sbatch(fn: Any, run_dir: str) -> Any:
-        state["submits"] += 1
-        return state["sbatch"].pop(0)()
-
-    monkeypatch.setattr(slurm, "live_states", lambda ids: {"100": "CANCELLED"})
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\nSTATE={state}\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setattr(submit, "validate_live", lambda *a: None)
-    monkeypatch.setattr(submit, "_jobs_named", lambda name: set(state["named"]))
-    monkeypatch.setattr(submit, "make_executor", lambda *a, **k: type("E", (), {"submit": lambda self, f, d: sbatch(f, d)})())
-    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)  # sbatch's 1, 2, 4 s backoff
     return state
 
 
-def test_resume_retry_adopts_the_job_a_timed_out_sbatch_queued(tmp_path: Path, fake_slurm: dict[str, Any]) -> None:
+def test_resume_retry_adopts_the_job_a_timed_out_sbatch_queued(tmp_path: Path, fake_slurm: Path) -> None:
     """sbatch timed out but queued job 555: the retry finds it by name (100, recorded, is not it) instead of
     queueing a second copy. Before: two jobs, and the run recorded the second."""
     from hpc_train import submit
 
-    def timed_out() -> Any:
-        fake_slurm["named"].add("555")
-        raise RuntimeError("sbatch: error: Socket timed out on send/recv operation")
-
-    fake_slurm["sbatch"] = [timed_out, lambda: type("J", (), {"job_id": "556"})()]
+    (fake_slurm / "script").write_text("queued_then_timeout\nok\n")
     run_dir = slurm_run_dir(tmp_path)
     job, lines = submit.resume(run_dir, {})
-    assert (job.job_id, fake_slurm["submits"]) == ("555", 1)
+    assert (job.job_id, (fake_slurm / "sbatch_calls").read_text().strip()) == ("555", "1")
     assert json.loads((run_dir / "submission.json").read_text())["job_id"] == "555"
     assert [(e["event"], e["job_id"]) for e in read_events(run_dir) if e["event"] == "resume"] == [("resume", "555")]
 
 
-def test_resume_event_only_once_sbatch_succeeded(tmp_path: Path, fake_slurm: dict[str, Any]) -> None:
+def test_resume_event_only_once_sbatch_succeeded(tmp_path: Path, fake_slurm: Path) -> None:
     """A resume that queued nothing leaves no `resume` event (before: one, which reset the run's budgets
     and attempt count for a job that never existed)."""
     from hpc_train import slurm, submit
 
-    def down() -> Any:
-        raise RuntimeError("sbatch: error: Unable to contact slurm controller")
-
-    fake_slurm["sbatch"] = [down] * 4
+    (fake_slurm / "script").write_text("down\n" * 4)
     run_dir = slurm_run_dir(tmp_path)
     with pytest.raises(slurm.SlurmError, match="sbatch failed 4 times"):
         submit.resume(run_dir, {})
