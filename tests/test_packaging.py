@@ -134,3 +134,13 @@ def test_code_diff_is_bytes_of_the_package_only_and_owner_only(tmp_path: Path) -
     assert first == b"0o600 True"
     assert b"+# caf\xe9 in latin-1" in diff and b"model.py" in diff
     assert b"README" not in diff and b"secret" not in diff
+
+
+def test_a_huge_diff_is_capped_and_says_so() -> None:
+    from hpc_train.provenance import DIFF_CAP_BYTES, capped
+
+    assert capped(b"+one line\n") == b"+one line\n"
+    big = capped(b"x" * (DIFF_CAP_BYTES + 10))
+    assert big.startswith(b"x" * DIFF_CAP_BYTES) and big.endswith(
+        f"\n# hpc-train: code.diff capped at {DIFF_CAP_BYTES} of {DIFF_CAP_BYTES + 10} bytes; code.json's "
+        f"git_diff_sha256 is the hash of the whole diff\n".encode())
