@@ -15,6 +15,8 @@ A run directory holds everything a (re)started attempt needs and everything it l
     events.jsonl     start / signal / checkpoint_committed / requeue / finish / fail, every attempt
     metrics.jsonl    loss, lr and step time per log interval
     summary.json     final_step, final_loss, params_sha256 (written at the end)
+    init_from/       checkpoint.init_from's step folder, hardlinked at submit (source.json: the original)
+    .lock            held by `hpc-train resume` until the new job id is recorded (sweep.json.lock: a sweep's)
 """
 
 from __future__ import annotations
