@@ -10,6 +10,7 @@
     hpc-train results runs/demo-3 --sort train.lr             # a sweep's trials: overrides, state, loss
     hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
     hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
+    hpc-train prepare-data notes/ --out data/n2 --val-fraction 0.05   # ... the last 5% held out for eval
     hpc-train submit data=tokens data.path=data/notes         # train on them
 """
 
@@ -312,10 +313,13 @@ def _results(args: argparse.Namespace) -> int:
 def _prepare_data(args: argparse.Namespace) -> int:
     from hpc_train import data
 
-    meta = data.prepare([Path(p) for p in args.inputs], Path(args.out), args.shard_tokens, args.tokenizer)
-    print(f"{meta['tokens']:,} tokens from {meta['documents']} file(s) in {len(meta['shards'])} shard(s) under "
-          f"{args.out} ({meta['tokenizer']}, vocab {meta['vocab_size']:,}, {meta['dtype']})\n"
-          f"train on them: hpc-train submit data=tokens data.path={args.out}")
+    meta = data.prepare([Path(p) for p in args.inputs], Path(args.out), args.shard_tokens, args.tokenizer,
+                        args.val_fraction)
+    held_out = f" + {meta['val_tokens']:,} held out for evaluation" if meta.get("val_shards") else ""
+    print(f"{meta['tokens']:,} tokens{held_out} from {meta['documents']} file(s) in {len(meta['shards'])} shard(s) "
+          f"under {args.out} ({meta['tokenizer']}, vocab {meta['vocab_size']:,}, {meta['dtype']})\n"
+          f"train on them: hpc-train submit data=tokens data.path={args.out}"
+          f"{' train.eval_every_steps=100' if held_out else ''}")
     return 0
 
 
@@ -431,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-tokens", type=int, default=256 * 2**20, help="tokens per shard (default 256 Mi)")
     p.add_argument("--tokenizer", default="bytes", help="bytes (default, vocab 256); bpe:VOCAB trains a byte-level "
                    "BPE on the inputs; or a tokenizer.json (both need: pip install 'hpc_train[tokenizers]')")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this share of the tokens, the last ones, as val_*.bin for train.eval_every_steps")
     p.set_defaults(func=_prepare_data)
     args = parser.parse_args(argv)
     if args.func is _submit:

@@ -19,6 +19,17 @@ from hpc_train.tracking import TrackingConfig
 CONF_DIR = Path(shipped_dir("conf"))  # the starter configs; `hpc-train init` copies them to ./conf
 
 
+def check_at_least(scope: str, cfg: Any, minimums: dict[str, tuple[float, str]]) -> None:
+    """The first field below its minimum -> `scope.key=value must be >= low: what it is; e.g. scope.key=default`."""
+    from dataclasses import fields
+
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for key, (low, what) in minimums.items():
+        value = getattr(cfg, key)
+        if value < low:
+            raise ValueError(f"{scope}.{key}={value} must be >= {low:g}: {what}; e.g. {scope}.{key}={defaults[key]}")
+
+
 @dataclass
 class ModelConfig:  # model.py
     vocab_size: int = 256  # byte-level tokens; data=tokens raises it to the data's (meta.json)
@@ -28,6 +39,13 @@ class ModelConfig:  # model.py
     n_heads: int = 4
 
     def __post_init__(self) -> None:
+        check_at_least("model", self, {
+            "vocab_size": (2, "token ids the model predicts (byte tokens: 256)"),
+            "seq_len": (1, "tokens per training sequence, the context length"),
+            "n_layers": (1, "transformer blocks"),
+            "n_heads": (1, "attention heads per block"),
+            "d_model": (1, "the width of every token's vector"),
+        })
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}; "
                              f"use n_heads in {[h for h in range(1, 17) if self.d_model % h == 0]}")
@@ -35,8 +53,9 @@ class ModelConfig:  # model.py
 
 @dataclass
 class DataConfig:  # data.py
-    # "synthetic": generated in-process, no download, same bytes on every rank;
-    # "tokens": the shards `hpc-train prepare-data` wrote into `path`, read by memmap
+    # "synthetic": generated in-process, no download, same bytes on every rank, with a held-out corpus of
+    # corpus_words / 8 more words for evaluation; "tokens": the shards `hpc-train prepare-data` wrote into
+    # `path`, read by memmap (its held-out split: `prepare-data --val-fraction`)
     source: str = "synthetic"
     path: str = ""
     corpus_words: int = 16384  # synthetic: "words" of 3-8 tokens in the generated corpus (~90 k tokens)
@@ -51,18 +70,42 @@ class DataConfig:  # data.py
                              "--out DIR` wrote")
         if self.corpus_words < 64:
             raise ValueError(f"data.corpus_words={self.corpus_words} must be >= 64 so every batch finds a window")
+        check_at_least("data", self, {"seed": (0, "numpy seeds the corpus and the window order with it")})
+
+
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's inductor looks for ($CXX, else g++), if it is on PATH."""
+    import os
+    import shutil
+
+    return shutil.which(os.environ.get("CXX", "g++"))
 
 
 @dataclass
 class TrainConfig:  # train.py
     steps: int = 60
     batch_seqs_per_rank: int = 8  # per data-parallel rank: the train.tp ranks of a tensor-parallel group share one
-    lr: float = 3e-3
-    warmup_steps: int = 5
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    lr: float = 3e-3  # the peak, reached at the end of warm-up
+    # After warm-up (lr_at): "cosine" to min_lr_fraction x lr; "linear" to the same; "constant"; "wsd":
+    # warmup-stable-decay, constant until the last decay_fraction of the steps, then linear to the floor.
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 5  # linear from lr / warmup_steps to lr
+    min_lr_fraction: float = 0.1  # the floor the decay heads for, as a fraction of lr (reached at step `steps`)
+    decay_fraction: float = 0.2  # wsd: the share of all steps spent decaying (MiniCPM, Hu et al. 2024: ~10-20%)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW's decoupled decay, on every parameter
+    grad_clip: float = 1.0  # max total gradient norm (the norm before clipping is logged as grad_norm)
     seed: int = 0
     log_every_steps: int = 10
+    # Mean loss over eval_batches held-out batches per data-parallel rank (each batch_seqs_per_rank
+    # sequences; the same batches every time) every eval_every_steps and at the last step. 0 = off.
+    eval_every_steps: int = 0
+    eval_batches: int = 4
     # A floor on each step's wall time, for drills and tests that must land a signal mid-run. 0 = off.
     min_step_time_s: float = 0.0
     rendezvous_timeout_s: int = 120
@@ -72,6 +115,9 @@ class TrainConfig:  # train.py
     tp: int = 1
     bf16: bool | None = None  # autocast matmuls to bfloat16; None: on for GPU, off for CPU
     activation_checkpointing: bool | None = None  # recompute each block in backward; None: on for GPU
+    # torch.compile each block (inductor). Needs a C++ compiler ($CXX or g++) where the job runs; the
+    # first step pays the compilation (~25 s for model=tiny on one CPU core, then cached on disk).
+    compile: bool = False
     grad_accum_steps: int = 1  # micro-batches of batch_seqs_per_rank summed into one optimizer step
     # A step (collectives and save included) that takes longer is a hang: every rank dumps its Python
     # stack to its log and the job fails (then requeues within requeue.max_failures). Keep it above the
@@ -93,6 +139,37 @@ class TrainConfig:  # train.py
         if self.steps < 1 or self.batch_seqs_per_rank < 1:
             raise ValueError(f"train.steps={self.steps} and train.batch_seqs_per_rank={self.batch_seqs_per_rank} "
                              f"must both be >= 1")
+        check_at_least("train", self, {
+            "warmup_steps": (0, "steps of linear warm-up (0: start at the peak lr)"),
+            "weight_decay": (0, "AdamW's decay per step, a fraction of lr x weight"),
+            "seed": (0, "the initial weights' seed"),
+            "log_every_steps": (1, "a metrics line every this many steps"),
+            "eval_every_steps": (0, "0 = no evaluation"),
+            "eval_batches": (1, "held-out batches per data-parallel rank in each evaluation"),
+            "min_step_time_s": (0, "0 = off"),
+            "rendezvous_timeout_s": (1, "seconds the ranks wait for each other at start"),
+            "peak_tflops_per_device": (0, "0 = detect the GPU"),
+        })
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r} is not one of {LR_SCHEDULES}; e.g. "
+                             f"train.lr_schedule=cosine")
+        intervals = {"min_lr_fraction": (0.0 <= self.min_lr_fraction <= 1.0, "[0, 1]"),
+                     "decay_fraction": (0.0 < self.decay_fraction <= 1.0, "(0, 1]"),
+                     "adam_beta1": (0.0 <= self.adam_beta1 < 1.0, "[0, 1)"),  # 1 would never forget a gradient
+                     "adam_beta2": (0.0 <= self.adam_beta2 < 1.0, "[0, 1)")}
+        for key, (ok, interval) in intervals.items():
+            if not ok:
+                raise ValueError(f"train.{key}={getattr(self, key)} must be in {interval}; e.g. train.{key}="
+                                 f"{getattr(TrainConfig, key)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"train.adam_eps={self.adam_eps} must be > 0 (it keeps AdamW's division finite); "
+                             f"e.g. train.adam_eps=1e-8")
+        if self.compile and cxx_compiler() is None:
+            import os
+
+            raise ValueError(f"train.compile=true needs a C++ compiler for torch.compile (inductor), and "
+                             f"{os.environ.get('CXX', 'g++')!r} is not on PATH here; install g++ (apt-get install g++) "
+                             f"or set CXX, or set train.compile=false")
 
 
 @dataclass
@@ -186,6 +263,12 @@ class RunConfig:
             # The data's tokenizer sets the vocabulary: raised to meta.json's vocab_size (a larger one, e.g.
             # padded to a multiple of 64 for faster matmuls, is kept). Frozen into config.yaml at submit.
             self.model.vocab_size = max(self.model.vocab_size, int(read_meta(Path(self.data.path))["vocab_size"]))
+            val = read_meta(Path(self.data.path)).get("val_shards", [])
+            if self.train.eval_every_steps and max((s["tokens"] for s in val), default=0) <= self.model.seq_len:
+                raise ValueError(f"train.eval_every_steps={self.train.eval_every_steps} needs a held-out split with a "
+                                 f"window of model.seq_len + 1 = {self.model.seq_len + 1} tokens, and data.path="
+                                 f"{self.data.path!r} has {sum(s['tokens'] for s in val)} held-out tokens; prepare it "
+                                 f"with `hpc-train prepare-data ... --val-fraction 0.01`, or set train.eval_every_steps=0")
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):
             raise ValueError(f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the run "

@@ -1,13 +1,15 @@
 """Token data: shards from `hpc-train prepare-data`, read by memmap, or a corpus generated in-process.
 
     hpc-train prepare-data notes/*.txt --out data/notes        # byte tokens -> data/notes/shard_*.bin
+    hpc-train prepare-data notes/ --out data/notes2 --val-fraction 0.05   # last 5% -> val_*.bin, held out
     hpc-train submit data=tokens data.path=data/notes model.seq_len=128
 
 The tokenizer is bytes by default: token = byte value (vocab 256), documents joined by a NUL byte (text
 holds none); `--tokenizer bpe:VOCAB` or `--tokenizer FILE.json` use Hugging Face tokenizers (tokenizer.py).
 The sampler cuts the token stream into windows of seq_len + 1 and visits them in a seeded permutation,
 a new one each epoch. Its position (sequences consumed, all ranks together) is saved in every checkpoint,
-so a resumed run reads exactly the windows the uninterrupted run would have read.
+so a resumed run reads exactly the windows the uninterrupted run would have read. Evaluation reads the
+held-out split (val_*.bin, or a further generated corpus) with a sampler of its own, always from position 0.
 
 `prepare` and `read_meta` are torch-free: the login node runs them.
 """
@@ -25,15 +27,20 @@ from hpc_train.tokenizer import open_encoder
 META = "meta.json"
 
 
-def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str = "bytes") -> dict[str, Any]:
+def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str = "bytes",
+            val_fraction: float = 0.0) -> dict[str, Any]:
     """Write the tokens (tokenizer.py) of every file under `inputs` (sorted, recursively) into shards of at most
-    `shard_tokens` tokens, plus meta.json. Writes into <out_dir>.tmp and renames it once complete, so an
-    interrupted run leaves nothing that looks usable; refuses an existing out_dir rather than mixing."""
+    `shard_tokens` tokens, plus meta.json; the last `val_fraction` of the tokens are held out (split_off_val).
+    Writes into <out_dir>.tmp and renames it once complete, so an interrupted run leaves nothing that looks
+    usable; refuses an existing out_dir rather than mixing."""
     if out_dir.exists():
         raise ValueError(f"--out {out_dir} already exists; give a new directory (existing shards are never "
                          f"overwritten)")
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1): the share of tokens held out for "
+                         f"evaluation, e.g. --val-fraction 0.01")
     files: list[Path] = []
     for p in inputs:
         if p.is_dir():
@@ -74,9 +81,51 @@ def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str
         out.close()
     enc.save(tmp)  # tokenizer.json beside the shards (not for bytes)
     meta = {**enc.meta, "documents": len(files), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    if val_fraction > 0:
+        meta = split_off_val(tmp, meta, val_fraction)
     (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp, out_dir)
     return meta
+
+
+def split_off_val(folder: Path, meta: dict[str, Any], fraction: float) -> dict[str, Any]:
+    """Move the last `fraction` of the token stream (at least one token) out of the training shards into
+    val_00000.bin, ... in stream order: whole shards are renamed, the one cut in two is copied from its cut
+    and truncated. meta's `shards` and `tokens` then count training tokens only; `val_shards` and
+    `val_tokens` the held-out ones, which training never reads."""
+    import shutil
+
+    import numpy as np
+
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    train = [dict(s) for s in meta["shards"]]
+    left = max(1, round(fraction * meta["tokens"]))
+    if left >= meta["tokens"]:
+        shutil.rmtree(folder)
+        raise ValueError(f"--val-fraction {fraction} of {meta['tokens']} tokens leaves none to train on; give more "
+                         f"text or a smaller fraction")
+    pieces: list[tuple[Path, int]] = []  # (file now holding it, tokens), in stream order
+    while left:
+        last = train[-1]
+        src, take = folder / last["file"], min(left, last["tokens"])
+        if take == last["tokens"]:
+            train.pop()
+        else:
+            keep = last["tokens"] - take
+            last["tokens"], src_tail = keep, folder / (last["file"] + ".tail")
+            with open(src, "rb") as a, open(src_tail, "wb") as b:
+                a.seek(keep * itemsize)
+                shutil.copyfileobj(a, b)
+            os.truncate(src, keep * itemsize)
+            src = src_tail
+        pieces.insert(0, (src, take))
+        left -= take
+    val = []
+    for i, (src, tokens) in enumerate(pieces):
+        val.append({"file": f"val_{i:05d}.bin", "tokens": tokens})
+        os.replace(src, folder / val[-1]["file"])
+    return {**meta, "tokens": sum(s["tokens"] for s in train), "shards": train,
+            "val_tokens": sum(s["tokens"] for s in val), "val_shards": val}
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -138,24 +187,33 @@ class Sampler:
         return t[:, :-1], t[:, 1:]
 
 
-def open_sampler(cfg: Any, seq_len: int, vocab_size: int) -> Sampler:
-    """The run's data: memmapped shards (data.source=tokens) or the generated corpus."""
+def open_sampler(cfg: Any, seq_len: int, vocab_size: int, split: str = "train") -> Sampler:
+    """The run's data, its training split or its held-out "val" split: memmapped shards
+    (data.source=tokens) or the generated corpus."""
     import numpy as np
 
     if cfg.source == "tokens":
         meta = read_meta(Path(cfg.path))
-        shards = [np.memmap(Path(cfg.path) / s["file"], dtype=meta["dtype"], mode="r") for s in meta["shards"]]
+        key = "val_shards" if split == "val" else "shards"
+        shards = [np.memmap(Path(cfg.path) / s["file"], dtype=meta["dtype"], mode="r") for s in meta.get(key, [])]
+        if not shards:
+            raise ValueError(f"data.path={cfg.path!r} has no held-out split; prepare it with `hpc-train prepare-data "
+                             f"... --val-fraction 0.01`, or set train.eval_every_steps=0")
+    elif split == "val":  # an eighth as many words again, from the same vocabulary
+        shards = [synthetic_corpus(max(64, cfg.corpus_words // 8), cfg.seed, vocab_size, held_out=True)]
     else:
         shards = [synthetic_corpus(cfg.corpus_words, cfg.seed, vocab_size)]
     return Sampler(shards, seq_len, cfg.seed)
 
 
-def synthetic_corpus(words: int, seed: int, vocab_size: int) -> Any:
+def synthetic_corpus(words: int, seed: int, vocab_size: int, held_out: bool = False) -> Any:
     """64 random "words" (3-8 tokens each) strung together at random: enough structure for the loss to
-    fall, generated in ~5 ms from the seed, the same on every rank, nothing downloaded."""
+    fall, generated in ~5 ms from the seed, the same on every rank, nothing downloaded. held_out: the
+    same words strung in another order, from a second stream, for evaluation."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     vocab = [rng.integers(0, vocab_size, int(rng.integers(3, 9))) for _ in range(64)]
-    return np.concatenate([vocab[i] for i in rng.integers(0, len(vocab), words)])
+    order = np.random.default_rng([seed, 1]) if held_out else rng
+    return np.concatenate([vocab[i] for i in order.integers(0, len(vocab), words)])
 

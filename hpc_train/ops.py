@@ -213,7 +213,7 @@ def slurm_states_or_error(job_ids: list[str], retry_after_s: float = 1.0) -> tup
 
 
 COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "committed_step", "total_steps", "tokens_per_s", "mfu",
-           "goodput", "since_last_event_s", "warnings")
+           "val_loss", "goodput", "since_last_event_s", "warnings")
 
 
 def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
@@ -255,6 +255,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             "committed_step": max(commits, default=None), "total_steps": cfg["train"]["steps"],
             "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
             "mfu": metrics[-1].get("mfu") if metrics else None,
+            "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),  # train.eval_every_steps
             "goodput": round(goodput(events, metrics)["goodput"], 3) if atts else None,
             "since_last_event_s": round(time.time() - last, 1) if last else None,
             "warnings": warnings,
@@ -269,7 +270,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table()
-    for col in ("run", "job", "state", "attempts", "restarts", "step", "tokens/s", "MFU", "goodput", "last event", "warnings"):
+    for col in ("run", "job", "state", "attempts", "restarts", "step", "tokens/s", "MFU", "val loss", "goodput", "last event",
+                "warnings"):
         table.add_column(col)
     for r in rows:
         step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps'] or '-'}"
@@ -278,6 +280,7 @@ def print_status(rows: list[dict[str, Any]]) -> None:
         table.add_row(r["run"], r["job_id"], r["state"], *counts, step,
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                       f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
+                      f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], (int, float)) else "-",
                       f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since, "; ".join(r["warnings"]))
     console = Console(width=220)
     console.print(table)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +35,23 @@ if TYPE_CHECKING:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
+    """The learning rate of optimizer step `step` (0 = the first): linear warm-up to cfg.lr over
+    warmup_steps, then cfg.lr_schedule. The decays head for min_lr_fraction x lr at step `steps`, one past
+    the last, so the last step's lr is just above the floor (cosine's default kept from the first version)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr_fraction
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "wsd":  # stable at the peak, then linear over the last decay_fraction of the steps
+        decay_start = max(cfg.warmup_steps, cfg.steps - round(cfg.decay_fraction * cfg.steps))
+        if step < decay_start:
+            return cfg.lr
+        return cfg.lr * (1 - (1 - floor) * (step - decay_start) / max(1, cfg.steps - decay_start))
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    if cfg.lr_schedule == "linear":
+        return cfg.lr * (floor + (1 - floor) * (1 - progress))
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine
 
 
 def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Module:
@@ -48,21 +61,24 @@ def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Mod
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if tc.parallelism == "ddp":
-        return DDP(model)
     if tc.tp > 1:
         plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
+    if tc.compile:  # each block in place, after TP and before FSDP (torchtitan's order); names stay, so do checkpoints
+        for block in model.blocks:
+            block.compile()
+    if tc.parallelism == "ddp":
+        return DDP(model)
     for block in model.blocks:  # one all-gather per block in forward, freed after: peak = one block's params
         fully_shard(block, mesh=mesh["dp"])
     return fully_shard(model, mesh=mesh["dp"])
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_, for gradients that live on different meshes (FSDP2 x TP: block matmuls
     on (dp, tp), norms and embeddings on dp), which torch's one foreach call rejects. The norm of each
-    mesh's group is reduced over its mesh, then combined."""
+    mesh's group is reduced over its mesh, then combined. Returns that total norm, before clipping."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[object, list[torch.nn.Parameter]] = {}
@@ -76,6 +92,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
     total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     for params in groups.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -139,17 +156,37 @@ def main(at: Attempt) -> dict[str, Any] | None:
     model = GPT(cfg.model).to(at.device)
     model.activation_checkpointing = on_gpu if tc.activation_checkpointing is None else tc.activation_checkpointing
     net = parallelize(model, tc, at.mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
+                                  weight_decay=tc.weight_decay)
     sampler = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
+    val = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, "val") if tc.eval_every_steps else None
     state = TrainState(model, optimizer, data=sampler)
 
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = sampler.next_batch(dp_rank, dp_size, tc.batch_seqs_per_rank)
+    def next_batch(source: data.Sampler = sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = source.next_batch(dp_rank, dp_size, tc.batch_seqs_per_rank)
         return x.to(at.device, non_blocking=True), y.to(at.device, non_blocking=True)
 
-    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss_of(x: torch.Tensor, y: torch.Tensor, module: torch.nn.Module = net) -> torch.Tensor:
         with torch.autocast(at.device.type, dtype=torch.bfloat16, enabled=bf16):
-            return net(x, y)
+            try:
+                return module(x, y)
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # train.compile: a requeue would fail alike
+                raise preempt.Unrecoverable(f"train.compile=true: torch.compile failed on {socket.gethostname()}: "
+                                            f"{str(e).splitlines()[0]}; fix it there or set train.compile=false") from e
+
+    def evaluate() -> float:
+        """The mean loss of the same train.eval_batches held-out batches per data-parallel rank every time
+        (the val sampler restarts at 0), so values compare across steps and resumes. No gradients, no RNG
+        and the raw model (not DDP's wrapper): training's numbers do not change."""
+        assert val is not None
+        val.position, losses = 0, []
+        model.eval()
+        with torch.no_grad():
+            for _ in range(tc.eval_batches):
+                losses.append(loss_of(*next_batch(val), module=model).double())
+                preempt.beat()  # a long evaluation is not a hang (job.py's watchdog)
+        model.train()
+        return global_mean(torch.stack(losses).mean())
 
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
     if at.resume(state) and tc.parallelism == "ddp":
@@ -168,7 +205,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
     tokens_per_step = dp_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
-    first_step, loss = state.step, torch.tensor(float("nan"))
+    first_step, loss, val_loss = state.step, torch.tensor(float("nan")), None
     tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank)  # metrics.tensorboard/wandb/mlflow
 
     # Go!
@@ -187,7 +224,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
             loss = loss_of(x, y)
             # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
             (loss / tc.grad_accum_steps if tc.grad_accum_steps > 1 else loss).backward()
-        clip_grad_norm(model, tc.grad_clip)
+        grad_norm = clip_grad_norm(model, tc.grad_clip)
         optimizer.step()
         state.step += 1
         state.tokens_seen += tokens_per_step
@@ -195,23 +232,33 @@ def main(at: Attempt) -> dict[str, Any] | None:
             time.sleep(max(0.0, tc.min_step_time_s - (time.monotonic() - t0)))
         step_time_s = time.monotonic() - t0
 
-        if at.step_end(state, tc.steps):  # every rank agreed to stop: saved (if it fit); the job requeues
-            tracker.close()  # the requeue leaves by os._exit: W&B writes its offline run only on close
-            return None
-        if state.step % tc.log_every_steps == 0:
+        # Evaluation, then the stop check right after it: a stop signal that came during a long evaluation
+        # is acted on now. One caught during the step skips the evaluation: the stop save comes first.
+        val_loss = None
+        if tc.eval_every_steps and (state.step % tc.eval_every_steps == 0 or state.step == tc.steps):
+            val_loss = None if at.should_stop() else evaluate()
+        # Logged before the stop check, so the line of the step an attempt stops at (its val_loss) is kept.
+        if state.step % tc.log_every_steps == 0 or val_loss is not None:
             mean_loss = global_mean(loss)
             if at.env.rank == 0:
                 tokens_per_s = tokens_per_step / step_time_s
                 row = {"time": time.time(), "step": state.step, "loss": mean_loss, "lr": lr_at(state.step - 1, tc),
-                       "step_time_s": step_time_s, "data_wait_fraction": data_s / step_time_s,
+                       "grad_norm": grad_norm.item(), "step_time_s": step_time_s,
+                       "data_wait_fraction": data_s / step_time_s,
                        "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / at.env.world_size,
                        "peak_memory_mb": peak_memory_mb(at.device),
-                       "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops)}
+                       "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops),
+                       **({} if val_loss is None else {"val_loss": val_loss})}
                 append_jsonl(at.paths.metrics, row)
                 tracker.log(state.step, row)
                 mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-                at.say(f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  "
-                       f"{step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} tok/s  data "
-                       f"{row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}")
+                val_text = "" if val_loss is None else f"  val {val_loss:.4f}"
+                at.say(f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  gnorm "
+                       f"{row['grad_norm']:.3f}{val_text}  {step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} "
+                       f"tok/s  data {row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}")
+        if at.step_end(state, tc.steps):  # every rank agreed to stop: saved (if it fit); the job requeues
+            tracker.close()  # the requeue leaves by os._exit: W&B writes its offline run only on close
+            return None
 
-    return at.finish(state, final_loss=global_mean(loss), params_sha256=params_sha256(model))
+    evaluated = {"val_loss": val_loss} if tc.eval_every_steps else {}  # the last step's, None if a signal skipped it
+    return at.finish(state, final_loss=global_mean(loss), params_sha256=params_sha256(model), **evaluated)

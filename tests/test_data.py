@@ -34,6 +34,36 @@ def test_prepare_writes_byte_tokens_in_shards_and_refuses_an_existing_out(tmp_pa
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
 
 
+def test_prepare_holds_out_the_last_tokens_as_val_shards(tmp_path: Path) -> None:
+    """--val-fraction 0.3: the last 30% of the stream moves to val_*.bin (one shard cut in two, the
+    whole ones after it renamed); the training shards keep the rest, and the two add up to the stream."""
+    texts = write_texts(tmp_path / "in")
+    stream = b"\x00".join(texts)
+    meta = prepare([tmp_path / "in"], tmp_path / "out", shard_tokens=500, val_fraction=0.3)
+    n_val = round(0.3 * len(stream))
+    train = b"".join((tmp_path / "out" / s["file"]).read_bytes() for s in meta["shards"])
+    val = b"".join((tmp_path / "out" / s["file"]).read_bytes() for s in meta["val_shards"])
+    assert train == stream[:-n_val] and val == stream[-n_val:]
+    assert (meta["tokens"], meta["val_tokens"]) == (len(stream) - n_val, n_val)
+    assert [s["file"] for s in meta["val_shards"]] == ["val_00000.bin", "val_00001.bin"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["meta.json"] + [s["file"] for s in meta["shards"] + meta["val_shards"]])
+    assert open_sampler(DataConfig(source="tokens", path=str(tmp_path / "out")), 32, 256, "val").shards[0][0] == val[0]
+    with pytest.raises(ValueError, match=r"--val-fraction 1.0 must be in \[0, 1\)"):
+        prepare([tmp_path / "in"], tmp_path / "bad", shard_tokens=500, val_fraction=1.0)
+    with pytest.raises(ValueError, match=r"--val-fraction 0.9999 of 1\d{3} tokens leaves none to train on"):
+        prepare([tmp_path / "in"], tmp_path / "bad", shard_tokens=500, val_fraction=0.9999)
+    assert not (tmp_path / "bad.tmp").exists() and not (tmp_path / "bad").exists()
+
+
+def test_synthetic_data_has_a_held_out_corpus_of_the_same_words() -> None:
+    cfg = DataConfig()
+    train, val = (open_sampler(cfg, 32, 256, split).shards[0] for split in ("train", "val"))
+    assert 9_000 < len(val) < len(train) // 6  # 2,048 words of 3-8 tokens against 16,384
+    assert not any((train[i: i + len(val[:64])] == val[:64]).all() for i in range(len(train) - 64))  # another string
+    assert set(val.tolist()) <= set(train.tolist())  # of the same 64 words' tokens
+
+
 def test_sampler_visits_every_window_once_per_epoch_disjoint_across_ranks() -> None:
     shards = [np.arange(0, 101, dtype=np.int64), np.arange(1000, 1051, dtype=np.int64)]  # 10 + 5 windows of 10
     seen = []
@@ -70,17 +100,27 @@ def test_open_sampler_reads_prepared_shards_by_memmap(tmp_path: Path) -> None:
 
 def test_train_on_prepared_text_from_the_command_line(tmp_path: Path) -> None:
     write_texts(tmp_path / "in")
-    out = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "tok"), "--shard-tokens", "1000"])
+    prepare([tmp_path / "in"], tmp_path / "no-val", shard_tokens=1000)
+    no_val = run([HPC_TRAIN, "submit", "--cfg", "job", "data=tokens", f"data.path={tmp_path / 'no-val'}",
+                  "train.eval_every_steps=10"])
+    assert no_val.returncode == 2 and (
+        f"train.eval_every_steps=10 needs a held-out split with a window of model.seq_len + 1 = 33 tokens, and "
+        f"data.path='{tmp_path / 'no-val'}' has 0 held-out tokens; prepare it with `hpc-train prepare-data ... "
+        f"--val-fraction 0.01`, or set train.eval_every_steps=0") in no_val.stderr
+    out = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "tok"), "--shard-tokens", "1000",
+               "--val-fraction", "0.2"])
     assert out.returncode == 0, out.stderr
-    assert "tokens from 3 file(s) in 2 shard(s)" in out.stdout and "data=tokens data.path=" in out.stdout
+    assert "tokens + 370 held out for evaluation from 3 file(s) in 2 shard(s)" in out.stdout, out.stdout
+    assert "data=tokens data.path=" in out.stdout and "train.eval_every_steps=100" in out.stdout
     again = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "tok")])
     assert again.returncode == 2 and "already exists; give a new directory" in again.stderr
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path / 'runs'}", "data=tokens", f"data.path={tmp_path / 'tok'}",
-                "train.steps=20", "checkpoint.every_steps=10"], timeout_s=300)
+                "train.steps=20", "checkpoint.every_steps=10", "train.eval_every_steps=10"], timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "runs" / "demo-1"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_loss"] < 4.0  # ln(256) = 5.5: repetitive English is learnt fast
+    assert 0 < summary["val_loss"] < 8  # the held-out tail ("lorem ipsum"), partly unseen words
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -1,0 +1,158 @@
+"""Training options: config bounds, LR schedules, AdamW settings, grad norm, evaluation, torch.compile."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+from hpc_train.config import DataConfig, ModelConfig, TrainConfig
+from hpc_train.data import open_sampler
+from hpc_train.model import GPT
+from hpc_train.train import clip_grad_norm, lr_at, parallelize
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.n_layers=0", "model.n_layers=0 must be >= 1: transformer blocks; e.g. model.n_layers=2"),
+    ("model.n_heads=0", "model.n_heads=0 must be >= 1: attention heads per block; e.g. model.n_heads=4"),
+    ("model.seq_len=0", "model.seq_len=0 must be >= 1: tokens per training sequence, the context length; "
+                        "e.g. model.seq_len=32"),
+    ("train.log_every_steps=0", "train.log_every_steps=0 must be >= 1: a metrics line every this many steps; "
+                                "e.g. train.log_every_steps=10"),
+    ("data.seed=-1", "data.seed=-1 must be >= 0: numpy seeds the corpus and the window order with it; e.g. data.seed=0"),
+    ("train.adam_beta2=1.0", "train.adam_beta2=1.0 must be in [0, 1); e.g. train.adam_beta2=0.95"),
+    ("train.lr_schedule=step", "train.lr_schedule='step' is not one of ('cosine', 'linear', 'constant', 'wsd'); "
+                               "e.g. train.lr_schedule=cosine"),
+])
+def test_out_of_bounds_values_are_refused_with_the_fix(override: str, message: str) -> None:
+    """Each was accepted before (n_heads=0 and log_every_steps=0 crashed later, with ZeroDivisionError)."""
+    proc = run([HPC_TRAIN, "submit", "--cfg", "job", override])
+    assert proc.returncode == 2 and f"hpc-train submit: error: {message}\n" in proc.stderr, proc.stderr
+
+
+def test_lr_at_per_schedule() -> None:
+    """100 steps, peak 1.0, 10 warm-up steps, floor 0.1: warm-up end, middle and last step of each schedule.
+    The decays head for the floor at step 100, one past the last (step 99)."""
+    base = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_fraction=0.1)
+    assert [lr_at(s, base) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # warm-up: (step + 1) / 10, any schedule
+    cosine, linear, constant = (replace(base, lr_schedule=k) for k in ("cosine", "linear", "constant"))
+    assert lr_at(10, cosine) == 1.0 and lr_at(55, cosine) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
+    assert lr_at(99, cosine) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)))  # 0.10027
+    assert lr_at(10, linear) == 1.0 and lr_at(55, linear) == pytest.approx(0.55) and lr_at(99, linear) == pytest.approx(0.11)
+    assert lr_at(10, constant) == lr_at(55, constant) == lr_at(99, constant) == 1.0
+    wsd = replace(base, lr_schedule="wsd", decay_fraction=0.2)  # stable to step 79, linear over steps 80..99
+    assert lr_at(10, wsd) == lr_at(55, wsd) == lr_at(79, wsd) == lr_at(80, wsd) == 1.0
+    assert lr_at(90, wsd) == pytest.approx(0.55) and lr_at(99, wsd) == pytest.approx(1 - 0.9 * 19 / 20)
+    # The default (cosine, floor 0.1) is bit for bit the first version's formula: default runs keep their numbers.
+    default = TrainConfig()
+    first_version = [default.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * ((s - 5) / 55)))) for s in range(5, 60)]
+    assert [lr_at(s, default) for s in range(5, 60)] == first_version
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# Every option off its default, in both runs of the evaluation test: the checkpoint shows they reached AdamW.
+OPTIONS = ["train.lr_schedule=wsd", "train.decay_fraction=0.5", "train.adam_beta1=0.8", "train.adam_beta2=0.99",
+           "train.adam_eps=1e-6", "train.weight_decay=0.05"]
+
+
+def test_eval_leaves_training_unchanged_and_resumes_exactly(tmp_path: Path) -> None:
+    """val_loss every 5 steps on the synthetic held-out corpus, in a run stopped by SIGTERM and resumed:
+    its weights end bit-identical to an uninterrupted run without evaluation (evaluation draws no RNG
+    and leaves the model in train mode; resume is exact), grad_norm and val_loss reach metrics.jsonl,
+    the console line and `status`."""
+    args = [f"out_dir={tmp_path}", "train.steps=30", "checkpoint.every_steps=10", "train.log_every_steps=10", *OPTIONS]
+    plain, _ = submit([*args, "name=plain"])
+    cut, job_id = submit([*args, "name=cut", "train.eval_every_steps=5", "train.eval_batches=2",
+                          "train.min_step_time_s=0.2", "--no-wait"])
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(cut)), 120, "a checkpoint")
+    os.kill(int(job_id), signal.SIGTERM)
+    wait_until(lambda: (cut / "summary.json").exists(), 240, "the resumed run")
+    plain_s, cut_s = (json.loads((d / "summary.json").read_text()) for d in (plain, cut))
+    assert cut_s["params_sha256"] == plain_s["params_sha256"] and cut_s["final_loss"] == plain_s["final_loss"]
+    assert [e["event"] for e in read_events(cut)].count("start") == 2  # it did stop and resume
+    rows = metrics(cut)
+    vals = {m["step"]: m["val_loss"] for m in rows if "val_loss" in m}
+    # A signal caught during an evaluation step skips that evaluation (the stop save comes first): one gap at most.
+    assert set(vals) <= {5, 10, 15, 20, 25, 30} and len(vals) >= 5 and 0 < vals[30] == cut_s["val_loss"] < math.log(256)
+    assert {5, 15, 25} & {m["step"] for m in rows}  # eval steps get a line even off log_every_steps
+    assert all(m["grad_norm"] > 0 for m in rows) and all("val_loss" not in m for m in metrics(plain))
+    status = json.loads(run([HPC_TRAIN, "status", str(cut), "--json"]).stdout)
+    assert status[0]["val_loss"] == vals[30]
+    log = next((cut / "submitit").glob("*_0_log.out")).read_text()
+    assert f"loss {rows[-1]['loss']:.4f}  lr {rows[-1]['lr']:.2e}  gnorm {rows[-1]['grad_norm']:.3f}  val {vals[30]:.4f}  " in log
+    dcp_to_torch_save(cut / "checkpoints" / "step_000030", tmp_path / "plain.pt")
+    group = torch.load(tmp_path / "plain.pt", weights_only=True)["optim"]["param_groups"][0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.99), 1e-6, 0.05)
+    wsd = TrainConfig(steps=30, lr_schedule="wsd", decay_fraction=0.5)  # stable to step 14, then linear
+    assert group["lr"] == lr_at(29, wsd) and rows[0]["lr"] == 3e-3
+
+
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                               reason="torch.compile on CPU needs a C++ compiler ($CXX or g++)")
+
+
+@needs_cxx
+def test_compiled_training_matches_eager_on_cpu() -> None:
+    """The trainer's parallelize() with train.compile=true (each block compiled, then DDP, on a one-rank
+    group) against eager: 5 AdamW steps of model=tiny on the same batches. Compiled kernels sum in
+    another order, so the losses agree to 1e-5 relative, not bit for bit (measured ~1e-7). Compilation:
+    ~25 s on a cold inductor cache on the 2-core test machine, ~4 s warm."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        losses: dict[bool, list[float]] = {False: [], True: []}
+        for compiled in losses:
+            tc = TrainConfig(steps=5, compile=compiled)
+            torch.manual_seed(0)
+            model = GPT(ModelConfig())
+            net = parallelize(model, tc, mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), betas=(tc.adam_beta1, tc.adam_beta2))
+            sampler = open_sampler(DataConfig(), seq_len=32, vocab_size=256)
+            for step in range(tc.steps):
+                optimizer.param_groups[0]["lr"] = lr_at(step, tc)
+                loss = net(*sampler.next_batch(0, 1, tc.batch_seqs_per_rank))
+                loss.backward()
+                clip_grad_norm(model, tc.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses[compiled].append(loss.item())
+    finally:
+        dist.destroy_process_group()
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5) and losses[False][-1] < losses[False][0]
+
+
+def test_compile_without_a_compiler_is_refused_before_submit(tmp_path: Path) -> None:
+    env = {**os.environ, "CXX": "/nonexistent/g++"}
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.compile=true"], env=env)
+    assert proc.returncode == 2 and list(tmp_path.iterdir()) == []
+    assert ("train.compile=true needs a C++ compiler for torch.compile (inductor), and '/nonexistent/g++' is not on "
+            "PATH here; install g++ (apt-get install g++) or set CXX, or set train.compile=false") in proc.stderr
+
+
+@needs_cxx
+def test_compile_that_fails_in_the_job_stops_the_run(tmp_path: Path) -> None:
+    """The compute node's compiler does not work (CXX=/bin/false there, an empty inductor cache): the
+    first forward raises, and the run stops with the reason instead of requeueing into the same failure."""
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=5", "train.compile=true",
+                "+cluster.env.CXX=/bin/false", f"+cluster.env.TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}"],
+               timeout_s=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    stopped = [e for e in read_events(tmp_path / "demo-1") if e["event"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["reason"].startswith("train.compile=true: torch.compile failed on ")
+    assert stopped[0]["reason"].endswith("; fix it there or set train.compile=false")
+    assert "InvalidCxxCompiler" in stopped[0]["reason"]
