@@ -255,7 +255,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             "committed_step": max(commits, default=None), "total_steps": cfg["train"]["steps"],
             "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
             "mfu": metrics[-1].get("mfu") if metrics else None,
-            "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),  # train.eval_every_steps
+            "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),  # eval_every_steps
             "goodput": round(goodput(events, metrics)["goodput"], 3) if atts else None,
             "since_last_event_s": round(time.time() - last, 1) if last else None,
             "warnings": warnings,

@@ -92,7 +92,8 @@ def test_eval_leaves_training_unchanged_and_resumes_exactly(tmp_path: Path) -> N
     status = json.loads(run([HPC_TRAIN, "status", str(cut), "--json"]).stdout)
     assert status[0]["val_loss"] == vals[30]
     log = next((cut / "submitit").glob("*_0_log.out")).read_text()
-    assert f"loss {rows[-1]['loss']:.4f}  lr {rows[-1]['lr']:.2e}  gnorm {rows[-1]['grad_norm']:.3f}  val {vals[30]:.4f}  " in log
+    last = rows[-1]
+    assert f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  gnorm {last['grad_norm']:.3f}  val {vals[30]:.4f}  " in log
     dcp_to_torch_save(cut / "checkpoints" / "step_000030", tmp_path / "plain.pt")
     group = torch.load(tmp_path / "plain.pt", weights_only=True)["optim"]["param_groups"][0]
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.99), 1e-6, 0.05)
@@ -148,8 +149,9 @@ def test_compile_without_a_compiler_is_refused_before_submit(tmp_path: Path) -> 
 def test_compile_that_fails_in_the_job_stops_the_run(tmp_path: Path) -> None:
     """The compute node's compiler does not work (CXX=/bin/false there, an empty inductor cache): the
     first forward raises, and the run stops with the reason instead of requeueing into the same failure."""
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=5", "train.compile=true",
-                "+cluster.env.CXX=/bin/false", f"+cluster.env.TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}"],
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=1", "cluster.tasks_per_node=1",
+                "train.compile=true", "+cluster.env.CXX=/bin/false",
+                f"+cluster.env.TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}"],
                timeout_s=240)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     stopped = [e for e in read_events(tmp_path / "demo-1") if e["event"] == "stopped"]
