@@ -262,8 +262,9 @@ class RunConfig:
 
             # The data's tokenizer sets the vocabulary: raised to meta.json's vocab_size (a larger one, e.g.
             # padded to a multiple of 64 for faster matmuls, is kept). Frozen into config.yaml at submit.
-            self.model.vocab_size = max(self.model.vocab_size, int(read_meta(Path(self.data.path))["vocab_size"]))
-            val = read_meta(Path(self.data.path)).get("val_shards", [])
+            meta = read_meta(Path(self.data.path))
+            self.model.vocab_size = max(self.model.vocab_size, int(meta["vocab_size"]))
+            val = meta.get("val_shards", [])
             if self.train.eval_every_steps and max((s["tokens"] for s in val), default=0) <= self.model.seq_len:
                 raise ValueError(f"train.eval_every_steps={self.train.eval_every_steps} needs a held-out split with a "
                                  f"window of model.seq_len + 1 = {self.model.seq_len + 1} tokens, and data.path="

@@ -56,6 +56,21 @@ def test_prepare_holds_out_the_last_tokens_as_val_shards(tmp_path: Path) -> None
     assert not (tmp_path / "bad.tmp").exists() and not (tmp_path / "bad").exists()
 
 
+def test_held_out_split_of_bpe_tokens_cuts_whole_tokens(tmp_path: Path) -> None:
+    """uint16 BPE ids: the cut falls between tokens (2 bytes each), and train + val is the full stream."""
+    write_texts(tmp_path / "in")
+    full = prepare([tmp_path / "in"], tmp_path / "full", shard_tokens=100, tokenizer="bpe:300")
+    meta = prepare([tmp_path / "in"], tmp_path / "split", shard_tokens=100, tokenizer="bpe:300", val_fraction=0.25)
+    assert meta["dtype"] == full["dtype"] == "uint16" and meta["tokens"] + meta["val_tokens"] == full["tokens"]
+
+    def stream(folder: Path, shards: list[dict]) -> list[int]:
+        return [int(t) for s in shards for t in np.fromfile(folder / s["file"], dtype=np.uint16)]
+
+    assert stream(tmp_path / "split", meta["shards"]) + stream(tmp_path / "split", meta["val_shards"]) == stream(
+        tmp_path / "full", full["shards"])
+    assert meta["val_tokens"] == round(0.25 * full["tokens"]) and (tmp_path / "split" / "tokenizer.json").exists()
+
+
 def test_synthetic_data_has_a_held_out_corpus_of_the_same_words() -> None:
     cfg = DataConfig()
     train, val = (open_sampler(cfg, 32, 256, split).shards[0] for split in ("train", "val"))
