@@ -116,7 +116,7 @@ class TrainConfig:  # train.py
     bf16: bool | None = None  # autocast matmuls to bfloat16; None: on for GPU, off for CPU
     activation_checkpointing: bool | None = None  # recompute each block in backward; None: on for GPU
     # torch.compile each block (inductor). Needs a C++ compiler ($CXX or g++) where the job runs; the
-    # first step pays the compilation (~25 s for model=tiny on one CPU core, then cached on disk).
+    # first step pays the compilation (~25 s for model=tiny on the 2-core test machine; then cached on disk).
     compile: bool = False
     grad_accum_steps: int = 1  # micro-batches of batch_seqs_per_rank summed into one optimizer step
     # A step (collectives and save included) that takes longer is a hang: every rank dumps its Python
@@ -141,7 +141,7 @@ class TrainConfig:  # train.py
                              f"must both be >= 1")
         check_at_least("train", self, {
             "warmup_steps": (0, "steps of linear warm-up (0: start at the peak lr)"),
-            "weight_decay": (0, "AdamW's decay per step, a fraction of lr x weight"),
+            "weight_decay": (0, "AdamW's decoupled decay: each step shrinks weights by lr x weight_decay"),
             "seed": (0, "the initial weights' seed"),
             "log_every_steps": (1, "a metrics line every this many steps"),
             "eval_every_steps": (0, "0 = no evaluation"),
