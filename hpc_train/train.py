@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_train import data, preempt, tracking
@@ -186,6 +187,11 @@ def main(at: Attempt) -> dict[str, Any] | None:
                 losses.append(loss_of(*next_batch(val), module=model).double())
                 preempt.beat()  # a long evaluation is not a hang (job.py's watchdog)
         model.train()
+        # FSDP2 keeps the root's parameters gathered after a forward for the backward that follows; with no
+        # backward a checkpoint's state_dict then fails ("storage that is not resizable"). torchtitan: reshard.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return global_mean(torch.stack(losses).mean())
 
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
