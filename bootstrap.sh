@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what hpc_train needs, idempotently (a second run takes seconds), on Debian 12 as root:
-#   ./bootstrap.sh           python3-venv if missing, .venv, torch (pinned CPU-capable wheel), hpc_train[dev]
-#   ./bootstrap.sh --slurm   the same, plus Debian's slurm-wlm, munge, slurmdbd and mariadb-server
+#   ./bootstrap.sh           python3-venv if missing, .venv, torch (pinned CPU-capable wheel), hpc_train[dev,wandb,mlflow]
+#   ./bootstrap.sh --slurm   the same, plus Debian's slurm-wlm, munge, slurmdbd, mariadb-server and g++
 #                            for the test cluster of tests/cluster.py
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -9,7 +9,7 @@ cd "$(dirname "$0")"
 need_apt=()
 python3 -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv python3-pip)
 if [ "${1:-}" = "--slurm" ]; then
-  for pkg in slurm-wlm munge slurmdbd mariadb-server; do
+  for pkg in slurm-wlm munge slurmdbd mariadb-server g++; do  # g++: torch.compile's CPU parity test
     dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
   done
 fi

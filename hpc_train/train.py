@@ -267,4 +267,5 @@ def main(at: Attempt) -> dict[str, Any] | None:
             return None
 
     evaluated = {"val_loss": val_loss} if tc.eval_every_steps else {}  # the last step's, None if a signal skipped it
+    tracker.close(finished=True)  # explicit, not only atexit: the MLflow run is FINISHED before summary.json exists
     return at.finish(state, final_loss=global_mean(loss), params_sha256=params_sha256(model), **evaluated)
