@@ -116,6 +116,10 @@ class ClusterConfig:
             if value is not None and (not value or re.search(r"[\s'\"\\]", value)):
                 raise ValueError(f"cluster.{key}={value!r} must be one word without spaces, quotes or "
                                  f"backslashes (sbatch --{key.replace('_', '-')} syntax), or null")
+        both = _expand(self.nodelist or "") & _expand(self.exclude or "")
+        if both:  # sbatch would say only "Invalid node name specified"
+            raise ValueError(f"cluster.nodelist={self.nodelist!r} and cluster.exclude={self.exclude!r} both name "
+                             f"{', '.join(sorted(both))}; drop it from one of them")
         if self.mem_gb is not None and self.mem_per_cpu_gb is not None:
             raise ValueError(f"cluster.mem_gb={self.mem_gb} and cluster.mem_per_cpu_gb={self.mem_per_cpu_gb} are "
                              f"both set, but sbatch takes one of --mem and --mem-per-cpu; set the other to null")
@@ -419,7 +423,8 @@ def _validate_association(cluster: ClusterConfig, partition: str) -> None:
     if cluster.qos is not None:
         allowed = sorted({q for a, _, qos in rows if a == account for q in qos})
         if cluster.qos not in allowed:
-            raise ValueError(f"cluster.qos={cluster.qos!r} is not allowed for account {account} of user {user}; use "
+            whose = f"account {account}" + ("" if cluster.account else " (your default)")
+            raise ValueError(f"cluster.qos={cluster.qos!r} is not allowed for {whose} of user {user}; use "
                              f"cluster.qos= one of {allowed} (`sacctmgr show assoc user={user} format=account,qos`)")
 
 

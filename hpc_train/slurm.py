@@ -100,7 +100,8 @@ def unreachable(timeout_s: float = 5) -> str:
         call(["scontrol", "ping"], timeout_s=timeout_s, retries=0)
         return ""
     except SlurmError as e:
-        return str(e).splitlines()[0]
+        lines = str(e).splitlines()  # the first says what failed; a last "no Slurm configuration" says the fix
+        return lines[0] + (f"; {lines[-1]}" if lines[-1].startswith("no Slurm configuration") else "")
 
 
 def parse_associations(text: str) -> tuple[str, list[tuple[str, str, list[str]]]]:

@@ -90,10 +90,12 @@ def test_every_site_option_is_rendered() -> None:
     ("cluster.gres='gpu 4'", r"cluster.gres='gpu 4' must be one word"),
     ("cluster.mail_user=me@x.org", r"cluster.mail_user='me@x.org' without cluster.mail_type sends no mail"),
     ("cluster.mail_type='END,SOMETIMES'", r"cluster.mail_type='END,SOMETIMES': \['SOMETIMES'\] not among sbatch's"),
+    ("cluster.exclude='n[2-3]'", r"cluster.nodelist='n\[1-2\]' and cluster.exclude='n\[2-3\]' both name n2; drop it"),
     ("cluster.account='my account'", r"cluster.account='my account' is not a Slurm account name"),
 ])
 def test_site_option_errors(override: str, message: str) -> None:
-    overrides = ["cluster=slurm", override] + (["cluster.mem_gb=8"] if "mem_per_cpu" in override else [])
+    overrides = ["cluster=slurm", override] + (["cluster.mem_gb=8"] if "mem_per_cpu" in override else []) + (
+        ["cluster.nodelist='n[1-2]'"] if "exclude" in override else [])
     with pytest.raises(ValueError, match=message):
         to_run_config(compose(overrides))
 
