@@ -37,10 +37,11 @@ def _print_dry_run(p: object) -> None:
     for trial, config in zip(p.trials, p.configs):  # type: ignore[attr-defined]
         print(f"# ---- trial {trial.index}: {' '.join(trial.overrides)} -> {trial.run_dir} ----")
         print(yaml.safe_dump(config, sort_keys=False), end="")
-    if p.unvalidated:  # type: ignore[attr-defined]
-        print(f"# NOT validated against the live cluster: {p.unvalidated}. Unchecked: partition and its limits, "  # type: ignore[attr-defined]
-              f"account, qos, constraint, reservation, nodelist/exclude, sbatch --test-only"
-              f"{'; MaxArraySize taken as 1001' if len(p.trials) > 1 else ''}")  # type: ignore[attr-defined]
+    why, sweep = p.unvalidated, len(p.trials) > 1  # type: ignore[attr-defined]
+    if why:
+        print(f"# NOT validated against the live cluster: {why}. Unchecked: partition and its limits, account, qos, "
+              f"constraint, reservation, nodelist/exclude, sbatch --test-only"
+              f"{'; MaxArraySize taken as 1001' if sweep else ''}")
     print(f"# dry run: {len(p.trials)} trial(s) in {len(p.arrays)} sbatch call(s); nothing written or queued")  # type: ignore[attr-defined]
 
 

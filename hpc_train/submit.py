@@ -288,7 +288,8 @@ def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, ma
     if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s)
         result.unvalidated = slurm.unreachable()
         validate = validate and not result.unvalidated
-    max_array = 1 if not multirun else 1001 if result.unvalidated else int(slurm.show_config().get("MaxArraySize", "1001"))
+    max_array = 1 if not multirun else (1001 if result.unvalidated  # Slurm's default
+                                        else int(slurm.show_config().get("MaxArraySize", "1001")))
     result.arrays = group_arrays(runs, max_array)
     for array in result.arrays:
         cluster = runs[array.trials[0]].cluster

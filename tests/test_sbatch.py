@@ -105,7 +105,8 @@ def test_parse_associations() -> None:
     cluster, plus a partition-only association; "|||": a user with no association on that cluster."""
     from hpc_train.slurm import parse_associations
 
-    text = "research|research||long,normal\nresearch|teamb||long,normal\nresearch|root||normal\nresearch|gpu|a100|normal\n"
+    text = ("research|research||long,normal\nresearch|teamb||long,normal\nresearch|root||normal\n"
+            "research|gpu|a100|normal\n")
     assert parse_associations(text) == ("research", [("research", "", ["long", "normal"]),
                                                      ("teamb", "", ["long", "normal"]), ("root", "", ["normal"]),
                                                      ("gpu", "a100", ["normal"])])
@@ -134,9 +135,15 @@ def test_dry_run_without_a_controller_answers_in_seconds(tmp_path: Path, conf: s
     assert proc.returncode == 0, proc.stderr
     assert took < 15, f"the dry run took {took:.0f} s"
     assert "#SBATCH --signal=USR2@120\n" in proc.stdout
-    reason = {"no controller": r"`scontrol ping` failed: Slurmctld\(primary\) at \S+ is DOWN|`scontrol` is not installed",
+    reason = {"no controller": r"`scontrol ping` failed: Slurmctld\(primary\) at \S+ is DOWN"
+                               r"|`scontrol` is not installed",
               "missing file": rf"SLURM_CONF={slurm_conf} does not exist; set cluster.slurm_conf"}[conf]
     assert re.search(rf"# NOT validated against the live cluster: ({reason}).*\. Unchecked: partition and its "
                      rf"limits, account, qos, constraint, reservation, nodelist/exclude, sbatch --test-only\n",
                      proc.stdout), proc.stdout
     assert list(tmp_path.iterdir()) == ([slurm_conf] if conf == "no controller" else [])  # nothing written
+    if conf == "missing file":  # a real submit says so at once too (the clients would retry reading it for 60 s)
+        proc = subprocess.run([str(Path(sys.executable).parent / "hpc-train"), "submit", "cluster=slurm",
+                               f"cluster.slurm_conf={slurm_conf}", f"out_dir={tmp_path}"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and f"error: SLURM_CONF={slurm_conf} does not exist" in proc.stderr, proc.stderr

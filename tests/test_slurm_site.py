@@ -20,8 +20,9 @@ QUICK = ["cluster=dev", "train.steps=4", "checkpoint.every_steps=4"]
 def test_account_qos_constraint_land_on_the_job(slurm_env: dict[str, str], tmp_path: Path) -> None:
     comment = "it's #1 $(x)"  # sbatch_extra, through submitit's quoting and sbatch's own #SBATCH parser
     hydra_quoted = "'" + comment.replace("'", "\\'") + "'"  # Hydra's grammar: \' inside '...'
-    run_dir, job_id = submit([*QUICK, f"out_dir={tmp_path}", "name=site", "cluster.account=teamb", "cluster.qos=long",
-                              "cluster.constraint=fast", f"+cluster.sbatch_extra.comment={hydra_quoted}"], env=slurm_env)
+    run_dir, job_id = submit([*QUICK, f"out_dir={tmp_path}", "name=site", "cluster.account=teamb",
+                              "cluster.qos=long", "cluster.constraint=fast",
+                              f"+cluster.sbatch_extra.comment={hydra_quoted}"], env=slurm_env)
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
     assert "Account=teamb " in job and "QOS=long " in job and "Features=fast " in job, job
     assert f"Comment={comment} " in job, job
