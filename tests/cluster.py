@@ -1,6 +1,6 @@
 """A real four-node Slurm 22.05 cluster on this one machine, owned by the test suite.
 
-    python tests/cluster.py up        # ~5-10 s: munge, MariaDB, slurmdbd, slurmctld, accounts, 4 x slurmd
+    python tests/cluster.py up        # ~4 s: munge, MariaDB, slurmdbd, slurmctld, accounts (1.6 s), 4 x slurmd
     python tests/cluster.py status    # daemons alive? prints `sinfo`
     python tests/cluster.py down      # stops exactly what `up` started (pidfiles under the cluster dir)
     eval "$(python tests/cluster.py env)"   # export SLURM_CONF for sbatch/squeue/sacct by hand
