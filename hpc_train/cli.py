@@ -38,6 +38,11 @@ def _print_dry_run(p: object) -> None:
     for trial, config in zip(p.trials, p.configs):  # type: ignore[attr-defined]
         print(f"# ---- trial {trial.index}: {' '.join(trial.overrides)} -> {trial.run_dir} ----")
         print(yaml.safe_dump(config, sort_keys=False), end="")
+    why, sweep = p.unvalidated, len(p.trials) > 1  # type: ignore[attr-defined]
+    if why:
+        print(f"# NOT validated against the live cluster: {why}. Unchecked: partition and its limits, account, qos, "
+              f"constraint, reservation, nodelist/exclude, sbatch --test-only"
+              f"{'; MaxArraySize taken as 1001' if sweep else ''}")
     print(f"# dry run: {len(p.trials)} trial(s) in {len(p.arrays)} sbatch call(s); nothing written or queued")  # type: ignore[attr-defined]
 
 
@@ -101,7 +106,8 @@ def _submit(args: argparse.Namespace) -> int:
 
         from hpc_train.metrics import lead_warning
 
-        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source)
+        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source,
+                        dry_run=args.dry_run)
         print(f"hpc-train submit: config {source.dir / source.name}.yaml", file=sys.stderr)  # ./conf, -cp or shipped
         slurm_run = p.runs[0].cluster.executor == "slurm"
         warning = slurm_run and lead_warning(submit.previous_runs(p), p.runs[0].cluster.signal_lead_s)

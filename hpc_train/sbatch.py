@@ -50,6 +50,24 @@ class ClusterConfig:
     # sbatch --switches=<count>[@<max wait>]: at most that many leaf switches, waiting up to the time
     # given for such an allocation ("1@30:00"); None leaves placement to Slurm.
     switches: str | None = None
+    # Site options, sbatch's own (--account ...); None/False/empty: not rendered, Slurm's default. Each
+    # is checked against the live cluster before anything is queued (validate_live).
+    account: str | None = None  # charged for the run: one of `sacctmgr show assoc user=$USER`
+    qos: str | None = None  # allowed under that account (the user's default account when None)
+    constraint: str | None = None  # node features, sbatch's syntax: "fast", "a100&ib", "[rack1|rack2]"
+    reservation: str | None = None  # `scontrol show reservation`
+    exclusive: bool = False  # whole nodes: no other job shares them
+    mem_per_cpu_gb: float | None = None  # instead of mem_gb (sbatch refuses both)
+    # Generic resources, e.g. "gpu:a100:8" or "gpu:8,shard:2"; GPUs named here must equal gpus_per_node
+    # (one rank per GPU); --gpus-per-node is then left out, as sbatch would count them twice.
+    gres: str | None = None
+    mail_type: str | None = None  # e.g. "END,FAIL"; needs the site's MailProg
+    mail_user: str | None = None  # default: the submitting user
+    nodelist: str | None = None  # only these nodes, e.g. "node[1-2]"
+    exclude: str | None = None  # never these nodes
+    # Any other sbatch long option, without "--": {"mem-bind": "local"}; "" renders a bare flag
+    # (--contiguous). Names are checked against sbatch 22.05's; values are shell-quoted by submitit.
+    sbatch_extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -81,10 +99,122 @@ class ClusterConfig:
         if self.switches is not None and not re.fullmatch(r"\d+(@[\d:-]+)?", self.switches):
             raise ValueError(f"cluster.switches={self.switches!r} is not sbatch's <count>[@<max wait>]; "
                              f"e.g. cluster.switches='1@30:00'")
+        self._check_site_options()
         if self.template is not None and not (TEMPLATES_DIR / f"{self.template}.sh").is_file():
             known = sorted(p.stem for p in TEMPLATES_DIR.glob("*.sh") if p.stem != "signal_relay")
             raise ValueError(f"cluster.template={self.template!r}: no {TEMPLATES_DIR}/{self.template}.sh; "
                              f"use one of {known} or add the file")
+
+    def _check_site_options(self) -> None:
+        for key in ("account", "qos", "reservation"):
+            value = getattr(self, key)
+            if value is not None and not re.fullmatch(r"[\w.-]+", value):
+                raise ValueError(f"cluster.{key}={value!r} is not a Slurm {key} name; use letters, digits, '.', "
+                                 f"'_' or '-' (`sacctmgr show assoc user=$USER` lists yours)")
+        for key in ("constraint", "gres", "mail_type", "mail_user", "nodelist", "exclude"):
+            value = getattr(self, key)
+            if value is not None and (not value or re.search(r"[\s'\"\\]", value)):
+                raise ValueError(f"cluster.{key}={value!r} must be one word without spaces, quotes or "
+                                 f"backslashes (sbatch --{key.replace('_', '-')} syntax), or null")
+        both = _expand(self.nodelist or "") & _expand(self.exclude or "")
+        if both:  # sbatch would say only "Invalid node name specified"
+            raise ValueError(f"cluster.nodelist={self.nodelist!r} and cluster.exclude={self.exclude!r} both name "
+                             f"{', '.join(sorted(both))}; drop it from one of them")
+        if self.mem_gb is not None and self.mem_per_cpu_gb is not None:
+            raise ValueError(f"cluster.mem_gb={self.mem_gb} and cluster.mem_per_cpu_gb={self.mem_per_cpu_gb} are "
+                             f"both set, but sbatch takes one of --mem and --mem-per-cpu; set the other to null")
+        for key in ("mem_gb", "mem_per_cpu_gb"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"cluster.{key}={value} must be > 0, or null for the partition's default")
+        if self.gres is not None:
+            if not re.fullmatch(r"[A-Za-z][\w/.-]*(:[\w.-]+)*(,[A-Za-z][\w/.-]*(:[\w.-]+)*)*", self.gres):
+                raise ValueError(f"cluster.gres={self.gres!r} is not sbatch's name[:type][:count][,...]; "
+                                 f"e.g. cluster.gres=gpu:a100:8")
+            gpus = gres_gpus(self.gres)
+            if gpus is not None and gpus != self.gpus_per_node:
+                raise ValueError(f"cluster.gres={self.gres!r} asks for {gpus} GPUs per node but "
+                                 f"cluster.gpus_per_node={self.gpus_per_node}; set cluster.gpus_per_node={gpus} "
+                                 f"(one rank per GPU: tasks_per_node follows it)")
+        if self.mail_type is not None:
+            bad = [t for t in self.mail_type.upper().split(",") if t not in MAIL_TYPES]
+            if bad:
+                raise ValueError(f"cluster.mail_type={self.mail_type!r}: {bad} not among sbatch's mail types; "
+                                 f"use a comma list of {', '.join(MAIL_TYPES)}")
+        if self.mail_user is not None and self.mail_type is None:
+            raise ValueError(f"cluster.mail_user={self.mail_user!r} without cluster.mail_type sends no mail; "
+                             f"set cluster.mail_type, e.g. END,FAIL")
+        for key, value in self.sbatch_extra.items():
+            check_sbatch_extra(key, value)
+
+
+# sbatch 22.05's long options (its man page; `sbatch --help` lists most). A name outside this list would
+# make sbatch fail at submit time, after the run directory exists.
+SBATCH_OPTIONS = (
+    "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir", "cluster-constraint", "clusters",
+    "comment", "constraint", "container", "contiguous", "core-spec", "cores-per-socket", "cpu-freq",
+    "cpus-per-gpu", "cpus-per-task", "deadline", "delay-boot", "dependency", "distribution", "error", "exclude",
+    "exclusive", "export", "export-file", "extra-node-info", "get-user-env", "gid", "gpu-bind", "gpu-freq", "gpus",
+    "gpus-per-node", "gpus-per-socket", "gpus-per-task", "gres", "gres-flags", "help", "hint", "hold",
+    "ignore-pbs", "input", "job-name", "kill-on-invalid-dep", "licenses", "mail-type", "mail-user", "mcs-label",
+    "mem", "mem-bind", "mem-per-cpu", "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "no-requeue",
+    "nodefile", "nodelist", "nodes", "ntasks", "ntasks-per-core", "ntasks-per-gpu", "ntasks-per-node",
+    "ntasks-per-socket", "open-mode", "output", "overcommit", "oversubscribe", "parsable", "partition", "power",
+    "prefer", "priority", "profile", "propagate", "qos", "quiet", "reboot", "requeue", "reservation", "signal",
+    "sockets-per-node", "spread-job", "switches", "test-only", "thread-spec", "threads-per-core", "time",
+    "time-min", "tmp", "uid", "usage", "use-min-nodes", "verbose", "version", "wait", "wait-all-nodes", "wckey",
+    "wrap",
+)
+# Options that take no value: sbatch refuses "--contiguous=x".
+SBATCH_FLAGS = ("batch", "contiguous", "help", "hold", "ignore-pbs", "no-kill", "no-requeue", "overcommit",
+                "oversubscribe", "parsable", "quiet", "reboot", "requeue", "spread-job", "test-only", "usage",
+                "use-min-nodes", "verbose", "version", "wait")
+# Options hpc_train renders itself, or that would break how it submits, and what to do instead.
+SBATCH_OWNED = {
+    **{o: f"use cluster.{o.replace('-', '_')}" for o in (
+        "account", "qos", "constraint", "reservation", "exclusive", "gres", "mail-type", "mail-user", "nodelist",
+        "exclude", "switches", "partition", "nodes", "cpus-per-task")},
+    "mem": "use cluster.mem_gb", "mem-per-cpu": "use cluster.mem_per_cpu_gb",
+    "gpus-per-node": "use cluster.gpus_per_node", "ntasks-per-node": "use cluster.tasks_per_node",
+    "ntasks": "use cluster.tasks_per_node", "time": "use cluster.timeout_min",
+    "signal": "use cluster.signal_lead_s (USR2 that long before the time limit)",
+    "requeue": "every run may be requeued already", "no-requeue": "a run must requeue to survive preemption",
+    "array": "a sweep (-m) renders it; --max-parallel throttles it", "job-name": "use name=...",
+    "output": "logs go to the run directory's submitit/", "error": "logs go to the run directory's submitit/",
+    "open-mode": "logs are appended across requeues", "parsable": "submitit reads sbatch's usual answer",
+    "wait": "submit returns once queued", "wrap": "the batch script is rendered", "test-only": "use --dry-run",
+    "help": "run sbatch --help", "usage": "run sbatch --usage", "version": "run sbatch --version",
+}
+MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
+              "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
+
+
+def check_sbatch_extra(key: str, value: str) -> None:
+    """One cluster.sbatch_extra entry (pure): a real sbatch option we do not own, a one-line value."""
+    import difflib
+
+    name = key.replace("_", "-")
+    if name in SBATCH_OWNED:
+        raise ValueError(f"cluster.sbatch_extra.{key}: --{name} is hpc_train's own; {SBATCH_OWNED[name]}")
+    if name not in SBATCH_OPTIONS:
+        hint = "see `sbatch --help` for the long option names"
+        for close in difflib.get_close_matches(name, SBATCH_OPTIONS, n=1, cutoff=0.7):
+            hint = f"did you mean {close!r}?" + (f" ({SBATCH_OWNED[close]})" if close in SBATCH_OWNED else "")
+        raise ValueError(f"cluster.sbatch_extra.{key}: --{name} is not an sbatch option (sbatch 22.05); {hint}")
+    if any(ord(c) < 32 or c == "\x7f" for c in value):
+        raise ValueError(f"cluster.sbatch_extra.{key}={value!r} contains a control character (newline?); "
+                         f"give a one-line value")
+    if name in SBATCH_FLAGS and value:
+        raise ValueError(f"cluster.sbatch_extra.{key}={value!r}: --{name} takes no value; set it to '' "
+                         f"(+cluster.sbatch_extra.{key}='')")
+
+
+def gres_gpus(gres: str) -> int | None:
+    """GPUs per node named in a --gres value (pure): "gpu:a100:8,shard:2" -> 8, "gpu" -> 1, "shard:2" -> None."""
+    counts = [part.split(":") for part in gres.split(",") if part.split(":")[0] == "gpu"]
+    if not counts:
+        return None
+    return sum(int(c[-1]) if len(c) > 1 and c[-1].isdigit() else 1 for c in counts)
 
 
 def setup_lines(cluster: ClusterConfig) -> list[str]:
@@ -129,10 +259,21 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:
         params["partition"] = cluster.partition
-    if cluster.gpus_per_node:
+    if cluster.gpus_per_node and (cluster.gres is None or gres_gpus(cluster.gres) is None):
         params["gpus_per_node"] = cluster.gpus_per_node
     if cluster.mem_gb is not None:
         params["mem"] = f"{int(cluster.mem_gb * 1024)}M"
+    if cluster.mem_per_cpu_gb is not None:
+        params["mem_per_cpu"] = f"{int(cluster.mem_per_cpu_gb * 1024)}M"
+    for key in ("account", "qos", "constraint", "gres", "mail_type", "mail_user", "nodelist", "exclude"):
+        if getattr(cluster, key) is not None:
+            params[key] = getattr(cluster, key)
+    if cluster.exclusive:
+        params["exclusive"] = True
+    if cluster.reservation is not None:
+        params["additional_parameters"]["reservation"] = cluster.reservation
+    for key, value in cluster.sbatch_extra.items():  # submitit shell-quotes each value; True: a bare flag
+        params["additional_parameters"][key.replace("_", "-")] = value if value else True
     return params
 
 
@@ -207,6 +348,7 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
                              f"at most {gpus} GPUs (Gres); use cluster.gpus_per_node<={gpus} or a GPU partition")
     if max_parallel is not None and max_parallel < 1:
         raise ValueError(f"--max-parallel={max_parallel} must be >= 1")
+    _validate_site(cluster, name, part, {n: node_info[n] for n in members})
     with tempfile.NamedTemporaryFile("w", suffix=".sh") as f:
         f.write(script)
         f.flush()
@@ -222,6 +364,68 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
                     time.sleep(2)
                     continue
                 raise ValueError(f"sbatch --test-only refused the request for partition {name}: {e}") from None
+
+
+def _validate_site(cluster: ClusterConfig, partition: str, part: dict[str, str],
+                   node_info: dict[str, dict[str, str]]) -> None:
+    """The site options against what Slurm holds: associations (slurmdbd), node features, reservations,
+    node names. sbatch --test-only would refuse most of these too, but without saying what is valid."""
+    from hpc_train import slurm
+
+    if cluster.account is not None or cluster.qos is not None:
+        _validate_association(cluster, partition)
+    if cluster.constraint is not None:
+        features = sorted({f for info in node_info.values() for f in info.get("AvailableFeatures", "").split(",")
+                           if f and f != "(null)"})
+        # sbatch's syntax: "a&b", "a|b", "[a|b]", "a*2" (a count), "a,b"
+        for word in re.split(r"[&|,\[\]()!*\s]+", cluster.constraint):
+            if word and not word.isdigit() and word not in features:
+                raise ValueError(f"cluster.constraint={cluster.constraint!r}: no node of partition {partition} has "
+                                 f"the feature {word!r}; features there: {features or 'none'} "
+                                 f"(`sinfo -p {partition} -o '%N %f'`)")
+    if cluster.reservation is not None:
+        known = slurm.reservations()
+        if cluster.reservation not in known:
+            there = f"use one of {sorted(known)}" if known else "this cluster has none now"
+            raise ValueError(f"cluster.reservation={cluster.reservation!r} does not exist; {there} "
+                             f"(`scontrol show reservation`)")
+    for key in ("nodelist", "exclude"):
+        value = getattr(cluster, key)
+        unknown = sorted(_expand(value) - set(node_info)) if value else []
+        if unknown:
+            raise ValueError(f"cluster.{key}={value!r}: {', '.join(unknown)} not in partition {partition}; its nodes "
+                             f"are {part.get('Nodes', '')} (`sinfo -p {partition} -N`)")
+
+
+def _validate_association(cluster: ClusterConfig, partition: str) -> None:
+    """Account and QoS against the user's associations in slurmdbd (`sacctmgr show assoc`)."""
+    import pwd
+
+    from hpc_train import slurm
+
+    config = slurm.show_config()
+    enforce = config.get("AccountingStorageEnforce", "none")
+    if config.get("AccountingStorageType") != "accounting_storage/slurmdbd" or not re.search(
+            r"associations|limits|qos|safe", enforce):
+        return  # Slurm then takes any account and QoS name: nothing to check them against
+    user, cluster_name = pwd.getpwuid(os.getuid()).pw_name, config.get("ClusterName", "")
+    default, rows = slurm.associations(user, cluster_name)
+    rows = [r for r in rows if r[1] in ("", partition)]  # an association may be for one partition only
+    accounts = sorted({account for account, _, _ in rows})
+    if not accounts:
+        raise ValueError(f"user {user} has no Slurm account on cluster {cluster_name} for partition {partition}; "
+                         f"ask your Slurm administrator to add one (sacctmgr add user {user} account=...)")
+    account = cluster.account or default
+    if account not in accounts:
+        what = f"cluster.account={cluster.account!r} is" if cluster.account else f"your default account {default!r} is"
+        raise ValueError(f"{what} not an account of user {user} on cluster {cluster_name} (partition {partition}); "
+                         f"use cluster.account= one of {accounts} (`sacctmgr show assoc user={user}`)")
+    if cluster.qos is not None:
+        allowed = sorted({q for a, _, qos in rows if a == account for q in qos})
+        if cluster.qos not in allowed:
+            whose = f"account {account}" + ("" if cluster.account else " (your default)")
+            raise ValueError(f"cluster.qos={cluster.qos!r} is not allowed for {whose} of user {user}; use "
+                             f"cluster.qos= one of {allowed} (`sacctmgr show assoc user={user} format=account,qos`)")
 
 
 def _expand(nodelist: str) -> set[str]:

@@ -23,6 +23,10 @@ class SlurmError(RuntimeError):
 
 def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: str | None = None) -> str:
     """Run a Slurm client; retry transient controller errors with 1, 2, 4 s backoff; stdout on success."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # the clients would retry reading it for 60 s, then fail
+        raise SlurmError(f"SLURM_CONF={conf} does not exist; set cluster.slurm_conf to your cluster's slurm.conf "
+                         f"(`scontrol show config | grep SLURM_CONF` on its login node)")
     err = ""
     for attempt in range(retries + 1):
         try:
@@ -71,7 +75,7 @@ def _show(kind: str, name_key: str) -> dict[str, dict[str, str]]:
     """`scontrol show <kind> -o`: one line per object -> {name: fields}."""
     out = {}
     for line in call(["scontrol", "show", kind, "-o"]).splitlines():
-        if line.strip():
+        if f"{name_key}=" in line:  # not "No reservations in the system"
             fields = parse_key_values(line)
             out[fields[name_key]] = fields
     return out
@@ -83,6 +87,39 @@ def partitions() -> dict[str, dict[str, str]]:
 
 def nodes() -> dict[str, dict[str, str]]:
     return _show("node", "NodeName")
+
+
+def reservations() -> dict[str, dict[str, str]]:
+    return _show("reservation", "ReservationName")
+
+
+def unreachable(timeout_s: float = 5) -> str:
+    """Why the controller cannot answer now, "" when it can: one `scontrol ping` (~10 ms when it is down
+    on a reachable host; scontrol's other commands retry for ~9 s first), no retries."""
+    try:
+        call(["scontrol", "ping"], timeout_s=timeout_s, retries=0)
+        return ""
+    except SlurmError as e:
+        lines = str(e).splitlines()  # the first says what failed; a last "no Slurm configuration" says the fix
+        return lines[0] + (f"; {lines[-1]}" if lines[-1].startswith("no Slurm configuration") else "")
+
+
+def parse_associations(text: str) -> tuple[str, list[tuple[str, str, list[str]]]]:
+    """`sacctmgr -n -P show user U withassoc format=DefaultAccount,Account,Partition,QOS` -> (default
+    account, [(account, partition or "" for all, allowed QoS)]) (pure)."""
+    default, rows = "", []
+    for line in text.splitlines():
+        fields = line.split("|")
+        if len(fields) >= 4 and fields[1]:  # a user with no association on that cluster prints "|||"
+            default = fields[0]
+            rows.append((fields[1], fields[2], [q for q in fields[3].split(",") if q]))
+    return default, rows
+
+
+def associations(user: str, cluster_name: str) -> tuple[str, list[tuple[str, str, list[str]]]]:
+    """parse_associations of what slurmdbd holds for this user on this cluster."""
+    return parse_associations(call(["sacctmgr", "-n", "-P", "show", "user", user, "withassoc", "where",
+                                    f"cluster={cluster_name}", "format=DefaultAccount,Account,Partition,QOS"]))
 
 
 def time_limit_min(text: str) -> float:

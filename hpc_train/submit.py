@@ -68,6 +68,7 @@ class Plan:
     runs: list[RunConfig]
     arrays: list[Array] = field(default_factory=list)
     scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
+    unvalidated: str = ""  # a dry run with no controller answering: why the live checks were skipped
 
     @property
     def private(self) -> bool:
@@ -261,7 +262,7 @@ def previous_runs(p: "Plan") -> list[Path]:
 
 
 def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, max_parallel: int | None = None,
-         source: ConfigSource = ConfigSource(), validate: bool = True) -> Plan:
+         source: ConfigSource = ConfigSource(), validate: bool = True, dry_run: bool = False) -> Plan:
     """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""
     from hpc_train import slurm
 
@@ -284,7 +285,11 @@ def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, ma
     if first.executor == "local":
         result.arrays = [Array(trials=[i]) for i in range(len(runs))]  # local trials run one at a time
         return result
-    max_array = int(slurm.show_config().get("MaxArraySize", "1001")) if multirun else 1
+    if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s)
+        result.unvalidated = slurm.unreachable()
+        validate = validate and not result.unvalidated
+    max_array = 1 if not multirun else (1001 if result.unvalidated  # Slurm's default
+                                        else int(slurm.show_config().get("MaxArraySize", "1001")))
     result.arrays = group_arrays(runs, max_array)
     for array in result.arrays:
         cluster = runs[array.trials[0]].cluster

@@ -1,6 +1,6 @@
 """A real four-node Slurm 22.05 cluster on this one machine, owned by the test suite.
 
-    python tests/cluster.py up        # ~5 s: munge, private MariaDB, slurmdbd, slurmctld, 4 x slurmd
+    python tests/cluster.py up        # ~4 s: munge, MariaDB, slurmdbd, slurmctld, accounts (1.6 s), 4 x slurmd
     python tests/cluster.py status    # daemons alive? prints `sinfo`
     python tests/cluster.py down      # stops exactly what `up` started (pidfiles under the cluster dir)
     eval "$(python tests/cluster.py env)"   # export SLURM_CONF for sbatch/squeue/sacct by hand
@@ -13,11 +13,15 @@ with hostname nodeN and a bind-mounted hosts file (node1..node4 -> 127.0.0.1), s
 Topology: two leaf switches under one root that *interleave* node names (s1 = node1,node3;
 s2 = node2,node4), so that name order is not topology order.
 Partitions: debug (default, never preempted), low (preemptible by requeue, GraceTime), high.
+Accounting as on a real site: AccountingStorageEnforce=associations,qos; the user who ran `up` has
+accounts research (default) and teamb, each allowing QoS normal (default) and long; an unknown account
+or QoS is refused by Slurm. Node features: node1,node2 have cpu,fast; node3,node4 have cpu.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -32,6 +36,9 @@ CPUS_PER_NODE = 4  # advertised through config_overrides; this machine has 2 cor
 CTLD_PORT, DBD_PORT, DB_PORT, SLURMD_PORT0 = 16817, 16819, 16306, 17001
 LOW_GRACE_S = 30  # SIGTERM at preemption, SIGKILL this much later
 DAEMON_PIDFILES = ["slurmctld", "slurmdbd", "mariadb"] + [f"slurmd-{n}" for n in NODES]
+ACCOUNTS = ["research", "teamb"]  # the first is the user's default
+QOS = ["normal", "long"]  # normal: slurmdbd's own, every association's default
+FAST_NODES = ["node1", "node2"]  # Features=cpu,fast (the others: cpu)
 
 
 def paths(root: Path = CLUSTER_DIR) -> dict[str, Path]:
@@ -79,10 +86,15 @@ AccountingStorageHost=127.0.0.1
 AccountingStoragePort={DBD_PORT}
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
+# A job's account and QoS must be an association of its user (sacctmgr): as on a real site, so a wrong
+# cluster.account or cluster.qos is refused by Slurm too, not only by hpc-train's own check.
+AccountingStorageEnforce=associations,qos
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-NodeName=node[1-4] NodeAddr=127.0.0.1 NodeHostname=node[1-4] Port=[{SLURMD_PORT0}-{SLURMD_PORT0 + 3}] \
-CPUs={CPUS_PER_NODE} RealMemory=4000 State=UNKNOWN
+NodeName=node[1-2] NodeAddr=127.0.0.1 NodeHostname=node[1-2] Port=[{SLURMD_PORT0}-{SLURMD_PORT0 + 1}] \
+CPUs={CPUS_PER_NODE} RealMemory=4000 Features=cpu,fast State=UNKNOWN
+NodeName=node[3-4] NodeAddr=127.0.0.1 NodeHostname=node[3-4] Port=[{SLURMD_PORT0 + 2}-{SLURMD_PORT0 + 3}] \
+CPUs={CPUS_PER_NODE} RealMemory=4000 Features=cpu State=UNKNOWN
 PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=60 State=UP PriorityTier=1 PreemptMode=OFF
 PartitionName=low Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={LOW_GRACE_S}
 PartitionName=high Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
@@ -199,6 +211,35 @@ def _start_mariadb(root: Path) -> None:
                    check=True, capture_output=True, timeout=30)
 
 
+def _add_associations(root: Path) -> subprocess.Popen:
+    """QoS, accounts and this user's associations: one sacctmgr process (a commit per command, ~1 s in
+    all), started once slurmctld has registered the cluster (it does so before it answers a ping) and
+    run while the slurmds start; slurmdbd pushes each change to slurmctld."""
+    user = pwd.getpwuid(os.getuid()).pw_name
+    commands = [
+        *(f"add qos {q}" for q in QOS if q != "normal"),
+        f"add account {','.join(ACCOUNTS)} cluster=hpcdev",
+        f"add user {user} account={','.join(ACCOUNTS)} defaultaccount={ACCOUNTS[0]} qos={','.join(QOS)} "
+        f"defaultqos={QOS[0]} cluster=hpcdev",
+    ]
+    proc = subprocess.Popen(["sacctmgr", "-i"], env=client_env(root), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    proc.stdin.write("\n".join(commands) + "\n")  # type: ignore[union-attr]
+    proc.stdin.close()  # type: ignore[union-attr]
+    return proc
+
+
+def _associations_added(proc: subprocess.Popen, root: Path) -> None:
+    out = proc.stdout.read()  # type: ignore[union-attr]
+    if proc.wait(timeout=60) != 0 or "error" in out.lower():
+        raise RuntimeError(f"cluster up: sacctmgr failed: {out}")
+    # slurmdbd pushes the changes to slurmctld asynchronously: wait until it accepts every combination.
+    for account in ACCOUNTS:
+        test = ["sbatch", "--test-only", f"--account={account}", f"--qos={QOS[-1]}", "--wrap=true"]
+        _wait_for(f"slurmctld to know account {account}", lambda: _run(test, root, check=False).returncode == 0,
+                  30, root)
+
+
 def _start_slurmd(node: str, root: Path) -> None:
     """One slurmd per node name, in its own UTS + mount namespace (hostname, /etc/hosts)."""
     p = paths(root)
@@ -237,9 +278,11 @@ def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001) -> float:
     _wait_for("slurmdbd", lambda: _port_open(DBD_PORT), 30, root)
     _run(["slurmctld", "-c"], root)  # -c: no state from a previous cluster
     _wait_for("slurmctld", lambda: _run(["scontrol", "ping"], root, check=False).returncode == 0, 30, root)
+    sacctmgr = _add_associations(root)
     for node in NODES:
         _start_slurmd(node, root)
     _wait_for("4 idle nodes", lambda: _nodes_idle(root), 60, root)
+    _associations_added(sacctmgr, root)
     return time.monotonic() - t0
 
 
