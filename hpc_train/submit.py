@@ -621,6 +621,18 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         except slurm.SlurmError as e:
             raise slurm.SlurmError(f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
                                    f"({e}); try again once Slurm answers") from None
+        # A job cancelled a moment ago stays COMPLETING while its ranks are killed (KillWait, 30 s by default,
+        # plus the epilog): wait that out rather than send a user who just typed cancel; resume away.
+        waited_until = time.monotonic() + 120
+        if state == "COMPLETING":
+            print(f"hpc-train resume: job {run.job_id} is COMPLETING (its ranks are being stopped); waiting up to "
+                  f"2 minutes for it to end", file=sys.stderr)
+        while state == "COMPLETING" and time.monotonic() < waited_until:
+            time.sleep(2)
+            try:
+                state = slurm.live_states([run.job_id]).get(run.job_id, "")
+            except slurm.SlurmError:
+                break  # the state is known to be COMPLETING: refused below
         if state in ACTIVE_STATES:
             raise ValueError(f"{run.label} is still {state} (job {run.job_id}): there is nothing to resume; follow it "
                              f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel "
