@@ -17,10 +17,10 @@ from hpc_train.provenance import differences, identity
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Path) -> None:
-    """`pip install .` as a wheel (into --target, as into a fresh venv), then a fresh empty folder: init,
-    compose and render work from the installed copy alone. ~5 s: one wheel build, four interpreters."""
-    src, site, fresh = tmp_path / "src", tmp_path / "site", tmp_path / "fresh"
+def plain_install(tmp_path: Path) -> Path:
+    """`pip install .` (a wheel, not editable) of this checkout into TMP/site, as into a fresh venv whose
+    dependencies are this one's; returns TMP/site, to put on PYTHONPATH."""
+    src, site = tmp_path / "src", tmp_path / "site"
     src.mkdir()
     for part in ("pyproject.toml", "README.md", "hpc_train", "conf", "sbatch_templates"):  # built outside the repo:
         if (REPO / part).is_dir():  # no build/ left in it, no race with another build
@@ -30,6 +30,13 @@ def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Pat
     proc = run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                 "--disable-pip-version-check", "--target", str(site), str(src)], timeout_s=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Path) -> None:
+    """`pip install .` as a wheel (into --target, as into a fresh venv), then a fresh empty folder: init,
+    compose and render work from the installed copy alone. ~5 s: one wheel build, four interpreters."""
+    site, fresh = plain_install(tmp_path), tmp_path / "fresh"
     shipped = {p.relative_to(REPO).as_posix() for d in ("conf", "sbatch_templates") for p in (REPO / d).rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     installed = {p.relative_to(site / "hpc_train").as_posix() for d in ("conf", "sbatch_templates")

@@ -4,13 +4,16 @@ them lands with them; a wrong one is refused, with what is valid, before anythin
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 import cluster
-from conftest import HPC_TRAIN, run, submit, wait_finished
+from conftest import HPC_TRAIN, read_events, run, submit, wait_finished
+from test_packaging import plain_install
 
 pytestmark = pytest.mark.slurm
 
@@ -58,3 +61,28 @@ def test_slurm_itself_refuses_an_unknown_account(slurm_env: dict[str, str]) -> N
     assert proc.returncode != 0 and "Invalid account" in proc.stderr, proc.stderr
     proc = run(["sbatch", "--test-only", "--account=teamb", "--qos=huge", "--wrap=true"], env=slurm_env)
     assert proc.returncode != 0 and "Invalid qos" in proc.stderr, proc.stderr
+
+
+def test_a_plain_install_in_a_fresh_folder_submits_with_account_and_qos(slurm_env: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    """Issue 11's "done when": `pip install .` (not editable), `hpc-train init` in an empty folder, then a
+    run on the cluster with account and QoS set; the job trains with the installed copy, not the checkout."""
+    site, fresh = plain_install(tmp_path), tmp_path / "fresh"
+    fresh.mkdir()
+    env = {**slurm_env, "PYTHONPATH": str(site)}
+    cli = [sys.executable, "-m", "hpc_train.cli"]
+    init = run([*cli, "init"], env=env, cwd=fresh)
+    assert init.returncode == 0, init.stdout + init.stderr
+    proc = run([*cli, "submit", *QUICK, "name=plain", "cluster.account=teamb", "cluster.qos=long"], env=env,
+               cwd=fresh, timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"config {fresh}/conf/config.yaml" in proc.stderr, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("submitted job"))
+    job_id, run_dir = line.split()[2].rstrip(";"), Path(line.split("run directory ")[1])
+    run_dir = run_dir if run_dir.is_absolute() else fresh / run_dir
+    wait_finished(run_dir, job_id, slurm_env)
+    acct = run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "Account,QOS,State"], env=slurm_env).stdout.split()
+    assert acct == ["teamb|long|COMPLETED"], acct
+    code = json.loads((run_dir / "code.json").read_text())
+    assert code["path"].startswith(str(site)), code
+    assert not any(e["event"] == "code_changed" for e in read_events(run_dir))  # the job imported that copy
