@@ -646,6 +646,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
                          f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
                          f"{run.run_dir}")
 
+    events = read_events(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
     since = ops.since_resume(events)
     stopped = next((e for e in reversed(since) if e["event"] == "stopped"), None)
     failed = next((e for e in reversed(since) if e["event"] == "fail"), None)
