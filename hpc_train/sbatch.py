@@ -6,6 +6,7 @@ Torch-free: this runs on the login node.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -125,8 +126,8 @@ class ClusterConfig:
                              f"both set, but sbatch takes one of --mem and --mem-per-cpu; set the other to null")
         for key in ("mem_gb", "mem_per_cpu_gb"):
             value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise ValueError(f"cluster.{key}={value} must be > 0, or null for the partition's default")
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"cluster.{key}={value} must be > 0 and finite, or null for the partition's default")
         if self.gres is not None:
             if not re.fullmatch(r"[A-Za-z][\w/.-]*(:[\w.-]+)*(,[A-Za-z][\w/.-]*(:[\w.-]+)*)*", self.gres):
                 raise ValueError(f"cluster.gres={self.gres!r} is not sbatch's name[:type][:count][,...]; "
@@ -184,6 +185,16 @@ SBATCH_OWNED = {
     "open-mode": "logs are appended across requeues", "parsable": "submitit reads sbatch's usual answer",
     "wait": "submit returns once queued", "wrap": "the batch script is rendered", "test-only": "use --dry-run",
     "help": "run sbatch --help", "usage": "run sbatch --usage", "version": "run sbatch --version",
+    **dict.fromkeys(("clusters", "M", "cluster-constraint"),
+                    "status, logs, resume and cancel ask the one cluster SLURM_CONF names; use cluster.slurm_conf "
+                    "for another cluster"),
+    **dict.fromkeys(("export", "export-file", "get-user-env"),
+                    "the job must inherit the submitting environment (its Python, SLURM_CONF); use cluster.env"),
+    **dict.fromkeys(("gpus", "gpus-per-task", "gpus-per-socket"),
+                    "one rank per GPU, counted per node; use cluster.gpus_per_node"),
+    "no-kill": "a lost node must end the attempt so it requeues; the surviving ranks would hang in a collective",
+    **dict.fromkeys(("uid", "gid"), "the run directory and its requeues belong to the submitting user"),
+    **dict.fromkeys(("chdir", "D"), "the frozen config's relative paths are read from the submit directory"),
 }
 MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
               "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
@@ -204,6 +215,9 @@ def check_sbatch_extra(key: str, value: str) -> None:
     if any(ord(c) < 32 or c == "\x7f" for c in value):
         raise ValueError(f"cluster.sbatch_extra.{key}={value!r} contains a control character (newline?); "
                          f"give a one-line value")
+    if "\\" in value:
+        raise ValueError(f"cluster.sbatch_extra.{key}={value!r} contains a backslash, which sbatch's #SBATCH "
+                         f"parser reads as an escape; give the value without one")
     if name in SBATCH_FLAGS and value:
         raise ValueError(f"cluster.sbatch_extra.{key}={value!r}: --{name} takes no value; set it to '' "
                          f"(+cluster.sbatch_extra.{key}='')")
@@ -261,10 +275,11 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         params["partition"] = cluster.partition
     if cluster.gpus_per_node and (cluster.gres is None or gres_gpus(cluster.gres) is None):
         params["gpus_per_node"] = cluster.gpus_per_node
+    # Whole MiB, rounded up: int() made mem_gb=0.0005 into --mem=0M, which Slurm reads as all of the node's memory
     if cluster.mem_gb is not None:
-        params["mem"] = f"{int(cluster.mem_gb * 1024)}M"
+        params["mem"] = f"{math.ceil(cluster.mem_gb * 1024)}M"
     if cluster.mem_per_cpu_gb is not None:
-        params["mem_per_cpu"] = f"{int(cluster.mem_per_cpu_gb * 1024)}M"
+        params["mem_per_cpu"] = f"{math.ceil(cluster.mem_per_cpu_gb * 1024)}M"
     for key in ("account", "qos", "constraint", "gres", "mail_type", "mail_user", "nodelist", "exclude"):
         if getattr(cluster, key) is not None:
             params[key] = getattr(cluster, key)
