@@ -55,6 +55,18 @@ def test_cfg_job_suggests_the_nearest_key(override: str, message: str) -> None:
     assert proc.returncode == 2 and re.search(message, proc.stderr, re.S), proc.stderr
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=nan", r"train.lr=nan and train.grad_clip=1.0 must be > 0 and finite"),
+    ("train.weight_decay=nan", r"train.weight_decay=nan must be finite and >= 0: AdamW's decoupled decay"),
+    ("train.min_step_time_s=inf", r"train.min_step_time_s=inf must be finite and >= 0: 0 = off"),
+    ("train.adam_eps=nan", r"train.adam_eps=nan must be > 0"),
+])
+def test_nan_and_inf_are_refused(override: str, message: str) -> None:
+    """nan compares False with everything: `value < low` let it through to the job."""
+    proc = run([HPC_TRAIN, "submit", "--cfg", "job", override])
+    assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr
+
+
 def test_version_names_the_installed_package() -> None:
     import hpc_train
 
