@@ -51,7 +51,7 @@ def find_runs(path: Path) -> list[Run]:
     try:
         if (path / "sweep.json").exists():
             manifest = json.loads((path / "sweep.json").read_text())
-            executor = _executor(Path(manifest["trials"][0]["run_dir"])) if manifest["trials"] else "slurm"
+            executor = _executor([Path(t["run_dir"]) for t in manifest["trials"]])
             return [Run(Path(t["run_dir"]), f"{path.name}/{Path(t['run_dir']).name}", t["job_id"] or "", executor,
                         path / "submitit", process=t.get("process")) for t in manifest["trials"]]
         if (path / "config.yaml").exists():
@@ -67,10 +67,16 @@ def find_runs(path: Path) -> list[Run]:
     raise ValueError(f"{path} is not a run directory, a sweep directory or a folder of them; give e.g. runs/demo-1")
 
 
-def _executor(run_dir: Path) -> str:
+def _executor(run_dirs: list[Path]) -> str:
+    """The sweep's executor, from the first trial whose config.yaml is still there (one may be deleted)."""
     import yaml
 
-    return yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["executor"]
+    for run_dir in run_dirs:
+        try:
+            return yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["executor"]
+        except FileNotFoundError:
+            continue
+    return "slurm"
 
 
 def slurm_states(job_ids: list[str], retries: int = 3) -> dict[str, str]:
@@ -227,6 +233,10 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             cfg = {} if r.unreadable else yaml.safe_load((r.run_dir / "config.yaml").read_text())
         except PermissionError as e:
             r.unreadable = denied(Path(e.filename or r.run_dir))
+        except FileNotFoundError:  # a trial folder someone deleted: a row that says so, not a traceback
+            rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id, "state": "missing",
+                         "warnings": [f"{r.run_dir / 'config.yaml'} does not exist (deleted?)"]})
+            continue
         if r.unreadable:
             rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id,
                          "state": "unreadable: permission denied", "warnings": [r.unreadable]})
