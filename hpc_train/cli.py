@@ -445,6 +445,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="hold out this share of the tokens, the last ones, as val_*.bin for train.eval_every_steps")
     p.set_defaults(func=_prepare_data)
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # submit and resume hold Ctrl-C until a queued job's id is on disk
+        print(f"\nhpc-train {args.command}: interrupted (Ctrl-C); a job queued before it is recorded in its run "
+              f"directory: `hpc-train status` shows it, `hpc-train cancel RUN_DIR` removes it", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.func is _submit:
         return args.func(args)
     try:
@@ -454,7 +463,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hpc-train {args.command}: error: {e}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -201,3 +201,60 @@ def test_a_conf_folder_without_config_yaml_is_not_the_primary_config(tmp_path: P
     assert proc.returncode == 0, proc.stderr
     assert f"hpc-train submit: config {tmp_path}/conf/config.yaml\n" in proc.stderr
 
+
+
+# A Slurm cluster as its client commands answer, for what the real test cluster cannot be made to do
+# (an sbatch that takes seconds, a slurmdbd that is down). $STATE/<name> overrides a command's answer.
+FAKE_SLURM = {
+    "scontrol": """case "$*" in
+  ping*) echo "Slurmctld(primary) at fake is UP";;
+  "show partition -o") echo "PartitionName=debug Default=YES State=UP TotalNodes=2 MaxNodes=UNLIMITED MaxTime=UNLIMITED Nodes=n[1-2]";;
+  "show node -o") printf 'NodeName=n1 CPUTot=8 State=IDLE\\nNodeName=n2 CPUTot=8 State=IDLE\\n';;
+  "show config") echo "ClusterName = fake"; echo "MaxArraySize = 1001";;
+  *) echo "scontrol $*: not faked" >&2; exit 1;;
+esac""",
+    "sbatch": """case "$1" in
+  --test-only) echo "sbatch: Job 1 to start at 2026-01-01T00:00:00 using 4 processors on nodes n1 in partition debug" >&2;;
+  *) touch "$STATE/sbatch_started"; sleep "$(cat "$STATE/sbatch_sleep" 2>/dev/null || echo 0)"
+     echo "Submitted batch job 4242";;
+esac""",
+    "sacctmgr": """[ -f "$STATE/sacctmgr" ] && . "$STATE/sacctmgr"; echo "research|research||normal,long\"""",
+    "squeue": """[ -f "$STATE/squeue" ] && . "$STATE/squeue"; exit 0""",
+    "sacct": """[ -f "$STATE/sacct" ] && . "$STATE/sacct"; exit 0""",
+}
+
+
+def fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path, str]:
+    """(env with the fake clients first on PATH, their state folder, a cluster.slurm_conf override)."""
+    import os
+
+    bin_dir, state = tmp_path / "fakebin", tmp_path / "fakestate"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\nSTATE={state}\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "slurm.conf").write_text("ClusterName=fake\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return env, state, f"cluster.slurm_conf={tmp_path / 'slurm.conf'}"
+
+
+def test_ctrl_c_during_sbatch_waits_until_the_job_id_is_recorded(tmp_path: Path) -> None:
+    """Before: a traceback, and the job sbatch queued was named nowhere (no submission.json)."""
+    import signal
+    import time
+
+    env, state, conf = fake_slurm(tmp_path)
+    (state / "sbatch_sleep").write_text("3")
+    proc = subprocess.Popen([HPC_TRAIN, "submit", "cluster=slurm", conf, f"out_dir={tmp_path / 'runs'}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (state / "sbatch_started").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)  # as Ctrl-C, mid-sbatch
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "hpc-train submit: interrupted (Ctrl-C); a job queued before it is recorded in " \
+                                      "its run directory" in err, err
+    assert json.loads((tmp_path / "runs" / "demo-1" / "submission.json").read_text())["job_id"] == "4242"
