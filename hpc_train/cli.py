@@ -43,6 +43,8 @@ def _print_dry_run(p: object) -> None:
         print(f"# NOT validated against the live cluster: {why}. Unchecked: partition and its limits, account, qos, "
               f"constraint, reservation, nodelist/exclude, sbatch --test-only"
               f"{'; MaxArraySize taken as 1001' if sweep else ''}")
+    for note in dict.fromkeys(p.unchecked):  # type: ignore[attr-defined]
+        print(f"# NOT validated: {note}")
     print(f"# dry run: {len(p.trials)} trial(s) in {len(p.arrays)} sbatch call(s); nothing written or queued")  # type: ignore[attr-defined]
 
 

@@ -323,8 +323,9 @@ def check_syntax(script: str) -> None:
                          f"and cluster.template for unbalanced quotes")
 
 
-def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_parallel: int | None) -> None:
-    """Check the request against the running cluster; ValueError names key, value, limit and fix."""
+def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_parallel: int | None) -> list[str]:
+    """Check the request against the running cluster; ValueError names key, value, limit and fix.
+    Returns what could not be checked (also printed as a warning): sbatch --test-only then judges it."""
     from hpc_train import slurm
 
     parts = slurm.partitions()
@@ -363,7 +364,7 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
                              f"at most {gpus} GPUs (Gres); use cluster.gpus_per_node<={gpus} or a GPU partition")
     if max_parallel is not None and max_parallel < 1:
         raise ValueError(f"--max-parallel={max_parallel} must be >= 1")
-    _validate_site(cluster, name, part, {n: node_info[n] for n in members})
+    unchecked = _validate_site(cluster, name, part, {n: node_info[n] for n in members})
     with tempfile.NamedTemporaryFile("w", suffix=".sh") as f:
         f.write(script)
         f.flush()
@@ -379,16 +380,18 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
                     time.sleep(2)
                     continue
                 raise ValueError(f"sbatch --test-only refused the request for partition {name}: {e}") from None
+    return unchecked
 
 
 def _validate_site(cluster: ClusterConfig, partition: str, part: dict[str, str],
-                   node_info: dict[str, dict[str, str]]) -> None:
+                   node_info: dict[str, dict[str, str]]) -> list[str]:
     """The site options against what Slurm holds: associations (slurmdbd), node features, reservations,
     node names. sbatch --test-only would refuse most of these too, but without saying what is valid."""
     from hpc_train import slurm
 
+    unchecked = []
     if cluster.account is not None or cluster.qos is not None:
-        _validate_association(cluster, partition)
+        unchecked += _validate_association(cluster, partition)
     if cluster.constraint is not None:
         features = sorted({f for info in node_info.values() for f in info.get("AvailableFeatures", "").split(",")
                            if f and f != "(null)"})
@@ -410,11 +413,15 @@ def _validate_site(cluster: ClusterConfig, partition: str, part: dict[str, str],
         if unknown:
             raise ValueError(f"cluster.{key}={value!r}: {', '.join(unknown)} not in partition {partition}; its nodes "
                              f"are {part.get('Nodes', '')} (`sinfo -p {partition} -N`)")
+    return unchecked
 
 
-def _validate_association(cluster: ClusterConfig, partition: str) -> None:
-    """Account and QoS against the user's associations in slurmdbd (`sacctmgr show assoc`)."""
+def _validate_association(cluster: ClusterConfig, partition: str) -> list[str]:
+    """Account and QoS against the user's associations in slurmdbd (`sacctmgr show assoc`). [] when
+    checked; a warning when slurmdbd does not answer or sacctmgr is missing: slurmctld keeps its own copy
+    of the associations, so sbatch --test-only (after this) still refuses a bad account or QoS."""
     import pwd
+    import shutil
 
     from hpc_train import slurm
 
@@ -422,9 +429,16 @@ def _validate_association(cluster: ClusterConfig, partition: str) -> None:
     enforce = config.get("AccountingStorageEnforce", "none")
     if config.get("AccountingStorageType") != "accounting_storage/slurmdbd" or not re.search(
             r"associations|limits|qos|safe", enforce):
-        return  # Slurm then takes any account and QoS name: nothing to check them against
+        return []  # Slurm then takes any account and QoS name: nothing to check them against
     user, cluster_name = pwd.getpwuid(os.getuid()).pw_name, config.get("ClusterName", "")
-    default, rows = slurm.associations(user, cluster_name)
+    try:
+        default, rows = slurm.associations(user, cluster_name)
+    except slurm.SlurmError as e:
+        reason = ("`sacctmgr` is not installed here" if shutil.which("sacctmgr") is None
+                  else str(e).splitlines()[0])
+        note = f"account/qos not checked: {reason}; sbatch --test-only judges them"
+        print(f"hpc-train: warning: {note}", file=sys.stderr, flush=True)
+        return [note]
     rows = [r for r in rows if r[1] in ("", partition)]  # an association may be for one partition only
     accounts = sorted({account for account, _, _ in rows})
     if not accounts:
@@ -441,6 +455,7 @@ def _validate_association(cluster: ClusterConfig, partition: str) -> None:
             whose = f"account {account}" + ("" if cluster.account else " (your default)")
             raise ValueError(f"cluster.qos={cluster.qos!r} is not allowed for {whose} of user {user}; use "
                              f"cluster.qos= one of {allowed} (`sacctmgr show assoc user={user} format=account,qos`)")
+    return []
 
 
 def _expand(nodelist: str) -> set[str]:

@@ -69,6 +69,7 @@ class Plan:
     arrays: list[Array] = field(default_factory=list)
     scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
     unvalidated: str = ""  # a dry run with no controller answering: why the live checks were skipped
+    unchecked: list[str] = field(default_factory=list)  # live checks that could not run (slurmdbd down)
 
     @property
     def private(self) -> bool:
@@ -297,7 +298,7 @@ def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, ma
         script = render(cluster, job_name(target), target / "submitit", size, max_parallel)
         check_syntax(script)
         if validate:
-            validate_live(cluster, script, len(array.trials), max_parallel)
+            result.unchecked += validate_live(cluster, script, len(array.trials), max_parallel) or []
         result.scripts.append(script)
     return result
 

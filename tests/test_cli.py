@@ -210,7 +210,7 @@ FAKE_SLURM = {
   ping*) echo "Slurmctld(primary) at fake is UP";;
   "show partition -o") echo "PartitionName=debug Default=YES State=UP TotalNodes=2 MaxNodes=UNLIMITED MaxTime=UNLIMITED Nodes=n[1-2]";;
   "show node -o") printf 'NodeName=n1 CPUTot=8 State=IDLE\\nNodeName=n2 CPUTot=8 State=IDLE\\n';;
-  "show config") echo "ClusterName = fake"; echo "MaxArraySize = 1001";;
+  "show config") printf 'ClusterName = fake\nMaxArraySize = 1001\nAccountingStorageType = accounting_storage/slurmdbd\nAccountingStorageEnforce = associations,limits,qos\n';;
   *) echo "scontrol $*: not faked" >&2; exit 1;;
 esac""",
     "sbatch": """case "$1" in
@@ -221,6 +221,7 @@ esac""",
     "sacctmgr": """[ -f "$STATE/sacctmgr" ] && . "$STATE/sacctmgr"; echo "research|research||normal,long\"""",
     "squeue": """[ -f "$STATE/squeue" ] && . "$STATE/squeue"; exit 0""",
     "sacct": """[ -f "$STATE/sacct" ] && . "$STATE/sacct"; exit 0""",
+    "srun": """exit 0  # submitit's SlurmExecutor only looks for it""",
 }
 
 
@@ -258,3 +259,42 @@ def test_ctrl_c_during_sbatch_waits_until_the_job_id_is_recorded(tmp_path: Path)
     assert "Traceback" not in err and "hpc-train submit: interrupted (Ctrl-C); a job queued before it is recorded in " \
                                       "its run directory" in err, err
     assert json.loads((tmp_path / "runs" / "demo-1" / "submission.json").read_text())["job_id"] == "4242"
+
+
+@pytest.mark.parametrize("sacctmgr", ["down", "hangs", "missing"])
+def test_account_and_qos_unchecked_when_slurmdbd_is_down_says_so_and_submits(tmp_path: Path, sacctmgr: str) -> None:
+    """Before: sacctmgr's 30 s timeout x 4 tries (a hang: 2 min) then an error, or "use cluster=local" when
+    sacctmgr is missing. Now one try of 5 s, a warning, and sbatch --test-only judges the account."""
+    import os
+    import shutil
+    import time
+
+    env, state, conf = fake_slurm(tmp_path)
+    if sacctmgr == "down":
+        (state / "sacctmgr").write_text("echo 'sacctmgr: error: Problem talking to the database: Connection "
+                                        "refused' >&2; exit 1\n")
+    elif sacctmgr == "hangs":
+        (state / "sacctmgr").write_text("exec sleep 60\n")
+    else:  # a PATH with the fake clients and the few tools they use, and no sacctmgr anywhere on it
+        (tmp_path / "fakebin" / "sacctmgr").unlink()
+        tools = tmp_path / "tools"
+        tools.mkdir()
+        for tool in ("sh", "bash", "sleep", "cat", "touch"):
+            (tools / tool).symlink_to(shutil.which(tool))
+        env["PATH"] = f"{tmp_path / 'fakebin'}:{tools}"
+    args = [HPC_TRAIN, "submit", "cluster=slurm", "cluster.account=research", "cluster.qos=long", conf,
+            f"out_dir={tmp_path / 'runs'}"]
+    t0 = time.monotonic()
+    dry = run([*args, "--dry-run"], env=env)
+    took = time.monotonic() - t0
+    reason = {"down": r"`sacctmgr -n -P show user \S+ withassoc .*` failed: sacctmgr: error: Problem talking to the "
+                      r"database: Connection refused",
+              "hangs": r"`sacctmgr -n -P show user \S+ withassoc .*` did not answer within 5 s",
+              "missing": r"`sacctmgr` is not installed here"}[sacctmgr]
+    assert dry.returncode == 0, dry.stderr
+    assert re.search(rf"hpc-train: warning: account/qos not checked: {reason}; sbatch --test-only judges them\n",
+                     dry.stderr), dry.stderr
+    assert re.search(rf"# NOT validated: account/qos not checked: {reason}", dry.stdout), dry.stdout
+    assert "cluster=local" not in dry.stderr and took < 20, (took, dry.stderr)
+    proc = run(args, env=env)
+    assert proc.returncode == 0 and "submitted job 4242" in proc.stdout, proc.stderr
