@@ -254,8 +254,8 @@ def _logs(args: argparse.Namespace) -> int:
         print(labels[1])
         print(errors, end="" if errors.endswith("\n") else "\n")
     if args.follow:  # then both streams as they grow, labelled at each switch; returns when the run ends
-        streams = [(out, len(out_bytes), labels[0]), (err, len(err_bytes), labels[1])]
-        ops.follow(streams, labels[1] if ops.has_output(errors) else labels[0], lambda: ops.run_ended(run),
+        streams, unknown_since = [(out, len(out_bytes), labels[0]), (err, len(err_bytes), labels[1])], []
+        ops.follow(streams, labels[1] if ops.has_output(errors) else labels[0], lambda: ops.run_ended(run, unknown_since),
                    check_every_s=10.0 if run.executor == "slurm" else 0.5)  # sacct: at most once per 10 s
     return 0
 
