@@ -212,7 +212,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     tokens_per_step = dp_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
     first_step, loss, val_loss = state.step, torch.tensor(float("nan")), None
-    tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank)  # metrics.tensorboard/wandb/mlflow
+    tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank, at.event)  # metrics.tensorboard/wandb/mlflow
 
     # Go!
     while state.step < tc.steps:
