@@ -153,6 +153,9 @@ class TrainConfig:  # train.py
             "rendezvous_timeout_s": (1, "seconds the ranks wait for each other at start"),
             "peak_tflops_per_device": (0, "0 = detect the GPU"),
         })
+        if self.eval_batches > 10_000:  # each rank's loop; ~100 s at 10 ms a batch, every eval_every_steps
+            raise ValueError(f"train.eval_batches={self.eval_batches} must be <= 10000: an evaluation holds up "
+                             f"training and must stay short; e.g. train.eval_batches=4")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"train.lr_schedule={self.lr_schedule!r} is not one of {LR_SCHEDULES}; e.g. "
                              f"train.lr_schedule=cosine")
