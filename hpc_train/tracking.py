@@ -187,7 +187,8 @@ class Tracker:
         self._guard("tb", "close", lambda: self.tb.close())  # type: ignore[union-attr]
         self._guard("wandb", "close", wandb_close)
         if finished:
-            self._guard("mlflow", "close", lambda: self.mlflow.set_terminated(self.mlflow_run, status="FINISHED"))  # type: ignore[union-attr]
+            self._guard("mlflow", "close",
+                        lambda: self.mlflow.set_terminated(self.mlflow_run, status="FINISHED"))  # type: ignore[union-attr]
         self.tb = self.wandb = self.mlflow = None
 
 
