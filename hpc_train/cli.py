@@ -43,6 +43,8 @@ def _print_dry_run(p: object) -> None:
         print(f"# NOT validated against the live cluster: {why}. Unchecked: partition and its limits, account, qos, "
               f"constraint, reservation, nodelist/exclude, sbatch --test-only"
               f"{'; MaxArraySize taken as 1001' if sweep else ''}")
+    for note in dict.fromkeys(p.unchecked):  # type: ignore[attr-defined]
+        print(f"# NOT validated: {note}")
     print(f"# dry run: {len(p.trials)} trial(s) in {len(p.arrays)} sbatch call(s); nothing written or queued")  # type: ignore[attr-defined]
 
 
@@ -252,8 +254,8 @@ def _logs(args: argparse.Namespace) -> int:
         print(labels[1])
         print(errors, end="" if errors.endswith("\n") else "\n")
     if args.follow:  # then both streams as they grow, labelled at each switch; returns when the run ends
-        streams = [(out, len(out_bytes), labels[0]), (err, len(err_bytes), labels[1])]
-        ops.follow(streams, labels[1] if ops.has_output(errors) else labels[0], lambda: ops.run_ended(run),
+        streams, unknown_since = [(out, len(out_bytes), labels[0]), (err, len(err_bytes), labels[1])], []
+        ops.follow(streams, labels[1] if ops.has_output(errors) else labels[0], lambda: ops.run_ended(run, unknown_since),
                    check_every_s=10.0 if run.executor == "slurm" else 0.5)  # sacct: at most once per 10 s
     return 0
 
@@ -445,6 +447,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="hold out this share of the tokens, the last ones, as val_*.bin for train.eval_every_steps")
     p.set_defaults(func=_prepare_data)
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # submit and resume hold Ctrl-C until a queued job's id is on disk
+        print(f"\nhpc-train {args.command}: interrupted (Ctrl-C); a job queued before it is recorded in its run "
+              f"directory: `hpc-train status` shows it, `hpc-train cancel RUN_DIR` removes it", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.func is _submit:
         return args.func(args)
     try:
@@ -454,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hpc-train {args.command}: error: {e}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

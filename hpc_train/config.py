@@ -7,6 +7,7 @@ says which module it configures. ClusterConfig lives beside the executor code in
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +21,16 @@ CONF_DIR = Path(shipped_dir("conf"))  # the starter configs; `hpc-train init` co
 
 
 def check_at_least(scope: str, cfg: Any, minimums: dict[str, tuple[float, str]]) -> None:
-    """The first field below its minimum -> `scope.key=value must be >= low: what it is; e.g. scope.key=default`."""
+    """The first field below its minimum, or not finite -> `scope.key=value must be >= low: what it is; e.g.
+    scope.key=default`. `not (value >= low)`: nan compares False with everything, so `value < low` let it through."""
     from dataclasses import fields
 
     defaults = {f.name: f.default for f in fields(cfg)}
     for key, (low, what) in minimums.items():
         value = getattr(cfg, key)
-        if value < low:
-            raise ValueError(f"{scope}.{key}={value} must be >= {low:g}: {what}; e.g. {scope}.{key}={defaults[key]}")
+        if not (value >= low and math.isfinite(value)):
+            finite = "" if math.isfinite(value) else "finite and "
+            raise ValueError(f"{scope}.{key}={value} must be {finite}>= {low:g}: {what}; e.g. {scope}.{key}={defaults[key]}")
 
 
 @dataclass
@@ -131,9 +134,9 @@ class TrainConfig:  # train.py
         if self.tp < 1 or (self.tp > 1 and self.parallelism != "fsdp"):
             raise ValueError(f"train.tp={self.tp} needs train.parallelism=fsdp (FSDP2 + tensor parallel on a 2-D "
                              f"mesh) and must be >= 1; got parallelism={self.parallelism!r}")
-        if self.lr <= 0 or self.grad_clip <= 0:
-            raise ValueError(f"train.lr={self.lr} and train.grad_clip={self.grad_clip} must be > 0")
-        if self.grad_accum_steps < 1 or self.watchdog_s <= 0:
+        if not (self.lr > 0 and self.grad_clip > 0 and math.isfinite(self.lr) and math.isfinite(self.grad_clip)):
+            raise ValueError(f"train.lr={self.lr} and train.grad_clip={self.grad_clip} must be > 0 and finite")
+        if self.grad_accum_steps < 1 or not (self.watchdog_s > 0 and math.isfinite(self.watchdog_s)):
             raise ValueError(f"train.grad_accum_steps={self.grad_accum_steps} must be >= 1 and train.watchdog_s="
                              f"{self.watchdog_s} > 0")
         if self.steps < 1 or self.batch_seqs_per_rank < 1:
@@ -150,6 +153,9 @@ class TrainConfig:  # train.py
             "rendezvous_timeout_s": (1, "seconds the ranks wait for each other at start"),
             "peak_tflops_per_device": (0, "0 = detect the GPU"),
         })
+        if self.eval_batches > 10_000:  # each rank's loop; ~100 s at 10 ms a batch, every eval_every_steps
+            raise ValueError(f"train.eval_batches={self.eval_batches} must be <= 10000: an evaluation holds up "
+                             f"training and must stay short; e.g. train.eval_batches=4")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"train.lr_schedule={self.lr_schedule!r} is not one of {LR_SCHEDULES}; e.g. "
                              f"train.lr_schedule=cosine")
@@ -161,7 +167,7 @@ class TrainConfig:  # train.py
             if not ok:
                 raise ValueError(f"train.{key}={getattr(self, key)} must be in {interval}; e.g. train.{key}="
                                  f"{getattr(TrainConfig, key)}")
-        if self.adam_eps <= 0:
+        if not (self.adam_eps > 0 and math.isfinite(self.adam_eps)):
             raise ValueError(f"train.adam_eps={self.adam_eps} must be > 0 (it keeps AdamW's division finite); "
                              f"e.g. train.adam_eps=1e-8")
         if self.compile and cxx_compiler() is None:

@@ -70,7 +70,9 @@ def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
     """"" if signal_lead_s covers the slowest measured save + the slowest step + Slurm's slack in these
     runs, else a warning that names the measurements and the value to use."""
     saves = [e.get("save_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "checkpoint_committed"]
-    steps = [m.get("step_time_s", 0.0) for d in run_dirs for m in read_metrics(d)]
+    # a step's evaluation (eval_s) runs before its stop check: counted whole (a signal cuts it after 8 batches)
+    steps = [m.get("step_time_s", 0.0) + (m.get("eval_s") if _number(m.get("eval_s")) else 0.0)
+             for d in run_dirs for m in read_metrics(d) if _number(m.get("step_time_s", 0.0))]
     steps += [e.get("step_time_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "first_step"]
     saves, steps = [x for x in saves if _number(x)], [x for x in steps if _number(x)]
     if not saves:

@@ -51,7 +51,7 @@ def find_runs(path: Path) -> list[Run]:
     try:
         if (path / "sweep.json").exists():
             manifest = json.loads((path / "sweep.json").read_text())
-            executor = _executor(Path(manifest["trials"][0]["run_dir"])) if manifest["trials"] else "slurm"
+            executor = _executor([Path(t["run_dir"]) for t in manifest["trials"]])
             return [Run(Path(t["run_dir"]), f"{path.name}/{Path(t['run_dir']).name}", t["job_id"] or "", executor,
                         path / "submitit", process=t.get("process")) for t in manifest["trials"]]
         if (path / "config.yaml").exists():
@@ -67,10 +67,16 @@ def find_runs(path: Path) -> list[Run]:
     raise ValueError(f"{path} is not a run directory, a sweep directory or a folder of them; give e.g. runs/demo-1")
 
 
-def _executor(run_dir: Path) -> str:
+def _executor(run_dirs: list[Path]) -> str:
+    """The sweep's executor, from the first trial whose config.yaml is still there (one may be deleted)."""
     import yaml
 
-    return yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["executor"]
+    for run_dir in run_dirs:
+        try:
+            return yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["executor"]
+        except FileNotFoundError:
+            continue
+    return "slurm"
 
 
 def slurm_states(job_ids: list[str], retries: int = 3) -> dict[str, str]:
@@ -227,6 +233,10 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             cfg = {} if r.unreadable else yaml.safe_load((r.run_dir / "config.yaml").read_text())
         except PermissionError as e:
             r.unreadable = denied(Path(e.filename or r.run_dir))
+        except FileNotFoundError:  # a trial folder someone deleted: a row that says so, not a traceback
+            rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id, "state": "missing",
+                         "warnings": [f"{r.run_dir / 'config.yaml'} does not exist (deleted?)"]})
+            continue
         if r.unreadable:
             rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id,
                          "state": "unreadable: permission denied", "warnings": [r.unreadable]})
@@ -581,16 +591,35 @@ def has_output(text: str) -> bool:
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
 
 
-def run_ended(run: Run) -> bool:
+# `logs -f` stops after squeue and sacct have both known nothing of the job for this long: a job id never
+# recorded, or one that left accounting. 60 s: sacct may lag a fresh sbatch by a few seconds, never a minute.
+UNKNOWN_GIVE_UP_S = 60.0
+
+
+def run_ended(run: Run, unknown_since: list[float] | None = None) -> bool:
     """Whether the run's ranks will write no more: a local controller that is gone (it outlives every
-    attempt of its ranks), or a Slurm job in a final state (a requeue goes through PENDING, not final)."""
+    attempt of its ranks), or a Slurm job in a final state (a requeue goes through PENDING, not final).
+    With unknown_since (a list this keeps its first time in): also once Slurm has not known the job for
+    UNKNOWN_GIVE_UP_S, saying so on stderr."""
     if run.executor != "slurm":
         return local_pid(run) is None
     try:
         state = slurm_states([run.job_id], retries=0).get(run.job_id, "")
-    except Exception:  # no answer this time: keep following, ask again at the next check
+    except Exception as e:  # no answer this time: keep following, ask again at the next check
+        if "invalid job id" not in str(e).lower():  # squeue's answer for a job it does not hold
+            return False
+        state = ""
+    if state or unknown_since is None:
+        if unknown_since:
+            unknown_since.clear()
+        return state.rstrip("+") in FINAL_STATES
+    unknown_since[:] = unknown_since or [time.monotonic()]
+    if time.monotonic() - unknown_since[0] < UNKNOWN_GIVE_UP_S:
         return False
-    return state.rstrip("+") in FINAL_STATES
+    print(f"hpc-train logs: stopped following: neither squeue nor sacct has known job "
+          f"{run.job_id or '(none recorded)'} for {UNKNOWN_GIVE_UP_S:.0f} s (never queued, or gone from "
+          f"accounting); see `hpc-train status {run.run_dir}`", file=sys.stderr, flush=True)
+    return True
 
 
 def follow(streams: list[tuple[Path, int, str]], last_label: str, ended: Callable[[], bool], check_every_s: float,

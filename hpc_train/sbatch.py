@@ -6,6 +6,7 @@ Torch-free: this runs on the login node.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -125,8 +126,8 @@ class ClusterConfig:
                              f"both set, but sbatch takes one of --mem and --mem-per-cpu; set the other to null")
         for key in ("mem_gb", "mem_per_cpu_gb"):
             value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise ValueError(f"cluster.{key}={value} must be > 0, or null for the partition's default")
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"cluster.{key}={value} must be > 0 and finite, or null for the partition's default")
         if self.gres is not None:
             if not re.fullmatch(r"[A-Za-z][\w/.-]*(:[\w.-]+)*(,[A-Za-z][\w/.-]*(:[\w.-]+)*)*", self.gres):
                 raise ValueError(f"cluster.gres={self.gres!r} is not sbatch's name[:type][:count][,...]; "
@@ -184,6 +185,16 @@ SBATCH_OWNED = {
     "open-mode": "logs are appended across requeues", "parsable": "submitit reads sbatch's usual answer",
     "wait": "submit returns once queued", "wrap": "the batch script is rendered", "test-only": "use --dry-run",
     "help": "run sbatch --help", "usage": "run sbatch --usage", "version": "run sbatch --version",
+    **dict.fromkeys(("clusters", "M", "cluster-constraint"),
+                    "status, logs, resume and cancel ask the one cluster SLURM_CONF names; use cluster.slurm_conf "
+                    "for another cluster"),
+    **dict.fromkeys(("export", "export-file", "get-user-env"),
+                    "the job must inherit the submitting environment (its Python, SLURM_CONF); use cluster.env"),
+    **dict.fromkeys(("gpus", "gpus-per-task", "gpus-per-socket"),
+                    "one rank per GPU, counted per node; use cluster.gpus_per_node"),
+    "no-kill": "a lost node must end the attempt so it requeues; the surviving ranks would hang in a collective",
+    **dict.fromkeys(("uid", "gid"), "the run directory and its requeues belong to the submitting user"),
+    **dict.fromkeys(("chdir", "D"), "the frozen config's relative paths are read from the submit directory"),
 }
 MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
               "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
@@ -204,6 +215,9 @@ def check_sbatch_extra(key: str, value: str) -> None:
     if any(ord(c) < 32 or c == "\x7f" for c in value):
         raise ValueError(f"cluster.sbatch_extra.{key}={value!r} contains a control character (newline?); "
                          f"give a one-line value")
+    if "\\" in value:
+        raise ValueError(f"cluster.sbatch_extra.{key}={value!r} contains a backslash, which sbatch's #SBATCH "
+                         f"parser reads as an escape; give the value without one")
     if name in SBATCH_FLAGS and value:
         raise ValueError(f"cluster.sbatch_extra.{key}={value!r}: --{name} takes no value; set it to '' "
                          f"(+cluster.sbatch_extra.{key}='')")
@@ -261,10 +275,11 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         params["partition"] = cluster.partition
     if cluster.gpus_per_node and (cluster.gres is None or gres_gpus(cluster.gres) is None):
         params["gpus_per_node"] = cluster.gpus_per_node
+    # Whole MiB, rounded up: int() made mem_gb=0.0005 into --mem=0M, which Slurm reads as all of the node's memory
     if cluster.mem_gb is not None:
-        params["mem"] = f"{int(cluster.mem_gb * 1024)}M"
+        params["mem"] = f"{math.ceil(cluster.mem_gb * 1024)}M"
     if cluster.mem_per_cpu_gb is not None:
-        params["mem_per_cpu"] = f"{int(cluster.mem_per_cpu_gb * 1024)}M"
+        params["mem_per_cpu"] = f"{math.ceil(cluster.mem_per_cpu_gb * 1024)}M"
     for key in ("account", "qos", "constraint", "gres", "mail_type", "mail_user", "nodelist", "exclude"):
         if getattr(cluster, key) is not None:
             params[key] = getattr(cluster, key)
@@ -308,8 +323,9 @@ def check_syntax(script: str) -> None:
                          f"and cluster.template for unbalanced quotes")
 
 
-def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_parallel: int | None) -> None:
-    """Check the request against the running cluster; ValueError names key, value, limit and fix."""
+def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_parallel: int | None) -> list[str]:
+    """Check the request against the running cluster; ValueError names key, value, limit and fix.
+    Returns what could not be checked (also printed as a warning): sbatch --test-only then judges it."""
     from hpc_train import slurm
 
     parts = slurm.partitions()
@@ -348,7 +364,7 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
                              f"at most {gpus} GPUs (Gres); use cluster.gpus_per_node<={gpus} or a GPU partition")
     if max_parallel is not None and max_parallel < 1:
         raise ValueError(f"--max-parallel={max_parallel} must be >= 1")
-    _validate_site(cluster, name, part, {n: node_info[n] for n in members})
+    unchecked = _validate_site(cluster, name, part, {n: node_info[n] for n in members})
     with tempfile.NamedTemporaryFile("w", suffix=".sh") as f:
         f.write(script)
         f.flush()
@@ -364,16 +380,18 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
                     time.sleep(2)
                     continue
                 raise ValueError(f"sbatch --test-only refused the request for partition {name}: {e}") from None
+    return unchecked
 
 
 def _validate_site(cluster: ClusterConfig, partition: str, part: dict[str, str],
-                   node_info: dict[str, dict[str, str]]) -> None:
+                   node_info: dict[str, dict[str, str]]) -> list[str]:
     """The site options against what Slurm holds: associations (slurmdbd), node features, reservations,
     node names. sbatch --test-only would refuse most of these too, but without saying what is valid."""
     from hpc_train import slurm
 
+    unchecked = []
     if cluster.account is not None or cluster.qos is not None:
-        _validate_association(cluster, partition)
+        unchecked += _validate_association(cluster, partition)
     if cluster.constraint is not None:
         features = sorted({f for info in node_info.values() for f in info.get("AvailableFeatures", "").split(",")
                            if f and f != "(null)"})
@@ -395,11 +413,15 @@ def _validate_site(cluster: ClusterConfig, partition: str, part: dict[str, str],
         if unknown:
             raise ValueError(f"cluster.{key}={value!r}: {', '.join(unknown)} not in partition {partition}; its nodes "
                              f"are {part.get('Nodes', '')} (`sinfo -p {partition} -N`)")
+    return unchecked
 
 
-def _validate_association(cluster: ClusterConfig, partition: str) -> None:
-    """Account and QoS against the user's associations in slurmdbd (`sacctmgr show assoc`)."""
+def _validate_association(cluster: ClusterConfig, partition: str) -> list[str]:
+    """Account and QoS against the user's associations in slurmdbd (`sacctmgr show assoc`). [] when
+    checked; a warning when slurmdbd does not answer or sacctmgr is missing: slurmctld keeps its own copy
+    of the associations, so sbatch --test-only (after this) still refuses a bad account or QoS."""
     import pwd
+    import shutil
 
     from hpc_train import slurm
 
@@ -407,9 +429,16 @@ def _validate_association(cluster: ClusterConfig, partition: str) -> None:
     enforce = config.get("AccountingStorageEnforce", "none")
     if config.get("AccountingStorageType") != "accounting_storage/slurmdbd" or not re.search(
             r"associations|limits|qos|safe", enforce):
-        return  # Slurm then takes any account and QoS name: nothing to check them against
+        return []  # Slurm then takes any account and QoS name: nothing to check them against
     user, cluster_name = pwd.getpwuid(os.getuid()).pw_name, config.get("ClusterName", "")
-    default, rows = slurm.associations(user, cluster_name)
+    try:
+        default, rows = slurm.associations(user, cluster_name)
+    except slurm.SlurmError as e:
+        reason = ("`sacctmgr` is not installed here" if shutil.which("sacctmgr") is None
+                  else str(e).splitlines()[0])
+        note = f"account/qos not checked: {reason}; sbatch --test-only judges them"
+        print(f"hpc-train: warning: {note}", file=sys.stderr, flush=True)
+        return [note]
     rows = [r for r in rows if r[1] in ("", partition)]  # an association may be for one partition only
     accounts = sorted({account for account, _, _ in rows})
     if not accounts:
@@ -426,6 +455,7 @@ def _validate_association(cluster: ClusterConfig, partition: str) -> None:
             whose = f"account {account}" + ("" if cluster.account else " (your default)")
             raise ValueError(f"cluster.qos={cluster.qos!r} is not allowed for {whose} of user {user}; use "
                              f"cluster.qos= one of {allowed} (`sacctmgr show assoc user={user} format=account,qos`)")
+    return []
 
 
 def _expand(nodelist: str) -> set[str]:

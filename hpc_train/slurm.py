@@ -117,9 +117,11 @@ def parse_associations(text: str) -> tuple[str, list[tuple[str, str, list[str]]]
 
 
 def associations(user: str, cluster_name: str) -> tuple[str, list[tuple[str, str, list[str]]]]:
-    """parse_associations of what slurmdbd holds for this user on this cluster."""
+    """parse_associations of what slurmdbd holds for this user on this cluster. One try of 5 s: with
+    slurmdbd down, sacctmgr waits and the default retries made a submit hang for minutes."""
     return parse_associations(call(["sacctmgr", "-n", "-P", "show", "user", user, "withassoc", "where",
-                                    f"cluster={cluster_name}", "format=DefaultAccount,Account,Partition,QOS"]))
+                                    f"cluster={cluster_name}", "format=DefaultAccount,Account,Partition,QOS"],
+                                   timeout_s=5, retries=0))
 
 
 def time_limit_min(text: str) -> float:

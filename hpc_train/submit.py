@@ -69,6 +69,7 @@ class Plan:
     arrays: list[Array] = field(default_factory=list)
     scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
     unvalidated: str = ""  # a dry run with no controller answering: why the live checks were skipped
+    unchecked: list[str] = field(default_factory=list)  # live checks that could not run (slurmdbd down)
 
     @property
     def private(self) -> bool:
@@ -297,7 +298,7 @@ def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, ma
         script = render(cluster, job_name(target), target / "submitit", size, max_parallel)
         check_syntax(script)
         if validate:
-            validate_live(cluster, script, len(array.trials), max_parallel)
+            result.unchecked += validate_live(cluster, script, len(array.trials), max_parallel) or []
         result.scripts.append(script)
     return result
 
@@ -424,6 +425,29 @@ def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
 
 
 @contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Ctrl-C waits from just before sbatch until the job id is on disk (submission.json, sweep.json): in
+    between it would leave a queued job that no file names, so status, cancel and resume could not find it.
+    Blocked in this thread, so sbatch (a child: it inherits the mask) is not killed mid-request either; a
+    handler records one that another thread (the progress bar) takes. Raised as KeyboardInterrupt after."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(1))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C is delivered here
+    if caught:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def _stdio_to_devnull() -> Iterator[None]:
     """The local executor's controller inherits our stdout/stderr and outlives us: holding them, it would
     keep `hpc-train submit --no-wait | tee log` (or a test's pipe) open until the job ends. Its own
@@ -478,17 +502,18 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
         pin_init_from(run_dir, p.configs)
         _freeze(run_dir, p.configs[0], p.private, _code_identity(run_dir, p.private))
         executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
-        with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
-            job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
-        p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
-        record = {"executor": first.cluster.executor, "job_id": str(job.job_id), "job_name": job_name(run_dir),
-                  "submitted_at": time.time(),
-                  "overrides": overrides}
-        if first.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
-            from hpc_train.ops import process_identity
+        with _sigint_held():
+            with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
+                job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
+            p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
+            record = {"executor": first.cluster.executor, "job_id": str(job.job_id), "job_name": job_name(run_dir),
+                      "submitted_at": time.time(),
+                      "overrides": overrides}
+            if first.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
+                from hpc_train.ops import process_identity
 
-            record["process"] = process_identity(int(job.job_id))
-        _write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
+                record["process"] = process_identity(int(job.job_id))
+            _write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
         return p, [job]
 
     # A sweep: freeze every trial, record the manifest, then one sbatch per array.
@@ -526,12 +551,13 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
         if cluster.executor == "local":  # this machine is the cluster: one trial at a time
             from hpc_train.ops import process_identity
 
-            with _stdio_to_devnull():
-                new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
-            # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
-            p.trials[todo[0]].job_id = str(new[0].job_id)
-            p.trials[todo[0]].process = process_identity(int(new[0].job_id))
-            _save_manifest(p, overrides)
+            with _sigint_held():
+                with _stdio_to_devnull():
+                    new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
+                # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
+                p.trials[todo[0]].job_id = str(new[0].job_id)
+                p.trials[todo[0]].process = process_identity(int(new[0].job_id))
+                _save_manifest(p, overrides)
             with contextlib.suppress(Exception):  # a failed trial is in its events.jsonl; go on
                 new[0].results()
         else:
@@ -546,9 +572,12 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
                 tried.append(1)
                 return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
 
-            new = _sbatch_with_retry(queue_array, what)
-            if not new:  # adopted: the job ids are recorded already
+            with _sigint_held():
+                new = _sbatch_with_retry(queue_array, what)
+                for i, job in zip(todo, new):
+                    p.trials[i].job_id = str(job.job_id)
                 _save_manifest(p, overrides)
+            if not new:  # adopted: the job ids are recorded already
                 continue
         for i, job in zip(todo, new):
             p.trials[i].job_id = str(job.job_id)
@@ -711,31 +740,32 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         tried.append(1)
         return executor.submit(run_job, str(run.run_dir))
 
-    with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
-        job = _sbatch_with_retry(queue, str(run.run_dir))
-    job_id = str(job.job_id)
-    # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
-    # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
-    log_event(run.run_dir, "resume", committed[-1][0] if committed else 0, job_id, attempt,
-              by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason or "hpc-train resume",
-              budgets=budgets, previous_job_id=run.job_id, stopped_because=why)
-    process = ops.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
-    if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
-        manifest = json.loads((target / MANIFEST).read_text())
-        mode = (target / MANIFEST).stat().st_mode & 0o777
-        for t in manifest["trials"]:
-            if Path(t["run_dir"]) == run.run_dir:
-                t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
-                t["job_id"], t["process"] = job_id, process
-        _write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
-        os.chmod(target / MANIFEST, mode)  # as submit made it: shared, or owner-only
-    else:
-        sub = RunPaths(run.run_dir).submission
-        record = json.loads(sub.read_text()) if sub.exists() else {"executor": cfg.cluster.executor}
-        record["previous_job_ids"] = [*record.get("previous_job_ids", []), *([run.job_id] if run.job_id else [])]
-        record.update(job_id=job_id, job_name=job_name(target), resumed_at=time.time())
-        if process:  # the job id is the controller's pid, which the OS reuses
-            record["process"] = process
-        _write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
+    with _sigint_held():  # until the new job id is recorded
+        with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
+            job = _sbatch_with_retry(queue, str(run.run_dir))
+        job_id = str(job.job_id)
+        # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
+        # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
+        log_event(run.run_dir, "resume", committed[-1][0] if committed else 0, job_id, attempt,
+                  by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason or "hpc-train resume",
+                  budgets=budgets, previous_job_id=run.job_id, stopped_because=why)
+        process = ops.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
+        if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
+            manifest = json.loads((target / MANIFEST).read_text())
+            mode = (target / MANIFEST).stat().st_mode & 0o777
+            for t in manifest["trials"]:
+                if Path(t["run_dir"]) == run.run_dir:
+                    t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
+                    t["job_id"], t["process"] = job_id, process
+            _write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
+            os.chmod(target / MANIFEST, mode)  # as submit made it: shared, or owner-only
+        else:
+            sub = RunPaths(run.run_dir).submission
+            record = json.loads(sub.read_text()) if sub.exists() else {"executor": cfg.cluster.executor}
+            record["previous_job_ids"] = [*record.get("previous_job_ids", []), *([run.job_id] if run.job_id else [])]
+            record.update(job_id=job_id, job_name=job_name(target), resumed_at=time.time())
+            if process:  # the job id is the controller's pid, which the OS reuses
+                record["process"] = process
+            _write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
     lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
     return job, lines

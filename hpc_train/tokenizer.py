@@ -100,7 +100,9 @@ def open_encoder(spec: str, files: list[Path]) -> Encoder:
         hf = Tokenizer.from_file(spec)
         name = f"{TOKENIZER_JSON} from {Path(spec).resolve()}"
         separator = next((t for t in SEPARATORS if hf.token_to_id(t) is not None), "\n\n")
-    vocab = hf.get_vocab_size(with_added_tokens=True)
+    # max id + 1, not the count: a user's vocabulary may skip ids (0, 5, 1000), and the model's embedding
+    # must hold the largest one
+    vocab = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     dtype = dtype_for(vocab)
     ids = [hf.token_to_id(separator)] if hf.token_to_id(separator) is not None else hf.encode(separator).ids
     meta = {"tokenizer": name, "tokenizer_file": TOKENIZER_JSON, "vocab_size": vocab, "dtype": dtype,

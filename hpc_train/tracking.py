@@ -20,9 +20,10 @@ import atexit
 import json
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # {"run_id", "mlflow_run_id", "wandb_logged_through"}: the same runs on every requeue
 TRACKING_JSON = "tracking.json"
@@ -76,77 +77,119 @@ def _last_step(run_dir: Path) -> int:
 
 
 class Tracker:
-    """What train.py holds: log(step, row) after each metrics.jsonl line; close() before a requeue."""
+    """What train.py holds: log(step, row) after each metrics.jsonl line; close() before a requeue.
 
-    def __init__(self, cfg: TrackingConfig, run_dir: Path, config: dict[str, Any]) -> None:
-        self.run_dir = run_dir
+    A backend that fails (an MLflow server down, W&B online without a network) is switched off for the
+    attempt after one `tracking_failed` event: training goes on, metrics.jsonl stays the record."""
+
+    def __init__(self, cfg: TrackingConfig, run_dir: Path, config: dict[str, Any],
+                 event: Callable[..., None] | None = None) -> None:
+        self.cfg, self.run_dir, self.config, self.event = cfg, run_dir, config, event
         self.logged_through = _last_step(run_dir)  # sent by earlier attempts (they log right after metrics.jsonl)
+        self.step = max(self.logged_through, 0)  # the step a failure is recorded at
         self.tb = self.wandb = self.mlflow = None
         self.mlflow_run = ""
-        ids = run_id(run_dir)
+        self.ids = run_id(run_dir)
         # W&B keeps an offline attempt only if it closed (a crash loses it): resend what it lost
-        self.wandb_through = int(ids.get("wandb_logged_through", -1))
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))  # one event file per attempt; TB reads them all
-        if cfg.wandb:
-            import wandb
-
-            self.wandb = wandb.init(id=ids["run_id"], resume="allow", name=run_dir.name, project=cfg.wandb_project,
-                                    entity=cfg.wandb_entity or None, mode=cfg.wandb_mode, dir=str(run_dir),
-                                    config=config, settings=wandb.Settings(console="off", silent=True))
-        if cfg.mlflow:
-            uri = cfg.mlflow_tracking_uri or f"file:{run_dir.resolve() / 'mlruns'}"
-            if uri.startswith("file:"):  # MLflow 3 refuses its file store unless asked: no database, no server
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            from mlflow.tracking import MlflowClient
-
-            self.mlflow = MlflowClient(tracking_uri=uri)
-            self.mlflow_run = ids.get("mlflow_run_id", "")
-            if self.mlflow_run:
-                self.mlflow.update_run(self.mlflow_run, status="RUNNING")
-            else:
-                exp = self.mlflow.get_experiment_by_name(cfg.mlflow_experiment)
-                exp_id = exp.experiment_id if exp else self.mlflow.create_experiment(cfg.mlflow_experiment)
-                run = self.mlflow.create_run(exp_id, run_name=ids["run_id"], tags={"hpc_train.run_id": ids["run_id"],
-                                                                                   "hpc_train.run_dir": str(run_dir)})
-                self.mlflow_run = run.info.run_id
-                _write(run_dir / TRACKING_JSON, {**ids, "mlflow_run_id": self.mlflow_run})  # before any metric
+        self.wandb_through = int(self.ids.get("wandb_logged_through", -1))
+        for backend in ("tb", "wandb", "mlflow"):
+            if getattr(cfg, {"tb": "tensorboard"}.get(backend, backend)):
+                self._guard(backend, "open", getattr(self, f"_open_{backend}"), opening=True)
         atexit.register(self.close, finished=True)  # a requeue leaves by os._exit: train.py calls close() first
 
+    def _guard(self, backend: str, during: str, call: Callable[[], None], opening: bool = False) -> None:
+        if getattr(self, backend) is None and not opening:
+            return
+        try:
+            call()
+        except Exception as e:  # any backend error: network, server, disk, the package's own bugs
+            setattr(self, backend, None)
+            error = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            name = {"tb": "tensorboard"}.get(backend, backend)
+            print(f"[hpc_train] tracking: {name} failed during {during} ({error}); off for this attempt, "
+                  f"metrics.jsonl has every row", file=sys.stderr, flush=True)
+            if self.event is not None:
+                self.event("tracking_failed", self.step, backend=name, during=during, error=error)
+
+    def _open_tb(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))  # one event file per attempt; TB reads them all
+
+    def _open_wandb(self) -> None:
+        import wandb
+
+        cfg, ids = self.cfg, self.ids
+        self.wandb = wandb.init(id=ids["run_id"], resume="allow", name=self.run_dir.name, project=cfg.wandb_project,
+                                entity=cfg.wandb_entity or None, mode=cfg.wandb_mode, dir=str(self.run_dir),
+                                config=self.config, settings=wandb.Settings(console="off", silent=True))
+
+    def _open_mlflow(self) -> None:
+        uri = self.cfg.mlflow_tracking_uri or f"file:{self.run_dir.resolve() / 'mlruns'}"
+        if uri.startswith("file:"):  # MLflow 3 refuses its file store unless asked: no database, no server
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        # MLflow's HTTP defaults (7 retries with backoff, 120 s timeout) could hold a step, a stop save
+        # included, for minutes while a server is down: one retry, 5 s each, then this backend is off.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        self.mlflow_run = self.ids.get("mlflow_run_id", "")
+        if self.mlflow_run:
+            client.update_run(self.mlflow_run, status="RUNNING")
+        else:
+            name, ids = self.cfg.mlflow_experiment, self.ids
+            exp = client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp else client.create_experiment(name)
+            run = client.create_run(exp_id, run_name=ids["run_id"], tags={"hpc_train.run_id": ids["run_id"],
+                                                                          "hpc_train.run_dir": str(self.run_dir)})
+            self.mlflow_run = run.info.run_id
+            _write(self.run_dir / TRACKING_JSON, {**ids, "mlflow_run_id": self.mlflow_run})  # before any metric
+        self.mlflow = client
+
     def log(self, step: int, row: dict[str, Any]) -> None:
+        self.step = step
         values = {k: float(v) for k, v in row.items() if k not in ("time", "step") and isinstance(v, (int, float))
                   and not isinstance(v, bool)}  # mfu is None on CPU
-        if self.wandb is not None and step > self.wandb_through:
-            self.wandb.log(values, step=step)
+
+        def wandb_log() -> None:
+            self.wandb.log(values, step=step)  # type: ignore[union-attr]
             self.wandb_through = step
-        if step <= self.logged_through:
-            return
-        if self.tb is not None:
+
+        def tb_log() -> None:
             for key, value in values.items():
-                self.tb.add_scalar(key, value, step, walltime=row["time"])
-            self.tb.flush()  # ~0.1 ms; a killed attempt keeps what it logged
-        if self.mlflow is not None:
+                self.tb.add_scalar(key, value, step, walltime=row["time"])  # type: ignore[union-attr]
+            self.tb.flush()  # type: ignore[union-attr]  # ~0.1 ms; a killed attempt keeps what it logged
+
+        def mlflow_log() -> None:
             from mlflow.entities import Metric
 
             ms = int(row["time"] * 1000)
-            self.mlflow.log_batch(self.mlflow_run, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+            self.mlflow.log_batch(self.mlflow_run,  # type: ignore[union-attr]
+                                  metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+
+        if step > self.wandb_through:
+            self._guard("wandb", "log", wandb_log)
+        if step <= self.logged_through:
+            return
+        self._guard("tb", "log", tb_log)
+        self._guard("mlflow", "log", mlflow_log)
 
     def close(self, finished: bool = False) -> None:
         """Flush and let go; W&B writes its offline run only here. Safe to call twice."""
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+
+        def wandb_close() -> None:
+            self.wandb.finish()  # type: ignore[union-attr]
             ids = json.loads((self.run_dir / TRACKING_JSON).read_text())
             _write(self.run_dir / TRACKING_JSON, {**ids, "wandb_logged_through": self.wandb_through})
-        if self.mlflow is not None:
-            if finished:
-                self.mlflow.set_terminated(self.mlflow_run, status="FINISHED")
-            self.mlflow = None
+
+        self._guard("tb", "close", lambda: self.tb.close())  # type: ignore[union-attr]
+        self._guard("wandb", "close", wandb_close)
+        if finished:
+            self._guard("mlflow", "close",
+                        lambda: self.mlflow.set_terminated(self.mlflow_run, status="FINISHED"))  # type: ignore[union-attr]
+        self.tb = self.wandb = self.mlflow = None
 
 
 class _Off:
@@ -157,12 +200,15 @@ class _Off:
         pass
 
 
-def open(cfg: TrackingConfig, run_dir: Path, rank: int) -> Tracker | _Off:  # noqa: A001 (tracking.open reads well)
-    """Rank 0's tracker for this attempt, or one that does nothing (other ranks, or nothing switched on)."""
+def open(cfg: TrackingConfig, run_dir: Path, rank: int,  # noqa: A001 (tracking.open reads well)
+         event: Callable[..., None] | None = None) -> Tracker | _Off:
+    """Rank 0's tracker for this attempt, or one that does nothing (other ranks, or nothing switched on).
+    event(name, step, **fields) records a backend's failure (train.py passes the Attempt's)."""
     if rank != 0 or not (cfg.tensorboard or cfg.wandb or cfg.mlflow):
         return _Off()
     import yaml
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if cfg.wandb else {}
-    config.get("cluster", {}).pop("env", None)  # may hold secrets (cluster.env): never sent to W&B
-    return Tracker(cfg, run_dir, config)
+    for key in ("env", "setup", "template_vars", "sbatch_extra"):  # may hold secrets or site paths: not for W&B
+        config.get("cluster", {}).pop(key, None)
+    return Tracker(cfg, run_dir, config, event)

@@ -55,6 +55,18 @@ def test_cfg_job_suggests_the_nearest_key(override: str, message: str) -> None:
     assert proc.returncode == 2 and re.search(message, proc.stderr, re.S), proc.stderr
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=nan", r"train.lr=nan and train.grad_clip=1.0 must be > 0 and finite"),
+    ("train.weight_decay=nan", r"train.weight_decay=nan must be finite and >= 0: AdamW's decoupled decay"),
+    ("train.min_step_time_s=inf", r"train.min_step_time_s=inf must be finite and >= 0: 0 = off"),
+    ("train.adam_eps=nan", r"train.adam_eps=nan must be > 0"),
+])
+def test_nan_and_inf_are_refused(override: str, message: str) -> None:
+    """nan compares False with everything: `value < low` let it through to the job."""
+    proc = run([HPC_TRAIN, "submit", "--cfg", "job", override])
+    assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr
+
+
 def test_version_names_the_installed_package() -> None:
     import hpc_train
 
@@ -189,3 +201,100 @@ def test_a_conf_folder_without_config_yaml_is_not_the_primary_config(tmp_path: P
     assert proc.returncode == 0, proc.stderr
     assert f"hpc-train submit: config {tmp_path}/conf/config.yaml\n" in proc.stderr
 
+
+
+# A Slurm cluster as its client commands answer, for what the real test cluster cannot be made to do
+# (an sbatch that takes seconds, a slurmdbd that is down). $STATE/<name> overrides a command's answer.
+FAKE_SLURM = {
+    "scontrol": """case "$*" in
+  ping*) echo "Slurmctld(primary) at fake is UP";;
+  "show partition -o") echo "PartitionName=debug Default=YES State=UP TotalNodes=2 MaxNodes=UNLIMITED MaxTime=UNLIMITED Nodes=n[1-2]";;
+  "show node -o") printf 'NodeName=n1 CPUTot=8 State=IDLE\\nNodeName=n2 CPUTot=8 State=IDLE\\n';;
+  "show config") printf 'ClusterName = fake\nMaxArraySize = 1001\nAccountingStorageType = accounting_storage/slurmdbd\nAccountingStorageEnforce = associations,limits,qos\n';;
+  *) echo "scontrol $*: not faked" >&2; exit 1;;
+esac""",
+    "sbatch": """case "$1" in
+  --test-only) echo "sbatch: Job 1 to start at 2026-01-01T00:00:00 using 4 processors on nodes n1 in partition debug" >&2;;
+  *) touch "$STATE/sbatch_started"; sleep "$(cat "$STATE/sbatch_sleep" 2>/dev/null || echo 0)"
+     echo "Submitted batch job 4242";;
+esac""",
+    "sacctmgr": """[ -f "$STATE/sacctmgr" ] && . "$STATE/sacctmgr"; echo "research|research||normal,long\"""",
+    "squeue": """[ -f "$STATE/squeue" ] && . "$STATE/squeue"; exit 0""",
+    "sacct": """[ -f "$STATE/sacct" ] && . "$STATE/sacct"; exit 0""",
+    "srun": """exit 0  # submitit's SlurmExecutor only looks for it""",
+}
+
+
+def fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path, str]:
+    """(env with the fake clients first on PATH, their state folder, a cluster.slurm_conf override)."""
+    import os
+
+    bin_dir, state = tmp_path / "fakebin", tmp_path / "fakestate"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\nSTATE={state}\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "slurm.conf").write_text("ClusterName=fake\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return env, state, f"cluster.slurm_conf={tmp_path / 'slurm.conf'}"
+
+
+def test_ctrl_c_during_sbatch_waits_until_the_job_id_is_recorded(tmp_path: Path) -> None:
+    """Before: a traceback, and the job sbatch queued was named nowhere (no submission.json)."""
+    import signal
+    import time
+
+    env, state, conf = fake_slurm(tmp_path)
+    (state / "sbatch_sleep").write_text("3")
+    proc = subprocess.Popen([HPC_TRAIN, "submit", "cluster=slurm", conf, f"out_dir={tmp_path / 'runs'}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (state / "sbatch_started").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)  # as Ctrl-C, mid-sbatch
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "hpc-train submit: interrupted (Ctrl-C); a job queued before it is recorded in " \
+                                      "its run directory" in err, err
+    assert json.loads((tmp_path / "runs" / "demo-1" / "submission.json").read_text())["job_id"] == "4242"
+
+
+@pytest.mark.parametrize("sacctmgr", ["down", "hangs", "missing"])
+def test_account_and_qos_unchecked_when_slurmdbd_is_down_says_so_and_submits(tmp_path: Path, sacctmgr: str) -> None:
+    """Before: sacctmgr's 30 s timeout x 4 tries (a hang: 2 min) then an error, or "use cluster=local" when
+    sacctmgr is missing. Now one try of 5 s, a warning, and sbatch --test-only judges the account."""
+    import os
+    import shutil
+    import time
+
+    env, state, conf = fake_slurm(tmp_path)
+    if sacctmgr == "down":
+        (state / "sacctmgr").write_text("echo 'sacctmgr: error: Problem talking to the database: Connection "
+                                        "refused' >&2; exit 1\n")
+    elif sacctmgr == "hangs":
+        (state / "sacctmgr").write_text("exec sleep 60\n")
+    else:  # a PATH with the fake clients and the few tools they use, and no sacctmgr anywhere on it
+        (tmp_path / "fakebin" / "sacctmgr").unlink()
+        tools = tmp_path / "tools"
+        tools.mkdir()
+        for tool in ("sh", "bash", "sleep", "cat", "touch"):
+            (tools / tool).symlink_to(shutil.which(tool))
+        env["PATH"] = f"{tmp_path / 'fakebin'}:{tools}"
+    args = [HPC_TRAIN, "submit", "cluster=slurm", "cluster.account=research", "cluster.qos=long", conf,
+            f"out_dir={tmp_path / 'runs'}"]
+    t0 = time.monotonic()
+    dry = run([*args, "--dry-run"], env=env)
+    took = time.monotonic() - t0
+    reason = {"down": r"`sacctmgr -n -P show user \S+ withassoc .*` failed: sacctmgr: error: Problem talking to the "
+                      r"database: Connection refused",
+              "hangs": r"`sacctmgr -n -P show user \S+ withassoc .*` did not answer within 5 s",
+              "missing": r"`sacctmgr` is not installed here"}[sacctmgr]
+    assert dry.returncode == 0, dry.stderr
+    assert re.search(rf"hpc-train: warning: account/qos not checked: {reason}; sbatch --test-only judges them\n",
+                     dry.stderr), dry.stderr
+    assert re.search(rf"# NOT validated: account/qos not checked: {reason}", dry.stdout), dry.stdout
+    assert "cluster=local" not in dry.stderr and took < 20, (took, dry.stderr)
+    proc = run(args, env=env)
+    assert proc.returncode == 0 and "submitted job 4242" in proc.stdout, proc.stderr

@@ -9,6 +9,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 
 from hpc_train.ops import report_marks
@@ -158,3 +160,32 @@ def test_logs_follow_of_a_slurm_job_in_a_final_state_prints_both_streams_and_ret
     assert proc.stdout == ("==== hpc_train attempt 0 rank 0 ====\nstep 10/10\n"
                            f"---- rank 0 stderr: {err} ----\n==== hpc_train attempt 0 rank 0 ====\n"
                            "UserWarning: something\n")
+
+
+@pytest.mark.parametrize("job_id", ["", "4242"])
+def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
+        tmp_path: Path, job_id: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `logs -f` waited forever for a job id never recorded, or one gone from accounting. The fake
+    clients answer as Slurm does for such a job: sacct prints nothing, squeue says "Invalid job id"."""
+    import time
+
+    from hpc_train import ops
+
+    run_dir, env = slurm_run(tmp_path, job_id)
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "sacct").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.setattr(ops, "UNKNOWN_GIVE_UP_S", 1.0)  # 60 s in use; the waiting is the same
+    log = tmp_path / "0_log.out"
+    log.write_text("step 1\n")
+    [run_] = ops.find_runs(run_dir)
+    unknown_since: list[float] = []
+    t0 = time.monotonic()
+    ops.follow([(log, 0, "out")], "out", lambda: ops.run_ended(run_, unknown_since), check_every_s=0.2, every_s=0.05)
+    assert time.monotonic() - t0 < 10
+    out, err = capsys.readouterr()
+    assert out == "step 1\n"
+    assert (f"hpc-train logs: stopped following: neither squeue nor sacct has known job {job_id or '(none recorded)'} "
+            f"for 1 s (never queued, or gone from accounting); see `hpc-train status {run_dir}`\n") in err

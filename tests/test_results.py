@@ -83,3 +83,24 @@ def test_sort_puts_missing_values_last_and_compares_numbers_as_numbers() -> None
     assert [r["trial"] for r in sort_results(rows, "final_loss")] == ["c", "b", "a"]
     assert [r["trial"] for r in sort_results(rows, "final_loss", reverse=True)] == ["b", "c", "a"]
     assert [r["trial"] for r in sort_results(rows, "train.lr")] == ["b", "a", "c"]  # 3e-4 < 1e-3 < 2e-3
+
+
+def test_a_deleted_trial_folder_is_a_missing_row_in_results_and_status(tmp_path: Path) -> None:
+    """Broken before: FileNotFoundError traceback from the first trial's config.yaml. Trial 0000 is gone,
+    0001 holds the composed config (what submit freezes) and nothing else yet."""
+    sweep_dir = tmp_path / "mix-1"
+    (sweep_dir / "0001").mkdir(parents=True)
+    (sweep_dir / "0001" / "config.yaml").write_text(run([HPC_TRAIN, "submit", "--cfg", "job"]).stdout)
+    trials = [{"run_dir": str(sweep_dir / t), "job_id": "", "overrides": [f"train.lr={lr}"]}
+              for t, lr in (("0000", "1e-3"), ("0001", "3e-3"))]
+    (sweep_dir / "sweep.json").write_text(json.dumps({"trials": trials}))
+    proc = run([HPC_TRAIN, "results", str(sweep_dir), "--json"])
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["trial"], r["state"]) for r in json.loads(proc.stdout)] == [("0000", "missing"), ("0001", "UNKNOWN")]
+    proc = run([HPC_TRAIN, "status", str(sweep_dir), "--json"])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert rows[0]["state"] == "missing" and rows[1]["total_steps"] == 60
+    assert rows[0]["warnings"] == [f"{sweep_dir}/0000/config.yaml does not exist (deleted?)"]
+    proc = run([HPC_TRAIN, "status", str(sweep_dir)])  # the table too
+    assert proc.returncode == 0 and "missing" in proc.stdout, proc.stderr

@@ -92,12 +92,44 @@ def test_every_site_option_is_rendered() -> None:
     ("cluster.mail_type='END,SOMETIMES'", r"cluster.mail_type='END,SOMETIMES': \['SOMETIMES'\] not among sbatch's"),
     ("cluster.exclude='n[2-3]'", r"cluster.nodelist='n\[1-2\]' and cluster.exclude='n\[2-3\]' both name n2; drop it"),
     ("cluster.account='my account'", r"cluster.account='my account' is not a Slurm account name"),
+    ("+cluster.sbatch_extra.clusters=other", r"--clusters is hpc_train's own; status, logs, resume and cancel ask "
+                                             r"the one cluster SLURM_CONF names"),
+    ("+cluster.sbatch_extra.M=other", r"--M is hpc_train's own; status, logs"),
+    ("+cluster.sbatch_extra.cluster-constraint=x", r"--cluster-constraint is hpc_train's own; status, logs"),
+    ("+cluster.sbatch_extra.export=NONE", r"--export is hpc_train's own; the job must inherit the submitting "
+                                          r"environment \(its Python, SLURM_CONF\); use cluster.env"),
+    ("+cluster.sbatch_extra.export-file=f", r"--export-file is hpc_train's own; the job must inherit"),
+    ("+cluster.sbatch_extra.get-user-env=''", r"--get-user-env is hpc_train's own; the job must inherit"),
+    ("+cluster.sbatch_extra.gpus=8", r"--gpus is hpc_train's own; one rank per GPU, counted per node; "
+                                     r"use cluster.gpus_per_node"),
+    ("+cluster.sbatch_extra.gpus-per-task=1", r"--gpus-per-task is hpc_train's own; one rank per GPU"),
+    ("+cluster.sbatch_extra.gpus-per-socket=4", r"--gpus-per-socket is hpc_train's own; one rank per GPU"),
+    ("+cluster.sbatch_extra.no-kill=''", r"--no-kill is hpc_train's own; a lost node must end the attempt"),
+    ("+cluster.sbatch_extra.uid=0", r"--uid is hpc_train's own; the run directory and its requeues belong"),
+    ("+cluster.sbatch_extra.gid=0", r"--gid is hpc_train's own; the run directory and its requeues belong"),
+    ("+cluster.sbatch_extra.chdir=/tmp", r"--chdir is hpc_train's own; the frozen config's relative paths"),
+    ("+cluster.sbatch_extra.D=/tmp", r"--D is hpc_train's own; the frozen config's relative paths"),
+    ("+cluster.sbatch_extra.comment='a\\\\b'", r"cluster.sbatch_extra.comment='a(\\\\)+b' contains a backslash, "
+                                           r"which sbatch's #SBATCH parser reads as an escape"),
+    ("cluster.mem_gb=nan", r"cluster.mem_gb=nan must be > 0 and finite"),
+    ("cluster.mem_gb=0", r"cluster.mem_gb=0.0 must be > 0 and finite"),
 ])
 def test_site_option_errors(override: str, message: str) -> None:
     overrides = ["cluster=slurm", override] + (["cluster.mem_gb=8"] if "mem_per_cpu" in override else []) + (
         ["cluster.nodelist='n[1-2]'"] if "exclude" in override else [])
     with pytest.raises(ValueError, match=message):
         to_run_config(compose(overrides))
+
+
+def test_memory_rounds_up_to_a_whole_mib() -> None:
+    """int() rendered mem_gb=0.0005 as --mem=0M, which Slurm reads as all of the node's memory."""
+    for key, option in (("mem_gb", "mem"), ("mem_per_cpu_gb", "mem-per-cpu")):
+        script = render(to_run_config(compose(["cluster=slurm", f"cluster.{key}=0.0005"])).cluster, "m-1",
+                        Path("/runs/m-1/submitit"))
+        assert f"#SBATCH --{option}=1M\n" in script
+        script = render(to_run_config(compose(["cluster=slurm", f"cluster.{key}=1.5"])).cluster, "m-1",
+                        Path("/runs/m-1/submitit"))
+        assert f"#SBATCH --{option}=1536M\n" in script
 
 
 def test_parse_associations() -> None:

@@ -78,6 +78,21 @@ def test_a_users_tokenizer_json_is_copied_beside_the_shards_and_large_vocabulari
     assert (dtype_for(256), dtype_for(65_536), dtype_for(65_537)) == ("uint16", "uint16", "uint32")
 
 
+def test_a_tokenizer_json_with_gaps_in_its_ids_sizes_the_vocabulary_by_the_largest_id(tmp_path: Path) -> None:
+    """Three words with ids 0, 5 and 1000 need an embedding of 1001 rows, not 4 (the count)."""
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 5, "<eos>": 1000, "[UNK]": 7}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "gaps.json"))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("a b zz\n")
+    proc = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                "--tokenizer", str(tmp_path / "gaps.json")])
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["vocab_size"] == 1001 and "vocab 1,001, uint16)" in proc.stdout
+    assert stream(tmp_path / "out", meta).tolist() == [0, 5, 7]
+
+
 @pytest.mark.parametrize("spec, says", [
     ("bpe:100", "--tokenizer bpe:100: VOCAB must be a whole number above the 256 byte tokens + <|endoftext|>, "
                 "e.g. bpe:8192"),

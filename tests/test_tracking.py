@@ -88,8 +88,9 @@ def test_a_preempted_run_logs_into_one_tensorboard_folder_wandb_run_and_mlflow_r
     assert len(starts) == 2 and 10 <= starts[1] < 30, starts
 
     jsonl = {m["step"]: m["loss"] for m in read_metrics(run_dir)}
-    # train.py logs no row for the step a stop signal ends (step_end returns first)
-    assert sorted(jsonl) == [s for s in range(2, 31, 2) if s != starts[1]]
+    # every logged step once: the step an attempt stops at is logged before its stop check (train.py), and
+    # the resumed attempt starts after it
+    assert sorted(jsonl) == list(range(2, 31, 2)), (starts, sorted(jsonl))
     tb = tb_scalars(run_dir, "loss")
     assert [s for s, _ in tb] == sorted(jsonl)  # every step once, across the attempts' event files
     assert all(abs(v - jsonl[s]) <= 1e-6 * abs(jsonl[s]) for s, v in tb)  # TB stores float32
@@ -155,3 +156,27 @@ def test_a_missing_tracking_package_is_refused_at_submit_with_the_pip_command(tm
     assert ("metrics.wandb=true needs the wandb package, which is not installed in this Python; run: "
             "pip install 'hpc_train[wandb]'") in proc.stderr, proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_an_mlflow_server_that_is_down_costs_one_event_and_the_run_finishes(tmp_path: Path) -> None:
+    """Before: MLflow's connection error on rank 0 failed every attempt. Now one `tracking_failed` event,
+    MLflow is off for the attempt, and metrics.jsonl has every row. W&B (offline) gets the config without
+    cluster.env, setup, template_vars and sbatch_extra (secrets and site paths)."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    wandb = ["metrics.wandb=true", "cluster.setup=['echo SETUP_SECRET']", "+cluster.template_vars.tv=TV_SECRET",
+             "+cluster.sbatch_extra.comment=EXTRA_SECRET", "+cluster.env.TOKEN=ENV_SECRET"] if HAVE["wandb"] else []
+    run_dir, _ = submit([f"out_dir={tmp_path}", "train.steps=6", "train.log_every_steps=2", "metrics.mlflow=true",
+                         f"metrics.mlflow_tracking_uri=http://127.0.0.1:{port}", *wandb], env=OFFLINE)
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
+    assert [m["step"] for m in read_metrics(run_dir)] == [2, 4, 6]
+    failed = [e for e in read_events(run_dir) if e["event"] == "tracking_failed"]
+    assert [(e["backend"], e["during"], e["step"]) for e in failed] == [("mlflow", "open", 0)], failed
+    assert "Connection" in failed[0]["error"] or "connect" in failed[0]["error"].lower(), failed[0]["error"]
+    if HAVE["wandb"]:
+        [log] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # the config record's JSON is plain bytes
+        sent = log.read_bytes()
+        assert b"signal_lead_s" in sent and not any(f"{w}_SECRET".encode() in sent for w in ("SETUP", "TV", "EXTRA", "ENV"))

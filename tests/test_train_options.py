@@ -70,10 +70,10 @@ OPTIONS = ["train.lr_schedule=wsd", "train.decay_fraction=0.5", "train.adam_beta
 
 
 def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(tmp_path: Path) -> None:
-    """val_loss at steps 10, 20, 30 on the synthetic held-out corpus, each evaluation ~3 s (300 batches,
+    """val_loss at steps 20 and 30 on the synthetic held-out corpus, each evaluation ~3 s (300 batches,
     FSDP2 gathers every block for each) against ~20-80 ms per step. A SIGTERM sent 1 s after step 5's line lands inside the evaluation of step
-    10: the run stops at step 10 (the stop check right after the evaluation), not 11, and keeps that
-    val_loss. Resumed, its weights end bit-identical to an uninterrupted run without evaluation
+    10: the evaluation is abandoned (checked every 8 batches) and the run stops at step 10, not 11, with
+    no val_loss there. Resumed, its weights end bit-identical to an uninterrupted run without evaluation
     (evaluation draws no RNG, leaves the model in train mode; resume is exact). grad_norm and val_loss
     reach metrics.jsonl, the console line and `status`. Under FSDP2 (DDP: test_data.py's run on tokens)."""
     args = [f"out_dir={tmp_path}", "train.steps=30", "checkpoint.every_steps=10", "train.log_every_steps=5", *OPTIONS,
@@ -91,7 +91,7 @@ def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(t
     assert [e["step"] for e in events if e["event"] in ("signal", "start")] == [0, 10, 10]  # start, signal, start
     rows = metrics(cut)
     vals = {m["step"]: m["val_loss"] for m in rows if "val_loss" in m}
-    assert sorted(vals) == [10, 20, 30] and 0 < vals[30] == cut_s["val_loss"] < math.log(256)
+    assert sorted(vals) == [20, 30] and 0 < vals[30] == cut_s["val_loss"] < math.log(256)
     assert [m["step"] for m in rows] == [5, 10, 15, 20, 25, 30]
     assert all(m["grad_norm"] > 0 for m in rows) and all("val_loss" not in m for m in metrics(plain))
     status = json.loads(run([HPC_TRAIN, "status", str(cut), "--json"]).stdout)
@@ -104,6 +104,32 @@ def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(t
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.99), 1e-6, 0.05)
     wsd = TrainConfig(steps=30, lr_schedule="wsd", decay_fraction=0.5)  # stable to step 14, then linear
     assert group["lr"] == lr_at(29, wsd) and rows[0]["lr"] == 3e-3
+
+
+def test_a_stop_during_a_long_evaluation_waits_for_a_few_batches_not_all(tmp_path: Path) -> None:
+    """Before: the stop check came only after all train.eval_batches (here 10000, ~40 s on 2 cores). The
+    SIGTERM lands in the last step's evaluation; it is abandoned within 8 batches (val_loss None) and
+    the run finishes. eval_s in metrics.jsonl measures the evaluation, for the signal lead warning."""
+    run_dir, job_id = submit([f"out_dir={tmp_path}", "train.steps=2", "train.log_every_steps=1",
+                              "train.eval_every_steps=2", "train.eval_batches=10000", "--no-wait"])
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text(), 120,
+               "step 1's line", every_s=0.02)
+    time.sleep(1.0)  # step 2 takes ~0.1 s: the evaluation is under way
+    sent = time.time()
+    os.kill(int(job_id), signal.SIGTERM)
+    wait_until(lambda: (run_dir / "summary.json").exists(), 60, "summary.json")
+    [signalled] = [e for e in read_events(run_dir) if e["event"] == "signal"]
+    assert signalled["step"] == 2 and signalled["finishing"] and signalled["time"] - sent < 10, signalled
+    assert json.loads((run_dir / "summary.json").read_text())["val_loss"] is None
+    rows = metrics(run_dir)
+    assert [m["step"] for m in rows] == [1, 2] and "val_loss" not in rows[1]
+    assert rows[0]["eval_s"] < 0.01 and 0.5 < rows[1]["eval_s"] < 10, rows
+
+
+def test_eval_batches_is_bounded() -> None:
+    with pytest.raises(ValueError, match=r"train.eval_batches=10001 must be <= 10000: an evaluation holds up "
+                                         r"training and must stay short; e.g. train.eval_batches=4"):
+        TrainConfig(eval_batches=10_001)
 
 
 needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
