@@ -85,7 +85,10 @@ def wait_finished(run_dir: Path, job_id: str, env: dict[str, str], timeout_s: fl
 
 
 def _stopped(run_dir: Path) -> bool:
-    return any(e["event"] == "stopped" for e in read_events(run_dir))
+    """A `stopped` event since the last `resume` (hpc-train resume brings a stopped run back)."""
+    events = read_events(run_dir)
+    last_resume = max((i for i, e in enumerate(events) if e["event"] == "resume"), default=-1)
+    return any(e["event"] == "stopped" for e in events[last_resume + 1:])
 
 
 # 4 ranks (2 nodes x 2 tasks); 0.25 s per step keeps the run ~15 s long so a signal lands mid-run.
