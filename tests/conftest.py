@@ -70,6 +70,19 @@ def submit(args: list[str], env: dict[str, str] | None = None, cwd: Path | None 
     return run_dir, job_id
 
 
+def fake_clients(tmp_path: Path, scripts: dict[str, str]) -> tuple[Path, Path]:
+    """Slurm client commands that answer as a cluster would where the real one cannot be made to (an sbatch
+    that queued and timed out, a slurmdbd that is down): TMP/fakebin/NAME run `sh` with STATE=TMP/fakestate.
+    Returns (the bin folder to put first on PATH, the state folder)."""
+    bin_dir, state = tmp_path / "fakebin", tmp_path / "fakestate"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\nSTATE={state}\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, state
+
+
 def sacct_state(job_id: str, env: dict[str, str]) -> str:
     out = run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], env=env).stdout.split()
     return out[0] if out else ""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HPC_TRAIN, run
+from conftest import HPC_TRAIN, fake_clients, run
 
 
 @pytest.mark.parametrize("override, message", [
@@ -229,12 +229,7 @@ def fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path, str]:
     """(env with the fake clients first on PATH, their state folder, a cluster.slurm_conf override)."""
     import os
 
-    bin_dir, state = tmp_path / "fakebin", tmp_path / "fakestate"
-    bin_dir.mkdir()
-    state.mkdir()
-    for name, body in FAKE_SLURM.items():
-        (bin_dir / name).write_text(f"#!/bin/sh\nSTATE={state}\n{body}\n")
-        (bin_dir / name).chmod(0o755)
+    bin_dir, state = fake_clients(tmp_path, FAKE_SLURM)
     (tmp_path / "slurm.conf").write_text("ClusterName=fake\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     return env, state, f"cluster.slurm_conf={tmp_path / 'slurm.conf'}"

@@ -19,7 +19,7 @@ from hpc_train.checkpoint import Saver, TrainState, step_dir
 from hpc_train.config import CheckpointConfig, RunConfig
 from hpc_train.preempt import Unrecoverable
 
-from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+from conftest import HPC_TRAIN, fake_clients, read_events, run, submit, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -388,12 +388,7 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     from hpc_train import submit
 
-    bin_dir, state = tmp_path / "bin", tmp_path / "state"
-    bin_dir.mkdir()
-    state.mkdir()
-    for name, body in FAKE_SLURM.items():
-        (bin_dir / name).write_text(f"#!/bin/sh\nSTATE={state}\n{body}\n")
-        (bin_dir / name).chmod(0o755)
+    bin_dir, state = fake_clients(tmp_path, FAKE_SLURM)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setattr(submit, "validate_live", lambda *a: None)
     monkeypatch.setattr(submit.time, "sleep", lambda s: None)  # sbatch's 1, 2, 4 s backoff
