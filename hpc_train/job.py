@@ -93,7 +93,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         _leave("stop", 0.0)
 
 
-def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: int) -> str:
+def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
     (preempt.decide), act on it and record it. Returns "requeue" (the job comes back), "wait" (only
     Slurm can bring it back: stay alive until it ends the job) or "stop"."""
@@ -102,7 +102,7 @@ def requeue_or_stop(paths: RunPaths, env: Any, budgets: Any, reason: str, step: 
     events = read_events(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
     fate = slurm.job_fate(env.job_id, restarts) if env.executor == "slurm" else preempt.local_fate(events)
-    budgets = dataclasses.replace(budgets, **preempt.budget_changes(events))  # raised by `hpc-train resume`
+    budgets = dataclasses.replace(cfg.requeue, **preempt.budget_changes(events))  # raised by `hpc-train resume`
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
     if action == "stop":
@@ -159,7 +159,7 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
         log_event(paths.run_dir, "stopped", preempt.step_reached[0], env.job_id, env.restart_count, reason=str(error))
         print(f"[hpc_train] not requeueing: {error}", file=sys.stderr, flush=True)
         return "stop", 0.0
-    return requeue_or_stop(paths, env, cfg.requeue, "failure", preempt.step_reached[0]), cfg.cluster.preempt_grace_s
+    return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0]), cfg.cluster.preempt_grace_s
 
 
 def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
@@ -281,7 +281,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         actions = ("stop", "requeue", "wait")
         verdict = torch.tensor([0])
         if env.rank == 0:
-            verdict[0] = actions.index(requeue_or_stop(paths, env, cfg.requeue, at.stop_reason, at.stop_step))
+            verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, at.stop_reason, at.stop_step))
         dist.broadcast(verdict, src=0)
         dist.destroy_process_group()
         _leave(actions[int(verdict)], cfg.cluster.preempt_grace_s, at.kill_deadline)

@@ -179,6 +179,21 @@ def requeue(job_id: str) -> str:
         return str(e)
 
 
+def update_job(job_id: str, fields: dict[str, str]) -> str:
+    """`scontrol update JobId=<id> Key=Value ...` for the next attempt of a job just requeued: "" on
+    success, else why not. Slurm 22.05 refuses ExcNodeList and NumNodes on a running job ("Job is no longer
+    pending execution"), but right after `scontrol requeue` the job is PENDING+COMPLETING and accepts them;
+    it cannot start again before AuthInfo cred_expire (120 s by default) has passed."""
+    if not fields:
+        return ""
+    try:
+        call(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())], timeout_s=10,
+             retries=2)
+        return ""
+    except SlurmError as e:
+        return str(e)
+
+
 def parse_squeue_states(text: str) -> dict[str, str]:
     """`squeue -h -r -o %i|%T` -> {job id: state}. -r lists each pending array task (123_4) rather than
     one line `123_[4-7]`, so a pending task is found by its own id."""

@@ -33,7 +33,11 @@ from pathlib import Path
 CLUSTER_DIR = Path(os.environ.get("HPC_TRAIN_CLUSTER_DIR", "/tmp/hpc_train_cluster"))
 NODES = ["node1", "node2", "node3", "node4"]
 CPUS_PER_NODE = 4  # advertised through config_overrides; this machine has 2 cores
-CTLD_PORT, DBD_PORT, DB_PORT, SLURMD_PORT0 = 16817, 16819, 16306, 17001
+# HPC_TRAIN_CLUSTER_PORT_OFFSET=100 (with its own HPC_TRAIN_CLUSTER_DIR) runs a second cluster beside the
+# first: every port moves by the offset and job ids start at 1 + 10 x offset, so two clusters' jobs never
+# share a rendezvous port (env.rendezvous_port hashes job id and attempt). munged is shared.
+PORT_OFFSET = int(os.environ.get("HPC_TRAIN_CLUSTER_PORT_OFFSET") or 0)
+CTLD_PORT, DBD_PORT, DB_PORT, SLURMD_PORT0 = (p + PORT_OFFSET for p in (16817, 16819, 16306, 17001))
 LOW_GRACE_S = 30  # SIGTERM at preemption, SIGKILL this much later
 DAEMON_PIDFILES = ["slurmctld", "slurmdbd", "mariadb"] + [f"slurmd-{n}" for n in NODES]
 ACCOUNTS = ["research", "teamb"]  # the first is the user's default
@@ -50,6 +54,7 @@ def slurm_conf_text(root: Path, max_array_size: int = 1001, ctld_parameters: str
     extra = f"SlurmctldParameters={ctld_parameters}\n" if ctld_parameters else ""
     return extra + f"""\
 ClusterName=hpcdev
+FirstJobId={1 + 10 * PORT_OFFSET}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={CTLD_PORT}
 SlurmUser=root
