@@ -1,0 +1,103 @@
+"""Goodput over one scripted day of a 4-node run, with and without issue 12's features: a model, fed
+with the figures measured on the dev cluster (docs/benchmarks.md) and with stated assumptions.
+
+    .venv/bin/python benchmarks/day_model.py
+    .venv/bin/python benchmarks/day_model.py --repair-h 8 --slowdown 1.25 --human-h 16
+
+The script (hours from midnight), the same for both runs, on a partition of exactly the run's 4 nodes:
+  06:00  node A dies mid-run (its rank crashes); repaired --repair-h hours later, it is given back still
+         faulty (a GPU with rising ECC counts: the "repaired" node) and dies again --refail-h hours after
+         it was given back, if a run is on it.
+  10:00  node B turns into a straggler: its steps take --slowdown x as long, and synchronous training
+         waits for it.
+  every --timeout-h hours the run reaches its time limit and requeues (a restart, nothing lost).
+
+Without the features the run needs all 4 nodes: it waits for each repair, lands on the faulty node again
+(nothing checks it), and nobody can drop the straggler without stopping the run.
+With them (cluster.min_nodes=3, requeue.shrink_after_s < the repair time): after the crash, node A is
+excluded (its rank's error was a device error; the preflight would have failed it too) and the run goes
+on with 3 nodes, never landing on the returned node A again; every attempt start pays --preflight-s; the
+straggler is named within --detect-s and dropped only when 2 healthy nodes beat 3 with it in.
+Work lost at a crash: half a checkpoint interval. Every restart costs --restart-s.
+
+Goodput = work done / (24 h x full-size throughput); throughput is proportional to the nodes in use
+(ideal weak scaling, an assumption) and divided by the slowdown while the straggler is in.
+Never asserts; prints both timelines and the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass
+class Day:
+    nodes: int = 4
+    restart_s: float = 20.0  # requeue -> first step on the dev cluster: 13-18 s to launch + 5.6 s restart
+    checkpoint_min: float = 30.0
+    repair_h: float = 4.0
+    refail_h: float = 4.0
+    slowdown: float = 1.4
+    timeout_h: float = 4.0
+    detect_s: float = 60.0
+    preflight_s: float = 5.0
+
+
+def timeline(d: Day, features: bool) -> list[tuple[float, float, float, str]]:
+    """(start h, end h, throughput as a fraction of the full size, what) for the whole day."""
+    h = 1 / 3600
+    crash_lost_h = d.checkpoint_min / 60 / 2
+    slow = 1 / d.slowdown
+    if not features:
+        a_back = 6 + d.repair_h
+        refail = a_back + d.refail_h
+        segs = [(0, 6, 1.0, "4 nodes"),
+                (6, a_back + d.restart_s * h, 0.0, f"node A died: {crash_lost_h:g} h of work lost, waiting "
+                                                   f"{d.repair_h:g} h for 4 nodes"),
+                (a_back + d.restart_s * h, refail, slow, f"4 nodes, node B straggling {d.slowdown:g}x"),
+                (refail, refail + d.repair_h + d.restart_s * h, 0.0, f"node A died again: {crash_lost_h:g} h "
+                                                                     f"lost, waiting {d.repair_h:g} h"),
+                (refail + d.repair_h + d.restart_s * h, 24, slow, f"4 nodes, node B straggling {d.slowdown:g}x")]
+        lost = [(6, crash_lost_h), (refail, crash_lost_h * slow)]
+    else:
+        three = 3 / d.nodes
+        drop_b = 2 / d.nodes > three * slow  # 2 healthy nodes beat 3 with the straggler in
+        b_part = (f"node B named within {d.detect_s:.0f} s; dropped: 2 nodes" if drop_b else
+                  f"node B named within {d.detect_s:.0f} s and kept (2 nodes would be slower)")
+        segs = [(0, 6, 1.0, "4 nodes"),
+                (6, 6 + d.restart_s * h, 0.0, f"node A died: {crash_lost_h:g} h lost, excluded; resume on 3 nodes"),
+                (6 + d.restart_s * h, 10, three, "3 nodes"),
+                (10, 24, 2 / d.nodes if drop_b else three * slow, b_part)]
+        lost = [(6, crash_lost_h)]
+    out: list[tuple[float, float, float, str]] = []
+    for start, end, rate, what in segs:  # time-limit requeues: a restart each
+        out.append((start, end, rate, what))
+    requeues = [k * d.timeout_h for k in range(1, int(24 / d.timeout_h) + 1) if k * d.timeout_h < 24]
+    restarts = len(requeues)
+    penalty = restarts * (d.restart_s + (d.preflight_s if features else 0)) * h  # a preflight at every start
+    out.append((0, 0, 0.0, f"{len(requeues)} time-limit requeues, {restarts} restarts: {penalty * 60:.1f} min"))
+    out.append((0, -sum(x for _, x in lost) - penalty, 1.0, "lost"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for name, default in vars(Day()).items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    d = Day(**vars(ap.parse_args()))
+    print(f"assumptions: {d}\n")
+    for features in (False, True):
+        segs = timeline(d, features)
+        work = sum((end - start) * rate for start, end, rate, _ in segs)
+        print(f"{'with' if features else 'without'} issue 12's features: goodput {work / 24:.1%} "
+              f"({work:.2f} full-size hours of 24)")
+        for start, end, rate, what in segs:
+            if what != "lost":
+                span = f"{start:05.2f}-{end:05.2f} h  x{rate:.2f}  " if end > start else " " * 22
+                print(f"    {span}{what}")
+        print()
+
+
+if __name__ == "__main__":
+    main()
