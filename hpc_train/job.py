@@ -326,6 +326,8 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         sys.exit(1)
     if preempt.injected("raise_at_start"):
         raise RuntimeError("injected fault: raise_at_start (HPC_TRAIN_FAULT)")
+    if preempt.injected("ecc_at_start"):  # a hardware error: the node is left out (preempt.HARDWARE_ERRORS)
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected fault: ecc_at_start)")
     # One intra-op thread pool per rank sized to its CPUs: torch's default (all cores in every rank)
     # made 4 ranks on 2 cores 35x slower per step on the dev cluster (350 ms vs 10 ms).
     cores = os.environ.get("SLURM_CPUS_PER_TASK") or max(1, (os.cpu_count() or 1) // env.local_world_size)

@@ -70,7 +70,7 @@ def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:
 # ---- fault drills ------------------------------------------------------------------------------------
 
 def injected(fault: str) -> bool:
-    """Drills set at submit: HPC_TRAIN_FAULT=raise_at_start,kill_rank_during_save,hang (with
+    """Drills set at submit: HPC_TRAIN_FAULT=raise_at_start,ecc_at_start,kill_rank_during_save,hang (with
     +cluster.env.HPC_TRAIN_FAULT=...). Each fires in the first attempt only unless its name ends in
     `_always`, so a drill shows the recovery."""
     faults = os.environ.get("HPC_TRAIN_FAULT", "").split(",")

@@ -118,3 +118,21 @@ def test_preflight_config_checks() -> None:
         PreflightConfig(slow_fraction=1.5)
     with pytest.raises(ValueError, match=r"preflight.min_free_disk_gb=-1 must be >= 0 \(0 = record only\)"):
         PreflightConfig(min_free_disk_gb=-1)
+
+
+def test_a_hardware_error_leaves_the_node_out_and_a_lone_machine_stops(tmp_path) -> None:
+    """A rank fails with an ECC error: its node is judged sick. The local executor has no other machine,
+    so the run stops with the sentence that names the node and the fix, instead of crash-looping."""
+    import json
+
+    from conftest import HPC_TRAIN, run
+
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=10", "+cluster.env.HPC_TRAIN_FAULT=ecc_at_start"],
+               timeout_s=240)
+    events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").read_text().splitlines()]
+    stopped = [e["reason"] for e in events if e["event"] == "stopped"]
+    assert proc.returncode == 1 and len(stopped) == 1, proc.stdout + proc.stderr
+    assert stopped[0].startswith("leaving out 1 sick nodes would leave too few for the run: the partition has 0 nodes "
+                                 "beyond those it needs (127.0.0.1: rank ")
+    assert "failed with a hardware error (uncorrectable ECC error)" in stopped[0] and "`hpc-train resume RUN`" in stopped[0]
+    assert not any(e["event"] in ("requeue", "node_excluded") for e in events)
