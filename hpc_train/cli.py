@@ -272,7 +272,7 @@ def _chaos(args: argparse.Namespace) -> int:
     from hpc_train import ops
 
     for run in _runs(args.run):
-        print(f"{run.label}: {ops.chaos(run, args.action, args.rank, args.seconds)}")
+        print(f"{run.label}: {ops.chaos(run, args.action, args.rank, args.seconds, args.node)}")
     return 0
 
 
@@ -423,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=list(CHAOS))
     p.add_argument("--rank", type=int, default=0, help="kill-rank: this rank; lose-node: the node of this rank")
     p.add_argument("--seconds", type=float, default=2.0, help="slow-storage: seconds added to each write (0: off)")
+    p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
     p.set_defaults(func=_chaos)
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")
     p.add_argument("run")

@@ -2,7 +2,8 @@
 
 The trainer-side dataclasses live here rather than in model.py/train.py/checkpoint.py because those
 import torch (~1.5 s), and the login node validates every config without importing torch. Each class
-says which module it configures. ClusterConfig lives beside the executor code in sbatch.py.
+says which module it configures. ClusterConfig lives beside the executor code in sbatch.py, PreflightConfig
+in preflight.py (torch-free at import).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import shipped_dir
+from hpc_train.preflight import PreflightConfig
 from hpc_train.sbatch import ClusterConfig
 from hpc_train.tracking import TrackingConfig
 
@@ -207,9 +209,13 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
     max_preemptions: int = -1  # -1: unlimited; a preemption is the cluster's choice, not the run's fault
     max_time_limit_requeues: int = 100  # each one is a full time limit of progress
     max_failures: int = 2  # crashes and hangs: a crash loop stops after this many requeues
+    # Sick nodes (a failed preflight, a hardware error) left out of later attempts with ExcNodeList;
+    # never so many that the partition keeps fewer than the run needs. A resume starts again from none.
+    max_excluded_nodes: int = 2
 
     def __post_init__(self) -> None:
-        if self.max_failures < 0 or self.max_time_limit_requeues < 0 or self.max_preemptions < -1:
+        if self.max_failures < 0 or self.max_time_limit_requeues < 0 or self.max_preemptions < -1 \
+                or self.max_excluded_nodes < 0:
             raise ValueError(f"requeue budgets must be >= 0 (max_preemptions may be -1 = unlimited); got "
                              f"{self}")
 
@@ -252,6 +258,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     requeue: RequeueConfig = field(default_factory=RequeueConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)  # node health at attempt start
     fn: FnConfig = field(default_factory=FnConfig)
     metrics: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow (tracking.py)
 

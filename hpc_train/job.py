@@ -8,6 +8,8 @@ An attempt, from process start to exit (docs/lifecycle.md draws it):
     start.py installs the record-only USR2/TERM handlers   -> phase "python"
     imports, frozen config.yaml                            -> phase "imports"
     placed rendezvous (TCPStore + topology plan)           -> phase "rendezvous"
+    preflight on every node (preflight.py)                 -> phase "preflight"; `preflight`; a sick node:
+                                                              `node_excluded`, requeue, ExcNodeList
     Attempt.build, the function builds its model           -> phase "setup"
     at.resume(state): verify (every rank a share), load    -> phases "verify", "load"; the `start` event
     the loop: at.step_end() each step                      -> `first_step`, saves, a `signal`
@@ -93,10 +95,28 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         _leave("stop", 0.0)
 
 
-def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int) -> str:
+def spare_nodes(env: Any, cluster: Any) -> int | None:
+    """Nodes the job's partition has beyond those the run needs and cluster.exclude; None when Slurm does
+    not say. The local executor has one machine: none spare."""
+    from hpc_train import slurm
+    from hpc_train.env import parse_nodelist
+
+    if env.executor != "slurm":
+        return 0
+    partition = cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    try:
+        total = int(slurm.partitions()[partition]["TotalNodes"])
+    except (slurm.SlurmError, KeyError, ValueError):
+        return None
+    return total - (getattr(cluster, "min_nodes", None) or cluster.nodes) - len(parse_nodelist(cluster.exclude or ""))
+
+
+def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
+                    sick: dict[str, str] | None = None) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
-    (preempt.decide), act on it and record it. Returns "requeue" (the job comes back), "wait" (only
-    Slurm can bring it back: stay alive until it ends the job) or "stop"."""
+    (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
+    "requeue" (the job comes back, without the run's excluded nodes), "wait" (only Slurm can bring it
+    back: stay alive until it ends the job) or "stop"."""
     from hpc_train import slurm
 
     events = read_events(paths.run_dir)
@@ -105,16 +125,24 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int)
     budgets = dataclasses.replace(cfg.requeue, **preempt.budget_changes(events))  # raised by `hpc-train resume`
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
+    excluded = sorted(preempt.excluded_nodes(events))
+    if action != "stop" and sick:
+        excluded, not_out = preempt.exclusion(events, sick, budgets.max_excluded_nodes, spare_nodes(env, cfg.cluster))
+        action, why = ("stop", not_out) if not_out else (action, why)
+        for node, because in sick.items() if not not_out else ():
+            record("node_excluded", node=node, why=because)
     if action == "stop":
         record("stopped", reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
         record("requeue", reason=reason, by="slurm", note=why)
+        _exclude_nodes(env, cfg.cluster, excluded, record)
         return "requeue"
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
     if not err:
         record("requeue", reason=reason, by="hpc_train", fate=fate)
+        _exclude_nodes(env, cfg.cluster, excluded, record)
         return "requeue"
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
@@ -124,6 +152,22 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int)
         "the last committed checkpoint stays; resubmit to go on"
     print(f"[hpc_train] requeue failed: {err}; {then}", file=sys.stderr, flush=True)
     return "wait" if preempted else "stop"
+
+
+def _exclude_nodes(env: Any, cluster: Any, nodes: list[str], record: Callable[..., None]) -> None:
+    """ExcNodeList on the requeued job: the run's excluded nodes and cluster.exclude. Only now: Slurm 22.05
+    refuses it on a running job ("Job is no longer pending execution"); the requeued job is PENDING and
+    cannot start before cred_expire (10 s on the dev cluster, 120 s by default), so this lands in time.
+    Set at every requeue while the run has any: it also survives a lost first try."""
+    if env.executor != "slurm" or not nodes:
+        return
+    from hpc_train import slurm
+
+    value = ",".join([*nodes, *([cluster.exclude] if cluster.exclude else [])])
+    err = slurm.update_job(env.job_id, {"ExcNodeList": value})
+    record("exclude_nodes", nodes=value, ok=not err, **({"error": err} if err else {}))
+    if err:
+        print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
 
 
 def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> None:
@@ -159,7 +203,26 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
         log_event(paths.run_dir, "stopped", preempt.step_reached[0], env.job_id, env.restart_count, reason=str(error))
         print(f"[hpc_train] not requeueing: {error}", file=sys.stderr, flush=True)
         return "stop", 0.0
-    return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0]), cfg.cluster.preempt_grace_s
+    text = f"{type(error).__name__}: {error}" if error is not None else ""
+    marker = preempt.hardware_error(text)
+    node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
+    sick = {node: f"rank {env.rank} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
+    return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick), cfg.cluster.preempt_grace_s
+
+
+def _decide_together(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
+                     kill_deadline: float = float("inf"), sick: dict[str, str] | None = None) -> None:
+    """Rank 0 decides (requeue_or_stop) and tells everyone, so no rank exits with 144 alone; never returns."""
+    import torch
+    import torch.distributed as dist
+
+    actions = ("stop", "requeue", "wait")
+    verdict = torch.tensor([0])
+    if env.rank == 0:
+        verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, reason, step, sick))
+    dist.broadcast(verdict, src=0)
+    dist.destroy_process_group()
+    _leave(actions[int(verdict)], cfg.cluster.preempt_grace_s, kill_deadline)
 
 
 def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
@@ -263,6 +326,8 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         sys.exit(1)
     if preempt.injected("raise_at_start"):
         raise RuntimeError("injected fault: raise_at_start (HPC_TRAIN_FAULT)")
+    if preempt.injected("ecc_at_start"):  # a hardware error: the node is left out (preempt.HARDWARE_ERRORS)
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected fault: ecc_at_start)")
     # One intra-op thread pool per rank sized to its CPUs: torch's default (all cores in every rank)
     # made 4 ranks on 2 cores 35x slower per step on the dev cluster (350 ms vs 10 ms).
     cores = os.environ.get("SLURM_CPUS_PER_TASK") or max(1, (os.cpu_count() or 1) // env.local_world_size)
@@ -271,20 +336,21 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
     env = _rendezvous(env, cfg, paths)
     phases_s["rendezvous"] = time.time() - t0
     _start_watchdog(cfg.train.watchdog_s, paths, env)
+    if cfg.preflight.enabled:
+        from hpc_train import preflight
+
+        t0 = time.time()
+        sick = preflight.check(env, cfg.preflight, paths)  # the same verdict on every rank
+        phases_s["preflight"] = time.time() - t0
+        if sick:
+            _decide_together(paths, env, cfg, "node_health", -1, sick=sick)
     fn = resolve(cfg.fn._target_)
     at = Attempt.build(env, cfg, paths, process_start, phases_s)
     result = fn(at, **cfg.fn.kwargs)
     if at.finished is None and not at.stopped and at.should_stop():  # returned at its own stop check
         at.stopped, at.stop_reason = True, at.time_left_s()[1]
     if at.stopped and at.finished is None:
-        # Rank 0 decides and tells everyone, so no rank exits with 144 alone.
-        actions = ("stop", "requeue", "wait")
-        verdict = torch.tensor([0])
-        if env.rank == 0:
-            verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, at.stop_reason, at.stop_step))
-        dist.broadcast(verdict, src=0)
-        dist.destroy_process_group()
-        _leave(actions[int(verdict)], cfg.cluster.preempt_grace_s, at.kill_deadline)
+        _decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     dist.barrier()
     dist.destroy_process_group()

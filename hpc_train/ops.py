@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpc_train.metrics import lead_warning, log_event, read_events, read_metrics
-from hpc_train.preempt import budget_changes, failures_in_a_row
+from hpc_train.preempt import budget_changes, excluded_nodes, failures_in_a_row
 
 NO_PROGRESS_WARN_S = 15 * 60
 
@@ -269,6 +269,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             "goodput": round(goodput(events, metrics)["goodput"], 3) if atts else None,
             "since_last_event_s": round(time.time() - last, 1) if last else None,
             "warnings": warnings,
+            "excluded_nodes": excluded_nodes(events),  # node -> why (preflight, hardware error)
         })
         if state_error and r.executor == "slurm":  # shown once below the table, in full
             rows[-1].update(state="unknown", state_error=state_error)
@@ -294,6 +295,9 @@ def print_status(rows: list[dict[str, Any]]) -> None:
                       f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since, "; ".join(r["warnings"]))
     console = Console(width=220)
     console.print(table)
+    for r in rows:  # a line per excluded node, below the table: the reasons are sentences
+        for node, why in (r.get("excluded_nodes") or {}).items():
+            console.print(f"{r['run']}: {node} left out: {why}", markup=False, highlight=False, soft_wrap=True)
     for error in dict.fromkeys(r["state_error"] for r in rows if r.get("state_error")):
         console.print(f"state unknown: {error}", markup=False, highlight=False, soft_wrap=True)
 
@@ -447,11 +451,12 @@ CHAOS = {  # action -> what it injects; recorded as a `chaos` event
     "kill-rank-during-save": "the last rank SIGKILLs itself in the middle of its next save (once)",
     "slow-storage": "every later checkpoint write takes --seconds longer (0: back to normal)",
     "corrupt-checkpoint": "one byte flipped in the newest committed checkpoint (the next resume skips it)",
+    "sick-node": "--node (else rank --rank's node) fails every later preflight until RUN/drills/sick_node.NODE goes",
 }
-DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint")  # files in the run dir: local runs too
+DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "sick-node")  # files in the run dir: local runs too
 
 
-def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
+def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str = "") -> str:
     """Inject a fault into a running job (or arm a drill the job fires) and record it in events.jsonl."""
     from hpc_train import slurm
     from hpc_train.paths import RunPaths, read_marker, step_dir, step_folders
@@ -482,6 +487,13 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0) -> str:
             what = f"checkpoint writes {seconds:g} s slower" if seconds > 0 else "checkpoint writes at normal speed"
         else:
             drill.write_text("armed\n")
+    elif action == "sick-node":  # a file on the shared filesystem: the node's own preflight finds it
+        if not node and (start is None or "rank_nodes" not in start):
+            raise ValueError(f"{run.label} has not started yet, so rank {rank} has no node: give --node NAME")
+        node = node or start["rank_nodes"][rank]  # type: ignore[index]
+        paths.drills.mkdir(exist_ok=True)
+        (paths.drills / f"sick_node.{node}").write_text("armed\n")
+        what = f"{node} fails every later preflight (rm {paths.drills / f'sick_node.{node}'} to heal it)"
     elif action == "corrupt-checkpoint":
         committed = [(s, m) for s, f in step_folders(paths.checkpoints).items() if (m := read_marker(f))]
         if not committed:

@@ -70,7 +70,7 @@ def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:
 # ---- fault drills ------------------------------------------------------------------------------------
 
 def injected(fault: str) -> bool:
-    """Drills set at submit: HPC_TRAIN_FAULT=raise_at_start,kill_rank_during_save,hang (with
+    """Drills set at submit: HPC_TRAIN_FAULT=raise_at_start,ecc_at_start,kill_rank_during_save,hang (with
     +cluster.env.HPC_TRAIN_FAULT=...). Each fires in the first attempt only unless its name ends in
     `_always`, so a drill shows the recovery."""
     faults = os.environ.get("HPC_TRAIN_FAULT", "").split(",")
@@ -142,7 +142,7 @@ def local_fate(events: list[dict[str, Any]]) -> str:
 def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -> tuple[str, str]:
     """The one requeue decision, for a clean stop and a failure alike (pure).
 
-    reason: "preempt" | "time_limit" | "failure"; events: the run's events.jsonl; budgets: RequeueConfig;
+    reason: "preempt" | "time_limit" | "failure" | "node_health" (the preflight found a sick node); events: the run's events.jsonl; budgets: RequeueConfig;
     fate: what Slurm is doing with the job (slurm.job_fate / local_fate): "running", "requeued",
     "cancelled" or "unknown" (scontrol did not answer: treated as running, since requeueing a live run
     beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
@@ -152,6 +152,8 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
         return "stop", "cancelled (scancel or hpc-train cancel): not requeueing"
     if fate == "requeued":
         return "slurm", "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent"
+    if reason == "node_health":  # a sick node, not the run's fault: bounded by `exclusion`, not a requeue budget
+        return "requeue", ""
     key = BUDGET_KEYS[reason]
     limit = getattr(budgets, key)
     if reason == "failure":
@@ -164,3 +166,55 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
         if limit != -1 and used >= limit:
             return "stop", f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
     return "requeue", ""
+
+
+# ---- sick nodes left out (pure) ----------------------------------------------------------------------
+
+# Error text that blames this node's hardware, not the code: a rank that fails first with one of these has
+# its node left out of the next attempt. Not any Python exception (a code bug would exclude innocent
+# nodes), not NCCL errors in general (a peer's death shows as one on every rank), not CUDA out of memory
+# (a config). "unhandled cuda error" is NCCL's ncclUnhandledCudaError: a CUDA call failed in this process.
+HARDWARE_ERRORS = ("uncorrectable ECC error", "Xid", "fallen off the bus", "unhandled cuda error",
+                   "CUDA-capable device", "Input/output error")
+
+
+def hardware_error(text: str) -> str:
+    """The first HARDWARE_ERRORS marker in a failure's text, "" for anything else."""
+    return next((m for m in HARDWARE_ERRORS if m.lower() in text.lower()), "")
+
+
+def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:
+    """node -> why, from the `node_excluded` events since the last `hpc-train resume` (a person's word that
+    the nodes are fixed; the resumed job starts without the exclusions and the preflight judges again)."""
+    out: dict[str, str] = {}
+    for e in events:
+        if e["event"] == "resume":
+            out = {}
+        elif e["event"] == "node_excluded" and isinstance(e.get("node"), str):
+            out[e["node"]] = str(e.get("why", ""))
+    return out
+
+
+def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_nodes: int,
+              spare_nodes: int | None) -> tuple[list[str], str]:
+    """Leave the sick nodes out of the next attempt? Returns (every node the run now leaves out, sorted;
+    "") or ([], why the run stops instead). Bounded by requeue.max_excluded_nodes and by the partition:
+    spare_nodes = its nodes - the nodes the run needs (None: unknown)."""
+    before = excluded_nodes(events)
+    again = [n for n in sick if n in before]
+    if again:
+        return [], (f"{', '.join(again)} failed again ({sick[again[0]]}) though left out since an earlier attempt: "
+                    f"ExcNodeList did not take (see the exclude_nodes event); fix the node or add it to "
+                    f"cluster.exclude, then `hpc-train resume RUN`")
+    after = {**before, **sick}
+    named = "; ".join(f"{n}: {why}" for n, why in after.items())
+    fix = ("have the admins check them (or leave them out for good with cluster.exclude), then `hpc-train resume "
+           "RUN`, which judges every node afresh")
+    if len(after) > max_excluded_nodes:
+        return [], (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
+                    f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise "
+                    f"requeue.max_excluded_nodes")
+    if spare_nodes is not None and len(after) > spare_nodes:
+        return [], (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition has "
+                    f"{max(spare_nodes, 0)} nodes beyond those it needs ({named}); {fix}")
+    return sorted(after), ""

@@ -1,0 +1,220 @@
+"""Node health at every attempt start: job.py calls `check` on every rank right after the rendezvous,
+before the training function builds anything. Seconds, not minutes (docs/benchmarks.md has the figure).
+
+    hpc-train submit cluster=dev preflight.min_matmul_tflops=400 preflight.min_allreduce_gbps=100
+    hpc-train chaos runs/demo-3 sick-node --node node3    # node3 fails every later preflight (a drill)
+
+What each node checks (local rank 0 for the per-node facts, every rank for its own device):
+    gpu        nvidia-smi: visible, uncorrected ECC errors, pending retired pages / row remaps (skipped on CPU)
+    matmul     a square matmul on the rank's device, TFLOP/s; the node's figure is its slowest rank's
+    allreduce  a 4 MiB all-reduce over the whole group, bus GB/s (as nccl-tests counts it)
+    disk       free GB in the run's checkpoint folder
+    clock      time.time() against rank 0's, beyond the all-gather's own round trip
+
+`judge` (pure) turns the gathered results into {node: why it is sick}; rank 0 writes one `preflight`
+event. A sick node is left out of the next attempt (job.py, preempt.exclusion). The module imports
+torch only inside `check`: config.py imports PreflightConfig on the login node.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_train.paths import RunPaths, read_marker, step_folders
+
+
+@dataclass
+class PreflightConfig:  # preflight.py; a figure of 0 = record only
+    enabled: bool = True
+    min_free_disk_gb: float = 1.0  # in the checkpoint folder; the newest checkpoint's size is needed on top
+    max_clock_skew_s: float = 5.0  # event times across nodes stay ordered; munge refuses skews past 300 s
+    min_matmul_tflops: float = 0.0  # per device, bf16 on GPU (an H200 does ~600 on this 4096^3 test), fp32 on CPU
+    min_allreduce_gbps: float = 0.0  # bus bandwidth of the whole group: below it is a warning (it names no node)
+    # GPU only: a node whose matmul runs below this x the median node's is sick. Not on CPU, where ranks
+    # share cores with everything else (2 cores for 4 nodes on the dev cluster: a 3x spread is noise).
+    slow_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        for key in ("min_free_disk_gb", "max_clock_skew_s", "min_matmul_tflops", "min_allreduce_gbps"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"preflight.{key}={getattr(self, key)} must be >= 0 (0 = record only)")
+        if not 0 <= self.slow_fraction < 1:
+            raise ValueError(f"preflight.slow_fraction={self.slow_fraction} must be in [0, 1) (0 = off); e.g. 0.5")
+
+
+# nvidia-smi --query-gpu fields; an older driver that lacks one refuses the whole query, then only BASIC.
+GPU_FIELDS = ("index", "name", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending",
+              "remapped_rows.pending", "remapped_rows.failure")
+BASIC_GPU_FIELDS = ("index", "name")
+NVIDIA_SMI_TIMEOUT_S = 10  # a GPU that fell off the bus can hold nvidia-smi for minutes: that is an answer too
+ALLREDUCE_BYTES = 4 * 2**20
+SICK_DRILL = "sick_node"  # RUN/drills/sick_node.<node>, written by `hpc-train chaos RUN sick-node`
+
+
+def gpu_problems(csv_text: str, fields: tuple[str, ...]) -> tuple[list[dict[str, str]], list[str]]:
+    """nvidia-smi --format=csv,noheader,nounits lines -> (one dict per GPU, what is wrong) (pure).
+    "[N/A]" / "[Not Supported]" (a counter this GPU does not keep) is no problem."""
+    gpus, problems = [], []
+    for line in csv_text.strip().splitlines():
+        gpu = dict(zip(fields, (v.strip() for v in line.split(","))))
+        gpus.append(gpu)
+        name = f"GPU {gpu.get('index', '?')}"
+        ecc = gpu.get("ecc.errors.uncorrected.volatile.total", "")
+        if ecc.isdigit() and int(ecc) > 0:
+            problems.append(f"{name}: {ecc} uncorrected ECC errors since boot")
+        for key in ("retired_pages.pending", "remapped_rows.pending", "remapped_rows.failure"):
+            if gpu.get(key) == "Yes":
+                problems.append(f"{name}: {key}=Yes (needs a reset)")
+    return gpus, problems
+
+
+def query_gpus() -> tuple[list[dict[str, str]], list[str], str]:
+    """(GPUs, problems, note) from nvidia-smi; the note says why nothing was read."""
+    if shutil.which("nvidia-smi") is None:
+        return [], [], "no nvidia-smi on PATH: GPU counters not read"
+    for fields in (GPU_FIELDS, BASIC_GPU_FIELDS):
+        try:
+            proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return [], [f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s"], ""
+        if proc.returncode == 0:
+            gpus, problems = gpu_problems(proc.stdout, fields)
+            return gpus, problems, "" if fields == GPU_FIELDS else "driver lacks the ECC/remap fields"
+        if "not a valid field" not in (proc.stdout + proc.stderr):
+            break
+    return [], [f"nvidia-smi failed (rc {proc.returncode}): {(proc.stderr or proc.stdout).strip()[:200]}"], ""
+
+
+def needed_disk_gb(paths: RunPaths, min_free_disk_gb: float) -> float:
+    """The configured floor plus the newest committed checkpoint's size: the next save writes as much."""
+    newest = [m for f in reversed(step_folders(paths.checkpoints).values()) if (m := read_marker(f))][:1]
+    return min_free_disk_gb + sum(e["bytes"] for e in newest[0]["files"].values()) / 1e9 if newest else min_free_disk_gb
+
+
+def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Every rank's result -> ({node: its figures, with "sick": why or ""}, group warnings) (pure).
+    The same gathered list on every rank gives every rank the same verdict, without a broadcast."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for r in results:
+        n = nodes.setdefault(r["node"], {"ranks": 0, "problems": [], "matmul_tflops": float("inf"), "wall_s": 0.0})
+        n["ranks"] += 1
+        n["problems"] += r["problems"]
+        n["matmul_tflops"] = min(n["matmul_tflops"], r["matmul_tflops"])  # a node is as fast as its slowest device
+        n["wall_s"] = max(n["wall_s"], r["wall_s"])
+        n["device"] = r["device"]
+        n["skew_s"] = r["skew_s"] if abs(r["skew_s"]) > abs(n.get("skew_s", 0.0)) else n.get("skew_s", 0.0)
+        for key in ("disk_free_gb", "disk_needed_gb", "gpus", "gpu_note"):
+            if key in r:
+                n[key] = r[key]
+    rtt_s = max(r["rtt_s"] for r in results)
+    median = statistics.median(n["matmul_tflops"] for n in nodes.values())
+    for name, n in nodes.items():
+        why = list(dict.fromkeys(n.pop("problems")))
+        if cfg.min_free_disk_gb and n.get("disk_free_gb", float("inf")) < n.get("disk_needed_gb", 0.0):
+            why.append(f"{n['disk_free_gb']:.1f} GB free in the checkpoint folder < {n['disk_needed_gb']:.1f} GB "
+                       f"needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the newest checkpoint)")
+        if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s:
+            why.append(f"clock {n['skew_s']:+.2f} s from rank 0's (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
+                       f"{cfg.max_clock_skew_s:g}")
+        if cfg.min_matmul_tflops and n["matmul_tflops"] < cfg.min_matmul_tflops:
+            why.append(f"matmul {n['matmul_tflops']:.2f} TFLOP/s < preflight.min_matmul_tflops={cfg.min_matmul_tflops:g}")
+        elif n["device"] == "cuda" and cfg.slow_fraction and n["matmul_tflops"] < cfg.slow_fraction * median:
+            why.append(f"matmul {n['matmul_tflops']:.1f} TFLOP/s < {cfg.slow_fraction:g} x the median node's "
+                       f"{median:.1f} (preflight.slow_fraction)")
+        n["sick"] = "; ".join(why)
+    warnings = []
+    gbps = min(r["allreduce_gbps"] for r in results)
+    if cfg.min_allreduce_gbps and 0 < gbps < cfg.min_allreduce_gbps:
+        warnings.append(f"all-reduce {gbps:.2f} GB/s < preflight.min_allreduce_gbps={cfg.min_allreduce_gbps:g} "
+                        f"(one all-reduce over the group cannot say which node is slow: no node left out)")
+    return nodes, warnings
+
+
+def _matmul_tflops(device: Any) -> float:
+    """A square matmul on the device: 4096^3 in bf16 on GPU (~0.2 ms each on an H200), 512^3 in fp32 on
+    CPU (~10-30 ms with one thread); 2 warm-up and 5 timed."""
+    import torch
+
+    cuda = device.type == "cuda"
+    n, dtype = (4096, torch.bfloat16) if cuda else (512, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize()
+    return 5 * 2 * n**3 / (time.perf_counter() - t0) / 1e12
+
+
+def _allreduce_gbps(device: Any, world_size: int) -> float:
+    """Bus bandwidth of a 4 MiB fp32 all-reduce (1 warm-up, 3 timed): bytes x 2(n-1)/n per second."""
+    import torch
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return 0.0
+    x = torch.ones(ALLREDUCE_BYTES // 4, device=device)
+    dist.all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 3 * ALLREDUCE_BYTES * 2 * (world_size - 1) / world_size / (time.perf_counter() - t0) / 1e9
+
+
+def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
+    """Collective, on every rank: measure, gather, judge; rank 0 writes the `preflight` event.
+    Returns {node: why} for the sick nodes (the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc_train.metrics import log_event
+
+    t0 = time.perf_counter()
+    node = env.nodes[env.node_rank]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mine: dict[str, Any] = {"node": node, "rank": env.rank, "device": device.type, "problems": []}
+    if env.local_rank == 0:  # the node's own facts, once per node
+        gpus, problems, note = query_gpus()
+        if device.type == "cuda" and torch.cuda.device_count() < env.local_world_size and not gpus:
+            problems.append(f"{torch.cuda.device_count()} GPUs visible for {env.local_world_size} tasks")
+        mine.update(gpus=len(gpus), gpu_note=note or (f"{len(gpus)} GPUs healthy" if not problems else ""))
+        mine["problems"] += problems
+        folder = paths.checkpoints if paths.checkpoints.exists() else paths.run_dir
+        mine["disk_free_gb"] = round(shutil.disk_usage(folder).free / 1e9, 1)
+        mine["disk_needed_gb"] = round(needed_disk_gb(paths, cfg.min_free_disk_gb), 3)
+        if (paths.drills / f"{SICK_DRILL}.{node}").exists():
+            mine["problems"].append(f"marked sick by `hpc-train chaos sick-node` (drills/{SICK_DRILL}.{node})")
+    mine["matmul_tflops"] = round(_matmul_tflops(device), 4)
+    mine["allreduce_gbps"] = round(_allreduce_gbps(device, env.world_size), 3)
+    dist.barrier()  # then every rank reads its clock at once, within the all-gather's round trip
+    now = time.time()
+    clocks = [torch.zeros(1, dtype=torch.float64) for _ in range(env.world_size)]
+    dist.all_gather(clocks, torch.tensor([now], dtype=torch.float64))
+    mine["rtt_s"] = time.time() - now
+    mine["skew_s"] = round(now - float(clocks[0]), 4)
+    mine["wall_s"] = round(time.perf_counter() - t0, 3)
+    results: list[Any] = [None] * env.world_size
+    dist.all_gather_object(results, mine)
+    nodes, warnings = judge(results, cfg)
+    sick = {n: f["sick"] for n, f in nodes.items() if f["sick"]}
+    if env.rank == 0:
+        log_event(paths.run_dir, "preflight", -1, env.job_id, env.restart_count, nodes=nodes, sick=sick,
+                  warnings=warnings, allreduce_gbps=min(r["allreduce_gbps"] for r in results),
+                  wall_s=round(time.perf_counter() - t0, 3))
+        for line in [*(f"node {n} failed the preflight: {why}" for n, why in sick.items()), *warnings]:
+            print(f"[hpc_train] preflight: {line}", flush=True)
+    return sick

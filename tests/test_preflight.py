@@ -1,0 +1,138 @@
+"""Node health: the preflight's pure verdict, the exclusion decision and its budget, the hardware-error
+list, and the line `status` prints for an excluded node. Plain data; the dev-cluster run is in
+test_slurm_health.py."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+
+import pytest
+
+from hpc_train import preempt
+from hpc_train.config import RequeueConfig
+from hpc_train.preflight import GPU_FIELDS, PreflightConfig, gpu_problems, judge
+
+
+def ev(event: str, **fields: object) -> dict:
+    return {"event": event, "time": 0.0, "step": -1, "restart": 0, **fields}
+
+
+def rank(node: str, r: int, **over: object) -> dict:
+    base = {"node": node, "rank": r, "device": "cpu", "problems": [], "matmul_tflops": 0.05, "allreduce_gbps": 1.0,
+            "rtt_s": 0.002, "skew_s": 0.0, "wall_s": 0.1, "disk_free_gb": 50.0, "disk_needed_gb": 1.0}
+    return {**base, **over}
+
+
+def test_judge_names_the_sick_node_and_why() -> None:
+    cfg = PreflightConfig(max_clock_skew_s=5)
+    nodes, warnings = judge([rank("node1", 0), rank("node2", 1, skew_s=9.0), rank("node3", 2, disk_free_gb=0.5),
+                             rank("node4", 3, problems=["GPU 0: 2 uncorrected ECC errors since boot"])], cfg)
+    assert nodes["node1"]["sick"] == "" and warnings == []
+    assert nodes["node2"]["sick"] == "clock +9.00 s from rank 0's (+-0.002 s) > preflight.max_clock_skew_s=5"
+    assert nodes["node3"]["sick"].startswith("0.5 GB free in the checkpoint folder < 1.0 GB needed")
+    assert nodes["node4"]["sick"] == "GPU 0: 2 uncorrected ECC errors since boot"
+    # 0 = record only
+    off = PreflightConfig(max_clock_skew_s=0, min_free_disk_gb=0)
+    assert all(not n["sick"] for n in judge([rank("node2", 0, skew_s=9.0), rank("node3", 1, disk_free_gb=0.0)], off)[0].values())
+
+
+def test_judge_relative_matmul_on_gpu_only() -> None:
+    """A node at 0.3x the median fails on GPUs; on CPU (shared cores) the same spread is noise."""
+    gpu = [rank(f"node{i}", i, device="cuda", matmul_tflops=t) for i, t in enumerate([600, 610, 590, 180])]
+    nodes, _ = judge(gpu, PreflightConfig())
+    assert [n for n, f in nodes.items() if f["sick"]] == ["node3"]
+    assert "matmul 180.0 TFLOP/s < 0.5 x the median node's 595.0" in nodes["node3"]["sick"]
+    cpu = [rank(f"node{i}", i, matmul_tflops=t) for i, t in enumerate([0.06, 0.06, 0.06, 0.01])]
+    assert not any(f["sick"] for f in judge(cpu, PreflightConfig())[0].values())
+    # an expected figure applies on any device; a node is as fast as its slowest rank
+    two = [rank("node1", 0, matmul_tflops=0.06), rank("node1", 1, matmul_tflops=0.01)]
+    assert judge(two, PreflightConfig(min_matmul_tflops=0.02))[0]["node1"]["sick"].startswith("matmul 0.01 TFLOP/s")
+
+
+def test_judge_allreduce_warns_without_naming_a_node() -> None:
+    nodes, warnings = judge([rank("node1", 0, allreduce_gbps=0.5), rank("node2", 1)], PreflightConfig(min_allreduce_gbps=2))
+    assert not any(f["sick"] for f in nodes.values())
+    assert warnings == ["all-reduce 0.50 GB/s < preflight.min_allreduce_gbps=2 (one all-reduce over the group cannot "
+                        "say which node is slow: no node left out)"]
+
+
+def test_gpu_counters() -> None:
+    text = "0, NVIDIA H200, 0, [N/A], No, No\n1, NVIDIA H200, 3, [N/A], Yes, No\n"
+    gpus, problems = gpu_problems(text, GPU_FIELDS)
+    assert len(gpus) == 2 and problems == ["GPU 1: 3 uncorrected ECC errors since boot",
+                                           "GPU 1: remapped_rows.pending=Yes (needs a reset)"]
+
+
+def test_hardware_errors_and_not_code_bugs() -> None:
+    assert preempt.hardware_error("RuntimeError: CUDA error: uncorrectable ECC error encountered") == "uncorrectable ECC error"
+    assert preempt.hardware_error("OSError: [Errno 5] Input/output error: '/scratch/x'") == "Input/output error"
+    assert preempt.hardware_error("torch.distributed.DistBackendError: NCCL error: unhandled cuda error") == "unhandled cuda error"
+    for code_bug in ("ValueError: bad shape", "torch.OutOfMemoryError: CUDA out of memory",
+                     "RuntimeError: NCCL communicator was aborted on rank 1 (remote process exited)",
+                     "hang: no step finished in train.watchdog_s=900 s"):
+        assert preempt.hardware_error(code_bug) == "", code_bug
+
+
+def test_node_health_requeues_without_failure_budget() -> None:
+    b = RequeueConfig(max_failures=0)
+    assert preempt.decide("node_health", [], b, "running") == ("requeue", "")
+    assert preempt.decide("node_health", [], b, "cancelled")[0] == "stop"
+    assert preempt.decide("node_health", [], b, "requeued")[0] == "slurm"
+    after = [ev("requeue", reason="node_health", by="hpc_train")] * 3
+    assert preempt.failures_in_a_row(after) == 0
+
+
+def test_exclusion_budget_and_partition() -> None:
+    sick = {"node3": "preflight: marked sick"}
+    assert preempt.exclusion([], sick, 2, spare_nodes=2) == (["node3"], "")
+    one = [ev("node_excluded", node="node3", why="x")]
+    assert preempt.exclusion(one, {"node1": "ecc"}, 2, spare_nodes=2) == (["node1", "node3"], "")
+    nodes, why = preempt.exclusion(one + [ev("node_excluded", node="node1", why="ecc")], {"node2": "disk"}, 2, 5)
+    assert nodes == [] and why.startswith("node-exclusion budget spent: 3 sick nodes would be left out, more than "
+                                          "requeue.max_excluded_nodes=2 (node3: x; node1: ecc; node2: disk); have the admins")
+    assert "`hpc-train resume RUN`" in why
+    nodes, why = preempt.exclusion(one, {"node1": "ecc"}, 5, spare_nodes=1)  # 4-node partition, run needs 3
+    assert nodes == [] and why.startswith("leaving out 2 sick nodes would leave too few for the run: the partition has 1")
+    assert preempt.exclusion([], sick, 2, spare_nodes=None) == (["node3"], "")  # partition size unknown: budget only
+    # the same node sick again: ExcNodeList did not take; stop rather than loop
+    assert preempt.exclusion(one, {"node3": "again"}, 2, 2)[1].startswith("node3 failed again (again) though left out")
+    # a resume forgets the exclusions (the new job has no ExcNodeList)
+    assert preempt.excluded_nodes(one + [ev("resume", restart=1)]) == {}
+    assert preempt.exclusion(one + [ev("resume", restart=1)], {"node3": "again"}, 2, 2) == (["node3"], "")
+
+
+def test_status_prints_a_line_per_excluded_node() -> None:
+    from hpc_train.ops import COLUMNS, print_status
+
+    row = {**dict.fromkeys(COLUMNS), "run": "health-1", "job_id": "7", "state": "RUNNING", "warnings": [],
+           "excluded_nodes": {"node2": "marked sick by `hpc-train chaos sick-node` (drills/sick_node.node2)"}}
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_status([row])
+    assert "health-1: node2 left out: marked sick by `hpc-train chaos sick-node` (drills/sick_node.node2)" in out.getvalue()
+
+
+def test_preflight_config_checks() -> None:
+    with pytest.raises(ValueError, match=r"preflight.slow_fraction=1.5 must be in \[0, 1\)"):
+        PreflightConfig(slow_fraction=1.5)
+    with pytest.raises(ValueError, match=r"preflight.min_free_disk_gb=-1 must be >= 0 \(0 = record only\)"):
+        PreflightConfig(min_free_disk_gb=-1)
+
+
+def test_a_hardware_error_leaves_the_node_out_and_a_lone_machine_stops(tmp_path) -> None:
+    """A rank fails with an ECC error: its node is judged sick. The local executor has no other machine,
+    so the run stops with the sentence that names the node and the fix, instead of crash-looping."""
+    import json
+
+    from conftest import HPC_TRAIN, run
+
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=10", "+cluster.env.HPC_TRAIN_FAULT=ecc_at_start"],
+               timeout_s=240)
+    events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").read_text().splitlines()]
+    stopped = [e["reason"] for e in events if e["event"] == "stopped"]
+    assert proc.returncode == 1 and len(stopped) == 1, proc.stdout + proc.stderr
+    assert stopped[0].startswith("leaving out 1 sick nodes would leave too few for the run: the partition has 0 nodes "
+                                 "beyond those it needs (127.0.0.1: rank ")
+    assert "failed with a hardware error (uncorrectable ECC error)" in stopped[0] and "`hpc-train resume RUN`" in stopped[0]
+    assert not any(e["event"] in ("requeue", "node_excluded") for e in events)
