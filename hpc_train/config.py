@@ -207,8 +207,13 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
     max_preemptions: int = -1  # -1: unlimited; a preemption is the cluster's choice, not the run's fault
     max_time_limit_requeues: int = 100  # each one is a full time limit of progress
     max_failures: int = 2  # crashes and hangs: a crash loop stops after this many requeues
+    # cluster.min_nodes < cluster.nodes: after a requeue the next attempt waits for all nodes (grows back)
+    # when the queue says they are free within this long, else it starts on what Slurm gives (>= min_nodes).
+    shrink_after_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not self.shrink_after_s >= 0:
+            raise ValueError(f"requeue.shrink_after_s={self.shrink_after_s} must be >= 0 (0: never wait for all nodes)")
         if self.max_failures < 0 or self.max_time_limit_requeues < 0 or self.max_preemptions < -1:
             raise ValueError(f"requeue budgets must be >= 0 (max_preemptions may be -1 = unlimited); got "
                              f"{self}")

@@ -110,11 +110,11 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
-        record("requeue", reason=reason, by="slurm", note=why)
+        record("requeue", reason=reason, by="slurm", note=why, **next_attempt_size(env, cfg))
         return "requeue"
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
     if not err:
-        record("requeue", reason=reason, by="hpc_train", fate=fate)
+        record("requeue", reason=reason, by="hpc_train", fate=fate, **next_attempt_size(env, cfg))
         return "requeue"
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
@@ -124,6 +124,30 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int)
         "the last committed checkpoint stays; resubmit to go on"
     print(f"[hpc_train] requeue failed: {err}; {then}", file=sys.stderr, flush=True)
     return "wait" if preempted else "stop"
+
+
+def next_attempt_size(env: Any, cfg: Any) -> dict[str, Any]:
+    """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if the queue
+    says they are free within requeue.shrink_after_s, else go on with what Slurm gives (preempt.next_size),
+    set with `scontrol update`, which Slurm takes only now that the job is pending again. Returns the fields
+    for the requeue event: nodes_next, full_size_wait_s (None: unknown), and any error."""
+    from hpc_train import slurm
+
+    c = cfg.cluster
+    if env.executor != "slurm" or (c.min_nodes or c.nodes) >= c.nodes:
+        return {}
+    partition = c.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    try:
+        states, jobs = slurm.queue_snapshot(partition, env.job_id)
+        wait_s = preempt.full_size_wait_s(c.nodes, env.job_id, list(env.nodes), states, jobs, time.time())
+    except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
+        wait_s, error = None, str(e)
+    else:
+        error = ""
+    fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s)
+    error = slurm.update_job(env.job_id, fields) or error
+    out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1)}
+    return {**out, "nodes_update_error": error} if error else out
 
 
 def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> None:

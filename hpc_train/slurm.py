@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Any
 
 TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
 
@@ -230,3 +231,39 @@ def live_states(job_ids: list[str]) -> dict[str, str]:
 def slurm_env(slurm_conf: str | None) -> None:
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf
+
+
+def parse_queue(text: str) -> list[dict[str, Any]]:
+    """`squeue -h -o %i|%T|%e|%N|%x` -> [{"id", "state", "end" (Unix s; None for N/A, NONE, Unknown),
+    "nodes", "excluded"}], node lists expanded. End times are the controller's local time."""
+    from datetime import datetime
+
+    from hpc_train.env import parse_nodelist
+
+    jobs = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 5:
+            continue
+        job, state, end, nodes, excluded = parts
+        try:
+            end_s: float | None = datetime.fromisoformat(end).timestamp()
+        except ValueError:
+            end_s = None
+        jobs.append({"id": job, "state": state, "end": end_s,
+                     "nodes": parse_nodelist(nodes) if nodes and nodes != "(null)" else [],
+                     "excluded": parse_nodelist(excluded) if excluded and excluded != "(null)" else []})
+    return jobs
+
+
+def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """(the partition's nodes and their sinfo short states; running jobs, any partition, holding its nodes, and job `job_id` with
+    what it excludes) for preempt.full_size_wait_s. Node lists keep only the partition's nodes."""
+    states = dict(line.split("|", 1) for line in call(
+        ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1).split() if "|" in line)
+    form = ["-o", "%i|%T|%e|%N|%x"]
+    jobs = parse_queue(call(["squeue", "-h", "-t", "R", *form], timeout_s=10, retries=1) +
+                       call(["squeue", "-h", "-j", job_id, *form], timeout_s=10, retries=1))
+    for j in jobs:
+        j["nodes"] = [n for n in j["nodes"] if n in states]
+    return states, jobs
