@@ -141,7 +141,10 @@ class Attempt:
                    world_size=self.env.world_size, nodes=list(self.env.nodes), launched_at=self.process_start,
                    pids=[int(p) for p in pids],
                    rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
-                   phases_s={k: round(v, 3) for k, v in self.phases_s.items()}, **resharded, **start_fields)
+                   phases_s={k: round(v, 3) for k, v in self.phases_s.items()}, tokens_seen=state.tokens_seen,
+                   data=None if state.data is None else {k: v.tolist() if isinstance(v, torch.Tensor) else v
+                                                         for k, v in state.data.state_dict().items()},
+                   **resharded, **start_fields)
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         return folder is not None

@@ -110,11 +110,12 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
-        record("requeue", reason=reason, by="slurm", note=why, **next_attempt_size(env, cfg))
+        record("requeue", reason=reason, by="slurm", note=why, **next_attempt_size(env, cfg, queue_wait_s(env, cfg)))
         return "requeue"
+    wait = queue_wait_s(env, cfg)  # before the requeue: after it, Slurm's SIGTERM reaches our client calls too
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
     if not err:
-        record("requeue", reason=reason, by="hpc_train", fate=fate, **next_attempt_size(env, cfg))
+        record("requeue", reason=reason, by="hpc_train", fate=fate, **next_attempt_size(env, cfg, wait))
         return "requeue"
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
@@ -126,26 +127,37 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int)
     return "wait" if preempted else "stop"
 
 
-def next_attempt_size(env: Any, cfg: Any) -> dict[str, Any]:
-    """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if the queue
-    says they are free within requeue.shrink_after_s, else go on with what Slurm gives (preempt.next_size),
-    set with `scontrol update`, which Slurm takes only now that the job is pending again. Returns the fields
-    for the requeue event: nodes_next, full_size_wait_s (None: unknown), and any error."""
+def elastic(env: Any, cfg: Any) -> bool:
+    return env.executor == "slurm" and (cfg.cluster.min_nodes or cfg.cluster.nodes) < cfg.cluster.nodes
+
+
+def queue_wait_s(env: Any, cfg: Any) -> tuple[float | None, str]:
+    """(seconds until the job's full size could run, None if unknown; why unknown) from one queue snapshot
+    (preempt.full_size_wait_s); (None, "") for a job that is not elastic."""
     from hpc_train import slurm
 
-    c = cfg.cluster
-    if env.executor != "slurm" or (c.min_nodes or c.nodes) >= c.nodes:
-        return {}
-    partition = c.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    if not elastic(env, cfg):
+        return None, ""
+    partition = cfg.cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
     try:
         states, jobs = slurm.queue_snapshot(partition, env.job_id)
-        wait_s = preempt.full_size_wait_s(c.nodes, env.job_id, list(env.nodes), states, jobs, time.time())
     except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
-        wait_s, error = None, str(e)
-    else:
-        error = ""
+        return None, str(e)
+    return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, list(env.nodes), states, jobs, time.time()), ""
+
+
+def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, str]) -> dict[str, Any]:
+    """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if they are
+    free within requeue.shrink_after_s, else go on with what Slurm gives (preempt.next_size), set with
+    `scontrol update`, which Slurm takes only now that the job is pending again. Returns the requeue
+    event's fields: nodes_next, full_size_wait_s (None: unknown), and any error."""
+    from hpc_train import slurm
+
+    if not elastic(env, cfg):
+        return {}
+    c, (wait_s, error) = cfg.cluster, wait
     fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s)
-    error = slurm.update_job(env.job_id, fields) or error
+    error = "; ".join(e for e in (error, slurm.update_job(env.job_id, fields)) if e)
     out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1)}
     return {**out, "nodes_update_error": error} if error else out
 

@@ -263,8 +263,7 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
                 "signal_delay_s": cluster.signal_lead_s}
     params: dict[str, Any] = {
         "job_name": job_name,
-        # "2-4": Slurm starts it on as many as are free, at least 2 (submitit writes the value as given)
-        "nodes": cluster.nodes if (cluster.min_nodes or cluster.nodes) == cluster.nodes else f"{cluster.min_nodes}-{cluster.nodes}",
+        "nodes": cluster.nodes,
         "ntasks_per_node": cluster.tasks_per_node,
         "cpus_per_task": cluster.cpus_per_task,
         "time": cluster.timeout_min,
@@ -276,6 +275,10 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
     }
     if max_parallel is not None:
         params["array_parallelism"] = max_parallel
+    if (cluster.min_nodes or cluster.nodes) < cluster.nodes:
+        # --nodes=2-4: Slurm starts it on as many as are free, at least 2. An additional parameter overrides
+        # "nodes" in the script only: submitit counts tasks from the integer (nodes x ntasks_per_node).
+        params["additional_parameters"]["nodes"] = f"{cluster.min_nodes}-{cluster.nodes}"
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:
