@@ -237,7 +237,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
     tokens_per_step = batch["global_batch_seqs"] * cfg.model.seq_len
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
-    first_step, loss, val_loss = state.step, torch.tensor(float("nan")), None
+    first_step, step_loss, val_loss = state.step, torch.tensor(float("nan")), None
     tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank, at.event)  # metrics.tensorboard/wandb/mlflow
 
     # Go!
@@ -248,7 +248,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state.step, tc)
         optimizer.zero_grad(set_to_none=True)
-        data_s = 0.0
+        data_s, step_loss = 0.0, torch.zeros((), device=at.device)
         for micro in range(grad_accum):
             t_data = time.monotonic()
             x, y = next_batch()
@@ -256,6 +256,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
             loss = loss_of(x, y)
             # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
             (loss / grad_accum if grad_accum > 1 else loss).backward()
+            step_loss += loss.detach() / grad_accum  # the step's loss: every micro-batch's, not the last one's
         grad_norm = clip_grad_norm(model, tc.grad_clip)
         optimizer.step()
         state.step += 1
@@ -272,7 +273,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
         eval_s = time.monotonic() - t_eval  # a stop signal may wait for it: metrics.lead_warning counts it
         # Logged before the stop check, so the line of the step an attempt stops at (its val_loss) is kept.
         if state.step % tc.log_every_steps == 0 or val_loss is not None:
-            mean_loss = global_mean(loss)
+            mean_loss = global_mean(step_loss)
             if at.env.rank == 0:
                 tokens_per_s = tokens_per_step / step_time_s
                 row = {"time": time.time(), "step": state.step, "loss": mean_loss, "lr": lr_at(state.step - 1, tc),
@@ -295,4 +296,4 @@ def main(at: Attempt) -> dict[str, Any] | None:
 
     evaluated = {"val_loss": val_loss} if tc.eval_every_steps else {}  # the last step's, None if a signal skipped it
     tracker.close(finished=True)  # explicit, not only atexit: the MLflow run is FINISHED before summary.json exists
-    return at.finish(state, final_loss=global_mean(loss), params_sha256=params_sha256(model), **evaluated)
+    return at.finish(state, final_loss=global_mean(step_loss), params_sha256=params_sha256(model), **evaluated)
