@@ -111,17 +111,27 @@ class Attempt:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def resume(self, state: TrainState) -> bool:
+    def resume(self, state: TrainState, **start_fields: Any) -> bool:
         """Collective: load the newest checkpoint that verifies into `state` (model, optimizer, step,
         tokens, data position, this rank's RNG); writes the attempt's `start` event with its start-up
         phases. Returns False on a fresh run (state untouched, or with checkpoint.init_from the weights
-        of another run's checkpoint, at step 0)."""
+        of another run's checkpoint, at step 0). `start_fields` go into the start event as they are.
+
+        A checkpoint written by another world size (cluster.min_nodes: an elastic attempt) loads resharded
+        by DCP; the event then names that size (`resharded_from`) and any rank without an RNG file of
+        its own there (`fresh_rng_ranks`, they keep the seed they started with)."""
         self.phases_s["setup"] = time.monotonic() - self._built_at  # model build, parallelize
         folder, verify_s, load_s = self.saver.resume(state)
         source = None
         if folder is None and self.cfg.checkpoint.init_from:  # a new run, from another run's weights: step 0
             source, verify_s, load_s = self.saver.init_from(state)
         self.phases_s.update(verify=verify_s, load=load_s)
+        saved = self.saver.saved_world_size
+        resharded = {} if folder is None or saved == self.env.world_size else \
+            {"resharded_from": saved, "fresh_rng_ranks": list(range(saved, self.env.world_size))}
+        if resharded:
+            self.say(f"[hpc_train] {folder} was written by {saved} ranks; resharded to {self.env.world_size}"
+                     + (f"; ranks {saved}..{self.env.world_size - 1} keep a fresh RNG seed" if saved < self.env.world_size else ""))
         pids = [torch.zeros(1, dtype=torch.int64) for _ in range(self.env.world_size)]
         dist.all_gather(pids, torch.tensor([os.getpid()]))  # `hpc-train chaos kill-rank`, post-mortems
         self.event("start", state.step, resumed_from=str(folder) if folder else None, init_from=source,
@@ -131,7 +141,10 @@ class Attempt:
                    world_size=self.env.world_size, nodes=list(self.env.nodes), launched_at=self.process_start,
                    pids=[int(p) for p in pids],
                    rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
-                   phases_s={k: round(v, 3) for k, v in self.phases_s.items()})
+                   phases_s={k: round(v, 3) for k, v in self.phases_s.items()}, tokens_seen=state.tokens_seen,
+                   data=None if state.data is None else {k: v.tolist() if isinstance(v, torch.Tensor) else v
+                                                         for k, v in state.data.state_dict().items()},
+                   **resharded, **start_fields)
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         return folder is not None

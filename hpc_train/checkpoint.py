@@ -371,6 +371,7 @@ class Saver:
     verified: set[int] = field(default_factory=set)  # resumed from, or committed by this attempt
     bad: set[int] = field(default_factory=set)  # failed verification at resume
     abandoned: set[int] = field(default_factory=set)  # writes given up on: their threads may still write
+    saved_world_size: int = 0  # ranks that wrote the checkpoint resume() loaded (0: none loaded)
 
     def resume(self, state: TrainState) -> tuple[Path | None, float, float]:
         """Collective: load the newest committed checkpoint that verifies into `state`. Rank 0 lists the
@@ -392,10 +393,6 @@ class Saver:
                 if marker is None:
                     why = f"unreadable {MARKER}"
                 else:
-                    if marker["world_size"] != world:
-                        raise Unrecoverable(
-                            f"{folder} was written by {marker['world_size']} ranks and this attempt has {world}; "
-                            f"resume with {marker['world_size']} ranks (cluster.nodes x cluster.tasks_per_node)")
                     share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
                     task = progress.add_task(f"verifying {folder.name}", total=sum(marker["files"][n]["bytes"] for n in share))
                     why = verify(folder, {n: marker["files"][n] for n in share}, lambda n: progress.advance(task, n))
@@ -409,8 +406,12 @@ class Saver:
                         with _helper_threads_single_threaded():
                             dcp.load(sd, checkpoint_id=folder)
                         state.load_state_dict(sd)
-                        state.load_rank_state(torch.load(folder / rank_file(rank), weights_only=True))  # no pickle runs
+                        # Another world size (elastic resume): DCP resharded model and optimizer above; a rank
+                        # the checkpoint had no file for keeps its fresh seed (Attempt.resume says so).
+                        if (folder / rank_file(rank)).exists():
+                            state.load_rank_state(torch.load(folder / rank_file(rank), weights_only=True))  # no pickle runs
                         self.verified.add(step)
+                        self.saved_world_size = int(marker["world_size"])
                         return folder, verify_s, time.monotonic() - t1
                     except CheckpointException as e:
                         why = load_failed = f"verified but did not load: {str(e).splitlines()[0][:300]}"

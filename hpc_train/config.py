@@ -212,8 +212,13 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
     # Sick nodes (a failed preflight, a hardware error) left out of later attempts with ExcNodeList;
     # never so many that the partition keeps fewer than the run needs. A resume starts again from none.
     max_excluded_nodes: int = 2
+    # cluster.min_nodes < cluster.nodes: after a requeue the next attempt waits for all nodes (grows back)
+    # when the queue says they are free within this long, else it starts on what Slurm gives (>= min_nodes).
+    shrink_after_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not self.shrink_after_s >= 0:
+            raise ValueError(f"requeue.shrink_after_s={self.shrink_after_s} must be >= 0 (0: never wait for all nodes)")
         if self.max_failures < 0 or self.max_time_limit_requeues < 0 or self.max_preemptions < -1 \
                 or self.max_excluded_nodes < 0:
             raise ValueError(f"requeue budgets must be >= 0 (max_preemptions may be -1 = unlimited); got "

@@ -136,12 +136,14 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
-        record("requeue", reason=reason, by="slurm", note=why)
+        record("requeue", reason=reason, by="slurm", note=why,
+               **next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded)))
         _exclude_nodes(env, cfg.cluster, excluded, record)
         return "requeue"
+    wait = queue_wait_s(env, cfg, excluded)  # before the requeue: after it, Slurm's SIGTERM reaches our client calls too
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
     if not err:
-        record("requeue", reason=reason, by="hpc_train", fate=fate)
+        record("requeue", reason=reason, by="hpc_train", fate=fate, **next_attempt_size(env, cfg, wait))
         _exclude_nodes(env, cfg.cluster, excluded, record)
         return "requeue"
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
@@ -168,6 +170,43 @@ def _exclude_nodes(env: Any, cluster: Any, nodes: list[str], record: Callable[..
     record("exclude_nodes", nodes=value, ok=not err, **({"error": err} if err else {}))
     if err:
         print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
+
+
+def elastic(env: Any, cfg: Any) -> bool:
+    return env.executor == "slurm" and (cfg.cluster.min_nodes or cfg.cluster.nodes) < cfg.cluster.nodes
+
+
+def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None, str]:
+    """(seconds until the job's full size could run, None if unknown; why unknown) from one queue snapshot
+    (preempt.full_size_wait_s), not counting the run's excluded nodes among its own; (None, "") for a job
+    that is not elastic."""
+    from hpc_train import slurm
+
+    if not elastic(env, cfg):
+        return None, ""
+    partition = cfg.cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    try:
+        states, jobs = slurm.queue_snapshot(partition, env.job_id)
+    except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
+        return None, str(e)
+    own = [n for n in env.nodes if n not in excluded]
+    return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), ""
+
+
+def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, str]) -> dict[str, Any]:
+    """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if they are
+    free within requeue.shrink_after_s, else go on with what Slurm gives (preempt.next_size), set with
+    `scontrol update`, which Slurm takes only now that the job is pending again. Returns the requeue
+    event's fields: nodes_next, full_size_wait_s (None: unknown), and any error."""
+    from hpc_train import slurm
+
+    if not elastic(env, cfg):
+        return {}
+    c, (wait_s, error) = cfg.cluster, wait
+    fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s)
+    error = "; ".join(e for e in (error, slurm.update_job(env.job_id, fields)) if e)
+    out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1)}
+    return {**out, "nodes_update_error": error} if error else out
 
 
 def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> None:

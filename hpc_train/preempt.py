@@ -218,3 +218,42 @@ def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_n
         return [], (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition has "
                     f"{max(spare_nodes, 0)} nodes beyond those it needs ({named}); {fix}")
     return sorted(after), ""
+
+
+# sinfo's short states of a node that cannot take the next attempt (a lost node is drained or down); a
+# trailing "*" means not responding.
+UNUSABLE = ("drain", "drng", "down", "fail", "maint", "pow", "unk", "boot", "resv", "inval")
+
+
+def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[str, str], jobs: list[dict[str, Any]],
+                     now: float) -> float | None:
+    """Seconds until `need` nodes could be free for job `job_id` (pure), from one snapshot: the partition's
+    idle nodes (states: node -> sinfo's short state) plus own_nodes (the job's own, completing after its
+    requeue) that are not drained or down, less those it excludes; if short, running jobs' nodes as their
+    end times come, soonest first. None when unknown (a job with no end time, or too few nodes even then).
+    jobs: {"id", "state", "end" (Unix s or None), "nodes", "excluded"}, as slurm.parse_queue gives them."""
+    own = next((j for j in jobs if j["id"] == job_id), None)
+    excluded = set(own["excluded"]) if own else set()
+    usable = {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
+    free = ({n for n, st in states.items() if st == "idle"} | (set(own_nodes) & usable)) - excluded
+    if len(free) >= need:
+        return 0.0
+    running = sorted((j for j in jobs if j["id"] != job_id and j["state"] == "RUNNING"),
+                     key=lambda j: float("inf") if j["end"] is None else j["end"])
+    for j in running:
+        if j["end"] is None:
+            return None
+        free |= set(j["nodes"]) & usable - excluded
+        if len(free) >= need:
+            return max(0.0, j["end"] - now)
+    return None
+
+
+def next_size(min_nodes: int, max_nodes: int, tasks_per_node: int, wait_s: float | None,
+              shrink_after_s: float) -> dict[str, str]:
+    """The `scontrol update` fields for a requeued elastic job's next attempt (pure): wait for all nodes
+    (grow back) when they are free within shrink_after_s, else take what Slurm gives from min_nodes up.
+    NumTasks too: a requeued job keeps the count of its last allocation (8 after 4 nodes x 2), and
+    NumNodes=2-3 with NumTasks=8 left it pending with Reason=BadConstraints (Slurm 22.05)."""
+    low = max_nodes if wait_s is not None and wait_s <= shrink_after_s else min_nodes
+    return {"NumNodes": f"{low}-{max_nodes}", "NumTasks": str(low * tasks_per_node)}

@@ -31,6 +31,9 @@ class ClusterConfig:
     executor: str = "local"  # "local": submitit's local executor on this machine; "slurm": sbatch
     partition: str | None = None  # None: the cluster's default partition
     nodes: int = 1
+    # Elastic: an attempt may start on as few as min_nodes (sbatch --nodes=<min>-<nodes>); None: exactly nodes.
+    # The global batch stays that of `nodes` (train.py); requeue.shrink_after_s decides when to go on smaller.
+    min_nodes: int | None = None
     tasks_per_node: int = 2  # one task per rank (per GPU on GPU nodes)
     cpus_per_task: int = 1
     gpus_per_node: int = 0
@@ -79,6 +82,9 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{key}={getattr(self, key)} must be >= 1")
         if self.gpus_per_node < 0:
             raise ValueError(f"cluster.gpus_per_node={self.gpus_per_node} must be >= 0")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            raise ValueError(f"cluster.min_nodes={self.min_nodes} must be between 1 and cluster.nodes={self.nodes}; "
+                             f"use null for a fixed size")
         if self.executor == "local" and self.nodes != 1:
             raise ValueError(f"cluster.nodes={self.nodes} but the local executor runs on this one machine; "
                              f"use cluster.nodes=1, or cluster=slurm for several nodes")
@@ -269,6 +275,10 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
     }
     if max_parallel is not None:
         params["array_parallelism"] = max_parallel
+    if (cluster.min_nodes or cluster.nodes) < cluster.nodes:
+        # --nodes=2-4: Slurm starts it on as many as are free, at least 2. An additional parameter overrides
+        # "nodes" in the script only: submitit counts tasks from the integer (nodes x ntasks_per_node).
+        params["additional_parameters"]["nodes"] = f"{cluster.min_nodes}-{cluster.nodes}"
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:

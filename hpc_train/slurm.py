@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
 
@@ -21,7 +23,13 @@ class SlurmError(RuntimeError):
     pass
 
 
-def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: str | None = None) -> str:
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: str | None = None,
+         ignore_term: bool = False) -> str:
     """Run a Slurm client; retry transient controller errors with 1, 2, 4 s backoff; stdout on success."""
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):  # the clients would retry reading it for 60 s, then fail
@@ -30,7 +38,11 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
     err = ""
     for attempt in range(retries + 1):
         try:
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, input=input_text)
+            # ignore_term: a call the job makes around its own requeue; the stop signals sent to the job's
+            # processes (TERM, the relayed USR2) killed it mid-answer (rc -15, -12, no output). An ignored
+            # signal stays ignored across exec.
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, input=input_text,
+                                  preexec_fn=_ignore_stop_signals if ignore_term else None)
         except subprocess.TimeoutExpired:
             err = f"`{' '.join(args)}` did not answer within {timeout_s:.0f} s"
         except FileNotFoundError:
@@ -41,7 +53,7 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
         else:
             if proc.returncode == 0:
                 return proc.stdout + proc.stderr if args[:2] == ["sbatch", "--test-only"] else proc.stdout
-            err = (proc.stderr or proc.stdout).strip()
+            err = (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}, no output"
             if not any(word in err.lower() for word in TRANSIENT):
                 break
         if attempt < retries:
@@ -186,12 +198,17 @@ def update_job(job_id: str, fields: dict[str, str]) -> str:
     it cannot start again before AuthInfo cred_expire (120 s by default) has passed."""
     if not fields:
         return ""
+    # Inside the job, scontrol reads SLURM_JOB_ID and takes NumNodes as a resize of its own allocation
+    # ("slurm_allocation_lookup: Job is pending execution", the update fails): ask as from outside.
+    inside = {k: os.environ.pop(k) for k in ("SLURM_JOB_ID", "SLURM_JOBID") if k in os.environ}
     try:
         call(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())], timeout_s=10,
-             retries=2)
+             retries=2, ignore_term=True)
         return ""
     except SlurmError as e:
         return str(e)
+    finally:
+        os.environ.update(inside)
 
 
 def parse_squeue_states(text: str) -> dict[str, str]:
@@ -230,3 +247,39 @@ def live_states(job_ids: list[str]) -> dict[str, str]:
 def slurm_env(slurm_conf: str | None) -> None:
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf
+
+
+def parse_queue(text: str) -> list[dict[str, Any]]:
+    """`squeue -h -o %i|%T|%e|%N|%x` -> [{"id", "state", "end" (Unix s; None for N/A, NONE, Unknown),
+    "nodes", "excluded"}], node lists expanded. End times are the controller's local time."""
+    from datetime import datetime
+
+    from hpc_train.env import parse_nodelist
+
+    jobs = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 5:
+            continue
+        job, state, end, nodes, excluded = parts
+        try:
+            end_s: float | None = datetime.fromisoformat(end).timestamp()
+        except ValueError:
+            end_s = None
+        jobs.append({"id": job, "state": state, "end": end_s,
+                     "nodes": parse_nodelist(nodes) if nodes and nodes != "(null)" else [],
+                     "excluded": parse_nodelist(excluded) if excluded and excluded != "(null)" else []})
+    return jobs
+
+
+def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """(the partition's nodes and their sinfo short states; running jobs, any partition, holding its nodes, and job `job_id` with
+    what it excludes) for preempt.full_size_wait_s. Node lists keep only the partition's nodes."""
+    states = dict(line.split("|", 1) for line in call(
+        ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True).split() if "|" in line)
+    form = ["-o", "%i|%T|%e|%N|%x"]
+    jobs = parse_queue(call(["squeue", "-h", "-t", "R", *form], timeout_s=10, retries=1, ignore_term=True) +
+                       call(["squeue", "-h", "-j", job_id, *form], timeout_s=10, retries=1, ignore_term=True))
+    for j in jobs:
+        j["nodes"] = [n for n in j["nodes"] if n in states]
+    return states, jobs

@@ -55,6 +55,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine
 
 
+def grad_accum_for(global_batch_seqs: int, dp_size: int, batch_seqs_per_rank: int) -> int:
+    """Micro-batches per optimizer step that keep the run's global batch on dp_size data-parallel ranks
+    (pure): 4 ranks x 8 seqs x 1 on 4 nodes -> 2 on 2 nodes (same 32 sequences per step). When it does not
+    divide, the nearest count >= 1 (the caller says what the global batch becomes)."""
+    return max(1, round(global_batch_seqs / (dp_size * batch_seqs_per_rank)))
+
+
 def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Module:
     """DDP; or FSDP2 over dp, each block's matmuls first split over tp (Megatron's layout: qkv and
     fc by columns, proj and fc_out by rows, so one all-reduce per attention and per MLP). Embeddings,
@@ -200,8 +207,21 @@ def main(at: Attempt) -> dict[str, Any] | None:
                 module.reshard()
         return global_mean(torch.stack(losses).mean()) if losses else None
 
+    # The global batch is the full size's, cluster.nodes x tasks_per_node / tp ranks x batch_seqs_per_rank x
+    # grad_accum_steps sequences; an attempt on fewer nodes (cluster.min_nodes) accumulates more micro-batches.
+    global_seqs = cfg.cluster.nodes * cfg.cluster.tasks_per_node // tc.tp * tc.batch_seqs_per_rank * tc.grad_accum_steps
+    grad_accum = grad_accum_for(global_seqs, dp_size, tc.batch_seqs_per_rank)
+    batch = {"grad_accum_steps": grad_accum, "global_batch_seqs": dp_size * tc.batch_seqs_per_rank * grad_accum}
+
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
-    if at.resume(state) and tc.parallelism == "ddp":
+    resumed = at.resume(state, **batch)
+    if batch["global_batch_seqs"] != global_seqs:
+        at.event("batch_changed", state.step, global_batch_seqs=batch["global_batch_seqs"], configured=global_seqs,
+                 dp=dp_size, grad_accum_steps=grad_accum)
+        at.say(f"[hpc_train] warning: global batch {global_seqs} sequences does not divide over dp={dp_size} x "
+               f"{tc.batch_seqs_per_rank}; this attempt steps {batch['global_batch_seqs']} sequences "
+               f"({grad_accum} micro-batches)")
+    if resumed and tc.parallelism == "ddp":
         # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
         # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
         # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
@@ -215,9 +235,9 @@ def main(at: Attempt) -> dict[str, Any] | None:
 
     flops_per_token = model_flops_per_token(model, cfg)
     peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
-    tokens_per_step = dp_size * tc.batch_seqs_per_rank * tc.grad_accum_steps * cfg.model.seq_len
+    tokens_per_step = batch["global_batch_seqs"] * cfg.model.seq_len
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
-    first_step, loss, val_loss = state.step, torch.tensor(float("nan")), None
+    first_step, step_loss, val_loss = state.step, torch.tensor(float("nan")), None
     tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank, at.event)  # metrics.tensorboard/wandb/mlflow
 
     # Go!
@@ -228,14 +248,15 @@ def main(at: Attempt) -> dict[str, Any] | None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state.step, tc)
         optimizer.zero_grad(set_to_none=True)
-        data_s = 0.0
-        for micro in range(tc.grad_accum_steps):
+        data_s, step_loss = 0.0, torch.zeros((), device=at.device)
+        for micro in range(grad_accum):
             t_data = time.monotonic()
             x, y = next_batch()
             data_s += time.monotonic() - t_data
             loss = loss_of(x, y)
             # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
-            (loss / tc.grad_accum_steps if tc.grad_accum_steps > 1 else loss).backward()
+            (loss / grad_accum if grad_accum > 1 else loss).backward()
+            step_loss += loss.detach() / grad_accum  # the step's loss: every micro-batch's, not the last one's
         grad_norm = clip_grad_norm(model, tc.grad_clip)
         optimizer.step()
         state.step += 1
@@ -252,7 +273,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
         eval_s = time.monotonic() - t_eval  # a stop signal may wait for it: metrics.lead_warning counts it
         # Logged before the stop check, so the line of the step an attempt stops at (its val_loss) is kept.
         if state.step % tc.log_every_steps == 0 or val_loss is not None:
-            mean_loss = global_mean(loss)
+            mean_loss = global_mean(step_loss)
             if at.env.rank == 0:
                 tokens_per_s = tokens_per_step / step_time_s
                 row = {"time": time.time(), "step": state.step, "loss": mean_loss, "lr": lr_at(state.step - 1, tc),
@@ -275,4 +296,4 @@ def main(at: Attempt) -> dict[str, Any] | None:
 
     evaluated = {"val_loss": val_loss} if tc.eval_every_steps else {}  # the last step's, None if a signal skipped it
     tracker.close(finished=True)  # explicit, not only atexit: the MLflow run is FINISHED before summary.json exists
-    return at.finish(state, final_loss=global_mean(loss), params_sha256=params_sha256(model), **evaluated)
+    return at.finish(state, final_loss=global_mean(step_loss), params_sha256=params_sha256(model), **evaluated)
