@@ -15,6 +15,7 @@ from typing import Any
 
 from hpc_train import shipped_dir
 from hpc_train.sbatch import ClusterConfig
+from hpc_train.straggler import StragglerConfig
 from hpc_train.tracking import TrackingConfig
 
 CONF_DIR = Path(shipped_dir("conf"))  # the starter configs; `hpc-train init` copies them to ./conf
@@ -254,6 +255,7 @@ class RunConfig:
     requeue: RequeueConfig = field(default_factory=RequeueConfig)
     fn: FnConfig = field(default_factory=FnConfig)
     metrics: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow (tracking.py)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)  # slow ranks named (straggler.py)
 
     def __post_init__(self) -> None:
         from hpc_train.topology import mesh_shape
