@@ -5,9 +5,10 @@
     hpc-train chaos runs/demo-1 slow-rank --rank 3 --seconds 0       # back to normal
 
 Why not wall time: in synchronous DDP/FSDP every rank's wall step time is the same, because fast ranks
-wait inside the gradient all-reduce for the slow one. Measured on the dev cluster (4 ranks, model=tiny):
-with rank 3 slowed by 20 ms of work per step, every rank's wall step was ~32 ms, while rank 3's own time
-was ~29 ms and the others' ~8 ms. So each rank measures its OWN time per step:
+wait inside the gradient all-reduce for the slow one. Measured on the dev cluster (4 ranks on 2 nodes,
+model=tiny): with rank 3 slowed by 20 ms of work per step, rank 0's logged step_time_s rose from ~18 ms
+to 30-60 ms while its own time stayed 7.7 ms; rank 3's own time was 27.9 ms. So each rank measures its
+OWN time per step:
 
     compute  CPU: the main thread's CPU time (time.thread_time()) over forward, backward and optimizer.
              A rank blocked in a gloo wait uses no CPU; intra-op threads are 1 per rank on the dev
@@ -19,7 +20,7 @@ was ~29 ms and the others' ~8 ms. So each rank measures its OWN time per step:
     comm     wall - compute - data: the time in collectives, waiting for the others, and off-CPU.
 
 Each rank sums these over straggler.every_steps steps; then one all_gather of 3 floats per rank (the
-only collective this adds: 12 bytes x world size every every_steps steps). Rank 0 compares each rank's
+only collective this adds: 24 bytes x world size every every_steps steps). Rank 0 compares each rank's
 own time per step (compute + data) with the median of the other ranks: above factor x median, and more than
 floor_s above it (1 ms of noise on a 5 ms step is not a straggler), for `windows` windows in a row ->
 a `straggler` event; `windows` windows in a row back under -> `straggler_cleared`.
