@@ -6,8 +6,9 @@
 
 One run (model=tiny, straggler.factor=1.5, floor_s=0.002): for each amount, `hpc-train chaos RUN
 slow-rank --rank 3 --seconds S`, wait for the event (or give up after 60 s: "not named"), then the drill
-off and wait for `straggler_cleared`. Steps are counted from the last metrics row logged before the
-drill was armed (so up to log_every_steps=10 more than the true delay). The bound the design promises is
+off and wait for `straggler_cleared`. Steps and seconds are counted from the `chaos` event (written just
+after the drill file): steps from the last metrics row logged before it, so up to log_every_steps=10
+more than the true delay. The bound the design promises is
 (windows + 1) x every_steps. Never asserts. All four "nodes" share this machine's cores.
 """
 
@@ -69,10 +70,10 @@ def main() -> None:
     print(f"{'extra ms':>8s} {'own ms':>7s} {'others ms':>9s} {'x':>5s} {'steps':>6s} {'seconds':>8s}")
     for seconds in (float(s) for s in args.seconds.split(",")):
         n_events = len(rows(run_dir / "events.jsonl"))
-        armed_step = rows(run_dir / "metrics.jsonl")[-1]["step"]
-        t0 = time.time()
         subprocess.run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", str(seconds)],
                        env=env, check=True, capture_output=True)
+        t0 = wait_for(run_dir, "chaos", n_events, 10)["time"]  # written just after the drill file
+        armed_step = max(m["step"] for m in rows(run_dir / "metrics.jsonl") if m["time"] <= t0)
         named = wait_for(run_dir, "straggler", n_events, 60)
         subprocess.run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", "0"],
                        env=env, check=True, capture_output=True)

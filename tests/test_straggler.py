@@ -177,8 +177,9 @@ def test_endpoint_scraped_while_training_and_a_busy_port_is_not_fatal(tmp_path: 
 def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """4 ranks on 2 nodes: no straggler in the first 1,000 steps (the dev cluster's ranks share 2 cores with
     every other process: the noisiest place we have), then `chaos slow-rank` makes rank 3 work 20 ms more
-    per step; it is named within (windows + 1) x every_steps steps (+ one log interval: the step we read
-    before arming is at most log_every_steps behind), with its node, and cleared once the drill is off."""
+    per step; it is named within (windows + 1) x every_steps steps of the step it was armed at (the last
+    metrics row logged before the `chaos` event: up to one log interval, 10 steps, early), with its node,
+    and cleared once the drill is off."""
     every, windows = 20, 3
     run_dir, job_id = submit(["cluster=dev", "cluster.nodes=2", "train.steps=2000", "checkpoint.every_steps=500",
                               f"straggler.every_steps={every}", f"straggler.windows={windows}",
@@ -190,10 +191,13 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
         return json.loads(lines[-2 if len(lines) > 1 else -1])["step"] if lines else 0  # [-1] may be mid-write
 
     wait_until(lambda: last_step() >= 1000, 240, "1,000 clean steps")
-    armed_after = last_step()
     chaos = run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", "0.02"], env=slurm_env)
     assert chaos.returncode == 0, chaos.stderr
     named = wait_until(lambda: [e for e in read_events(run_dir) if e["event"] == "straggler"], 120, "a straggler event")
+    armed_at = next(e["time"] for e in read_events(run_dir) if e["event"] == "chaos")  # just after the drill file
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]]
+    armed_after = max(m["step"] for m in rows if m["time"] <= armed_at)
+    assert armed_after >= 1000
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
     assert [(e["rank"], e["node"]) for e in named] == [(3, start["rank_nodes"][3])]  # nobody named before the drill
     assert named[0]["step"] - armed_after <= (windows + 1) * every + 10, (named[0]["step"], armed_after)
