@@ -253,7 +253,9 @@ def main(at: Attempt) -> dict[str, Any] | None:
     # Stragglers (straggler.py): this rank's own seconds (compute, data, wall) summed over a window.
     sc, judge, window, window_steps = cfg.straggler, straggler.Judge(), [0.0, 0.0, 0.0], 0
     slow_drill_s = preempt.drill_seconds(at.paths.drills, f"slow_rank_{at.env.rank}")  # re-read once per window
-    forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU: compute = forward kernels
+    # GPU: compute = the forwards' kernel time (CUDA events; thread time would miss kernels). The slow-rank
+    # drill's busy loop is host work, invisible there: the drill is a CPU drill. Not run on a GPU yet.
+    forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # Go!
     while state.step < tc.steps:
