@@ -40,8 +40,8 @@ class Day:
     refail_h: float = 4.0
     slowdown: float = 1.4
     timeout_h: float = 4.0
-    detect_s: float = 60.0
-    preflight_s: float = 5.0
+    detect_s: float = 80.0  # (windows + 1) x every_steps = 80 steps when named (straggler_bench.py), at 1 s a step
+    preflight_s: float = 0.4  # per attempt start: max 0.37 s per node on the dev cluster (preflight_bench.py)
 
 
 def timeline(d: Day, features: bool) -> list[tuple[float, float, float, str]]:
