@@ -9,7 +9,7 @@ What each node checks (local rank 0 for the per-node facts, every rank for its o
     matmul     a square matmul on the rank's device, TFLOP/s; the node's figure is its slowest rank's
     allreduce  a 4 MiB all-reduce over the whole group, bus GB/s (as nccl-tests counts it)
     disk       free GB in the run's checkpoint folder
-    clock      time.time() against rank 0's, beyond the all-gather's own round trip
+    clock      time.time() against the median node's, beyond the all-gather's own round trip
 
 `judge` (pure) turns the gathered results into {node: why it is sick}; rank 0 writes one `preflight`
 event. A sick node is left out of the next attempt (job.py, preempt.exclusion). The module imports
@@ -114,21 +114,33 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
                 n[key] = r[key]
     rtt_s = max(r["rtt_s"] for r in results)
     median = statistics.median(n["matmul_tflops"] for n in nodes.values())
+    # Skew against the median node, not rank 0: rank 0's node 10 s fast made every other node sick (3 of 4:
+    # past the exclusion budget, the run stopped). A node is named only when most nodes agree with the median.
+    mid_s = statistics.median(n["skew_s"] for n in nodes.values())
+    for n in nodes.values():
+        n["skew_s"] = round(n["skew_s"] - mid_s, 4)
+    skewed = [name for name, n in nodes.items() if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s]
+    spread_s = max(n["skew_s"] for n in nodes.values()) - min(n["skew_s"] for n in nodes.values())
+    warnings = []
+    if cfg.max_clock_skew_s and (not skewed or 2 * len(skewed) >= len(nodes)) and spread_s - rtt_s > cfg.max_clock_skew_s:
+        warnings.append(f"clocks differ by {spread_s:.2f} s (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
+                        f"{cfg.max_clock_skew_s:g} across {', '.join(nodes)}, and no majority of nodes agrees on the "
+                        f"time to say which is wrong: no node left out; check NTP/chrony on them")
+        skewed = []
     for name, n in nodes.items():
         why = list(dict.fromkeys(n.pop("problems")))
         if cfg.min_free_disk_gb and n.get("disk_free_gb", float("inf")) < n.get("disk_needed_gb", 0.0):
             why.append(f"{n['disk_free_gb']:.1f} GB free in the checkpoint folder < {n['disk_needed_gb']:.1f} GB "
                        f"needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the newest checkpoint)")
-        if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s:
-            why.append(f"clock {n['skew_s']:+.2f} s from rank 0's (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
-                       f"{cfg.max_clock_skew_s:g}")
+        if name in skewed:
+            why.append(f"clock {n['skew_s']:+.2f} s from the median node's (+-{rtt_s:.3f} s) > "
+                       f"preflight.max_clock_skew_s={cfg.max_clock_skew_s:g}")
         if cfg.min_matmul_tflops and n["matmul_tflops"] < cfg.min_matmul_tflops:
             why.append(f"matmul {n['matmul_tflops']:.2f} TFLOP/s < preflight.min_matmul_tflops={cfg.min_matmul_tflops:g}")
         elif n["device"] == "cuda" and cfg.slow_fraction and n["matmul_tflops"] < cfg.slow_fraction * median:
             why.append(f"matmul {n['matmul_tflops']:.1f} TFLOP/s < {cfg.slow_fraction:g} x the median node's "
                        f"{median:.1f} (preflight.slow_fraction)")
         n["sick"] = "; ".join(why)
-    warnings = []
     gbps = min(r["allreduce_gbps"] for r in results)
     if cfg.min_allreduce_gbps and 0 < gbps < cfg.min_allreduce_gbps:
         warnings.append(f"all-reduce {gbps:.2f} GB/s < preflight.min_allreduce_gbps={cfg.min_allreduce_gbps:g} "

@@ -29,12 +29,26 @@ def test_judge_names_the_sick_node_and_why() -> None:
     nodes, warnings = judge([rank("node1", 0), rank("node2", 1, skew_s=9.0), rank("node3", 2, disk_free_gb=0.5),
                              rank("node4", 3, problems=["GPU 0: 2 uncorrected ECC errors since boot"])], cfg)
     assert nodes["node1"]["sick"] == "" and warnings == []
-    assert nodes["node2"]["sick"] == "clock +9.00 s from rank 0's (+-0.002 s) > preflight.max_clock_skew_s=5"
+    assert nodes["node2"]["sick"] == "clock +9.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"
     assert nodes["node3"]["sick"].startswith("0.5 GB free in the checkpoint folder < 1.0 GB needed")
     assert nodes["node4"]["sick"] == "GPU 0: 2 uncorrected ECC errors since boot"
     # 0 = record only
     off = PreflightConfig(max_clock_skew_s=0, min_free_disk_gb=0)
     assert all(not n["sick"] for n in judge([rank("node2", 0, skew_s=9.0), rank("node3", 1, disk_free_gb=0.0)], off)[0].values())
+
+
+def test_judge_clock_against_the_median_node() -> None:
+    """Rank 0's node 10 s fast: the skews gathered against rank 0 put every other node at -10 s. Judged
+    against the median node, rank 0's node alone is sick. Two nodes 10 s apart: no majority, a warning."""
+    cfg = PreflightConfig(max_clock_skew_s=5)
+    nodes, warnings = judge([rank("node1", 0), *(rank(f"node{i + 1}", i, skew_s=-10.0) for i in (1, 2, 3))], cfg)
+    assert {n: f["sick"] for n, f in nodes.items() if f["sick"]} == {
+        "node1": "clock +10.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"}
+    assert warnings == []
+    nodes, warnings = judge([rank("node1", 0), rank("node2", 1, skew_s=-10.0)], cfg)
+    assert not any(f["sick"] for f in nodes.values())
+    assert warnings == ["clocks differ by 10.00 s (+-0.002 s) > preflight.max_clock_skew_s=5 across node1, node2, and no "
+                        "majority of nodes agrees on the time to say which is wrong: no node left out; check NTP/chrony on them"]
 
 
 def test_judge_relative_matmul_on_gpu_only() -> None:
