@@ -26,7 +26,7 @@ def rank(node: str, r: int, **over: object) -> dict:
 
 def test_judge_names_the_sick_node_and_why() -> None:
     cfg = PreflightConfig(max_clock_skew_s=5)
-    nodes, warnings = judge([rank("node1", 0), rank("node2", 1, skew_s=9.0), rank("node3", 2, disk_free_gb=0.5),
+    nodes, warnings, _ = judge([rank("node1", 0), rank("node2", 1, skew_s=9.0), rank("node3", 2, disk_free_gb=0.5),
                              rank("node4", 3, problems=["GPU 0: 2 uncorrected ECC errors since boot"])], cfg)
     assert nodes["node1"]["sick"] == "" and warnings == []
     assert nodes["node2"]["sick"] == "clock +9.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"
@@ -41,20 +41,33 @@ def test_judge_clock_against_the_median_node() -> None:
     """Rank 0's node 10 s fast: the skews gathered against rank 0 put every other node at -10 s. Judged
     against the median node, rank 0's node alone is sick. Two nodes 10 s apart: no majority, a warning."""
     cfg = PreflightConfig(max_clock_skew_s=5)
-    nodes, warnings = judge([rank("node1", 0), *(rank(f"node{i + 1}", i, skew_s=-10.0) for i in (1, 2, 3))], cfg)
+    nodes, warnings, _ = judge([rank("node1", 0), *(rank(f"node{i + 1}", i, skew_s=-10.0) for i in (1, 2, 3))], cfg)
     assert {n: f["sick"] for n, f in nodes.items() if f["sick"]} == {
         "node1": "clock +10.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"}
     assert warnings == []
-    nodes, warnings = judge([rank("node1", 0), rank("node2", 1, skew_s=-10.0)], cfg)
+    nodes, warnings, _ = judge([rank("node1", 0), rank("node2", 1, skew_s=-10.0)], cfg)
     assert not any(f["sick"] for f in nodes.values())
     assert warnings == ["clocks differ by 10.00 s (+-0.002 s) > preflight.max_clock_skew_s=5 across node1, node2, and no "
                         "majority of nodes agrees on the time to say which is wrong: no node left out; check NTP/chrony on them"]
 
 
+def test_judge_disk_short_on_every_node_stops_the_run_and_blames_none() -> None:
+    """A shared checkpoint folder short of space reads the same on every node: no node is sick, the run
+    stops with the folder, the figures and the fix. One node's own (node-local) folder short: that node."""
+    low = [rank(f"node{i}", i, disk_free_gb=0.4, disk_folder="/shared/runs/a/checkpoints") for i in range(4)]
+    nodes, warnings, stop = judge(low, PreflightConfig())
+    assert not any(f["sick"] for f in nodes.values()) and warnings == []
+    assert stop == ("0.4 GB free in the checkpoint folder /shared/runs/a/checkpoints on every node < 1.0 GB needed "
+                    "(preflight.min_free_disk_gb=1 + the newest checkpoint): no node is to blame, and a requeue would "
+                    "find the folder as full, so the run stops; free space there (or keep fewer checkpoints with "
+                    "checkpoint.keep_last, or lower preflight.min_free_disk_gb), then `hpc-train resume RUN`")
+    assert judge(low, PreflightConfig(min_free_disk_gb=0))[2] == ""  # 0 = record only
+
+
 def test_judge_relative_matmul_on_gpu_only() -> None:
     """A node at 0.3x the median fails on GPUs; on CPU (shared cores) the same spread is noise."""
     gpu = [rank(f"node{i}", i, device="cuda", matmul_tflops=t) for i, t in enumerate([600, 610, 590, 180])]
-    nodes, _ = judge(gpu, PreflightConfig())
+    nodes, _, _ = judge(gpu, PreflightConfig())
     assert [n for n, f in nodes.items() if f["sick"]] == ["node3"]
     assert "matmul 180.0 TFLOP/s < 0.5 x the median node's 595.0" in nodes["node3"]["sick"]
     cpu = [rank(f"node{i}", i, matmul_tflops=t) for i, t in enumerate([0.06, 0.06, 0.06, 0.01])]
@@ -65,7 +78,7 @@ def test_judge_relative_matmul_on_gpu_only() -> None:
 
 
 def test_judge_allreduce_warns_without_naming_a_node() -> None:
-    nodes, warnings = judge([rank("node1", 0, allreduce_gbps=0.5), rank("node2", 1)], PreflightConfig(min_allreduce_gbps=2))
+    nodes, warnings, _ = judge([rank("node1", 0, allreduce_gbps=0.5), rank("node2", 1)], PreflightConfig(min_allreduce_gbps=2))
     assert not any(f["sick"] for f in nodes.values())
     assert warnings == ["all-reduce 0.50 GB/s < preflight.min_allreduce_gbps=2 (one all-reduce over the group cannot "
                         "say which node is slow: no node left out)"]
