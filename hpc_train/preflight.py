@@ -216,7 +216,8 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mine: dict[str, Any] = {"node": node, "rank": env.rank, "device": device.type, "problems": []}
     if env.local_rank == 0:  # the node's own facts, once per node
-        gpus, problems, note = query_gpus()
+        # Only for a CUDA rank: on a CPU job, nvidia-smi on a GPU-less node exits 6 or 9 ("No devices were found")
+        gpus, problems, note = query_gpus() if device.type == "cuda" else ([], [], "CPU run: GPU counters not read")
         if device.type == "cuda" and torch.cuda.device_count() < env.local_world_size and not gpus:
             problems.append(f"{torch.cuda.device_count()} GPUs visible for {env.local_world_size} tasks")
         mine.update(gpus=len(gpus), gpu_note=note or (f"{len(gpus)} GPUs healthy" if not problems else ""))

@@ -163,3 +163,29 @@ def test_a_hardware_error_leaves_the_node_out_and_a_lone_machine_stops(tmp_path)
                                  "beyond those it needs (127.0.0.1: rank ")
     assert "failed with a hardware error (uncorrectable ECC error)" in stopped[0] and "`hpc-train resume RUN`" in stopped[0]
     assert not any(e["event"] in ("requeue", "node_excluded") for e in events)
+
+
+def test_cpu_preflight_does_not_ask_nvidia_smi(tmp_path, monkeypatch) -> None:
+    """A CPU job on a node where nvidia-smi exists but sees no GPU (exit 6, "No devices were found"): no
+    node is sick. One rank, a gloo group of one, the real check."""
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpc_train.paths import RunPaths
+    from hpc_train.preflight import check
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    env = SimpleNamespace(nodes=("node1",), node_rank=0, rank=0, local_rank=0, world_size=1, local_world_size=1,
+                          job_id="1", restart_count=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert check(env, PreflightConfig(), RunPaths(tmp_path)) == {}
+    finally:
+        dist.destroy_process_group()
