@@ -74,22 +74,39 @@ def gpu_problems(csv_text: str, fields: tuple[str, ...]) -> tuple[list[dict[str,
     return gpus, problems
 
 
+def _ask(args: list[str], timeout_s: float) -> tuple[int, str, str] | None:
+    """(returncode, stdout, stderr), or None when it did not answer in time. subprocess.run waits for the
+    killed child without a timeout, and a child in D state (a GPU off the bus) never dies: then 1 s more
+    after SIGKILL, and it is left behind."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        return None
+
+
 def query_gpus() -> tuple[list[dict[str, str]], list[str], str]:
     """(GPUs, problems, note) from nvidia-smi; the note says why nothing was read."""
     if shutil.which("nvidia-smi") is None:
         return [], [], "no nvidia-smi on PATH: GPU counters not read"
     for fields in (GPU_FIELDS, BASIC_GPU_FIELDS):
-        try:
-            proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        answer = _ask(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                      NVIDIA_SMI_TIMEOUT_S)
+        if answer is None:
             return [], [f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s"], ""
-        if proc.returncode == 0:
-            gpus, problems = gpu_problems(proc.stdout, fields)
+        rc, out, err = answer
+        if rc == 0:
+            gpus, problems = gpu_problems(out, fields)
             return gpus, problems, "" if fields == GPU_FIELDS else "driver lacks the ECC/remap fields"
-        if "not a valid field" not in (proc.stdout + proc.stderr):
+        if "not a valid field" not in (out + err):
             break
-    return [], [f"nvidia-smi failed (rc {proc.returncode}): {(proc.stderr or proc.stdout).strip()[:200]}"], ""
+    return [], [f"nvidia-smi failed (rc {rc}): {(err or out).strip()[:200]}"], ""
 
 
 def needed_disk_gb(paths: RunPaths, min_free_disk_gb: float) -> float:

@@ -189,3 +189,49 @@ def test_cpu_preflight_does_not_ask_nvidia_smi(tmp_path, monkeypatch) -> None:
         assert check(env, PreflightConfig(), RunPaths(tmp_path)) == {}
     finally:
         dist.destroy_process_group()
+
+
+def test_a_hung_nvidia_smi_is_left_behind(tmp_path, monkeypatch) -> None:
+    """nvidia-smi stuck in D state: past its timeout it is killed, but it never dies (wait() without a
+    timeout blocks forever). The query returns "did not answer" anyway: the node is sick, not the preflight."""
+    import os
+    import subprocess
+    import threading
+
+    from hpc_train import preflight
+
+    class Unkillable:  # what subprocess.Popen gives for a child in D state
+        def __init__(self, args: list[str], **kwargs: object) -> None:
+            self.args, self.returncode, self.stdout, self.stderr = args, None, None, None
+
+        def __enter__(self) -> "Unkillable":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.wait()
+
+        def communicate(self, input: object = None, timeout: float | None = None) -> tuple[str, str]:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+
+        def kill(self) -> None:
+            pass
+
+        def poll(self) -> None:
+            return None
+
+        def wait(self, timeout: float | None = None) -> int:
+            if timeout is None:
+                threading.Event().wait()  # forever
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(subprocess, "Popen", Unkillable)
+    answer: list = []
+    threading.Thread(target=lambda: answer.append(preflight.query_gpus()), daemon=True).start()
+    for _ in range(100):  # returns at once (the fake hangs without sleeping); 10 s is "never"
+        if answer:
+            break
+        threading.Event().wait(0.1)
+    assert answer == [([], [f"nvidia-smi did not answer within {preflight.NVIDIA_SMI_TIMEOUT_S} s"], "")]
