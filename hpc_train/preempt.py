@@ -11,6 +11,7 @@ every rank saves the same step; job.py then asks `decide` whether to requeue.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -174,13 +175,17 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
 # its node left out of the next attempt. Not any Python exception (a code bug would exclude innocent
 # nodes), not NCCL errors in general (a peer's death shows as one on every rank), not CUDA out of memory
 # (a config). "unhandled cuda error" is NCCL's ncclUnhandledCudaError: a CUDA call failed in this process.
-HARDWARE_ERRORS = ("uncorrectable ECC error", "Xid", "fallen off the bus", "unhandled cuda error",
-                   "CUDA-capable device", "Input/output error")
+# Whole words, case-insensitive: "Xid" alone matched '/data/oxide-corpus/meta.json'. Not "Input/output
+# error" (a Lustre EIO on shared storage blames no node), not "all CUDA-capable devices are busy or
+# unavailable" (exclusive-process mode or CUDA_VISIBLE_DEVICES: a config).
+HARDWARE_ERRORS = (r"\buncorrectable ECC error", r"\bXid\b", r"\bfallen off the bus\b", r"\bunhandled cuda error\b",
+                   r"\bno CUDA-capable device is detected\b")
 
 
 def hardware_error(text: str) -> str:
-    """The first HARDWARE_ERRORS marker in a failure's text, "" for anything else."""
-    return next((m for m in HARDWARE_ERRORS if m.lower() in text.lower()), "")
+    """The first HARDWARE_ERRORS marker found in a failure's text, as written there; "" for anything else."""
+    found = (re.search(p, text, re.IGNORECASE) for p in HARDWARE_ERRORS)
+    return next((m.group(0) for m in found if m), "")
 
 
 def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:

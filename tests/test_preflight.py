@@ -91,14 +91,22 @@ def test_gpu_counters() -> None:
                                            "GPU 1: remapped_rows.pending=Yes (needs a reset)"]
 
 
-def test_hardware_errors_and_not_code_bugs() -> None:
-    assert preempt.hardware_error("RuntimeError: CUDA error: uncorrectable ECC error encountered") == "uncorrectable ECC error"
-    assert preempt.hardware_error("OSError: [Errno 5] Input/output error: '/scratch/x'") == "Input/output error"
-    assert preempt.hardware_error("torch.distributed.DistBackendError: NCCL error: unhandled cuda error") == "unhandled cuda error"
-    for code_bug in ("ValueError: bad shape", "torch.OutOfMemoryError: CUDA out of memory",
-                     "RuntimeError: NCCL communicator was aborted on rank 1 (remote process exited)",
-                     "hang: no step finished in train.watchdog_s=900 s"):
-        assert preempt.hardware_error(code_bug) == "", code_bug
+@pytest.mark.parametrize("text, marker", [
+    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "uncorrectable ECC error"),
+    ("torch.distributed.DistBackendError: NCCL error: unhandled cuda error", "unhandled cuda error"),
+    ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", "Xid"),
+    ("RuntimeError: CUDA error: no CUDA-capable device is detected", "no CUDA-capable device is detected"),
+    # not the node's hardware: shared storage, a config, a path that contains the letters, code bugs
+    ("OSError: [Errno 5] Input/output error: '/lustre/scratch/run/checkpoints/step_100/__0_0.distcp'", ""),
+    ("RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable", ""),
+    ("FileNotFoundError: [Errno 2] No such file or directory: '/data/oxide-corpus/meta.json'", ""),
+    ("ValueError: bad shape", ""),
+    ("torch.OutOfMemoryError: CUDA out of memory", ""),
+    ("RuntimeError: NCCL communicator was aborted on rank 1 (remote process exited)", ""),
+    ("hang: no step finished in train.watchdog_s=900 s", ""),
+])
+def test_hardware_errors_and_not_code_bugs(text: str, marker: str) -> None:
+    assert preempt.hardware_error(text) == marker
 
 
 def test_node_health_requeues_without_failure_budget() -> None:
