@@ -127,7 +127,7 @@ def budget_changes(events: list[dict[str, Any]]) -> dict[str, int]:
     """requeue.* values set by `hpc-train resume --max-...` (its `resume` events' budgets, later over
     earlier): they apply over the frozen config.yaml, which is never rewritten."""
     return {k: v for e in events if e["event"] == "resume" for k, v in (e.get("budgets") or {}).items()
-            if k in BUDGET_KEYS.values() and type(v) is int}
+            if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int}
 
 
 def local_fate(events: list[dict[str, Any]]) -> str:
@@ -200,29 +200,53 @@ def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def _exclusion_took(events: list[dict[str, Any]], node: str) -> tuple[bool, int]:
+    """(an `exclude_nodes` event with ok=True named `node` after it was first left out, how many times it
+    was left out), since the last resume."""
+    took, times = False, 0
+    for e in events:
+        if e["event"] == "resume":
+            took, times = False, 0
+        elif e["event"] == "node_excluded" and e.get("node") == node:
+            times += 1
+        elif e["event"] == "exclude_nodes" and e.get("ok") and times and node in str(e.get("nodes", "")).split(","):
+            took = True
+    return took, times
+
+
 def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_nodes: int,
-              spare_nodes: int | None) -> tuple[list[str], str]:
-    """Leave the sick nodes out of the next attempt? Returns (every node the run now leaves out, sorted;
-    "") or ([], why the run stops instead). Bounded by requeue.max_excluded_nodes and by the partition:
-    spare_nodes = its nodes - the nodes the run needs (None: unknown)."""
+              spare_nodes: int | None, local: bool = False) -> tuple[list[str], str, str]:
+    """Leave the sick nodes out of the next attempt? (pure) Returns (every node the next attempt leaves out,
+    sorted; why the sick nodes are NOT left out, or ""; why the run stops, or "").
+
+    Not left out when requeue.max_excluded_nodes is spent or the partition would keep too few nodes
+    (spare_nodes = its usable nodes - the nodes the run needs; None: unknown): the run requeues anyway,
+    under requeue.max_failures, so three unrelated faults weeks apart do not stop a healthy run. A node
+    sick again though left out: its ExcNodeList may have been lost (the requeued job's KillWait); set it
+    once more; it stops the run only when ExcNodeList took (or was set twice) and the node is back."""
     before = excluded_nodes(events)
-    again = [n for n in sick if n in before]
-    if again:
-        return [], (f"{', '.join(again)} failed again ({sick[again[0]]}) though left out since an earlier attempt: "
-                    f"ExcNodeList did not take (see the exclude_nodes event); fix the node or add it to "
-                    f"cluster.exclude, then `hpc-train resume RUN`")
+    for node in (n for n in sick if n in before):
+        took, times = _exclusion_took(events, node)
+        if took or times >= 2:
+            how = "ExcNodeList took (an exclude_nodes event with ok=true)" if took else \
+                f"ExcNodeList was set {times} times without an exclude_nodes event with ok=true"
+            return [], "", (f"{node} failed again ({sick[node]}) though left out since an earlier attempt: {how}; "
+                            f"fix the node or add it to cluster.exclude, then `hpc-train resume RUN`")
     after = {**before, **sick}
-    named = "; ".join(f"{n}: {why}" for n, why in after.items())
-    fix = ("have the admins check them (or leave them out for good with cluster.exclude), then `hpc-train resume "
-           "RUN`, which judges every node afresh")
+    named = "; ".join(f"{n}: {why}" for n, why in sick.items())
+    fix = (f"requeued without leaving {'it' if len(sick) == 1 else 'them'} out, under requeue.max_failures; have the "
+           f"admins check {'it' if len(sick) == 1 else 'them'}, or leave {'it' if len(sick) == 1 else 'them'} out "
+           f"for good with cluster.exclude")
+    if local:
+        return sorted(before), f"a local run has one machine: nowhere to leave it out ({named}); {fix}", ""
     if len(after) > max_excluded_nodes:
-        return [], (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
-                    f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise "
-                    f"requeue.max_excluded_nodes")
+        return sorted(before), (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
+                                f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise the "
+                                f"budget with `hpc-train resume RUN --max-excluded-nodes {len(after) + 1}`"), ""
     if spare_nodes is not None and len(after) > spare_nodes:
-        return [], (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition has "
-                    f"{max(spare_nodes, 0)} nodes beyond those it needs ({named}); {fix}")
-    return sorted(after), ""
+        return sorted(before), (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition "
+                                f"has {max(spare_nodes, 0)} usable nodes beyond those it needs ({named}); {fix}"), ""
+    return sorted(after), "", ""
 
 
 # sinfo's short states of a node that cannot take the next attempt (a lost node is drained or down); a
