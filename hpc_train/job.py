@@ -255,7 +255,7 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
     marker = preempt.hardware_error(text)
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
     # env is Slurm's task numbering (this runs outside the placed rendezvous too): name the task, not a rank
-    task = f"{"Slurm task" if env.executor == "slurm" else "task"} {env.rank}"
+    task = f"{'Slurm task' if env.executor == 'slurm' else 'task'} {env.rank}"
     sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick), cfg.cluster.preempt_grace_s
 
