@@ -96,19 +96,19 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
 
 
 def spare_nodes(env: Any, cluster: Any) -> int | None:
-    """Nodes the job's partition has beyond those the run needs and cluster.exclude; None when Slurm does
-    not say. The local executor has one machine: none spare."""
+    """Nodes of the job's partition in a usable state beyond those the run needs and cluster.exclude
+    (preempt.spare_nodes); None when Slurm does not say. The local executor has one machine: none spare."""
     from hpc_train import slurm
     from hpc_train.env import parse_nodelist
 
     if env.executor != "slurm":
         return 0
-    partition = cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
     try:
-        total = int(slurm.partitions()[partition]["TotalNodes"])
-    except (slurm.SlurmError, KeyError, ValueError):
+        states = slurm.node_states(cluster.partition or os.environ.get("SLURM_JOB_PARTITION", ""))
+    except slurm.SlurmError:
         return None
-    return total - (getattr(cluster, "min_nodes", None) or cluster.nodes) - len(parse_nodelist(cluster.exclude or ""))
+    need = getattr(cluster, "min_nodes", None) or cluster.nodes
+    return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
 def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,

@@ -254,6 +254,14 @@ def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_n
 UNUSABLE = ("drain", "drng", "down", "fail", "maint", "pow", "unk", "boot", "resv", "inval")
 
 
+def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:
+    """The partition's nodes in a usable state (states: node -> sinfo's short state), less cluster.exclude,
+    beyond the `need` the run has (pure). Not TotalNodes: it counts drained and down nodes, so exclusions
+    could leave fewer usable nodes than the run needs and the requeued job would pend."""
+    usable = {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
+    return len(usable - set(exclude)) - need
+
+
 def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[str, str], jobs: list[dict[str, Any]],
                      now: float) -> float | None:
     """Seconds until `need` nodes could be free for job `job_id` (pure), from one snapshot: the partition's

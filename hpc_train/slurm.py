@@ -272,6 +272,12 @@ def parse_queue(text: str) -> list[dict[str, Any]]:
     return jobs
 
 
+def node_states(partition: str) -> dict[str, str]:
+    """The partition's nodes -> sinfo's short state ("idle", "mix", "drain", "down*", ...), from inside the job."""
+    return dict(line.split("|", 1) for line in call(
+        ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True).split() if "|" in line)
+
+
 def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
     """(the partition's nodes and their sinfo short states; running jobs, any partition, holding its nodes, and job `job_id` with
     what it excludes) for preempt.full_size_wait_s. Node lists keep only the partition's nodes."""

@@ -146,6 +146,14 @@ def test_exclusion_budget_and_partition() -> None:
     assert preempt.exclusion(one + [ev("resume", restart=1)], {"node3": "again"}, 2, 2) == (["node3"], "", "")
 
 
+def test_spare_nodes_counts_usable_nodes_only() -> None:
+    """4 nodes, 2 of them drained or down (TotalNodes still says 4): a 2-node run has none spare."""
+    states = {"node1": "mix", "node2": "drain", "node3": "idle", "node4": "down*"}
+    assert preempt.spare_nodes(states, 2, []) == 0
+    assert preempt.spare_nodes({**states, "node2": "alloc", "node4": "idle"}, 2, ["node4"]) == 1
+    assert preempt.spare_nodes({"node1": "idle*", "node2": "comp"}, 1, []) == 0  # "*": not responding
+
+
 def test_a_node_sick_again_gets_its_exclusion_once_more() -> None:
     """ExcNodeList lost (the scontrol update killed by the job's KillWait, or refused): the node comes back
     sick; it is left out again, once. Back after ExcNodeList took, or after two tries: the run stops."""
