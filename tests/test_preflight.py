@@ -207,3 +207,30 @@ def test_a_hardware_error_on_a_lone_machine_requeues_without_leaving_it_out(tmp_
     assert "requeued without leaving it out, under requeue.max_failures" in not_out[0]["why"]
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
     assert not any(e["event"] in ("stopped", "node_excluded") for e in events) and events[-1]["event"] == "finish"
+
+
+def test_slurm_call_in_the_job_blocks_stop_signals_without_preexec_fn(monkeypatch) -> None:
+    """The requeue's own scontrol calls outlive the job's TERM/USR2: the child starts with them blocked
+    (/proc/self/status SigBlk), spawned without preexec_fn (which forces fork() in a large, threaded rank),
+    and the caller's mask is as it was after."""
+    import signal
+    import subprocess
+
+    from hpc_train import slurm
+
+    spawned: list[dict] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            spawned.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    blocked = int(slurm.call(["grep", "SigBlk", "/proc/self/status"], ignore_term=True).split()[1], 16)
+    assert blocked & (1 << (signal.SIGTERM - 1)) and blocked & (1 << (signal.SIGUSR2 - 1))
+    assert spawned and all(k.get("preexec_fn") is None for k in spawned)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    plain = int(slurm.call(["grep", "SigBlk", "/proc/self/status"]).split()[1], 16)
+    assert not plain & (1 << (signal.SIGTERM - 1))
