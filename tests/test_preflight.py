@@ -234,3 +234,18 @@ def test_slurm_call_in_the_job_blocks_stop_signals_without_preexec_fn(monkeypatc
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
     plain = int(slurm.call(["grep", "SigBlk", "/proc/self/status"]).split()[1], 16)
     assert not plain & (1 << (signal.SIGTERM - 1))
+
+
+def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) -> None:
+    """--rank 99 was an IndexError traceback; --node typo armed a drill that never fires."""
+    from hpc_train.metrics import log_event
+    from hpc_train.ops import Run, chaos
+
+    log_event(tmp_path, "start", 0, "7", 0, rank_nodes=["node1", "node1", "node3", "node3"])
+    run = Run(run_dir=tmp_path, label="health-1", job_id="7", executor="slurm", log_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"^--rank 99: health-1's last attempt has ranks 0\.\.3$"):
+        chaos(run, "sick-node", rank=99)
+    with pytest.raises(ValueError, match=r"^--node nod3: health-1's last attempt ran on node1, node3; name one of them$"):
+        chaos(run, "sick-node", node="nod3")
+    chaos(run, "sick-node", rank=2)
+    assert (tmp_path / "drills" / "sick_node.node3").exists()
