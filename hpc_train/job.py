@@ -132,7 +132,7 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
         if stop:
             action, why = "stop", stop
         elif not_out:  # requeued as a failure: counted in requeue.max_failures, a crash loop still ends
-            record("node_not_excluded", nodes=sorted(sick), why=not_out)
+            record("node_not_excluded", nodes=sorted(set(sick) - set(excluded)), why=not_out)
             print(f"[hpc_train] {not_out}", file=sys.stderr, flush=True)
             reason = "failure"
             action, why = preempt.decide(reason, events, budgets, fate)

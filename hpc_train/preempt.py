@@ -233,10 +233,10 @@ def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_n
             return [], "", (f"{node} failed again ({sick[node]}) though left out since an earlier attempt: {how}; "
                             f"fix the node or add it to cluster.exclude, then `hpc-train resume RUN`")
     after = {**before, **sick}
-    named = "; ".join(f"{n}: {why}" for n, why in sick.items())
-    fix = (f"requeued without leaving {'it' if len(sick) == 1 else 'them'} out, under requeue.max_failures; have the "
-           f"admins check {'it' if len(sick) == 1 else 'them'}, or leave {'it' if len(sick) == 1 else 'them'} out "
-           f"for good with cluster.exclude")
+    new = {n: why for n, why in sick.items() if n not in before}
+    named, it = "; ".join(f"{n}: {why}" for n, why in new.items()), "it" if len(new) == 1 else "them"
+    fix = (f"requeued without leaving {it} out, as after any failure (requeue.max_failures); have the admins check "
+           f"{it}, or leave {it} out for good with cluster.exclude")
     if local:
         return sorted(before), f"a local run has one machine: nowhere to leave it out ({named}); {fix}", ""
     if len(after) > max_excluded_nodes:

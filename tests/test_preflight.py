@@ -129,8 +129,8 @@ def test_exclusion_budget_and_partition() -> None:
     nodes, why, stop = preempt.exclusion(two, {"node2": "disk"}, 2, 5)
     assert nodes == ["node1", "node3"] and stop == ""
     assert why == ("node-exclusion budget spent: 3 sick nodes would be left out, more than requeue.max_excluded_nodes=2 "
-                   "(node2: disk); requeued without leaving it out, under requeue.max_failures; have the admins check "
-                   "it, or leave it out for good with cluster.exclude, or raise the budget with `hpc-train resume RUN "
+                   "(node2: disk); requeued without leaving it out, as after any failure (requeue.max_failures); "
+                   "have the admins check it, or leave it out for good with cluster.exclude, or raise the budget with `hpc-train resume RUN "
                    "--max-excluded-nodes 4`")
     raised = RequeueConfig(**preempt.budget_changes(two + [ev("resume", budgets={"max_excluded_nodes": 4})]))
     assert raised.max_excluded_nodes == 4
@@ -204,7 +204,7 @@ def test_a_hardware_error_on_a_lone_machine_requeues_without_leaving_it_out(tmp_
     assert len(not_out) == 1 and not_out[0]["nodes"] == ["127.0.0.1"]
     assert not_out[0]["why"].startswith("a local run has one machine: nowhere to leave it out (127.0.0.1: task 0 on 127.0.0.1 failed")
     assert "failed with a hardware error (uncorrectable ECC error)" in not_out[0]["why"]
-    assert "requeued without leaving it out, under requeue.max_failures" in not_out[0]["why"]
+    assert "requeued without leaving it out, as after any failure (requeue.max_failures)" in not_out[0]["why"]
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
     assert not any(e["event"] in ("stopped", "node_excluded") for e in events) and events[-1]["event"] == "finish"
 
