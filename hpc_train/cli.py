@@ -195,7 +195,7 @@ def _resume(args: argparse.Namespace) -> int:
     """A stopped, cancelled or failed run again, same run directory and config, from its last checkpoint."""
     from hpc_train import submit
 
-    budgets = {k: v for k in ("max_preemptions", "max_time_limit_requeues", "max_failures")
+    budgets = {k: v for k in ("max_preemptions", "max_time_limit_requeues", "max_failures", "max_excluded_nodes")
                if (v := getattr(args, k)) is not None}
     job, lines = submit.resume(Path(args.run), budgets, args.reason)
     print("\n".join(lines))
@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-failures", type=int, help="set requeue.max_failures (failure requeues in a row)")
     p.add_argument("--max-preemptions", type=int, help="set requeue.max_preemptions (-1: unlimited)")
     p.add_argument("--max-time-limit-requeues", type=int, help="set requeue.max_time_limit_requeues")
+    p.add_argument("--max-excluded-nodes", type=int, help="set requeue.max_excluded_nodes (sick nodes left out)")
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_resume)
     p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")

@@ -506,7 +506,13 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
     elif action == "sick-node":  # a file on the shared filesystem: the node's own preflight finds it
         if not node and (start is None or "rank_nodes" not in start):
             raise ValueError(f"{run.label} has not started yet, so rank {rank} has no node: give --node NAME")
-        node = node or start["rank_nodes"][rank]  # type: ignore[index]
+        ranks = start["rank_nodes"] if start and "rank_nodes" in start else []
+        if not node and not 0 <= rank < len(ranks):
+            raise ValueError(f"--rank {rank}: {run.label}'s last attempt has ranks 0..{len(ranks) - 1}")
+        if node and ranks and node not in ranks:  # a typo would arm a drill that never fires
+            raise ValueError(f"--node {node}: {run.label}'s last attempt ran on {', '.join(dict.fromkeys(ranks))}; "
+                             f"name one of them")
+        node = node or ranks[rank]
         paths.drills.mkdir(exist_ok=True)
         (paths.drills / f"sick_node.{node}").write_text("armed\n")
         what = f"{node} fails every later preflight (rm {paths.drills / f'sick_node.{node}'} to heal it)"

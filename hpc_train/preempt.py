@@ -11,6 +11,7 @@ every rank saves the same step; job.py then asks `decide` whether to requeue.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -126,7 +127,7 @@ def budget_changes(events: list[dict[str, Any]]) -> dict[str, int]:
     """requeue.* values set by `hpc-train resume --max-...` (its `resume` events' budgets, later over
     earlier): they apply over the frozen config.yaml, which is never rewritten."""
     return {k: v for e in events if e["event"] == "resume" for k, v in (e.get("budgets") or {}).items()
-            if k in BUDGET_KEYS.values() and type(v) is int}
+            if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int}
 
 
 def local_fate(events: list[dict[str, Any]]) -> str:
@@ -174,13 +175,17 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
 # its node left out of the next attempt. Not any Python exception (a code bug would exclude innocent
 # nodes), not NCCL errors in general (a peer's death shows as one on every rank), not CUDA out of memory
 # (a config). "unhandled cuda error" is NCCL's ncclUnhandledCudaError: a CUDA call failed in this process.
-HARDWARE_ERRORS = ("uncorrectable ECC error", "Xid", "fallen off the bus", "unhandled cuda error",
-                   "CUDA-capable device", "Input/output error")
+# Whole words, case-insensitive: "Xid" alone matched '/data/oxide-corpus/meta.json'. Not "Input/output
+# error" (a Lustre EIO on shared storage blames no node), not "all CUDA-capable devices are busy or
+# unavailable" (exclusive-process mode or CUDA_VISIBLE_DEVICES: a config).
+HARDWARE_ERRORS = (r"\buncorrectable ECC error", r"\bXid\b", r"\bfallen off the bus\b", r"\bunhandled cuda error\b",
+                   r"\bno CUDA-capable device is detected\b")
 
 
 def hardware_error(text: str) -> str:
-    """The first HARDWARE_ERRORS marker in a failure's text, "" for anything else."""
-    return next((m for m in HARDWARE_ERRORS if m.lower() in text.lower()), "")
+    """The first HARDWARE_ERRORS marker found in a failure's text, as written there; "" for anything else."""
+    found = (re.search(p, text, re.IGNORECASE) for p in HARDWARE_ERRORS)
+    return next((m.group(0) for m in found if m), "")
 
 
 def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:
@@ -195,34 +200,66 @@ def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def _exclusion_took(events: list[dict[str, Any]], node: str) -> tuple[bool, int]:
+    """(an `exclude_nodes` event with ok=True named `node` after it was first left out, how many times it
+    was left out), since the last resume."""
+    took, times = False, 0
+    for e in events:
+        if e["event"] == "resume":
+            took, times = False, 0
+        elif e["event"] == "node_excluded" and e.get("node") == node:
+            times += 1
+        elif e["event"] == "exclude_nodes" and e.get("ok") and times and node in str(e.get("nodes", "")).split(","):
+            took = True
+    return took, times
+
+
 def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_nodes: int,
-              spare_nodes: int | None) -> tuple[list[str], str]:
-    """Leave the sick nodes out of the next attempt? Returns (every node the run now leaves out, sorted;
-    "") or ([], why the run stops instead). Bounded by requeue.max_excluded_nodes and by the partition:
-    spare_nodes = its nodes - the nodes the run needs (None: unknown)."""
+              spare_nodes: int | None, local: bool = False) -> tuple[list[str], str, str]:
+    """Leave the sick nodes out of the next attempt? (pure) Returns (every node the next attempt leaves out,
+    sorted; why the sick nodes are NOT left out, or ""; why the run stops, or "").
+
+    Not left out when requeue.max_excluded_nodes is spent or the partition would keep too few nodes
+    (spare_nodes = its usable nodes - the nodes the run needs; None: unknown): the run requeues anyway,
+    under requeue.max_failures, so three unrelated faults weeks apart do not stop a healthy run. A node
+    sick again though left out: its ExcNodeList may have been lost (the requeued job's KillWait); set it
+    once more; it stops the run only when ExcNodeList took (or was set twice) and the node is back."""
     before = excluded_nodes(events)
-    again = [n for n in sick if n in before]
-    if again:
-        return [], (f"{', '.join(again)} failed again ({sick[again[0]]}) though left out since an earlier attempt: "
-                    f"ExcNodeList did not take (see the exclude_nodes event); fix the node or add it to "
-                    f"cluster.exclude, then `hpc-train resume RUN`")
+    for node in (n for n in sick if n in before):
+        took, times = _exclusion_took(events, node)
+        if took or times >= 2:
+            how = "ExcNodeList took (an exclude_nodes event with ok=true)" if took else \
+                f"ExcNodeList was set {times} times without an exclude_nodes event with ok=true"
+            return [], "", (f"{node} failed again ({sick[node]}) though left out since an earlier attempt: {how}; "
+                            f"fix the node or add it to cluster.exclude, then `hpc-train resume RUN`")
     after = {**before, **sick}
-    named = "; ".join(f"{n}: {why}" for n, why in after.items())
-    fix = ("have the admins check them (or leave them out for good with cluster.exclude), then `hpc-train resume "
-           "RUN`, which judges every node afresh")
+    new = {n: why for n, why in sick.items() if n not in before}
+    named, it = "; ".join(f"{n}: {why}" for n, why in new.items()), "it" if len(new) == 1 else "them"
+    fix = (f"requeued without leaving {it} out, as after any failure (requeue.max_failures); have the admins check "
+           f"{it}, or leave {it} out for good with cluster.exclude")
+    if local:
+        return sorted(before), f"a local run has one machine: nowhere to leave it out ({named}); {fix}", ""
     if len(after) > max_excluded_nodes:
-        return [], (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
-                    f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise "
-                    f"requeue.max_excluded_nodes")
+        return sorted(before), (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
+                                f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise the "
+                                f"budget with `hpc-train resume RUN --max-excluded-nodes {len(after) + 1}`"), ""
     if spare_nodes is not None and len(after) > spare_nodes:
-        return [], (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition has "
-                    f"{max(spare_nodes, 0)} nodes beyond those it needs ({named}); {fix}")
-    return sorted(after), ""
+        return sorted(before), (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition "
+                                f"has {max(spare_nodes, 0)} usable nodes beyond those it needs ({named}); {fix}"), ""
+    return sorted(after), "", ""
 
 
 # sinfo's short states of a node that cannot take the next attempt (a lost node is drained or down); a
 # trailing "*" means not responding.
 UNUSABLE = ("drain", "drng", "down", "fail", "maint", "pow", "unk", "boot", "resv", "inval")
+
+
+def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:
+    """The partition's nodes in a usable state (states: node -> sinfo's short state), less cluster.exclude,
+    beyond the `need` the run has (pure). Not TotalNodes: it counts drained and down nodes, so exclusions
+    could leave fewer usable nodes than the run needs and the requeued job would pend."""
+    usable = {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
+    return len(usable - set(exclude)) - need
 
 
 def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[str, str], jobs: list[dict[str, Any]],
