@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,7 @@ from hpc_train.metrics import read_events
 from hpc_train.paths import RunPaths
 
 TAIL_BYTES = 256 * 1024  # ~800 metrics rows: the last row, and the median step time goodput() needs
+CLOSE_WAIT_S = 2.0  # the most close() waits for the server loop to stop (it polls every 0.5 s): then server_close
 TEXTFILE_EVERY_S = 15.0  # Prometheus' default scrape interval: a textfile written more often is read no more often
 
 # name -> (help, where the value comes from); all gauges.
@@ -135,7 +136,7 @@ class Exporter:
     """Rank 0's endpoint and textfile: tick() after each metrics row, close() at the end."""
     text: Callable[[], str]
     textfile: str = ""
-    server: HTTPServer | None = None
+    server: ThreadingHTTPServer | None = None
     written_at: float = -math.inf
 
     def tick(self, force: bool = False) -> None:
@@ -150,8 +151,10 @@ class Exporter:
 
     def close(self) -> None:
         self.tick(force=True)
-        if self.server is not None:
-            self.server.shutdown()
+        if self.server is not None:  # bounded: a stop save's requeue decision or the finish must not wait on a scraper
+            stopper = threading.Thread(target=self.server.shutdown, daemon=True)
+            stopper.start()
+            stopper.join(CLOSE_WAIT_S)
             self.server.server_close()
 
 
@@ -163,6 +166,8 @@ def start(addr: str, port: int, textfile: str, text: Callable[[], str],
     if port > 0:
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = 5  # seconds: a client that connects and sends nothing is dropped, not served forever
+
             def do_GET(self) -> None:  # noqa: N802  (http.server's name)
                 body = text().encode()
                 self.send_response(200)
@@ -175,7 +180,8 @@ def start(addr: str, port: int, textfile: str, text: Callable[[], str],
                 pass
 
         try:
-            exporter.server = HTTPServer((addr, port), Handler)
+            exporter.server = ThreadingHTTPServer((addr, port), Handler)
+            exporter.server.daemon_threads = True  # one thread per scrape; a stuck one never holds the exit
         except OSError as e:
             event("prometheus_failed", -1, address=f"{addr}:{port}", error=str(e))
             print(f"[hpc_train] warning: metrics.prometheus_port={port} on {addr}: {e}; training goes on without "

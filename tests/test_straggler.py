@@ -213,3 +213,22 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
     assert any(re.search(r"\[hpc_train\] straggler: rank 3 on \w+: [\d.]+ ms/step", p.read_text()) for p in logs)
     report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env)
     assert report.returncode == 0 and "stragglers" in report.stdout, report.stdout + report.stderr
+
+
+def test_an_idle_connection_neither_blocks_a_scrape_nor_close(tmp_path: Path) -> None:
+    """A client that connects and sends nothing (a port scanner, a stuck scraper): another scrape is
+    answered and close() returns, or rank 0 would never reach its requeue decision or its exit."""
+    import threading
+
+    port = free_port()
+    exporter = prometheus.start("127.0.0.1", port, "", lambda: "hpc_train_step 1\n", lambda *a, **k: None)
+    idle = socket.create_connection(("127.0.0.1", port))
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.read() == b"hpc_train_step 1\n"
+        closer = threading.Thread(target=exporter.close, daemon=True)
+        closer.start()
+        closer.join(10)  # a bound on a hang (forever before), not a speed figure
+        assert not closer.is_alive(), "Exporter.close() hangs while a connection is idle"
+    finally:
+        idle.close()
