@@ -440,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("action", choices=list(CHAOS))
     p.add_argument("--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank")
-    p.add_argument("--seconds", type=float, default=2.0,
-                   help="slow-storage: seconds added to each write; slow-rank: to each step (0: off)")
+    p.add_argument("--seconds", type=float,
+                   help="slow-storage: seconds added to each write (default 2); slow-rank (required): to each step, "
+                        "0 to 10 (0: off)")
     p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
     p.set_defaults(func=_chaos)
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")

@@ -472,7 +472,7 @@ CHAOS = {  # action -> what it injects; recorded as a `chaos` event
 DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "sick-node", "slow-rank")  # files in the run dir: local runs too
 
 
-def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str = "") -> str:
+def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, node: str = "") -> str:
     """Inject a fault into a running job (or arm a drill the job fires) and record it in events.jsonl."""
     from hpc_train import slurm
     from hpc_train.paths import RunPaths, read_marker, step_dir, step_folders
@@ -495,7 +495,7 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
         paths.drills.mkdir(exist_ok=True)
         drill = paths.drills / action.replace("-", "_")
         if action == "slow-storage":
-            drill = paths.drills / "slow_storage"
+            drill, seconds = paths.drills / "slow_storage", 2.0 if seconds is None else seconds
             if seconds <= 0:
                 drill.unlink(missing_ok=True)
             else:
@@ -511,6 +511,17 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
         (paths.drills / f"sick_node.{node}").write_text("armed\n")
         what = f"{node} fails every later preflight (rm {paths.drills / f'sick_node.{node}'} to heal it)"
     elif action == "slow-rank":  # the rank re-reads it once per straggler window (train.py)
+        from hpc_train.straggler import MAX_SLOW_RANK_S
+
+        world = start.get("world_size") if start else None
+        if seconds is None or not 0 <= seconds <= MAX_SLOW_RANK_S:  # NaN and inf fail this too
+            given = "needs --seconds" if seconds is None else f"--seconds {seconds:g}"
+            raise ValueError(f"chaos slow-rank {given}: give the extra seconds per step, 0 to "
+                             f"{MAX_SLOW_RANK_S:g} (0: back to normal), e.g. --seconds 0.02")
+        if not isinstance(world, int) or not 0 <= rank < world:
+            raise ValueError(f"chaos slow-rank --rank {rank}: " + (f"{run.label} has {world} ranks; give 0 to {world - 1}"
+                             if isinstance(world, int) else f"{run.label} has not started yet, so its ranks are "
+                             f"unknown; try again once `hpc-train status` shows it running"))
         paths.drills.mkdir(exist_ok=True)
         drill = paths.drills / f"slow_rank_{rank}"
         if seconds <= 0:

@@ -104,11 +104,17 @@ def current(events: list[dict]) -> dict[int, dict]:
     return out
 
 
+# The slow-rank drill's most per step: a drilled step stays far under train.watchdog_s (900 s by default), and
+# the drill file outlives the attempt (every requeue re-reads it), so a typo like 1e9 must not hang a rank.
+MAX_SLOW_RANK_S = 10.0
+
+
 def busy(seconds: float) -> None:
     """The slow-rank drill's extra work: burn `seconds` of this thread's CPU (thread time sees it, as it
-    would a slow core; a sleep would look like waiting)."""
+    would a slow core; a sleep would look like waiting); at most MAX_SLOW_RANK_S, none for NaN (a
+    hand-edited drill file)."""
     import time
 
-    end = time.thread_time() + seconds
+    end = time.thread_time() + (min(seconds, MAX_SLOW_RANK_S) if seconds == seconds else 0.0)
     while time.thread_time() < end:
         pass
