@@ -5,8 +5,9 @@
     hpc-train status runs/ --prometheus > /var/lib/node_exporter/textfile/hpc_train.prom.tmp   # from cron
 
 One function (`render`) writes the text for every reader: rank 0's endpoint on each scrape, rank 0's
-textfile, and `hpc-train status --prometheus` for all runs in a folder. It reads events.jsonl whole (a
-few lines per checkpoint) and only the tail of metrics.jsonl (a 10-step log of a 1 M-step run is 100 k
+textfile, and `hpc-train status --prometheus` for all runs in a folder. It parses each events.jsonl once
+and then only the bytes appended since (rank 0 reads it every 15 s on its training thread: 30 k events
+parsed whole took 0.34 s), and only the tail of metrics.jsonl (a 10-step log of a 1 M-step run is 100 k
 lines, ~30 MB: not re-read on every scrape).
 """
 
@@ -16,12 +17,12 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
-from hpc_train.metrics import read_events
+from hpc_train.metrics import is_event
 from hpc_train.paths import RunPaths
 
 TAIL_BYTES = 256 * 1024  # ~800 metrics rows: the last row, and the median step time goodput() needs
@@ -68,12 +69,59 @@ def tail_rows(path: Path, tail_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclass
+class Journal:
+    """What events_of() has parsed of one events.jsonl: the file (device, inode), the bytes through the last
+    complete line, its events, and how many bytes the last call parsed."""
+    file: tuple[int, int]
+    offset: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    read_bytes: int = 0
+
+
+JOURNALS: dict[Path, Journal] = {}
+_journals_lock = threading.Lock()  # the training thread's tick and the endpoint's scrapes share JOURNALS
+
+
+def events_of(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.read_events(run_dir), parsing only what was appended since the last call (a file replaced or
+    cut short is parsed again from its start). A torn last line waits for its newline."""
+    import json
+
+    path = RunPaths(run_dir).events
+    with _journals_lock:
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                j = JOURNALS.get(path)
+                if j is None or j.file != (st.st_dev, st.st_ino) or st.st_size < j.offset:
+                    j = JOURNALS[path] = Journal((st.st_dev, st.st_ino))
+                f.seek(j.offset)
+                chunk = f.read(st.st_size - j.offset)
+        except FileNotFoundError:
+            JOURNALS.pop(path, None)
+            return []
+        j.read_bytes = chunk.rfind(b"\n") + 1
+        new = []
+        for line in chunk[:j.read_bytes].splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and is_event(e):
+                new.append(e)
+        j.offset += j.read_bytes
+        if new:
+            j.events = j.events + new  # a new list: a scrape may be reading the old one
+        return j.events
+
+
 def values(run_dir: Path) -> dict[str, float]:
     """Each metric's value for one run, from its events.jsonl and the tail of its metrics.jsonl (NaN: not yet)."""
     from hpc_train.ops import goodput
     from hpc_train.straggler import current
 
-    events, rows = read_events(run_dir), tail_rows(RunPaths(run_dir).metrics)
+    events, rows = events_of(run_dir), tail_rows(RunPaths(run_dir).metrics)
     last = rows[-1] if rows else {}
 
     def number(x: Any) -> float:

@@ -254,3 +254,28 @@ def test_chaos_slow_rank_refuses_what_would_hang_or_do_nothing(tmp_path: Path) -
     assert proc.stderr.startswith("hpc-train chaos: error: chaos slow-rank --rank 99: slow-1 has 4 ranks")
     proc = run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "1"])
     assert proc.returncode == 2 and "needs --seconds" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_events_are_parsed_once_then_only_what_was_appended(tmp_path: Path) -> None:
+    """Rank 0 renders every 15 s on its training thread and on every scrape: 30 k events parsed whole took
+    0.34 s each time. The second read parses only the appended line; a torn line waits for its newline."""
+    from hpc_train.metrics import read_events as read_all
+
+    events = [ev(100 + k, "checkpoint_committed", k, reason="periodic", stall_s=0.0) for k in range(30000)]
+    run_dir = write_run(tmp_path / "long-1", [ev(99, "start", 0), *events], [])
+    path = run_dir / "events.jsonl"
+    first = prometheus.values(run_dir)
+    assert first["hpc_train_committed_step"] == 29999
+    assert prometheus.JOURNALS[path].read_bytes == path.stat().st_size  # the first read: the whole file
+    line = json.dumps(ev(200000, "checkpoint_committed", 40000, reason="periodic", stall_s=0.0)) + "\n"
+    with open(path, "a") as f:
+        f.write(line[:20])  # the writer is mid-line
+    assert prometheus.values(run_dir)["hpc_train_committed_step"] == 29999
+    assert prometheus.JOURNALS[path].read_bytes == 0
+    with open(path, "a") as f:
+        f.write(line[20:])
+    assert prometheus.values(run_dir)["hpc_train_committed_step"] == 40000
+    assert prometheus.JOURNALS[path].read_bytes == len(line)  # only the appended line, not 30 k events again
+    assert prometheus.events_of(run_dir) == read_all(run_dir)
+    path.write_text(json.dumps(ev(1, "start", 0)) + "\n")  # replaced (a new inode or shorter): read again
+    assert prometheus.events_of(run_dir) == read_all(run_dir) and len(read_all(run_dir)) == 1
