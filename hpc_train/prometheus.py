@@ -1,7 +1,7 @@
 """Live metrics for dashboards: the Prometheus text exposition format, from a run directory's files. Torch-free.
 
     hpc-train submit metrics.prometheus_port=9400           # rank 0 serves http://127.0.0.1:9400/metrics
-    hpc-train submit metrics.prometheus_textfile=/var/lib/node_exporter/textfile/hpc_train.prom
+    hpc-train submit 'metrics.prometheus_textfile=/var/lib/node_exporter/textfile/hpc_train_{job}.prom'
     hpc-train status runs/ --prometheus > /var/lib/node_exporter/textfile/hpc_train.prom.tmp   # from cron
 
 One function (`render`) writes the text for every reader: rank 0's endpoint on each scrape, rank 0's
@@ -198,7 +198,10 @@ class Exporter:
             self.written_at = time.monotonic()
 
     def close(self) -> None:
-        self.tick(force=True)
+        """The textfile goes: this node no longer runs the attempt, and node-exporter would export its
+        frozen values for ever (Prometheus keeps their history; a requeued attempt writes its own file)."""
+        if self.textfile:
+            Path(self.textfile).unlink(missing_ok=True)
         if self.server is not None:  # bounded: a stop save's requeue decision or the finish must not wait on a scraper
             stopper = threading.Thread(target=self.server.shutdown, daemon=True)
             stopper.start()
@@ -206,11 +209,12 @@ class Exporter:
             self.server.server_close()
 
 
-def start(addr: str, port: int, textfile: str, text: Callable[[], str],
+def start(addr: str, port: int, textfile: str, job: str, text: Callable[[], str],
           event: Callable[..., None]) -> Exporter:
-    """The endpoint (a daemon thread; any path answers) when port > 0, the textfile when set. A port
-    already in use logs a `prometheus_failed` event and training goes on without the endpoint."""
-    exporter = Exporter(text, textfile)
+    """The endpoint (a daemon thread; any path answers) when port > 0, the textfile when set ({job} in its
+    path: this Slurm job's id, so the jobs that share a node, sweep trials among them, write one file each).
+    A port already in use logs a `prometheus_failed` event and training goes on without the endpoint."""
+    exporter = Exporter(text, textfile.replace("{job}", job))
     if port > 0:
 
         class Handler(BaseHTTPRequestHandler):

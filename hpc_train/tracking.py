@@ -43,7 +43,8 @@ class TrackingConfig:  # tracking.py, the `metrics` section of the root config
     mlflow_tracking_uri: str = ""  # empty: the file store file:RUN_DIR/mlruns; or http://your-server:5000
     mlflow_experiment: str = "hpc_train"
     # Prometheus (prometheus.py), rank 0: an endpoint on prometheus_addr:prometheus_port (0 = off; loopback by
-    # default: a scraper on the node, or an SSH tunnel) and/or node-exporter's textfile at this path ("" = off).
+    # default: a scraper on the node, or an SSH tunnel) and/or node-exporter's textfile at this path ("" = off;
+    # {job} in it becomes the Slurm job id: jobs sharing a node write one file each; removed when the attempt ends).
     prometheus_port: int = 0
     prometheus_addr: str = "127.0.0.1"
     prometheus_textfile: str = ""

@@ -161,15 +161,17 @@ def test_endpoint_scraped_while_training_and_a_busy_port_is_not_fatal(tmp_path: 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        textfile = tmp_path / "hpc_train.prom"
-        proc = run([HPC_TRAIN, "submit", "train.steps=30", f"metrics.prometheus_port={taken.getsockname()[1]}",
-                    f"metrics.prometheus_textfile={textfile}", f"out_dir={tmp_path}", "name=taken"], timeout_s=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    taken_dir = tmp_path / "taken-1"
+        taken_dir, job = submit(["train.steps=30", "train.min_step_time_s=0.2", f"metrics.prometheus_port="
+                                 f"{taken.getsockname()[1]}", f'metrics.prometheus_textfile="{tmp_path}/hpc_{{job}}.prom"',
+                                 f"out_dir={tmp_path}", "name=taken", "--no-wait"])
+        textfile = tmp_path / f"hpc_{job}.prom"  # {job}: the job id (here the local controller's pid)
+        wait_until(textfile.exists, 120, "the textfile")
+        assert ("hpc_train_attempt", "taken-1") in parse(textfile.read_text())
+        wait_until(lambda: (taken_dir / "summary.json").exists(), 120, "the run with a taken port to finish")
     failed = [e for e in read_events(taken_dir) if e["event"] == "prometheus_failed"]
-    assert failed and "in use" in failed[0]["error"] and (taken_dir / "summary.json").exists()
-    values = parse(textfile.read_text())
-    assert values[("hpc_train_step", "taken-1")] == 30 and not list(tmp_path.glob(".hpc_train.prom.*"))
+    assert failed and "in use" in failed[0]["error"]
+    wait_until(lambda: not textfile.exists(), 30, "the textfile removed at the end")
+    assert not list(tmp_path.glob("*.prom*")) and not list(tmp_path.glob(".hpc_*"))
     wait_until(lambda: (run_dir / "summary.json").exists(), 120, "the scraped run to finish")
 
 
@@ -221,7 +223,7 @@ def test_an_idle_connection_neither_blocks_a_scrape_nor_close(tmp_path: Path) ->
     import threading
 
     port = free_port()
-    exporter = prometheus.start("127.0.0.1", port, "", lambda: "hpc_train_step 1\n", lambda *a, **k: None)
+    exporter = prometheus.start("127.0.0.1", port, "", "1", lambda: "hpc_train_step 1\n", lambda *a, **k: None)
     idle = socket.create_connection(("127.0.0.1", port))
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
@@ -279,3 +281,17 @@ def test_events_are_parsed_once_then_only_what_was_appended(tmp_path: Path) -> N
     assert prometheus.events_of(run_dir) == read_all(run_dir)
     path.write_text(json.dumps(ev(1, "start", 0)) + "\n")  # replaced (a new inode or shorter): read again
     assert prometheus.events_of(run_dir) == read_all(run_dir) and len(read_all(run_dir)) == 1
+
+
+def test_textfile_per_job_and_removed_when_the_attempt_ends(tmp_path: Path) -> None:
+    """Two jobs on one node with the same setting write two files ({job}); each goes when its attempt ends,
+    so node-exporter does not export a finished run's frozen values."""
+    pattern = str(tmp_path / "hpc_train_{job}.prom")
+    a = prometheus.start("127.0.0.1", 0, pattern, "11_0", lambda: "hpc_train_step 1\n", lambda *a, **k: None)
+    b = prometheus.start("127.0.0.1", 0, pattern, "11_1", lambda: "hpc_train_step 2\n", lambda *a, **k: None)
+    assert (tmp_path / "hpc_train_11_0.prom").read_text() == "hpc_train_step 1\n"
+    assert (tmp_path / "hpc_train_11_1.prom").read_text() == "hpc_train_step 2\n"
+    a.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_train_11_1.prom"]
+    b.close()
+    assert not list(tmp_path.iterdir())
