@@ -227,7 +227,8 @@ def _status(args: argparse.Namespace) -> int:
         from hpc_train import prometheus
 
         runs = [r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable]
-        print(prometheus.render([({"job": r.job_id, "run": r.label}, prometheus.values(r.run_dir)) for r in runs]), end="")
+        print(prometheus.render([(prometheus.labels(r.run_dir, r.job_id), prometheus.values(r.run_dir)) for r in runs]),
+              end="")
         return 0
     while True:
         rows = ops.status_rows(_runs(args.path, unreadable_ok=True))

@@ -168,8 +168,16 @@ def render(samples: list[tuple[dict[str, str], dict[str, float]]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def run_text(run_dir: Path, job: str, run: str) -> str:
-    return render([({"job": job, "run": run}, values(run_dir))])
+def labels(run_dir: Path, job: str) -> dict[str, str]:
+    """One run's labels, the same from its endpoint, its textfile and `status --prometheus` (or a trial would
+    be two series): `run` is the run directory's name, SWEEP/NAME for a sweep's trial (as status shows it);
+    `slurm_job`, not `job`, which Prometheus sets on every scraped series itself (ours would become exported_job)."""
+    run = f"{run_dir.parent.name}/{run_dir.name}" if (run_dir.parent / "sweep.json").exists() else run_dir.name
+    return {"slurm_job": job, "run": run}
+
+
+def run_text(run_dir: Path, job: str) -> str:
+    return render([(labels(run_dir, job), values(run_dir))])
 
 
 def write_atomic(path: Path, text: str) -> None:

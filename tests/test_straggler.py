@@ -95,7 +95,7 @@ def test_prometheus_text_from_plain_files(tmp_path: Path) -> None:
     rows = [{"time": 100.0 + s, "step": s, "loss": 2.0 / s, "tokens_per_s": 1000.0 * s, "mfu": None,
              "data_wait_fraction": 0.01, "step_time_s": 0.5} for s in range(10, 70, 10)]
     run_dir = write_run(tmp_path / 'we"ird\\run', EVENTS, rows)
-    text = prometheus.run_text(run_dir, "77", run_dir.name)
+    text = prometheus.run_text(run_dir, "77")
     values = parse(text)
     label = 'we\\"ird\\\\run'  # escaped as the format says: \" and \\
     assert values[("hpc_train_step", label)] == 60 and values[("hpc_train_loss", label)] == 2.0 / 60
@@ -127,7 +127,7 @@ def test_status_prometheus_prints_every_run_in_a_folder(tmp_path: Path) -> None:
     values = parse(proc.stdout)
     assert values[("hpc_train_step", "a-1")] == 60 and values[("hpc_train_stragglers", "a-1")] == 1
     assert math.isnan(values[("hpc_train_step", "b-1")]) and values[("hpc_train_straggler_events", "b-1")] == 0
-    assert 'job="78"' in proc.stdout
+    assert 'slurm_job="78"' in proc.stdout
 
 
 def free_port() -> int:
@@ -295,3 +295,19 @@ def test_textfile_per_job_and_removed_when_the_attempt_ends(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_train_11_1.prom"]
     b.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_sweep_trial_is_one_series_from_its_endpoint_and_from_status(tmp_path: Path) -> None:
+    """The endpoint (train.py's run_text) and `status --prometheus` label a trial alike (SWEEP/0003), or
+    one trial would be two series; `slurm_job`, since Prometheus renames a target's own `job` label."""
+    sweep = tmp_path / "mix-1"
+    trial = write_run(sweep / "0003", EVENTS, [{"time": 1.0, "step": 60, "loss": 0.5}], job_id="12_3")
+    (sweep / "sweep.json").write_text(json.dumps({"trials": [{"run_dir": str(trial), "job_id": "12_3"}]}))
+    proc = run([HPC_TRAIN, "status", str(sweep), "--prometheus"])
+    assert proc.returncode == 0, proc.stderr
+
+    def label_sets(text: str) -> set[str]:
+        return {line[line.index("{"):line.index("}") + 1] for line in text.splitlines() if not line.startswith("#")}
+
+    assert label_sets(prometheus.run_text(trial, "12_3")) == label_sets(proc.stdout) == {
+        '{slurm_job="12_3",run="mix-1/0003"}'}
