@@ -226,7 +226,8 @@ def _status(args: argparse.Namespace) -> int:
     if args.prometheus:  # the files only, no Slurm query: cron may run it every minute
         from hpc_train import prometheus
 
-        runs = [r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable]
+        # one series per run: runs/latest -> demo-3 is demo-3 again
+        runs = list({r.run_dir.resolve(): r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable}.values())
         print(prometheus.render([(prometheus.labels(r.run_dir, r.job_id), prometheus.values(r.run_dir)) for r in runs]),
               end="")
         return 0

@@ -128,6 +128,9 @@ def test_status_prometheus_prints_every_run_in_a_folder(tmp_path: Path) -> None:
     assert values[("hpc_train_step", "a-1")] == 60 and values[("hpc_train_stragglers", "a-1")] == 1
     assert math.isnan(values[("hpc_train_step", "b-1")]) and values[("hpc_train_straggler_events", "b-1")] == 0
     assert 'slurm_job="78"' in proc.stdout
+    (tmp_path / "runs" / "latest").symlink_to("a-1")  # a link to a run: still one series
+    again = run([HPC_TRAIN, "status", str(tmp_path / "runs"), "--prometheus"]).stdout
+    assert again == proc.stdout and again.count("hpc_train_step{") == 2
 
 
 def free_port() -> int:
