@@ -181,7 +181,7 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     queue_wait  requeue -> next launch (not allocated; reported beside)
     """
     atts = attempts(events)
-    step_times = sorted(m["step_time_s"] for m in metrics if "step_time_s" in m)
+    step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
     step_s = step_times[len(step_times) // 2] if step_times else 0.0
     parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
     for i, a in enumerate(atts):

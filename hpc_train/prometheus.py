@@ -194,15 +194,29 @@ class Exporter:
     textfile: str = ""
     server: ThreadingHTTPServer | None = None
     written_at: float = -math.inf
+    warned: bool = False
+
+    def warn_once(self, e: Exception) -> str:
+        """One line for a render that failed (a row someone edited into another shape, a bug of ours):
+        printed once per attempt, not once per scrape; a dashboard never stops training."""
+        line = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        if not self.warned:
+            self.warned = True
+            print(f"[hpc_train] warning: the Prometheus metrics could not be rendered ({line}); training goes "
+                  f"on, the endpoint answers 500 and the textfile keeps its last values until it renders again",
+                  flush=True)
+        return line
 
     def tick(self, force: bool = False) -> None:
         if self.textfile and (force or time.monotonic() - self.written_at >= TEXTFILE_EVERY_S):
             try:
                 write_atomic(Path(self.textfile), self.text())
-            except OSError as e:  # a dashboard's file never stops training
+            except OSError as e:  # the folder is gone or read-only: not tried again
                 print(f"[hpc_train] warning: metrics.prometheus_textfile={self.textfile}: {e}; not written again "
                       f"in this attempt", flush=True)
                 self.textfile = ""
+            except Exception as e:  # noqa: BLE001  (the run's files: tried again at the next tick)
+                self.warn_once(e)
             self.written_at = time.monotonic()
 
     def close(self) -> None:
@@ -229,8 +243,11 @@ def start(addr: str, port: int, textfile: str, job: str, text: Callable[[], str]
             timeout = 5  # seconds: a client that connects and sends nothing is dropped, not served forever
 
             def do_GET(self) -> None:  # noqa: N802  (http.server's name)
-                body = text().encode()
-                self.send_response(200)
+                try:
+                    body, code = text().encode(), 200
+                except Exception as e:  # noqa: BLE001  one line to the scraper, not a traceback per scrape
+                    body, code = f"hpc_train: the metrics could not be rendered: {exporter.warn_once(e)}\n".encode(), 500
+                self.send_response(code)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

@@ -97,6 +97,8 @@ def current(events: list[dict]) -> dict[int, dict]:
     last = max((e.get("restart", 0) for e in events), default=0)
     out: dict[int, dict] = {}
     for e in events:
+        if not isinstance(e.get("rank"), int):  # an event edited into another shape names nobody
+            continue
         if e.get("restart", 0) == last and e["event"] == "straggler":
             out[e["rank"]] = e
         elif e.get("restart", 0) == last and e["event"] == "straggler_cleared":

@@ -9,6 +9,7 @@ import math
 import re
 import socket
 import statistics
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -314,3 +315,26 @@ def test_a_sweep_trial_is_one_series_from_its_endpoint_and_from_status(tmp_path:
 
     assert label_sets(prometheus.run_text(trial, "12_3")) == label_sets(proc.stdout) == {
         '{slurm_job="12_3",run="mix-1/0003"}'}
+
+
+def test_a_malformed_row_never_stops_training_nor_prints_a_traceback_per_scrape(tmp_path: Path, capsys) -> None:
+    """step_time_s null in metrics.jsonl (goodput's median) and a straggler event without a rank (current)
+    are rendered around; any other failure warns once, tick() goes on and the endpoint answers 500."""
+    run_dir = write_run(tmp_path / "odd-1", [*EVENTS, ev(115, "straggler", 70, node="node9")],
+                        [{"time": 120.0, "step": 70, "loss": 0.5, "step_time_s": None}])
+    got = prometheus.values(run_dir)
+    assert got["hpc_train_step"] == 70 and got["hpc_train_stragglers"] == 1 and 0 <= got["hpc_train_goodput"] <= 1
+
+    def broken() -> str:
+        raise TypeError("'<' not supported between instances of 'NoneType' and 'float'")
+
+    port = free_port()
+    exporter = prometheus.start("127.0.0.1", port, str(tmp_path / "x.prom"), "1", broken, lambda *a, **k: None)
+    exporter.tick(force=True)  # no raise: the training thread goes on
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert answer.value.code == 500 and answer.value.read().decode().count("\n") == 1
+    exporter.close()
+    out = capsys.readouterr()
+    assert out.out.count("could not be rendered (TypeError: '<' not supported") == 1, out  # once, not per scrape
+    assert "Traceback" not in out.err
