@@ -170,7 +170,7 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, float]:
+def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
     """Where the allocated time went, in seconds; the parts add up to the attempts' wall time (pure).
 
     allocated   launch of each attempt -> its last event
@@ -179,8 +179,15 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     lost        training on steps no checkpoint kept (recomputed by the next attempt)
     committed   the rest: training that became committed progress
     queue_wait  requeue -> next launch (not allocated; reported beside)
+
+    live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
+    minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
     """
     atts = attempts(events)
+    last_row = metrics[-1] if metrics else {}
+    if live and atts and atts[-1]["ended_by"] == "running" and isinstance(last_row.get("time"), (int, float)) \
+            and last_row["time"] > atts[-1]["end"] and isinstance(last_row.get("step"), int):
+        atts[-1] = {**atts[-1], "end": last_row["time"], "reached_step": max(atts[-1]["reached_step"], last_row["step"])}
     step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
     step_s = step_times[len(step_times) // 2] if step_times else 0.0
     parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}

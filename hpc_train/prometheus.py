@@ -134,7 +134,7 @@ def values(run_dir: Path) -> dict[str, float]:
         "hpc_train_tokens_per_second": number(last.get("tokens_per_s")),
         "hpc_train_mfu": number(last.get("mfu")),
         "hpc_train_data_wait_fraction": number(last.get("data_wait_fraction")),
-        "hpc_train_goodput": goodput(events, rows)["goodput"] if events else math.nan,
+        "hpc_train_goodput": goodput(events, rows, live=True)["goodput"] if events else math.nan,
         "hpc_train_attempt": float(max((e["restart"] for e in events if e["event"] in ("start", "resume")), default=0)),
         "hpc_train_committed_step": float(max(commits)) if commits else math.nan,
         "hpc_train_stragglers": float(len(current(events))),

@@ -338,3 +338,20 @@ def test_a_malformed_row_never_stops_training_nor_prints_a_traceback_per_scrape(
     out = capsys.readouterr()
     assert out.out.count("could not be rendered (TypeError: '<' not supported") == 1, out  # once, not per scrape
     assert "Traceback" not in out.err
+
+
+def test_goodput_gauge_moves_while_an_attempt_runs_and_report_figures_stay(tmp_path: Path) -> None:
+    """A running attempt ended at its last event (a checkpoint): the gauge froze between checkpoints.
+    live=True ends it at the last metrics row, the steps since the commit lost; report's figures unchanged."""
+    from hpc_train.ops import goodput
+
+    events = [ev(100, "start", 0, launched_at=90.0), ev(110, "checkpoint_committed", 20, reason="periodic", stall_s=0.0)]
+    rows = [{"time": 100.0 + s, "step": s, "step_time_s": 0.5} for s in range(10, 60, 10)]
+    early = prometheus.values(write_run(tmp_path / "a", events, rows[:2]))["hpc_train_goodput"]  # step 20 at t=120
+    later = prometheus.values(write_run(tmp_path / "b", events, rows))["hpc_train_goodput"]  # step 50 at t=150
+    assert early != later
+    parts = goodput(events, rows, live=True)  # 90 -> 150: 10 s overhead, 30 steps x 0.5 s lost
+    assert (parts["allocated"], parts["overhead"], parts["lost"]) == (60.0, 10.0, 15.0)
+    assert goodput(events, rows)["allocated"] == 20.0  # without live (report, status): to the last event
+    finished = [*events, ev(160, "finish", 50)]
+    assert goodput(finished, rows, live=True) == goodput(finished, rows)  # a finished attempt: as report says
