@@ -43,6 +43,7 @@ def test_judge_names_after_k_windows_ignores_noise_and_clears() -> None:
     cfg = StragglerConfig(every_steps=20, factor=1.5, floor_s=0.002, windows=3)
     j = Judge()
     slow = [0.005, 0.005, 0.005, 0.020]  # rank 3: 20 ms of its own per step, the others 5 ms
+    assert judge(j, slow, cfg)[:2] == ([], [])  # the attempt's first window: not judged
     assert judge(j, slow, cfg)[:2] == ([], [])
     assert judge(j, slow, cfg)[:2] == ([], [])
     named, cleared, medians = judge(j, slow, cfg)  # the third slow window in a row
@@ -52,6 +53,10 @@ def test_judge_names_after_k_windows_ignores_noise_and_clears() -> None:
     assert judge(j, normal, cfg)[:2] == ([], []) and judge(j, normal, cfg)[:2] == ([], [])
     assert judge(j, normal, cfg)[:2] == ([], [3])  # three normal windows in a row: cleared
     # 1.9 ms on a 1 ms step is 1.9x, but 0.9 ms above the others: below floor_s, noise, never named
+    # windows=1: the first window of an attempt (compilation, cold caches) names nobody; the second does
+    once = StragglerConfig(every_steps=20, factor=1.5, floor_s=0.002, windows=1)
+    fresh = Judge()
+    assert [judge(fresh, slow, once)[0] for _ in range(2)] == [[], [3]]
     quiet = Judge()
     assert all(judge(quiet, [0.001, 0.001, 0.0019], cfg)[:2] == ([], []) for _ in range(10))
     # slow every other window: never `windows` in a row
@@ -59,7 +64,7 @@ def test_judge_names_after_k_windows_ignores_noise_and_clears() -> None:
     assert all(judge(flapping, [0.005, 0.005, 0.02 if k % 2 else 0.005], cfg)[:2] == ([], []) for k in range(10))
     # two ranks: the other's time is the yardstick (the median of both would hide a 3x slower rank)
     pair = Judge()
-    assert [judge(pair, [0.005, 0.012], cfg)[0] for _ in range(3)] == [[], [], [1]]
+    assert [judge(pair, [0.005, 0.012], cfg)[0] for _ in range(4)] == [[], [], [], [1]]
 
 
 def test_median_of_the_others_matches_the_definition() -> None:
