@@ -226,8 +226,10 @@ def _status(args: argparse.Namespace) -> int:
     if args.prometheus:  # the files only, no Slurm query: cron may run it every minute
         from hpc_train import prometheus
 
-        runs = [r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable]
-        print(prometheus.render([({"job": r.job_id, "run": r.label}, prometheus.values(r.run_dir)) for r in runs]), end="")
+        # one series per run: runs/latest -> demo-3 is demo-3 again
+        runs = list({r.run_dir.resolve(): r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable}.values())
+        print(prometheus.render([(prometheus.labels(r.run_dir, r.job_id), prometheus.values(r.run_dir)) for r in runs]),
+              end="")
         return 0
     while True:
         rows = ops.status_rows(_runs(args.path, unreadable_ok=True))
@@ -441,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("action", choices=list(CHAOS))
     p.add_argument("--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank")
-    p.add_argument("--seconds", type=float, default=2.0,
-                   help="slow-storage: seconds added to each write; slow-rank: to each step (0: off)")
+    p.add_argument("--seconds", type=float,
+                   help="slow-storage: seconds added to each write (default 2); slow-rank (required): to each step, "
+                        "0 to 10 (0: off)")
     p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
     p.set_defaults(func=_chaos)
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")

@@ -170,7 +170,7 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, float]:
+def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
     """Where the allocated time went, in seconds; the parts add up to the attempts' wall time (pure).
 
     allocated   launch of each attempt -> its last event
@@ -179,9 +179,16 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     lost        training on steps no checkpoint kept (recomputed by the next attempt)
     committed   the rest: training that became committed progress
     queue_wait  requeue -> next launch (not allocated; reported beside)
+
+    live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
+    minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
     """
     atts = attempts(events)
-    step_times = sorted(m["step_time_s"] for m in metrics if "step_time_s" in m)
+    last_row = metrics[-1] if metrics else {}
+    if live and atts and atts[-1]["ended_by"] == "running" and isinstance(last_row.get("time"), (int, float)) \
+            and last_row["time"] > atts[-1]["end"] and isinstance(last_row.get("step"), int):
+        atts[-1] = {**atts[-1], "end": last_row["time"], "reached_step": max(atts[-1]["reached_step"], last_row["step"])}
+    step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
     step_s = step_times[len(step_times) // 2] if step_times else 0.0
     parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
     for i, a in enumerate(atts):
@@ -472,7 +479,7 @@ CHAOS = {  # action -> what it injects; recorded as a `chaos` event
 DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "sick-node", "slow-rank")  # files in the run dir: local runs too
 
 
-def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str = "") -> str:
+def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, node: str = "") -> str:
     """Inject a fault into a running job (or arm a drill the job fires) and record it in events.jsonl."""
     from hpc_train import slurm
     from hpc_train.paths import RunPaths, read_marker, step_dir, step_folders
@@ -495,7 +502,7 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
         paths.drills.mkdir(exist_ok=True)
         drill = paths.drills / action.replace("-", "_")
         if action == "slow-storage":
-            drill = paths.drills / "slow_storage"
+            drill, seconds = paths.drills / "slow_storage", 2.0 if seconds is None else seconds
             if seconds <= 0:
                 drill.unlink(missing_ok=True)
             else:
@@ -517,6 +524,17 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
         (paths.drills / f"sick_node.{node}").write_text("armed\n")
         what = f"{node} fails every later preflight (rm {paths.drills / f'sick_node.{node}'} to heal it)"
     elif action == "slow-rank":  # the rank re-reads it once per straggler window (train.py)
+        from hpc_train.straggler import MAX_SLOW_RANK_S
+
+        world = start.get("world_size") if start else None
+        if seconds is None or not 0 <= seconds <= MAX_SLOW_RANK_S:  # NaN and inf fail this too
+            given = "needs --seconds" if seconds is None else f"--seconds {seconds:g}"
+            raise ValueError(f"chaos slow-rank {given}: give the extra seconds per step, 0 to "
+                             f"{MAX_SLOW_RANK_S:g} (0: back to normal), e.g. --seconds 0.02")
+        if not isinstance(world, int) or not 0 <= rank < world:
+            raise ValueError(f"chaos slow-rank --rank {rank}: " + (f"{run.label} has {world} ranks; give 0 to {world - 1}"
+                             if isinstance(world, int) else f"{run.label} has not started yet, so its ranks are "
+                             f"unknown; try again once `hpc-train status` shows it running"))
         paths.drills.mkdir(exist_ok=True)
         drill = paths.drills / f"slow_rank_{rank}"
         if seconds <= 0:
