@@ -5,9 +5,10 @@
 
 On the dev cluster (tests/cluster.py; export HPC_TRAIN_CLUSTER_DIR / _PORT_OFFSET for your own): a run of
 2 nodes x 2 ranks (not 4 x 1: with --ntasks-per-node=1 Slurm never gives more nodes than the minimum's
-tasks) on node1+node3 while a blocker job holds node2+node4 for --repair-s seconds. After its first
+tasks) on node1+node3 while a blocker job holds node2+node4 (`sleep --repair-s`, started just before the
+run; its time limit, the end time the estimate reads, is the next whole minute above). After its first
 checkpoint, node3 is drained (lost) and the run preempted (scancel --signal=TERM); node3 comes back
-(State=RESUME) and the blocker ends --repair-s seconds later. Mode "shrink" (cluster.min_nodes=1) goes on
+(State=RESUME) --repair-s seconds after the loss. Mode "shrink" (cluster.min_nodes=1) goes on
 with 1 node x 2 ranks, mode "full" (min_nodes unset) waits for 2 nodes. Prints, from the run's events:
 requeue -> next attempt's first step, that attempt's world size, the steps done while the other mode
 still waited, and the whole run's wall time. Figures are printed, never asserted.
@@ -94,7 +95,7 @@ def main() -> None:
     env = cluster.client_env()
     out = Path(tempfile.mkdtemp(prefix="elastic_bench_"))
     rows = [one(mode, args.repair_s, env, out) for mode in args.modes.split(",")]
-    print(f"node lost, back after {args.repair_s:.0f} s; the other two nodes busy as long (2 nodes x 2 ranks, tiny, "
+    print(f"node lost, back after {args.repair_s:.0f} s; the other two nodes busy {args.repair_s:.0f} s from before the run (2 nodes x 2 ranks, tiny, "
           f"0.25 s/step, 200 steps)")
     for r in rows:
         print(f"{r['mode']:6s}: requeue -> first step {r['requeue_to_first_step_s']:6.1f} s on {r['world_size']} ranks "
