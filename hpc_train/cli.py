@@ -223,6 +223,12 @@ def _status(args: argparse.Namespace) -> int:
 
     from hpc_train import ops
 
+    if args.prometheus:  # the files only, no Slurm query: cron may run it every minute
+        from hpc_train import prometheus
+
+        runs = [r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable]
+        print(prometheus.render([({"job": r.job_id, "run": r.label}, prometheus.values(r.run_dir)) for r in runs]), end="")
+        return 0
     while True:
         rows = ops.status_rows(_runs(args.path, unreadable_ok=True))
         if args.json:
@@ -308,6 +314,16 @@ def _report(args: argparse.Namespace) -> int:
         console = Console(width=200)
         console.print(table)
         console.print(attempts)
+        slow = ops.straggler_rows(ops.read_events(run.run_dir))
+        if slow:
+            named = Table(title="stragglers (own = compute + data per step; comm = waiting in collectives)")
+            for col in ("attempt", "named at step", "rank", "node", "own ms", "median ms", "comm ms", "cleared at step"):
+                named.add_column(col)
+            for r in slow:
+                named.add_row(str(r["attempt"]), str(r["step"]), str(r["rank"]), r["node"], f"{r['own_ms']:.1f}",
+                              f"{r['median_ms']:.1f}", f"{r['comm_ms']:.1f}",
+                              "-" if r["cleared_step"] is None else str(r["cleared_step"]))
+            console.print(named)
         print(f"picture: {made}" if made.endswith(".png") else made)
     return 0
 
@@ -408,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
     p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")
     p.add_argument("--json", action="store_true", help="the same rows as JSON, for scripts")
+    p.add_argument("--prometheus", action="store_true",
+                   help="Prometheus text format instead (every run under PATH), for node-exporter's textfile from cron")
     p.set_defaults(func=_status)
     p = sub.add_parser("logs", help="the log of one rank and attempt of a run")
     p.add_argument("run")
@@ -425,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run")
     p.add_argument("action", choices=list(CHAOS))
-    p.add_argument("--rank", type=int, default=0, help="kill-rank: this rank; lose-node: the node of this rank")
-    p.add_argument("--seconds", type=float, default=2.0, help="slow-storage: seconds added to each write (0: off)")
+    p.add_argument("--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank")
+    p.add_argument("--seconds", type=float, default=2.0,
+                   help="slow-storage: seconds added to each write; slow-rank: to each step (0: off)")
     p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
     p.set_defaults(func=_chaos)
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")

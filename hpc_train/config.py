@@ -17,6 +17,7 @@ from typing import Any
 from hpc_train import shipped_dir
 from hpc_train.preflight import PreflightConfig
 from hpc_train.sbatch import ClusterConfig
+from hpc_train.straggler import StragglerConfig
 from hpc_train.tracking import TrackingConfig
 
 CONF_DIR = Path(shipped_dir("conf"))  # the starter configs; `hpc-train init` copies them to ./conf
@@ -266,6 +267,7 @@ class RunConfig:
     preflight: PreflightConfig = field(default_factory=PreflightConfig)  # node health at attempt start
     fn: FnConfig = field(default_factory=FnConfig)
     metrics: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow (tracking.py)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)  # slow ranks named (straggler.py)
 
     def __post_init__(self) -> None:
         from hpc_train.topology import mesh_shape

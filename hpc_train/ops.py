@@ -239,7 +239,20 @@ def slurm_states_or_error(job_ids: list[str], retry_after_s: float = 1.0) -> tup
 
 
 COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "world_size", "committed_step", "total_steps", "tokens_per_s", "mfu",
-           "val_loss", "goodput", "since_last_event_s", "warnings")
+           "val_loss", "goodput", "since_last_event_s", "warnings", "stragglers", "last_straggler")
+
+
+def stragglers(events: list[dict[str, Any]]) -> tuple[int, str]:
+    """(straggler events in the run, the last one named as "rank R on NODE", with "(now)" while it is
+    not cleared in the latest attempt; "" when none) (pure)."""
+    from hpc_train.straggler import current
+
+    named = [e for e in events if e["event"] == "straggler"]
+    if not named:
+        return 0, ""
+    last = named[-1]
+    now = current(events).get(last["rank"]) is last
+    return len(named), f"rank {last['rank']} on {last['node']}{' (now)' if now else ''}"
 
 
 def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
@@ -291,6 +304,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             "since_last_event_s": round(time.time() - last, 1) if last else None,
             "warnings": warnings,
             "excluded_nodes": excluded_nodes(events),  # node -> why (preflight, hardware error)
+            **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
         })
         if state_error and r.executor == "slurm":  # shown once below the table, in full
             rows[-1].update(state="unknown", state_error=state_error)
@@ -302,8 +316,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table()
-    for col in ("run", "job", "state", "attempts", "restarts", "ranks", "step", "tokens/s", "MFU", "val loss", "goodput", "last event",
-                "warnings"):
+    for col in ("run", "job", "state", "attempts", "restarts", "ranks", "step", "tokens/s", "MFU", "val loss", "goodput",
+                "last event", "stragglers", "warnings"):
         table.add_column(col)
     for r in rows:
         step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps'] or '-'}"
@@ -313,7 +327,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                       f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
                       f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], (int, float)) else "-",
-                      f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since, "; ".join(r["warnings"]))
+                      f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since,
+                      f"{r['stragglers']}: {r['last_straggler']}" if r.get("stragglers") else "-", "; ".join(r["warnings"]))
     console = Console(width=220)
     console.print(table)
     for r in rows:  # a line per excluded node, below the table: the reasons are sentences
@@ -473,8 +488,9 @@ CHAOS = {  # action -> what it injects; recorded as a `chaos` event
     "slow-storage": "every later checkpoint write takes --seconds longer (0: back to normal)",
     "corrupt-checkpoint": "one byte flipped in the newest committed checkpoint (the next resume skips it)",
     "sick-node": "--node (else rank --rank's node) fails every later preflight until RUN/drills/sick_node.NODE goes",
+    "slow-rank": "rank --rank works --seconds longer each step, as a slow GPU or core (0: back to normal)",
 }
-DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "sick-node")  # files in the run dir: local runs too
+DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "sick-node", "slow-rank")  # files in the run dir: local runs too
 
 
 def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str = "") -> str:
@@ -515,6 +531,14 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
         paths.drills.mkdir(exist_ok=True)
         (paths.drills / f"sick_node.{node}").write_text("armed\n")
         what = f"{node} fails every later preflight (rm {paths.drills / f'sick_node.{node}'} to heal it)"
+    elif action == "slow-rank":  # the rank re-reads it once per straggler window (train.py)
+        paths.drills.mkdir(exist_ok=True)
+        drill = paths.drills / f"slow_rank_{rank}"
+        if seconds <= 0:
+            drill.unlink(missing_ok=True)
+        else:
+            drill.write_text(f"{seconds}\n")
+        what = f"rank {rank} works {seconds:g} s more per step" if seconds > 0 else f"rank {rank} at normal speed"
     elif action == "corrupt-checkpoint":
         committed = [(s, m) for s, f in step_folders(paths.checkpoints).items() if (m := read_marker(f))]
         if not committed:
@@ -545,6 +569,20 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
     log_event(run.run_dir, "chaos", start["step"] if start else -1, run.job_id, current_attempt(run.run_dir),
               action=action, injected=what)
     return what
+
+
+def straggler_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each `straggler` event with the step its `straggler_cleared` came at (None: still slow, or the
+    attempt ended first) (pure): what `report` lists."""
+    rows = []
+    for i, e in enumerate(events):
+        if e["event"] == "straggler":
+            cleared = next((c["step"] for c in events[i + 1:] if c["event"] == "straggler_cleared"
+                            and c["rank"] == e["rank"] and c.get("restart") == e.get("restart")), None)
+            rows.append({"attempt": e.get("restart", 0), "step": e["step"], "rank": e["rank"], "node": e["node"],
+                         "own_ms": e["own_s"] * 1e3, "median_ms": e["median_own_s"] * 1e3,
+                         "comm_ms": e.get("comm_s", 0.0) * 1e3, "cleared_step": cleared})
+    return rows
 
 
 def report_marks(atts: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_train import data, preempt, tracking
+from hpc_train import data, preempt, prometheus, straggler, tracking
 from hpc_train.attempt import Attempt
 from hpc_train.checkpoint import TrainState
 from hpc_train.config import RunConfig, TrainConfig
@@ -144,6 +144,34 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | No
     return None if peak is None else flops_per_token * tokens_per_s_per_device / peak
 
 
+def name_stragglers(at: Attempt, sums: list[float], steps: int, judge: straggler.Judge,
+                    cfg: straggler.StragglerConfig, step: int) -> None:
+    """Collective, once per window: every rank's (compute, data, wall) seconds per step, in one all_gather
+    of 3 floats; rank 0 judges (straggler.py) and names or clears ranks in events.jsonl and on its console."""
+    mine = torch.tensor([s / steps for s in sums], dtype=torch.float64, device=at.device)
+    every = [torch.zeros_like(mine) for _ in range(at.env.world_size)]
+    dist.all_gather(every, mine)
+    if at.env.rank != 0:
+        return
+    times = [t.tolist() for t in every]
+    named, cleared, medians = straggler.judge(judge, [c + d for c, d, _ in times], cfg)
+    for rank in named + cleared:
+        (compute_s, data_s, wall_s), node = times[rank], at.env.nodes[rank // at.env.local_world_size]
+        median = medians[rank]  # of the other ranks' own times
+        fields = {"rank": rank, "node": node, "own_s": round(compute_s + data_s, 6), "median_own_s": round(median, 6),
+                  "compute_s": round(compute_s, 6), "data_s": round(data_s, 6),
+                  "comm_s": round(max(0.0, wall_s - compute_s - data_s), 6), "wall_s": round(wall_s, 6)}
+        if rank in named:
+            at.event("straggler", step, **fields, windows=cfg.windows, every_steps=cfg.every_steps, factor=cfg.factor)
+            at.say(f"[hpc_train] straggler: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step of its own "
+                   f"(compute {compute_s * 1e3:.1f}, data {data_s * 1e3:.1f}) vs the other ranks' median {median * 1e3:.1f} "
+                   f"ms, {cfg.windows} windows of {cfg.every_steps} steps in a row; the others wait for it in collectives")
+        else:
+            at.event("straggler_cleared", step, **fields)
+            at.say(f"[hpc_train] straggler cleared: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step "
+                   f"vs the others' median {median * 1e3:.1f} ms")
+
+
 def params_sha256(model: torch.nn.Module) -> str:
     """Hash of every parameter's bytes, in name order: equal hashes mean bit-identical weights.
     Collective under FSDP2 (full_tensor gathers each shard)."""
@@ -239,28 +267,50 @@ def main(at: Attempt) -> dict[str, Any] | None:
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
     first_step, step_loss, val_loss = state.step, torch.tensor(float("nan")), None
     tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank, at.event)  # metrics.tensorboard/wandb/mlflow
+    exporter = prometheus.start(cfg.metrics.prometheus_addr, cfg.metrics.prometheus_port, cfg.metrics.prometheus_textfile,
+                                lambda: prometheus.run_text(at.paths.run_dir, at.env.job_id, at.paths.run_dir.name),
+                                at.event) if at.env.rank == 0 else None
+    # Stragglers (straggler.py): this rank's own seconds (compute, data, wall) summed over a window.
+    sc, judge, window, window_steps = cfg.straggler, straggler.Judge(), [0.0, 0.0, 0.0], 0
+    slow_drill_s = preempt.drill_seconds(at.paths.drills, f"slow_rank_{at.env.rank}")  # re-read once per window
+    # GPU: compute = the forwards' kernel time (CUDA events; thread time would miss kernels). The slow-rank
+    # drill's busy loop is host work, invisible there: the drill is a CPU drill. Not run on a GPU yet.
+    forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # Go!
     while state.step < tc.steps:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         if hang_drill and state.step == first_step + 3:
             time.sleep(10**9)  # a drill: the last rank stops, the others block in the next collective
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state.step, tc)
         optimizer.zero_grad(set_to_none=True)
-        data_s, step_loss = 0.0, torch.zeros((), device=at.device)
+        data_s, data_cpu_s, step_loss = 0.0, 0.0, torch.zeros((), device=at.device)
         for micro in range(grad_accum):
-            t_data = time.monotonic()
+            t_data, cpu_data = time.monotonic(), time.thread_time()
             x, y = next_batch()
             data_s += time.monotonic() - t_data
+            data_cpu_s += time.thread_time() - cpu_data
+            if on_gpu and sc.every_steps:
+                forward_events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                forward_events[-1][0].record()
             loss = loss_of(x, y)
+            if on_gpu and sc.every_steps:
+                forward_events[-1][1].record()
             # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
             (loss / grad_accum if grad_accum > 1 else loss).backward()
             step_loss += loss.detach() / grad_accum  # the step's loss: every micro-batch's, not the last one's
+        if slow_drill_s:
+            straggler.busy(slow_drill_s)  # `hpc-train chaos RUN slow-rank`: real work, as a slow core
         grad_norm = clip_grad_norm(model, tc.grad_clip)
         optimizer.step()
         state.step += 1
         state.tokens_seen += tokens_per_step
+        if sc.every_steps:
+            window[0] += time.thread_time() - cpu0 - data_cpu_s
+            window[1] += data_s
+            window[2] += time.monotonic() - t0  # before min_step_time_s's sleep: that is nobody's work
+            window_steps += 1
         if tc.min_step_time_s > 0:
             time.sleep(max(0.0, tc.min_step_time_s - (time.monotonic() - t0)))
         step_time_s = time.monotonic() - t0
@@ -285,15 +335,30 @@ def main(at: Attempt) -> dict[str, Any] | None:
                        **({} if val_loss is None else {"val_loss": val_loss})}
                 append_jsonl(at.paths.metrics, row)
                 tracker.log(state.step, row)
+                if exporter:
+                    exporter.tick()
                 mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
                 val_text = "" if val_loss is None else f"  val {val_loss:.4f}"
                 at.say(f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  gnorm "
                        f"{row['grad_norm']:.3f}{val_text}  {step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} "
                        f"tok/s  data {row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}")
+        if sc.every_steps and state.step % sc.every_steps == 0:  # the same step on every rank
+            if forward_events:  # GPU: the window's forwards, read once (one synchronize per window)
+                forward_events[-1][1].synchronize()
+                window[0] = sum(a.elapsed_time(b) for a, b in forward_events) / 1e3
+                forward_events.clear()
+            name_stragglers(at, window, window_steps, judge, sc, state.step)
+            window, window_steps = [0.0, 0.0, 0.0], 0
+            slow_drill_s = preempt.drill_seconds(at.paths.drills, f"slow_rank_{at.env.rank}")
         if at.step_end(state, tc.steps):  # every rank agreed to stop: saved (if it fit); the job requeues
             tracker.close()  # the requeue leaves by os._exit: W&B writes its offline run only on close
+            if exporter:
+                exporter.close()
             return None
 
     evaluated = {"val_loss": val_loss} if tc.eval_every_steps else {}  # the last step's, None if a signal skipped it
     tracker.close(finished=True)  # explicit, not only atexit: the MLflow run is FINISHED before summary.json exists
-    return at.finish(state, final_loss=global_mean(step_loss), params_sha256=params_sha256(model), **evaluated)
+    summary = at.finish(state, final_loss=global_mean(step_loss), params_sha256=params_sha256(model), **evaluated)
+    if exporter:  # after the finish event: the textfile's last word is the finished run
+        exporter.close()
+    return summary
