@@ -301,14 +301,18 @@ def _report(args: argparse.Namespace) -> int:
             table.add_row(what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-")
         table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
         attempts = Table(title="attempts (start-up: python imports rendezvous setup verify load first-step, seconds)")
-        for col in ("attempt", "job", "steps", "wall s", "start-up s", "start-up by phase", "ended by", "signals"):
+        batches = ops.batch_text(atts)  # a column only when the global batch or accumulation changed
+        for col in ("attempt", "job", "ranks", *(["batch"] if batches else []), "steps", "wall s", "start-up s",
+                    "start-up by phase", "ended by", "signals"):
             attempts.add_column(col)
-        for a in atts:
+        for i, a in enumerate(atts):
             phases = " ".join(f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-" for k in
                               ("python", "imports", "rendezvous", "setup", "verify", "load", "first_step"))
-            attempts.add_row(str(a["restart"]), str(a["job_id"]), f"{a['start_step']}->{a['reached_step']}",
+            attempts.add_row(str(a["restart"]), str(a["job_id"]), ops.size_text(a), *([batches[i]] if batches else []),
+                             f"{a['start_step']}->{a['reached_step']}",
                              f"{a['end'] - a['launched']:.1f}", f"{(a['start'] or a['end']) - a['launched']:.1f}",
-                             phases, a["ended_by"], ",".join(a["signals"]))
+                             phases, a["ended_by"] + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else ""),
+                             ",".join(a["signals"]))
         console = Console(width=200)
         console.print(table)
         console.print(attempts)

@@ -185,36 +185,39 @@ def elastic(env: Any, cfg: Any) -> bool:
     return env.executor == "slurm" and (cfg.cluster.min_nodes or cfg.cluster.nodes) < cfg.cluster.nodes
 
 
-def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None, str]:
-    """(seconds until the job's full size could run, None if unknown; why unknown) from one queue snapshot
-    (preempt.full_size_wait_s), not counting the run's excluded nodes among its own; (None, "") for a job
-    that is not elastic."""
+def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None, dict[str, Any]]:
+    """(seconds until the job's full size could run, None if unknown; the snapshot's facts for the requeue
+    event) from one queue snapshot (preempt.full_size_wait_s), not counting the run's excluded nodes among
+    its own. Facts: free_nodes (counted free now) and not_free (node -> state of those neither free nor held
+    by a running job: why a node was not counted), or queue_error. (None, {}) for a job not elastic."""
     from hpc_train import slurm
 
     if not elastic(env, cfg):
-        return None, ""
+        return None, {}
     partition = cfg.cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
     try:
         states, jobs = slurm.queue_snapshot(partition, env.job_id)
     except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
-        return None, str(e)
+        return None, {"queue_error": str(e)}
     own = [n for n in env.nodes if n not in excluded]
-    return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), ""
+    free = preempt.free_now(own, states, preempt.job_excluded(env.job_id, jobs))
+    facts = {"free_nodes": sorted(free), "not_free": preempt.not_free(env.job_id, states, free, jobs)}
+    return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), facts
 
 
-def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, str]) -> dict[str, Any]:
+def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]) -> dict[str, Any]:
     """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if they are
     free within requeue.shrink_after_s, else go on with what Slurm gives (preempt.next_size), set with
     `scontrol update`, which Slurm takes only now that the job is pending again. Returns the requeue
-    event's fields: nodes_next, full_size_wait_s (None: unknown), and any error."""
+    event's fields: nodes_next, full_size_wait_s (None: unknown), the snapshot's facts, and any error."""
     from hpc_train import slurm
 
     if not elastic(env, cfg):
         return {}
-    c, (wait_s, error) = cfg.cluster, wait
+    c, (wait_s, facts) = cfg.cluster, wait
     fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s)
-    error = "; ".join(e for e in (error, slurm.update_job(env.job_id, fields)) if e)
-    out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1)}
+    error = slurm.update_job(env.job_id, fields)
+    out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1), **facts}
     return {**out, "nodes_update_error": error} if error else out
 
 

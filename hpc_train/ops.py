@@ -142,7 +142,8 @@ def local_state(run: Run, events: list[dict[str, Any]]) -> str:
 
 
 def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per attempt (by restart count): launch, start, first step, end times and what ended it (pure)."""
+    """Per attempt (by restart count): launch, start, first step, end times, what ended it, and its size
+    (world_size, nodes, grad_accum_steps, global_batch_seqs: from the start event; None before it) (pure)."""
     by_restart: dict[int, list[dict[str, Any]]] = {}
     for e in events:
         by_restart.setdefault(int(e.get("restart", 0)), []).append(e)
@@ -163,11 +164,30 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "committed_step": max((e["step"] for e in commits), default=None),
             "stall_s": sum(e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits),
             "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
+            "nodes_next": next((e.get("nodes_next") for e in evs if e["event"] == "requeue"), None),  # elastic
+            **{k: start.get(k) if start else None for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")},
             # start-up, phase by phase (job.py): python, imports, rendezvous, setup, verify, load, first step
             "phases_s": {**(start.get("phases_s", {}) if start else {}),
                          **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {})},
         })
     return out
+
+
+def size_text(att: dict[str, Any]) -> str:
+    """An attempt's size for `report`: "4 on node1,node3" (ranks on nodes); past 4 nodes, their count."""
+    if not att.get("world_size"):
+        return "-"
+    nodes = att.get("nodes") or []
+    return f"{att['world_size']} on {','.join(nodes) if len(nodes) <= 4 else f'{len(nodes)} nodes'}"
+
+
+def batch_text(atts: list[dict[str, Any]]) -> list[str] | None:
+    """Per attempt "32 seqs x1" (global batch, micro-batches per step) when it differs between attempts
+    (an elastic resume accumulates more, or a batch_changed one steps fewer sequences), else None."""
+    seen = {(a.get("global_batch_seqs"), a.get("grad_accum_steps")) for a in atts if a.get("world_size")}
+    if len(seen) < 2:
+        return None
+    return [f"{a['global_batch_seqs']} seqs x{a['grad_accum_steps']}" if a.get("global_batch_seqs") else "-" for a in atts]
 
 
 def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
@@ -225,7 +245,7 @@ def slurm_states_or_error(job_ids: list[str], retry_after_s: float = 1.0) -> tup
     return {}, error
 
 
-COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "committed_step", "total_steps", "tokens_per_s", "mfu",
+COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "world_size", "committed_step", "total_steps", "tokens_per_s", "mfu",
            "val_loss", "goodput", "since_last_event_s", "warnings", "stragglers", "last_straggler")
 
 
@@ -282,6 +302,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
         rows.append({
             "run": r.label, "job_id": r.job_id, "state": state, "attempts": len(atts),
             "restarts": max((a["restart"] for a in atts), default=0),
+            "world_size": next((a["world_size"] for a in reversed(atts) if a["world_size"]), None),  # cluster.min_nodes
             "committed_step": max(commits, default=None), "total_steps": cfg["train"]["steps"],
             "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
             "mfu": metrics[-1].get("mfu") if metrics else None,
@@ -302,13 +323,13 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table()
-    for col in ("run", "job", "state", "attempts", "restarts", "step", "tokens/s", "MFU", "val loss", "goodput", "last event",
-                "stragglers", "warnings"):
+    for col in ("run", "job", "state", "attempts", "restarts", "ranks", "step", "tokens/s", "MFU", "val loss", "goodput",
+                "last event", "stragglers", "warnings"):
         table.add_column(col)
     for r in rows:
         step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps'] or '-'}"
         since = f"{r['since_last_event_s']:.0f} s ago" if r["since_last_event_s"] is not None else "-"
-        counts = ["-" if r[k] is None else str(r[k]) for k in ("attempts", "restarts")]  # None: unreadable
+        counts = ["-" if r.get(k) is None else str(r[k]) for k in ("attempts", "restarts", "world_size")]  # None: unreadable
         table.add_row(r["run"], r["job_id"], r["state"], *counts, step,
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                       f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only

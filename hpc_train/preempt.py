@@ -254,25 +254,45 @@ def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_n
 UNUSABLE = ("drain", "drng", "down", "fail", "maint", "pow", "unk", "boot", "resv", "inval")
 
 
+def usable_nodes(states: dict[str, str]) -> set[str]:
+    """Nodes that can take a job once their jobs end: neither drained, down, nor not responding."""
+    return {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
+
+
+def free_now(own_nodes: list[str], states: dict[str, str], excluded: list[str]) -> set[str]:
+    """Nodes the next attempt could start on at once (pure): the partition's idle nodes plus own_nodes (the
+    job's own, completing after its requeue) that are not drained or down, less the excluded ones. Not
+    "idle*": a node just back from `scontrol update State=RESUME` shows idle* (not responding) until it
+    answers the controller's ping, ~1 s on the dev cluster, and Slurm starts nothing on it before; a node
+    whose slurmd died shows the same for SlurmdTimeout (300 s by default) before it turns down*."""
+    return ({n for n, st in states.items() if st == "idle"} | (set(own_nodes) & usable_nodes(states))) - set(excluded)
+
+
+def not_free(job_id: str, states: dict[str, str], free: set[str], jobs: list[dict[str, Any]]) -> dict[str, str]:
+    """node -> state for the partition's nodes neither free now nor held by another running job (pure): what
+    the estimate left out and why (drng, down*, idle* just resumed, "idle excluded"), for the requeue event."""
+    held = {n for j in jobs if j["state"] == "RUNNING" and j["id"] != job_id for n in j["nodes"]}
+    excluded = job_excluded(job_id, jobs)
+    return {n: f"{st} excluded" if n in excluded else st for n, st in sorted(states.items())
+            if n not in free and n not in held}
+
+
 def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:
     """The partition's nodes in a usable state (states: node -> sinfo's short state), less cluster.exclude,
     beyond the `need` the run has (pure). Not TotalNodes: it counts drained and down nodes, so exclusions
     could leave fewer usable nodes than the run needs and the requeued job would pend."""
-    usable = {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
-    return len(usable - set(exclude)) - need
+    return len(usable_nodes(states) - set(exclude)) - need
 
 
 def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[str, str], jobs: list[dict[str, Any]],
                      now: float) -> float | None:
-    """Seconds until `need` nodes could be free for job `job_id` (pure), from one snapshot: the partition's
-    idle nodes (states: node -> sinfo's short state) plus own_nodes (the job's own, completing after its
-    requeue) that are not drained or down, less those it excludes; if short, running jobs' nodes as their
-    end times come, soonest first. None when unknown (a job with no end time, or too few nodes even then).
-    jobs: {"id", "state", "end" (Unix s or None), "nodes", "excluded"}, as slurm.parse_queue gives them."""
-    own = next((j for j in jobs if j["id"] == job_id), None)
-    excluded = set(own["excluded"]) if own else set()
-    usable = {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
-    free = ({n for n, st in states.items() if st == "idle"} | (set(own_nodes) & usable)) - excluded
+    """Seconds until `need` nodes could be free for job `job_id` (pure), from one snapshot: free_now, and if
+    short, running jobs' nodes as their end times come, soonest first. None when unknown (a job with no end
+    time, or too few nodes even then). states: node -> sinfo's short state; jobs: {"id", "state", "end"
+    (Unix s or None), "nodes", "excluded"}, as slurm.parse_queue gives them."""
+    excluded = job_excluded(job_id, jobs)
+    usable = usable_nodes(states)
+    free = free_now(own_nodes, states, excluded)
     if len(free) >= need:
         return 0.0
     running = sorted((j for j in jobs if j["id"] != job_id and j["state"] == "RUNNING"),
@@ -280,10 +300,15 @@ def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[
     for j in running:
         if j["end"] is None:
             return None
-        free |= set(j["nodes"]) & usable - excluded
+        free |= set(j["nodes"]) & usable - set(excluded)
         if len(free) >= need:
             return max(0.0, j["end"] - now)
     return None
+
+
+def job_excluded(job_id: str, jobs: list[dict[str, Any]]) -> list[str]:
+    """The nodes job `job_id` excludes (its ExcNodeList, squeue %x), from the snapshot's jobs."""
+    return next((j["excluded"] for j in jobs if j["id"] == job_id), [])
 
 
 def next_size(min_nodes: int, max_nodes: int, tasks_per_node: int, wait_s: float | None,

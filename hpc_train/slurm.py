@@ -283,11 +283,33 @@ def node_states(partition: str) -> dict[str, str]:
         ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True).split() if "|" in line)
 
 
+# scontrol's node State flags as sinfo's short states (preempt.UNUSABLE); the first that applies wins.
+SHORT_FLAGS = (("DRAIN", "drain"), ("COMPLETING", "comp"), ("MAINTENANCE", "maint"), ("RESERVED", "resv"),
+               ("REBOOT", "boot"), ("POWER", "pow"), ("INVALID_REG", "inval"), ("PLANNED", "plnd"))
+
+
+def short_state(state: str) -> str:
+    """`scontrol show node` State (IDLE, MIXED+DRAIN, IDLE+NOT_RESPONDING, ...) in sinfo's short form (idle,
+    drng, idle*, ...). Not sinfo's own %t: on the dev cluster it said "mix" for 30 s after a drained node's
+    resume while scontrol said State=IDLE CPUAlloc=0, and Slurm started the requeued job on that node."""
+    base, *flags = state.split("+")
+    short = {"IDLE": "idle", "MIXED": "mix", "ALLOCATED": "alloc", "DOWN": "down", "FUTURE": "futr"}.get(base, "unk")
+    for flag, name in SHORT_FLAGS:
+        if any(f.startswith(flag) for f in flags):
+            short = "drng" if name == "drain" and base in ("MIXED", "ALLOCATED") else name
+            break
+    return short + ("*" if "NOT_RESPONDING" in flags else "")
+
+
 def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
-    """(the partition's nodes and their sinfo short states; running jobs, any partition, holding its nodes, and job `job_id` with
-    what it excludes) for preempt.full_size_wait_s. Node lists keep only the partition's nodes."""
-    states = dict(line.split("|", 1) for line in call(
-        ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True).split() if "|" in line)
+    """(the partition's nodes and their short states, from the controller's own node records; running jobs,
+    any partition, holding its nodes, and job `job_id` with what it excludes) for preempt.full_size_wait_s.
+    Node lists keep only the partition's nodes."""
+    states = {}
+    for line in call(["scontrol", "show", "node", "-o"], timeout_s=10, retries=1, ignore_term=True).splitlines():
+        node = parse_key_values(line)
+        if "NodeName" in node and partition in node.get("Partitions", "").split(","):
+            states[node["NodeName"]] = short_state(node.get("State", ""))
     form = ["-o", "%i|%T|%e|%N|%x"]
     jobs = parse_queue(call(["squeue", "-h", "-t", "R", *form], timeout_s=10, retries=1, ignore_term=True) +
                        call(["squeue", "-h", "-j", job_id, *form], timeout_s=10, retries=1, ignore_term=True))
