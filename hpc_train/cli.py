@@ -195,7 +195,7 @@ def _resume(args: argparse.Namespace) -> int:
     """A stopped, cancelled or failed run again, same run directory and config, from its last checkpoint."""
     from hpc_train import submit
 
-    budgets = {k: v for k in ("max_preemptions", "max_time_limit_requeues", "max_failures")
+    budgets = {k: v for k in ("max_preemptions", "max_time_limit_requeues", "max_failures", "max_excluded_nodes")
                if (v := getattr(args, k)) is not None}
     job, lines = submit.resume(Path(args.run), budgets, args.reason)
     print("\n".join(lines))
@@ -226,8 +226,10 @@ def _status(args: argparse.Namespace) -> int:
     if args.prometheus:  # the files only, no Slurm query: cron may run it every minute
         from hpc_train import prometheus
 
-        runs = [r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable]
-        print(prometheus.render([({"job": r.job_id, "run": r.label}, prometheus.values(r.run_dir)) for r in runs]), end="")
+        # one series per run: runs/latest -> demo-3 is demo-3 again
+        runs = list({r.run_dir.resolve(): r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable}.values())
+        print(prometheus.render([(prometheus.labels(r.run_dir, r.job_id), prometheus.values(r.run_dir)) for r in runs]),
+              end="")
         return 0
     while True:
         rows = ops.status_rows(_runs(args.path, unreadable_ok=True))
@@ -299,14 +301,18 @@ def _report(args: argparse.Namespace) -> int:
             table.add_row(what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-")
         table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
         attempts = Table(title="attempts (start-up: python imports rendezvous setup verify load first-step, seconds)")
-        for col in ("attempt", "job", "steps", "wall s", "start-up s", "start-up by phase", "ended by", "signals"):
+        batches = ops.batch_text(atts)  # a column only when the global batch or accumulation changed
+        for col in ("attempt", "job", "ranks", *(["batch"] if batches else []), "steps", "wall s", "start-up s",
+                    "start-up by phase", "ended by", "signals"):
             attempts.add_column(col)
-        for a in atts:
+        for i, a in enumerate(atts):
             phases = " ".join(f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-" for k in
                               ("python", "imports", "rendezvous", "setup", "verify", "load", "first_step"))
-            attempts.add_row(str(a["restart"]), str(a["job_id"]), f"{a['start_step']}->{a['reached_step']}",
+            attempts.add_row(str(a["restart"]), str(a["job_id"]), ops.size_text(a), *([batches[i]] if batches else []),
+                             f"{a['start_step']}->{a['reached_step']}",
                              f"{a['end'] - a['launched']:.1f}", f"{(a['start'] or a['end']) - a['launched']:.1f}",
-                             phases, a["ended_by"], ",".join(a["signals"]))
+                             phases, a["ended_by"] + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else ""),
+                             ",".join(a["signals"]))
         console = Console(width=200)
         console.print(table)
         console.print(attempts)
@@ -414,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-failures", type=int, help="set requeue.max_failures (failure requeues in a row)")
     p.add_argument("--max-preemptions", type=int, help="set requeue.max_preemptions (-1: unlimited)")
     p.add_argument("--max-time-limit-requeues", type=int, help="set requeue.max_time_limit_requeues")
+    p.add_argument("--max-excluded-nodes", type=int, help="set requeue.max_excluded_nodes (sick nodes left out)")
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_resume)
     p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")
@@ -440,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("action", choices=list(CHAOS))
     p.add_argument("--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank")
-    p.add_argument("--seconds", type=float, default=2.0,
-                   help="slow-storage: seconds added to each write; slow-rank: to each step (0: off)")
+    p.add_argument("--seconds", type=float,
+                   help="slow-storage: seconds added to each write (default 2); slow-rank (required): to each step, "
+                        "0 to 10 (0: off)")
     p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
     p.set_defaults(func=_chaos)
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")

@@ -96,19 +96,19 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
 
 
 def spare_nodes(env: Any, cluster: Any) -> int | None:
-    """Nodes the job's partition has beyond those the run needs and cluster.exclude; None when Slurm does
-    not say. The local executor has one machine: none spare."""
+    """Nodes of the job's partition in a usable state beyond those the run needs and cluster.exclude
+    (preempt.spare_nodes); None when Slurm does not say. The local executor has one machine: none spare."""
     from hpc_train import slurm
     from hpc_train.env import parse_nodelist
 
     if env.executor != "slurm":
         return 0
-    partition = cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
     try:
-        total = int(slurm.partitions()[partition]["TotalNodes"])
-    except (slurm.SlurmError, KeyError, ValueError):
+        states = slurm.node_states(cluster.partition or os.environ.get("SLURM_JOB_PARTITION", ""))
+    except slurm.SlurmError:
         return None
-    return total - (getattr(cluster, "min_nodes", None) or cluster.nodes) - len(parse_nodelist(cluster.exclude or ""))
+    need = getattr(cluster, "min_nodes", None) or cluster.nodes
+    return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
 def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
@@ -127,28 +127,37 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
     record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
     excluded = sorted(preempt.excluded_nodes(events))
     if action != "stop" and sick:
-        excluded, not_out = preempt.exclusion(events, sick, budgets.max_excluded_nodes, spare_nodes(env, cfg.cluster))
-        action, why = ("stop", not_out) if not_out else (action, why)
-        for node, because in sick.items() if not not_out else ():
+        excluded, not_out, stop = preempt.exclusion(events, sick, budgets.max_excluded_nodes,
+                                                    spare_nodes(env, cfg.cluster), local=env.executor != "slurm")
+        if stop:
+            action, why = "stop", stop
+        elif not_out:  # requeued as a failure: counted in requeue.max_failures, a crash loop still ends
+            record("node_not_excluded", nodes=sorted(set(sick) - set(excluded)), why=not_out)
+            print(f"[hpc_train] {not_out}", file=sys.stderr, flush=True)
+            reason = "failure"
+            action, why = preempt.decide(reason, events, budgets, fate)
+        for node, because in sick.items() if not (stop or not_out) else ():
             record("node_excluded", node=node, why=because)
     if action == "stop":
         record("stopped", reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
+        _exclude_nodes(env, cfg.cluster, excluded, record)
         record("requeue", reason=reason, by="slurm", note=why,
                **next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded)))
-        _exclude_nodes(env, cfg.cluster, excluded, record)
         return "requeue"
     wait = queue_wait_s(env, cfg, excluded)  # before the requeue: after it, Slurm's SIGTERM reaches our client calls too
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
     if not err:
+        _exclude_nodes(env, cfg.cluster, excluded, record)  # first: the job's KillWait may end this process soon
         record("requeue", reason=reason, by="hpc_train", fate=fate, **next_attempt_size(env, cfg, wait))
-        _exclude_nodes(env, cfg.cluster, excluded, record)
         return "requeue"
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
-    record("requeue_failed", reason=reason, fate=fate, error=err)
+    # No requeue, so no pending job to set ExcNodeList on: the node's next preflight finds it and sets it then.
+    unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
+    record("requeue_failed", reason=reason, fate=fate, error=err, **unset)
     preempted = reason == "preempt" or "SIGTERM" in preempt.received  # a crash inside a preemption's grace too
     then = "waiting for Slurm to end and requeue the preempted job" if preempted else \
         "the last committed checkpoint stays; resubmit to go on"
@@ -176,36 +185,39 @@ def elastic(env: Any, cfg: Any) -> bool:
     return env.executor == "slurm" and (cfg.cluster.min_nodes or cfg.cluster.nodes) < cfg.cluster.nodes
 
 
-def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None, str]:
-    """(seconds until the job's full size could run, None if unknown; why unknown) from one queue snapshot
-    (preempt.full_size_wait_s), not counting the run's excluded nodes among its own; (None, "") for a job
-    that is not elastic."""
+def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None, dict[str, Any]]:
+    """(seconds until the job's full size could run, None if unknown; the snapshot's facts for the requeue
+    event) from one queue snapshot (preempt.full_size_wait_s), not counting the run's excluded nodes among
+    its own. Facts: free_nodes (counted free now) and not_free (node -> state of those neither free nor held
+    by a running job: why a node was not counted), or queue_error. (None, {}) for a job not elastic."""
     from hpc_train import slurm
 
     if not elastic(env, cfg):
-        return None, ""
+        return None, {}
     partition = cfg.cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
     try:
         states, jobs = slurm.queue_snapshot(partition, env.job_id)
     except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
-        return None, str(e)
+        return None, {"queue_error": str(e)}
     own = [n for n in env.nodes if n not in excluded]
-    return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), ""
+    free = preempt.free_now(own, states, preempt.job_excluded(env.job_id, jobs))
+    facts = {"free_nodes": sorted(free), "not_free": preempt.not_free(env.job_id, states, free, jobs)}
+    return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), facts
 
 
-def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, str]) -> dict[str, Any]:
+def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]) -> dict[str, Any]:
     """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if they are
     free within requeue.shrink_after_s, else go on with what Slurm gives (preempt.next_size), set with
     `scontrol update`, which Slurm takes only now that the job is pending again. Returns the requeue
-    event's fields: nodes_next, full_size_wait_s (None: unknown), and any error."""
+    event's fields: nodes_next, full_size_wait_s (None: unknown), the snapshot's facts, and any error."""
     from hpc_train import slurm
 
     if not elastic(env, cfg):
         return {}
-    c, (wait_s, error) = cfg.cluster, wait
+    c, (wait_s, facts) = cfg.cluster, wait
     fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s)
-    error = "; ".join(e for e in (error, slurm.update_job(env.job_id, fields)) if e)
-    out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1)}
+    error = slurm.update_job(env.job_id, fields)
+    out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1), **facts}
     return {**out, "nodes_update_error": error} if error else out
 
 
@@ -245,7 +257,9 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
     text = f"{type(error).__name__}: {error}" if error is not None else ""
     marker = preempt.hardware_error(text)
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
-    sick = {node: f"rank {env.rank} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
+    # env is Slurm's task numbering (this runs outside the placed rendezvous too): name the task, not a rank
+    task = f"{'Slurm task' if env.executor == 'slurm' else 'task'} {env.rank}"
+    sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick), cfg.cluster.preempt_grace_s
 
 

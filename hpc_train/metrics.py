@@ -52,9 +52,12 @@ def _number(x: Any) -> bool:
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """events.jsonl: the records every reader may index (a str `event`, a numeric `time`, an int `step`);
     a line someone edited into another shape is skipped rather than crash a decision or `status`."""
-    return [e for e in read_jsonl(RunPaths(run_dir).events)
-            if isinstance(e.get("event"), str) and _number(e.get("time")) and type(e.get("step")) is int
-            and type(e.get("restart", 0)) is int]
+    return [e for e in read_jsonl(RunPaths(run_dir).events) if is_event(e)]
+
+
+def is_event(e: dict[str, Any]) -> bool:
+    return (isinstance(e.get("event"), str) and _number(e.get("time")) and type(e.get("step")) is int
+            and type(e.get("restart", 0)) is int)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

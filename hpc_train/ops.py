@@ -142,7 +142,8 @@ def local_state(run: Run, events: list[dict[str, Any]]) -> str:
 
 
 def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per attempt (by restart count): launch, start, first step, end times and what ended it (pure)."""
+    """Per attempt (by restart count): launch, start, first step, end times, what ended it, and its size
+    (world_size, nodes, grad_accum_steps, global_batch_seqs: from the start event; None before it) (pure)."""
     by_restart: dict[int, list[dict[str, Any]]] = {}
     for e in events:
         by_restart.setdefault(int(e.get("restart", 0)), []).append(e)
@@ -163,6 +164,8 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "committed_step": max((e["step"] for e in commits), default=None),
             "stall_s": sum(e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits),
             "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
+            "nodes_next": next((e.get("nodes_next") for e in evs if e["event"] == "requeue"), None),  # elastic
+            **{k: start.get(k) if start else None for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")},
             # start-up, phase by phase (job.py): python, imports, rendezvous, setup, verify, load, first step
             "phases_s": {**(start.get("phases_s", {}) if start else {}),
                          **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {})},
@@ -170,7 +173,24 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, float]:
+def size_text(att: dict[str, Any]) -> str:
+    """An attempt's size for `report`: "4 on node1,node3" (ranks on nodes); past 4 nodes, their count."""
+    if not att.get("world_size"):
+        return "-"
+    nodes = att.get("nodes") or []
+    return f"{att['world_size']} on {','.join(nodes) if len(nodes) <= 4 else f'{len(nodes)} nodes'}"
+
+
+def batch_text(atts: list[dict[str, Any]]) -> list[str] | None:
+    """Per attempt "32 seqs x1" (global batch, micro-batches per step) when it differs between attempts
+    (an elastic resume accumulates more, or a batch_changed one steps fewer sequences), else None."""
+    seen = {(a.get("global_batch_seqs"), a.get("grad_accum_steps")) for a in atts if a.get("world_size")}
+    if len(seen) < 2:
+        return None
+    return [f"{a['global_batch_seqs']} seqs x{a['grad_accum_steps']}" if a.get("global_batch_seqs") else "-" for a in atts]
+
+
+def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
     """Where the allocated time went, in seconds; the parts add up to the attempts' wall time (pure).
 
     allocated   launch of each attempt -> its last event
@@ -179,9 +199,16 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     lost        training on steps no checkpoint kept (recomputed by the next attempt)
     committed   the rest: training that became committed progress
     queue_wait  requeue -> next launch (not allocated; reported beside)
+
+    live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
+    minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
     """
     atts = attempts(events)
-    step_times = sorted(m["step_time_s"] for m in metrics if "step_time_s" in m)
+    last_row = metrics[-1] if metrics else {}
+    if live and atts and atts[-1]["ended_by"] == "running" and isinstance(last_row.get("time"), (int, float)) \
+            and last_row["time"] > atts[-1]["end"] and isinstance(last_row.get("step"), int):
+        atts[-1] = {**atts[-1], "end": last_row["time"], "reached_step": max(atts[-1]["reached_step"], last_row["step"])}
+    step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
     step_s = step_times[len(step_times) // 2] if step_times else 0.0
     parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
     for i, a in enumerate(atts):
@@ -218,7 +245,7 @@ def slurm_states_or_error(job_ids: list[str], retry_after_s: float = 1.0) -> tup
     return {}, error
 
 
-COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "committed_step", "total_steps", "tokens_per_s", "mfu",
+COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "world_size", "committed_step", "total_steps", "tokens_per_s", "mfu",
            "val_loss", "goodput", "since_last_event_s", "warnings", "stragglers", "last_straggler")
 
 
@@ -275,6 +302,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
         rows.append({
             "run": r.label, "job_id": r.job_id, "state": state, "attempts": len(atts),
             "restarts": max((a["restart"] for a in atts), default=0),
+            "world_size": next((a["world_size"] for a in reversed(atts) if a["world_size"]), None),  # cluster.min_nodes
             "committed_step": max(commits, default=None), "total_steps": cfg["train"]["steps"],
             "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
             "mfu": metrics[-1].get("mfu") if metrics else None,
@@ -295,13 +323,13 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table()
-    for col in ("run", "job", "state", "attempts", "restarts", "step", "tokens/s", "MFU", "val loss", "goodput", "last event",
-                "stragglers", "warnings"):
+    for col in ("run", "job", "state", "attempts", "restarts", "ranks", "step", "tokens/s", "MFU", "val loss", "goodput",
+                "last event", "stragglers", "warnings"):
         table.add_column(col)
     for r in rows:
         step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps'] or '-'}"
         since = f"{r['since_last_event_s']:.0f} s ago" if r["since_last_event_s"] is not None else "-"
-        counts = ["-" if r[k] is None else str(r[k]) for k in ("attempts", "restarts")]  # None: unreadable
+        counts = ["-" if r.get(k) is None else str(r[k]) for k in ("attempts", "restarts", "world_size")]  # None: unreadable
         table.add_row(r["run"], r["job_id"], r["state"], *counts, step,
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                       f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
@@ -472,7 +500,7 @@ CHAOS = {  # action -> what it injects; recorded as a `chaos` event
 DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "sick-node", "slow-rank")  # files in the run dir: local runs too
 
 
-def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str = "") -> str:
+def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, node: str = "") -> str:
     """Inject a fault into a running job (or arm a drill the job fires) and record it in events.jsonl."""
     from hpc_train import slurm
     from hpc_train.paths import RunPaths, read_marker, step_dir, step_folders
@@ -495,7 +523,7 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
         paths.drills.mkdir(exist_ok=True)
         drill = paths.drills / action.replace("-", "_")
         if action == "slow-storage":
-            drill = paths.drills / "slow_storage"
+            drill, seconds = paths.drills / "slow_storage", 2.0 if seconds is None else seconds
             if seconds <= 0:
                 drill.unlink(missing_ok=True)
             else:
@@ -506,11 +534,28 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float = 2.0, node: str 
     elif action == "sick-node":  # a file on the shared filesystem: the node's own preflight finds it
         if not node and (start is None or "rank_nodes" not in start):
             raise ValueError(f"{run.label} has not started yet, so rank {rank} has no node: give --node NAME")
-        node = node or start["rank_nodes"][rank]  # type: ignore[index]
+        ranks = start["rank_nodes"] if start and "rank_nodes" in start else []
+        if not node and not 0 <= rank < len(ranks):
+            raise ValueError(f"--rank {rank}: {run.label}'s last attempt has ranks 0..{len(ranks) - 1}")
+        if node and ranks and node not in ranks:  # a typo would arm a drill that never fires
+            raise ValueError(f"--node {node}: {run.label}'s last attempt ran on {', '.join(dict.fromkeys(ranks))}; "
+                             f"name one of them")
+        node = node or ranks[rank]
         paths.drills.mkdir(exist_ok=True)
         (paths.drills / f"sick_node.{node}").write_text("armed\n")
         what = f"{node} fails every later preflight (rm {paths.drills / f'sick_node.{node}'} to heal it)"
     elif action == "slow-rank":  # the rank re-reads it once per straggler window (train.py)
+        from hpc_train.straggler import MAX_SLOW_RANK_S
+
+        world = start.get("world_size") if start else None
+        if seconds is None or not 0 <= seconds <= MAX_SLOW_RANK_S:  # NaN and inf fail this too
+            given = "needs --seconds" if seconds is None else f"--seconds {seconds:g}"
+            raise ValueError(f"chaos slow-rank {given}: give the extra seconds per step, 0 to "
+                             f"{MAX_SLOW_RANK_S:g} (0: back to normal), e.g. --seconds 0.02")
+        if not isinstance(world, int) or not 0 <= rank < world:
+            raise ValueError(f"chaos slow-rank --rank {rank}: " + (f"{run.label} has {world} ranks; give 0 to {world - 1}"
+                             if isinstance(world, int) else f"{run.label} has not started yet, so its ranks are "
+                             f"unknown; try again once `hpc-train status` shows it running"))
         paths.drills.mkdir(exist_ok=True)
         drill = paths.drills / f"slow_rank_{rank}"
         if seconds <= 0:

@@ -11,6 +11,7 @@ every rank saves the same step; job.py then asks `decide` whether to requeue.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -126,7 +127,7 @@ def budget_changes(events: list[dict[str, Any]]) -> dict[str, int]:
     """requeue.* values set by `hpc-train resume --max-...` (its `resume` events' budgets, later over
     earlier): they apply over the frozen config.yaml, which is never rewritten."""
     return {k: v for e in events if e["event"] == "resume" for k, v in (e.get("budgets") or {}).items()
-            if k in BUDGET_KEYS.values() and type(v) is int}
+            if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int}
 
 
 def local_fate(events: list[dict[str, Any]]) -> str:
@@ -174,13 +175,17 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
 # its node left out of the next attempt. Not any Python exception (a code bug would exclude innocent
 # nodes), not NCCL errors in general (a peer's death shows as one on every rank), not CUDA out of memory
 # (a config). "unhandled cuda error" is NCCL's ncclUnhandledCudaError: a CUDA call failed in this process.
-HARDWARE_ERRORS = ("uncorrectable ECC error", "Xid", "fallen off the bus", "unhandled cuda error",
-                   "CUDA-capable device", "Input/output error")
+# Whole words, case-insensitive: "Xid" alone matched '/data/oxide-corpus/meta.json'. Not "Input/output
+# error" (a Lustre EIO on shared storage blames no node), not "all CUDA-capable devices are busy or
+# unavailable" (exclusive-process mode or CUDA_VISIBLE_DEVICES: a config).
+HARDWARE_ERRORS = (r"\buncorrectable ECC error", r"\bXid\b", r"\bfallen off the bus\b", r"\bunhandled cuda error\b",
+                   r"\bno CUDA-capable device is detected\b")
 
 
 def hardware_error(text: str) -> str:
-    """The first HARDWARE_ERRORS marker in a failure's text, "" for anything else."""
-    return next((m for m in HARDWARE_ERRORS if m.lower() in text.lower()), "")
+    """The first HARDWARE_ERRORS marker found in a failure's text, as written there; "" for anything else."""
+    found = (re.search(p, text, re.IGNORECASE) for p in HARDWARE_ERRORS)
+    return next((m.group(0) for m in found if m), "")
 
 
 def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:
@@ -195,29 +200,53 @@ def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def _exclusion_took(events: list[dict[str, Any]], node: str) -> tuple[bool, int]:
+    """(an `exclude_nodes` event with ok=True named `node` after it was first left out, how many times it
+    was left out), since the last resume."""
+    took, times = False, 0
+    for e in events:
+        if e["event"] == "resume":
+            took, times = False, 0
+        elif e["event"] == "node_excluded" and e.get("node") == node:
+            times += 1
+        elif e["event"] == "exclude_nodes" and e.get("ok") and times and node in str(e.get("nodes", "")).split(","):
+            took = True
+    return took, times
+
+
 def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_nodes: int,
-              spare_nodes: int | None) -> tuple[list[str], str]:
-    """Leave the sick nodes out of the next attempt? Returns (every node the run now leaves out, sorted;
-    "") or ([], why the run stops instead). Bounded by requeue.max_excluded_nodes and by the partition:
-    spare_nodes = its nodes - the nodes the run needs (None: unknown)."""
+              spare_nodes: int | None, local: bool = False) -> tuple[list[str], str, str]:
+    """Leave the sick nodes out of the next attempt? (pure) Returns (every node the next attempt leaves out,
+    sorted; why the sick nodes are NOT left out, or ""; why the run stops, or "").
+
+    Not left out when requeue.max_excluded_nodes is spent or the partition would keep too few nodes
+    (spare_nodes = its usable nodes - the nodes the run needs; None: unknown): the run requeues anyway,
+    under requeue.max_failures, so three unrelated faults weeks apart do not stop a healthy run. A node
+    sick again though left out: its ExcNodeList may have been lost (the requeued job's KillWait); set it
+    once more; it stops the run only when ExcNodeList took (or was set twice) and the node is back."""
     before = excluded_nodes(events)
-    again = [n for n in sick if n in before]
-    if again:
-        return [], (f"{', '.join(again)} failed again ({sick[again[0]]}) though left out since an earlier attempt: "
-                    f"ExcNodeList did not take (see the exclude_nodes event); fix the node or add it to "
-                    f"cluster.exclude, then `hpc-train resume RUN`")
+    for node in (n for n in sick if n in before):
+        took, times = _exclusion_took(events, node)
+        if took or times >= 2:
+            how = "ExcNodeList took (an exclude_nodes event with ok=true)" if took else \
+                f"ExcNodeList was set {times} times without an exclude_nodes event with ok=true"
+            return [], "", (f"{node} failed again ({sick[node]}) though left out since an earlier attempt: {how}; "
+                            f"fix the node or add it to cluster.exclude, then `hpc-train resume RUN`")
     after = {**before, **sick}
-    named = "; ".join(f"{n}: {why}" for n, why in after.items())
-    fix = ("have the admins check them (or leave them out for good with cluster.exclude), then `hpc-train resume "
-           "RUN`, which judges every node afresh")
+    new = {n: why for n, why in sick.items() if n not in before}
+    named, it = "; ".join(f"{n}: {why}" for n, why in new.items()), "it" if len(new) == 1 else "them"
+    fix = (f"requeued without leaving {it} out, as after any failure (requeue.max_failures); have the admins check "
+           f"{it}, or leave {it} out for good with cluster.exclude")
+    if local:
+        return sorted(before), f"a local run has one machine: nowhere to leave it out ({named}); {fix}", ""
     if len(after) > max_excluded_nodes:
-        return [], (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
-                    f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise "
-                    f"requeue.max_excluded_nodes")
+        return sorted(before), (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
+                                f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise the "
+                                f"budget with `hpc-train resume RUN --max-excluded-nodes {len(after) + 1}`"), ""
     if spare_nodes is not None and len(after) > spare_nodes:
-        return [], (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition has "
-                    f"{max(spare_nodes, 0)} nodes beyond those it needs ({named}); {fix}")
-    return sorted(after), ""
+        return sorted(before), (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition "
+                                f"has {max(spare_nodes, 0)} usable nodes beyond those it needs ({named}); {fix}"), ""
+    return sorted(after), "", ""
 
 
 # sinfo's short states of a node that cannot take the next attempt (a lost node is drained or down); a
@@ -225,17 +254,45 @@ def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_n
 UNUSABLE = ("drain", "drng", "down", "fail", "maint", "pow", "unk", "boot", "resv", "inval")
 
 
+def usable_nodes(states: dict[str, str]) -> set[str]:
+    """Nodes that can take a job once their jobs end: neither drained, down, nor not responding."""
+    return {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
+
+
+def free_now(own_nodes: list[str], states: dict[str, str], excluded: list[str]) -> set[str]:
+    """Nodes the next attempt could start on at once (pure): the partition's idle nodes plus own_nodes (the
+    job's own, completing after its requeue) that are not drained or down, less the excluded ones. Not
+    "idle*": a node just back from `scontrol update State=RESUME` shows idle* (not responding) until it
+    answers the controller's ping, ~1 s on the dev cluster, and Slurm starts nothing on it before; a node
+    whose slurmd died shows the same for SlurmdTimeout (300 s by default) before it turns down*."""
+    return ({n for n, st in states.items() if st == "idle"} | (set(own_nodes) & usable_nodes(states))) - set(excluded)
+
+
+def not_free(job_id: str, states: dict[str, str], free: set[str], jobs: list[dict[str, Any]]) -> dict[str, str]:
+    """node -> state for the partition's nodes neither free now nor held by another running job (pure): what
+    the estimate left out and why (drng, down*, idle* just resumed, "idle excluded"), for the requeue event."""
+    held = {n for j in jobs if j["state"] == "RUNNING" and j["id"] != job_id for n in j["nodes"]}
+    excluded = job_excluded(job_id, jobs)
+    return {n: f"{st} excluded" if n in excluded else st for n, st in sorted(states.items())
+            if n not in free and n not in held}
+
+
+def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:
+    """The partition's nodes in a usable state (states: node -> sinfo's short state), less cluster.exclude,
+    beyond the `need` the run has (pure). Not TotalNodes: it counts drained and down nodes, so exclusions
+    could leave fewer usable nodes than the run needs and the requeued job would pend."""
+    return len(usable_nodes(states) - set(exclude)) - need
+
+
 def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[str, str], jobs: list[dict[str, Any]],
                      now: float) -> float | None:
-    """Seconds until `need` nodes could be free for job `job_id` (pure), from one snapshot: the partition's
-    idle nodes (states: node -> sinfo's short state) plus own_nodes (the job's own, completing after its
-    requeue) that are not drained or down, less those it excludes; if short, running jobs' nodes as their
-    end times come, soonest first. None when unknown (a job with no end time, or too few nodes even then).
-    jobs: {"id", "state", "end" (Unix s or None), "nodes", "excluded"}, as slurm.parse_queue gives them."""
-    own = next((j for j in jobs if j["id"] == job_id), None)
-    excluded = set(own["excluded"]) if own else set()
-    usable = {n for n, st in states.items() if not st.endswith("*") and not st.startswith(UNUSABLE)}
-    free = ({n for n, st in states.items() if st == "idle"} | (set(own_nodes) & usable)) - excluded
+    """Seconds until `need` nodes could be free for job `job_id` (pure), from one snapshot: free_now, and if
+    short, running jobs' nodes as their end times come, soonest first. None when unknown (a job with no end
+    time, or too few nodes even then). states: node -> sinfo's short state; jobs: {"id", "state", "end"
+    (Unix s or None), "nodes", "excluded"}, as slurm.parse_queue gives them."""
+    excluded = job_excluded(job_id, jobs)
+    usable = usable_nodes(states)
+    free = free_now(own_nodes, states, excluded)
     if len(free) >= need:
         return 0.0
     running = sorted((j for j in jobs if j["id"] != job_id and j["state"] == "RUNNING"),
@@ -243,10 +300,15 @@ def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[
     for j in running:
         if j["end"] is None:
             return None
-        free |= set(j["nodes"]) & usable - excluded
+        free |= set(j["nodes"]) & usable - set(excluded)
         if len(free) >= need:
             return max(0.0, j["end"] - now)
     return None
+
+
+def job_excluded(job_id: str, jobs: list[dict[str, Any]]) -> list[str]:
+    """The nodes job `job_id` excludes (its ExcNodeList, squeue %x), from the snapshot's jobs."""
+    return next((j["excluded"] for j in jobs if j["id"] == job_id), [])
 
 
 def next_size(min_nodes: int, max_nodes: int, tasks_per_node: int, wait_s: float | None,

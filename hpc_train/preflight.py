@@ -8,11 +8,12 @@ What each node checks (local rank 0 for the per-node facts, every rank for its o
     gpu        nvidia-smi: visible, uncorrected ECC errors, pending retired pages / row remaps (skipped on CPU)
     matmul     a square matmul on the rank's device, TFLOP/s; the node's figure is its slowest rank's
     allreduce  a 4 MiB all-reduce over the whole group, bus GB/s (as nccl-tests counts it)
-    disk       free GB in the run's checkpoint folder
-    clock      time.time() against rank 0's, beyond the all-gather's own round trip
+    disk       free GB in the run's checkpoint folder: short on every node (a shared folder) stops the run,
+               short on some (node-local folders) makes those sick
+    clock      time.time() against the median node's, beyond the all-gather's own round trip
 
-`judge` (pure) turns the gathered results into {node: why it is sick}; rank 0 writes one `preflight`
-event. A sick node is left out of the next attempt (job.py, preempt.exclusion). The module imports
+`judge` (pure) turns the gathered results into {node: why it is sick}, warnings and a run-level reason to
+stop; rank 0 writes one `preflight` event. A sick node is left out of the next attempt (job.py, preempt.exclusion). The module imports
 torch only inside `check`: config.py imports PreflightConfig on the login node.
 """
 
@@ -73,22 +74,39 @@ def gpu_problems(csv_text: str, fields: tuple[str, ...]) -> tuple[list[dict[str,
     return gpus, problems
 
 
+def _ask(args: list[str], timeout_s: float) -> tuple[int, str, str] | None:
+    """(returncode, stdout, stderr), or None when it did not answer in time. subprocess.run waits for the
+    killed child without a timeout, and a child in D state (a GPU off the bus) never dies: then 1 s more
+    after SIGKILL, and it is left behind."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        return None
+
+
 def query_gpus() -> tuple[list[dict[str, str]], list[str], str]:
     """(GPUs, problems, note) from nvidia-smi; the note says why nothing was read."""
     if shutil.which("nvidia-smi") is None:
         return [], [], "no nvidia-smi on PATH: GPU counters not read"
     for fields in (GPU_FIELDS, BASIC_GPU_FIELDS):
-        try:
-            proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        answer = _ask(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                      NVIDIA_SMI_TIMEOUT_S)
+        if answer is None:
             return [], [f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s"], ""
-        if proc.returncode == 0:
-            gpus, problems = gpu_problems(proc.stdout, fields)
+        rc, out, err = answer
+        if rc == 0:
+            gpus, problems = gpu_problems(out, fields)
             return gpus, problems, "" if fields == GPU_FIELDS else "driver lacks the ECC/remap fields"
-        if "not a valid field" not in (proc.stdout + proc.stderr):
+        if "not a valid field" not in (out + err):
             break
-    return [], [f"nvidia-smi failed (rc {proc.returncode}): {(proc.stderr or proc.stdout).strip()[:200]}"], ""
+    return [], [f"nvidia-smi failed (rc {rc}): {(err or out).strip()[:200]}"], ""
 
 
 def needed_disk_gb(paths: RunPaths, min_free_disk_gb: float) -> float:
@@ -97,8 +115,9 @@ def needed_disk_gb(paths: RunPaths, min_free_disk_gb: float) -> float:
     return min_free_disk_gb + sum(e["bytes"] for e in newest[0]["files"].values()) / 1e9 if newest else min_free_disk_gb
 
 
-def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Every rank's result -> ({node: its figures, with "sick": why or ""}, group warnings) (pure).
+def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str, dict[str, Any]], list[str], str]:
+    """Every rank's result -> ({node: its figures, with "sick": why or ""}, group warnings, why the whole run
+    stops or "") (pure).
     The same gathered list on every rank gives every rank the same verdict, without a broadcast."""
     nodes: dict[str, dict[str, Any]] = {}
     for r in results:
@@ -109,31 +128,55 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
         n["wall_s"] = max(n["wall_s"], r["wall_s"])
         n["device"] = r["device"]
         n["skew_s"] = r["skew_s"] if abs(r["skew_s"]) > abs(n.get("skew_s", 0.0)) else n.get("skew_s", 0.0)
-        for key in ("disk_free_gb", "disk_needed_gb", "gpus", "gpu_note"):
+        for key in ("disk_free_gb", "disk_needed_gb", "disk_folder", "gpus", "gpu_note"):
             if key in r:
                 n[key] = r[key]
     rtt_s = max(r["rtt_s"] for r in results)
     median = statistics.median(n["matmul_tflops"] for n in nodes.values())
+    # Skew against the median node, not rank 0: rank 0's node 10 s fast made every other node sick (3 of 4:
+    # past the exclusion budget, the run stopped). A node is named only when most nodes agree with the median.
+    mid_s = statistics.median(n["skew_s"] for n in nodes.values())
+    for n in nodes.values():
+        n["skew_s"] = round(n["skew_s"] - mid_s, 4)
+    skewed = [name for name, n in nodes.items() if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s]
+    spread_s = max(n["skew_s"] for n in nodes.values()) - min(n["skew_s"] for n in nodes.values())
+    warnings = []
+    if cfg.max_clock_skew_s and (not skewed or 2 * len(skewed) >= len(nodes)) and spread_s - rtt_s > cfg.max_clock_skew_s:
+        warnings.append(f"clocks differ by {spread_s:.2f} s (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
+                        f"{cfg.max_clock_skew_s:g} across {', '.join(nodes)}, and no majority of nodes agrees on the "
+                        f"time to say which is wrong: no node left out; check NTP/chrony on them")
+        skewed = []
+    # The checkpoint folder is usually shared: short on every node, no node is to blame and leaving nodes out
+    # frees nothing. The run stops (a requeue would find the same folder as full); a person frees space.
+    short = [n for n in nodes.values() if cfg.min_free_disk_gb and n.get("disk_free_gb", float("inf")) < n.get("disk_needed_gb", 0.0)]
+    stop = ""
+    if short and len(short) == len(nodes):
+        f = min(short, key=lambda n: n["disk_free_gb"])
+        stop = (f"{f['disk_free_gb']:.1f} GB free in the checkpoint folder {f.get('disk_folder', '')} on every node "
+                f"< {f['disk_needed_gb']:.1f} GB needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the "
+                f"newest checkpoint): no node is to blame, and a requeue would find the folder as full, so the run "
+                f"stops; free space there (or keep fewer checkpoints with checkpoint.keep_last, or lower "
+                f"preflight.min_free_disk_gb), then `hpc-train resume RUN`")
+        short = []
     for name, n in nodes.items():
         why = list(dict.fromkeys(n.pop("problems")))
-        if cfg.min_free_disk_gb and n.get("disk_free_gb", float("inf")) < n.get("disk_needed_gb", 0.0):
+        if any(n is s for s in short):  # node-local folders: this node's is short, others' are not
             why.append(f"{n['disk_free_gb']:.1f} GB free in the checkpoint folder < {n['disk_needed_gb']:.1f} GB "
                        f"needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the newest checkpoint)")
-        if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s:
-            why.append(f"clock {n['skew_s']:+.2f} s from rank 0's (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
-                       f"{cfg.max_clock_skew_s:g}")
+        if name in skewed:
+            why.append(f"clock {n['skew_s']:+.2f} s from the median node's (+-{rtt_s:.3f} s) > "
+                       f"preflight.max_clock_skew_s={cfg.max_clock_skew_s:g}")
         if cfg.min_matmul_tflops and n["matmul_tflops"] < cfg.min_matmul_tflops:
             why.append(f"matmul {n['matmul_tflops']:.2f} TFLOP/s < preflight.min_matmul_tflops={cfg.min_matmul_tflops:g}")
         elif n["device"] == "cuda" and cfg.slow_fraction and n["matmul_tflops"] < cfg.slow_fraction * median:
             why.append(f"matmul {n['matmul_tflops']:.1f} TFLOP/s < {cfg.slow_fraction:g} x the median node's "
                        f"{median:.1f} (preflight.slow_fraction)")
         n["sick"] = "; ".join(why)
-    warnings = []
     gbps = min(r["allreduce_gbps"] for r in results)
     if cfg.min_allreduce_gbps and 0 < gbps < cfg.min_allreduce_gbps:
         warnings.append(f"all-reduce {gbps:.2f} GB/s < preflight.min_allreduce_gbps={cfg.min_allreduce_gbps:g} "
                         f"(one all-reduce over the group cannot say which node is slow: no node left out)")
-    return nodes, warnings
+    return nodes, warnings, stop
 
 
 def _matmul_tflops(device: Any) -> float:
@@ -177,23 +220,27 @@ def _allreduce_gbps(device: Any, world_size: int) -> float:
 
 def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
     """Collective, on every rank: measure, gather, judge; rank 0 writes the `preflight` event.
-    Returns {node: why} for the sick nodes (the same on every rank)."""
+    Returns {node: why} for the sick nodes (the same on every rank); raises Unrecoverable on every rank when
+    the run itself cannot go on (its checkpoint folder short of space on every node)."""
     import torch
     import torch.distributed as dist
 
     from hpc_train.metrics import log_event
+    from hpc_train.preempt import Unrecoverable
 
     t0 = time.perf_counter()
     node = env.nodes[env.node_rank]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mine: dict[str, Any] = {"node": node, "rank": env.rank, "device": device.type, "problems": []}
     if env.local_rank == 0:  # the node's own facts, once per node
-        gpus, problems, note = query_gpus()
+        # Only for a CUDA rank: on a CPU job, nvidia-smi on a GPU-less node exits 6 or 9 ("No devices were found")
+        gpus, problems, note = query_gpus() if device.type == "cuda" else ([], [], "CPU run: GPU counters not read")
         if device.type == "cuda" and torch.cuda.device_count() < env.local_world_size and not gpus:
             problems.append(f"{torch.cuda.device_count()} GPUs visible for {env.local_world_size} tasks")
         mine.update(gpus=len(gpus), gpu_note=note or (f"{len(gpus)} GPUs healthy" if not problems else ""))
         mine["problems"] += problems
         folder = paths.checkpoints if paths.checkpoints.exists() else paths.run_dir
+        mine["disk_folder"] = str(folder)
         mine["disk_free_gb"] = round(shutil.disk_usage(folder).free / 1e9, 1)
         mine["disk_needed_gb"] = round(needed_disk_gb(paths, cfg.min_free_disk_gb), 3)
         if (paths.drills / f"{SICK_DRILL}.{node}").exists():
@@ -209,12 +256,14 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
     mine["wall_s"] = round(time.perf_counter() - t0, 3)
     results: list[Any] = [None] * env.world_size
     dist.all_gather_object(results, mine)
-    nodes, warnings = judge(results, cfg)
+    nodes, warnings, stop = judge(results, cfg)
     sick = {n: f["sick"] for n, f in nodes.items() if f["sick"]}
     if env.rank == 0:
         log_event(paths.run_dir, "preflight", -1, env.job_id, env.restart_count, nodes=nodes, sick=sick,
-                  warnings=warnings, allreduce_gbps=min(r["allreduce_gbps"] for r in results),
+                  warnings=warnings, **({"stop": stop} if stop else {}), allreduce_gbps=min(r["allreduce_gbps"] for r in results),
                   wall_s=round(time.perf_counter() - t0, 3))
         for line in [*(f"node {n} failed the preflight: {why}" for n, why in sick.items()), *warnings]:
             print(f"[hpc_train] preflight: {line}", flush=True)
+    if stop:
+        raise Unrecoverable(f"preflight: {stop}")
     return sick

@@ -19,13 +19,11 @@ from typing import Any
 TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # preempt.STOP_SIGNALS: a client call in the job must outlive them
+
+
 class SlurmError(RuntimeError):
     pass
-
-
-def _ignore_stop_signals() -> None:
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: str | None = None,
@@ -39,10 +37,17 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
     for attempt in range(retries + 1):
         try:
             # ignore_term: a call the job makes around its own requeue; the stop signals sent to the job's
-            # processes (TERM, the relayed USR2) killed it mid-answer (rc -15, -12, no output). An ignored
-            # signal stays ignored across exec.
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, input=input_text,
-                                  preexec_fn=_ignore_stop_signals if ignore_term else None)
+            # processes (TERM, the relayed USR2) killed it mid-answer (rc -15, -12, no output). Blocked in this
+            # thread for the call: the child inherits the mask across exec and sees them only as pending.
+            # Not preexec_fn: it forces fork() instead of vfork() in a multi-GB, multi-threaded rank (fails
+            # under vm.overcommit_memory=2, and may deadlock on a lock another thread held). The handlers
+            # only record, so this thread getting TERM a few seconds late changes nothing.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if ignore_term else None
+            try:
+                proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, input=input_text)
+            finally:
+                if mask is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         except subprocess.TimeoutExpired:
             err = f"`{' '.join(args)}` did not answer within {timeout_s:.0f} s"
         except FileNotFoundError:
@@ -272,11 +277,39 @@ def parse_queue(text: str) -> list[dict[str, Any]]:
     return jobs
 
 
-def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
-    """(the partition's nodes and their sinfo short states; running jobs, any partition, holding its nodes, and job `job_id` with
-    what it excludes) for preempt.full_size_wait_s. Node lists keep only the partition's nodes."""
-    states = dict(line.split("|", 1) for line in call(
+def node_states(partition: str) -> dict[str, str]:
+    """The partition's nodes -> sinfo's short state ("idle", "mix", "drain", "down*", ...), from inside the job."""
+    return dict(line.split("|", 1) for line in call(
         ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True).split() if "|" in line)
+
+
+# scontrol's node State flags as sinfo's short states (preempt.UNUSABLE); the first that applies wins.
+SHORT_FLAGS = (("DRAIN", "drain"), ("COMPLETING", "comp"), ("MAINTENANCE", "maint"), ("RESERVED", "resv"),
+               ("REBOOT", "boot"), ("POWER", "pow"), ("INVALID_REG", "inval"), ("PLANNED", "plnd"))
+
+
+def short_state(state: str) -> str:
+    """`scontrol show node` State (IDLE, MIXED+DRAIN, IDLE+NOT_RESPONDING, ...) in sinfo's short form (idle,
+    drng, idle*, ...). Not sinfo's own %t: on the dev cluster it said "mix" for 30 s after a drained node's
+    resume while scontrol said State=IDLE CPUAlloc=0, and Slurm started the requeued job on that node."""
+    base, *flags = state.split("+")
+    short = {"IDLE": "idle", "MIXED": "mix", "ALLOCATED": "alloc", "DOWN": "down", "FUTURE": "futr"}.get(base, "unk")
+    for flag, name in SHORT_FLAGS:
+        if any(f.startswith(flag) for f in flags):
+            short = "drng" if name == "drain" and base in ("MIXED", "ALLOCATED") else name
+            break
+    return short + ("*" if "NOT_RESPONDING" in flags else "")
+
+
+def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """(the partition's nodes and their short states, from the controller's own node records; running jobs,
+    any partition, holding its nodes, and job `job_id` with what it excludes) for preempt.full_size_wait_s.
+    Node lists keep only the partition's nodes."""
+    states = {}
+    for line in call(["scontrol", "show", "node", "-o"], timeout_s=10, retries=1, ignore_term=True).splitlines():
+        node = parse_key_values(line)
+        if "NodeName" in node and partition in node.get("Partitions", "").split(","):
+            states[node["NodeName"]] = short_state(node.get("State", ""))
     form = ["-o", "%i|%T|%e|%N|%x"]
     jobs = parse_queue(call(["squeue", "-h", "-t", "R", *form], timeout_s=10, retries=1, ignore_term=True) +
                        call(["squeue", "-h", "-j", job_id, *form], timeout_s=10, retries=1, ignore_term=True))

@@ -23,7 +23,8 @@ Each rank sums these over straggler.every_steps steps; then one all_gather of 3 
 only collective this adds: 24 bytes x world size every every_steps steps). Rank 0 compares each rank's
 own time per step (compute + data) with the median of the other ranks: above factor x median, and more than
 floor_s above it (1 ms of noise on a 5 ms step is not a straggler), for `windows` windows in a row ->
-a `straggler` event; `windows` windows in a row back under -> `straggler_cleared`.
+a `straggler` event; `windows` windows in a row back under -> `straggler_cleared`. An attempt's first
+window is not judged: it holds compilation, cold caches and the first batches' loading, unevenly per rank.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Judge:
     slow_in_a_row: dict[int, int] = field(default_factory=dict)
     normal_in_a_row: dict[int, int] = field(default_factory=dict)
     named: set[int] = field(default_factory=set)
+    windows_seen: int = 0
 
 
 def medians_of_others(xs: list[float]) -> list[float]:
@@ -78,6 +80,9 @@ def judge(j: Judge, own_s: list[float], cfg: StragglerConfig) -> tuple[list[int]
     data). Returns (ranks named now, ranks cleared now, each rank's median of the others)."""
     medians = medians_of_others(own_s)
     named, cleared = [], []
+    j.windows_seen += 1
+    if j.windows_seen == 1:  # the attempt's first window holds compilation and cold caches: not judged
+        return named, cleared, medians
     for rank, (own, median) in enumerate(zip(own_s, medians)):
         slow = own > cfg.factor * median and own - median > cfg.floor_s
         j.slow_in_a_row[rank] = j.slow_in_a_row.get(rank, 0) + 1 if slow else 0
@@ -97,6 +102,8 @@ def current(events: list[dict]) -> dict[int, dict]:
     last = max((e.get("restart", 0) for e in events), default=0)
     out: dict[int, dict] = {}
     for e in events:
+        if not isinstance(e.get("rank"), int):  # an event edited into another shape names nobody
+            continue
         if e.get("restart", 0) == last and e["event"] == "straggler":
             out[e["rank"]] = e
         elif e.get("restart", 0) == last and e["event"] == "straggler_cleared":
@@ -104,11 +111,17 @@ def current(events: list[dict]) -> dict[int, dict]:
     return out
 
 
+# The slow-rank drill's most per step: a drilled step stays far under train.watchdog_s (900 s by default), and
+# the drill file outlives the attempt (every requeue re-reads it), so a typo like 1e9 must not hang a rank.
+MAX_SLOW_RANK_S = 10.0
+
+
 def busy(seconds: float) -> None:
     """The slow-rank drill's extra work: burn `seconds` of this thread's CPU (thread time sees it, as it
-    would a slow core; a sleep would look like waiting)."""
+    would a slow core; a sleep would look like waiting); at most MAX_SLOW_RANK_S, none for NaN (a
+    hand-edited drill file)."""
     import time
 
-    end = time.thread_time() + seconds
+    end = time.thread_time() + (min(seconds, MAX_SLOW_RANK_S) if seconds == seconds else 0.0)
     while time.thread_time() < end:
         pass

@@ -43,7 +43,8 @@ class TrackingConfig:  # tracking.py, the `metrics` section of the root config
     mlflow_tracking_uri: str = ""  # empty: the file store file:RUN_DIR/mlruns; or http://your-server:5000
     mlflow_experiment: str = "hpc_train"
     # Prometheus (prometheus.py), rank 0: an endpoint on prometheus_addr:prometheus_port (0 = off; loopback by
-    # default: a scraper on the node, or an SSH tunnel) and/or node-exporter's textfile at this path ("" = off).
+    # default: a scraper on the node, or an SSH tunnel) and/or node-exporter's textfile at this path ("" = off;
+    # {job} in it becomes the Slurm job id: jobs sharing a node write one file each; removed when the attempt ends).
     prometheus_port: int = 0
     prometheus_addr: str = "127.0.0.1"
     prometheus_textfile: str = ""
@@ -54,6 +55,10 @@ class TrackingConfig:  # tracking.py, the `metrics` section of the root config
         if not 0 <= self.prometheus_port <= 65535:
             raise ValueError(f"metrics.prometheus_port={self.prometheus_port} must be 0 (off) or a TCP port 1-65535, "
                              f"e.g. metrics.prometheus_port=9400")
+        if not self.prometheus_addr.strip():  # http.server binds "" to every interface: only when written as 0.0.0.0
+            raise ValueError(f"metrics.prometheus_addr={self.prometheus_addr!r} is empty, which would serve on every "
+                             f"interface; give 127.0.0.1 (default: a scraper on the node or an SSH tunnel), the "
+                             f"node's address, or 0.0.0.0 to mean every interface")
         if self.wandb_mode not in ("offline", "online"):
             raise ValueError(f"metrics.wandb_mode={self.wandb_mode!r} is not one of ('offline', 'online')")
         for switch, module in PACKAGES.items():

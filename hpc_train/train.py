@@ -268,7 +268,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     first_step, step_loss, val_loss = state.step, torch.tensor(float("nan")), None
     tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank, at.event)  # metrics.tensorboard/wandb/mlflow
     exporter = prometheus.start(cfg.metrics.prometheus_addr, cfg.metrics.prometheus_port, cfg.metrics.prometheus_textfile,
-                                lambda: prometheus.run_text(at.paths.run_dir, at.env.job_id, at.paths.run_dir.name),
+                                at.env.job_id, lambda: prometheus.run_text(at.paths.run_dir, at.env.job_id),
                                 at.event) if at.env.rank == 0 else None
     # Stragglers (straggler.py): this rank's own seconds (compute, data, wall) summed over a window.
     sc, judge, window, window_steps = cfg.straggler, straggler.Judge(), [0.0, 0.0, 0.0], 0
@@ -359,6 +359,6 @@ def main(at: Attempt) -> dict[str, Any] | None:
     evaluated = {"val_loss": val_loss} if tc.eval_every_steps else {}  # the last step's, None if a signal skipped it
     tracker.close(finished=True)  # explicit, not only atexit: the MLflow run is FINISHED before summary.json exists
     summary = at.finish(state, final_loss=global_mean(step_loss), params_sha256=params_sha256(model), **evaluated)
-    if exporter:  # after the finish event: the textfile's last word is the finished run
+    if exporter:  # after the finish event: the endpoint answers until the run's last word
         exporter.close()
     return summary

@@ -189,3 +189,43 @@ def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
     assert out == "step 1\n"
     assert (f"hpc-train logs: stopped following: neither squeue nor sacct has known job {job_id or '(none recorded)'} "
             f"for 1 s (never queued, or gone from accounting); see `hpc-train status {run_dir}`\n") in err
+
+
+def test_report_and_status_show_each_attempts_size(tmp_path: Path) -> None:
+    """An elastic run (cluster.min_nodes) as its events tell it: 4 ranks on 2 nodes, 2 on 1 (two micro-batches
+    keep the global batch), 4 again. The report's attempts table names ranks and nodes, the batch (it
+    changed), and what each requeue chose; status shows the current world size."""
+    def attempt(restart: int, t: float, step: int, world: int, nodes: list[str], accum: int) -> list[dict]:
+        base = {"job_id": "4242", "restart": restart}
+        return [{**base, "time": t, "event": "start", "step": step, "launched_at": t - 5, "world_size": world,
+                 "nodes": nodes, "grad_accum_steps": accum, "global_batch_seqs": 32},
+                {**base, "time": t + 1, "event": "first_step", "step": step + 1}]
+    requeue = {"job_id": "4242", "event": "requeue", "reason": "preempt", "by": "hpc_train"}
+    events = [*attempt(0, 100.0, 0, 4, ["node1", "node3"], 1),
+              {**requeue, "restart": 0, "time": 110.0, "step": 20, "nodes_next": "1-2", "full_size_wait_s": 594.7},
+              *attempt(1, 130.0, 20, 2, ["node1"], 2),
+              {**requeue, "restart": 1, "time": 140.0, "step": 40, "nodes_next": "2-2", "full_size_wait_s": 0.0},
+              *attempt(2, 160.0, 40, 4, ["node1", "node3"], 1)]
+    run_dir = local_run(tmp_path / "el", 999999, {"start_time": 0, "boot_id": "gone", "host": "gone"}, events)
+    proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")])
+    assert proc.returncode == 0, proc.stderr
+    got = table_rows(proc.stdout, "attempt")
+    assert [(r["ranks"], r["batch"], r["ended by"]) for r in got] == [
+        ("4 on node1,node3", "32 seqs x1", "requeue (next: 1-2 nodes)"), ("2 on node1", "32 seqs x2", "requeue (next: 2-2 nodes)"),
+        ("4 on node1,node3", "32 seqs x1", "running")], proc.stdout
+    assert json.loads(run([HPC_TRAIN, "status", str(run_dir), "--json"]).stdout)[0]["world_size"] == 4
+    assert table_rows(run([HPC_TRAIN, "status", str(run_dir)]).stdout, "run")[0]["ranks"] == "4"
+
+
+def table_rows(text: str, first_column: str) -> list[dict[str, str]]:
+    """The rows of the rich table whose first column is `first_column`, as {column: cell}."""
+    rows = [[c.strip() for c in line.strip("│┃").replace("┃", "│").split("│")] for line in text.splitlines()
+            if line.startswith(("│", "┃"))]
+    at = next(i for i, r in enumerate(rows) if r[0] == first_column)
+    width = len(rows[at])
+    out = []
+    for r in rows[at + 1:]:
+        if len(r) != width:
+            break
+        out.append(dict(zip(rows[at], r)))
+    return out

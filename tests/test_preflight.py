@@ -26,10 +26,10 @@ def rank(node: str, r: int, **over: object) -> dict:
 
 def test_judge_names_the_sick_node_and_why() -> None:
     cfg = PreflightConfig(max_clock_skew_s=5)
-    nodes, warnings = judge([rank("node1", 0), rank("node2", 1, skew_s=9.0), rank("node3", 2, disk_free_gb=0.5),
+    nodes, warnings, _ = judge([rank("node1", 0), rank("node2", 1, skew_s=9.0), rank("node3", 2, disk_free_gb=0.5),
                              rank("node4", 3, problems=["GPU 0: 2 uncorrected ECC errors since boot"])], cfg)
     assert nodes["node1"]["sick"] == "" and warnings == []
-    assert nodes["node2"]["sick"] == "clock +9.00 s from rank 0's (+-0.002 s) > preflight.max_clock_skew_s=5"
+    assert nodes["node2"]["sick"] == "clock +9.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"
     assert nodes["node3"]["sick"].startswith("0.5 GB free in the checkpoint folder < 1.0 GB needed")
     assert nodes["node4"]["sick"] == "GPU 0: 2 uncorrected ECC errors since boot"
     # 0 = record only
@@ -37,10 +37,37 @@ def test_judge_names_the_sick_node_and_why() -> None:
     assert all(not n["sick"] for n in judge([rank("node2", 0, skew_s=9.0), rank("node3", 1, disk_free_gb=0.0)], off)[0].values())
 
 
+def test_judge_clock_against_the_median_node() -> None:
+    """Rank 0's node 10 s fast: the skews gathered against rank 0 put every other node at -10 s. Judged
+    against the median node, rank 0's node alone is sick. Two nodes 10 s apart: no majority, a warning."""
+    cfg = PreflightConfig(max_clock_skew_s=5)
+    nodes, warnings, _ = judge([rank("node1", 0), *(rank(f"node{i + 1}", i, skew_s=-10.0) for i in (1, 2, 3))], cfg)
+    assert {n: f["sick"] for n, f in nodes.items() if f["sick"]} == {
+        "node1": "clock +10.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"}
+    assert warnings == []
+    nodes, warnings, _ = judge([rank("node1", 0), rank("node2", 1, skew_s=-10.0)], cfg)
+    assert not any(f["sick"] for f in nodes.values())
+    assert warnings == ["clocks differ by 10.00 s (+-0.002 s) > preflight.max_clock_skew_s=5 across node1, node2, and no "
+                        "majority of nodes agrees on the time to say which is wrong: no node left out; check NTP/chrony on them"]
+
+
+def test_judge_disk_short_on_every_node_stops_the_run_and_blames_none() -> None:
+    """A shared checkpoint folder short of space reads the same on every node: no node is sick, the run
+    stops with the folder, the figures and the fix. One node's own (node-local) folder short: that node."""
+    low = [rank(f"node{i}", i, disk_free_gb=0.4, disk_folder="/shared/runs/a/checkpoints") for i in range(4)]
+    nodes, warnings, stop = judge(low, PreflightConfig())
+    assert not any(f["sick"] for f in nodes.values()) and warnings == []
+    assert stop == ("0.4 GB free in the checkpoint folder /shared/runs/a/checkpoints on every node < 1.0 GB needed "
+                    "(preflight.min_free_disk_gb=1 + the newest checkpoint): no node is to blame, and a requeue would "
+                    "find the folder as full, so the run stops; free space there (or keep fewer checkpoints with "
+                    "checkpoint.keep_last, or lower preflight.min_free_disk_gb), then `hpc-train resume RUN`")
+    assert judge(low, PreflightConfig(min_free_disk_gb=0))[2] == ""  # 0 = record only
+
+
 def test_judge_relative_matmul_on_gpu_only() -> None:
     """A node at 0.3x the median fails on GPUs; on CPU (shared cores) the same spread is noise."""
     gpu = [rank(f"node{i}", i, device="cuda", matmul_tflops=t) for i, t in enumerate([600, 610, 590, 180])]
-    nodes, _ = judge(gpu, PreflightConfig())
+    nodes, _, _ = judge(gpu, PreflightConfig())
     assert [n for n, f in nodes.items() if f["sick"]] == ["node3"]
     assert "matmul 180.0 TFLOP/s < 0.5 x the median node's 595.0" in nodes["node3"]["sick"]
     cpu = [rank(f"node{i}", i, matmul_tflops=t) for i, t in enumerate([0.06, 0.06, 0.06, 0.01])]
@@ -51,7 +78,7 @@ def test_judge_relative_matmul_on_gpu_only() -> None:
 
 
 def test_judge_allreduce_warns_without_naming_a_node() -> None:
-    nodes, warnings = judge([rank("node1", 0, allreduce_gbps=0.5), rank("node2", 1)], PreflightConfig(min_allreduce_gbps=2))
+    nodes, warnings, _ = judge([rank("node1", 0, allreduce_gbps=0.5), rank("node2", 1)], PreflightConfig(min_allreduce_gbps=2))
     assert not any(f["sick"] for f in nodes.values())
     assert warnings == ["all-reduce 0.50 GB/s < preflight.min_allreduce_gbps=2 (one all-reduce over the group cannot "
                         "say which node is slow: no node left out)"]
@@ -64,14 +91,22 @@ def test_gpu_counters() -> None:
                                            "GPU 1: remapped_rows.pending=Yes (needs a reset)"]
 
 
-def test_hardware_errors_and_not_code_bugs() -> None:
-    assert preempt.hardware_error("RuntimeError: CUDA error: uncorrectable ECC error encountered") == "uncorrectable ECC error"
-    assert preempt.hardware_error("OSError: [Errno 5] Input/output error: '/scratch/x'") == "Input/output error"
-    assert preempt.hardware_error("torch.distributed.DistBackendError: NCCL error: unhandled cuda error") == "unhandled cuda error"
-    for code_bug in ("ValueError: bad shape", "torch.OutOfMemoryError: CUDA out of memory",
-                     "RuntimeError: NCCL communicator was aborted on rank 1 (remote process exited)",
-                     "hang: no step finished in train.watchdog_s=900 s"):
-        assert preempt.hardware_error(code_bug) == "", code_bug
+@pytest.mark.parametrize("text, marker", [
+    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "uncorrectable ECC error"),
+    ("torch.distributed.DistBackendError: NCCL error: unhandled cuda error", "unhandled cuda error"),
+    ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", "Xid"),
+    ("RuntimeError: CUDA error: no CUDA-capable device is detected", "no CUDA-capable device is detected"),
+    # not the node's hardware: shared storage, a config, a path that contains the letters, code bugs
+    ("OSError: [Errno 5] Input/output error: '/lustre/scratch/run/checkpoints/step_100/__0_0.distcp'", ""),
+    ("RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable", ""),
+    ("FileNotFoundError: [Errno 2] No such file or directory: '/data/oxide-corpus/meta.json'", ""),
+    ("ValueError: bad shape", ""),
+    ("torch.OutOfMemoryError: CUDA out of memory", ""),
+    ("RuntimeError: NCCL communicator was aborted on rank 1 (remote process exited)", ""),
+    ("hang: no step finished in train.watchdog_s=900 s", ""),
+])
+def test_hardware_errors_and_not_code_bugs(text: str, marker: str) -> None:
+    assert preempt.hardware_error(text) == marker
 
 
 def test_node_health_requeues_without_failure_budget() -> None:
@@ -84,22 +119,55 @@ def test_node_health_requeues_without_failure_budget() -> None:
 
 
 def test_exclusion_budget_and_partition() -> None:
+    """Budget spent or partition too small: the sick node is not left out, the run requeues anyway (under
+    requeue.max_failures) with the sentence that says why. `hpc-train resume --max-excluded-nodes` raises it."""
     sick = {"node3": "preflight: marked sick"}
-    assert preempt.exclusion([], sick, 2, spare_nodes=2) == (["node3"], "")
-    one = [ev("node_excluded", node="node3", why="x")]
-    assert preempt.exclusion(one, {"node1": "ecc"}, 2, spare_nodes=2) == (["node1", "node3"], "")
-    nodes, why = preempt.exclusion(one + [ev("node_excluded", node="node1", why="ecc")], {"node2": "disk"}, 2, 5)
-    assert nodes == [] and why.startswith("node-exclusion budget spent: 3 sick nodes would be left out, more than "
-                                          "requeue.max_excluded_nodes=2 (node3: x; node1: ecc; node2: disk); have the admins")
-    assert "`hpc-train resume RUN`" in why
-    nodes, why = preempt.exclusion(one, {"node1": "ecc"}, 5, spare_nodes=1)  # 4-node partition, run needs 3
-    assert nodes == [] and why.startswith("leaving out 2 sick nodes would leave too few for the run: the partition has 1")
-    assert preempt.exclusion([], sick, 2, spare_nodes=None) == (["node3"], "")  # partition size unknown: budget only
-    # the same node sick again: ExcNodeList did not take; stop rather than loop
-    assert preempt.exclusion(one, {"node3": "again"}, 2, 2)[1].startswith("node3 failed again (again) though left out")
+    assert preempt.exclusion([], sick, 2, spare_nodes=2) == (["node3"], "", "")
+    one = [ev("node_excluded", node="node3", why="x"), ev("exclude_nodes", nodes="node3", ok=True)]
+    assert preempt.exclusion(one, {"node1": "ecc"}, 2, spare_nodes=2) == (["node1", "node3"], "", "")
+    two = one + [ev("node_excluded", node="node1", why="ecc"), ev("exclude_nodes", nodes="node1,node3", ok=True)]
+    nodes, why, stop = preempt.exclusion(two, {"node2": "disk"}, 2, 5)
+    assert nodes == ["node1", "node3"] and stop == ""
+    assert why == ("node-exclusion budget spent: 3 sick nodes would be left out, more than requeue.max_excluded_nodes=2 "
+                   "(node2: disk); requeued without leaving it out, as after any failure (requeue.max_failures); "
+                   "have the admins check it, or leave it out for good with cluster.exclude, or raise the budget with `hpc-train resume RUN "
+                   "--max-excluded-nodes 4`")
+    raised = RequeueConfig(**preempt.budget_changes(two + [ev("resume", budgets={"max_excluded_nodes": 4})]))
+    assert raised.max_excluded_nodes == 4
+    nodes, why, stop = preempt.exclusion(one, {"node1": "ecc"}, 5, spare_nodes=1)  # 4 usable nodes, run needs 3
+    assert (nodes, stop) == (["node3"], "") and why.startswith(
+        "leaving out 2 sick nodes would leave too few for the run: the partition has 1 usable nodes beyond")
+    assert preempt.exclusion([], sick, 2, spare_nodes=None) == (["node3"], "", "")  # partition size unknown: budget only
+    nodes, why, stop = preempt.exclusion([], sick, 2, spare_nodes=0, local=True)
+    assert why.startswith("a local run has one machine: nowhere to leave it out (node3: preflight: marked sick); "
+                          "requeued without leaving it out") and (nodes, stop) == ([], "")
     # a resume forgets the exclusions (the new job has no ExcNodeList)
     assert preempt.excluded_nodes(one + [ev("resume", restart=1)]) == {}
-    assert preempt.exclusion(one + [ev("resume", restart=1)], {"node3": "again"}, 2, 2) == (["node3"], "")
+    assert preempt.exclusion(one + [ev("resume", restart=1)], {"node3": "again"}, 2, 2) == (["node3"], "", "")
+
+
+def test_spare_nodes_counts_usable_nodes_only() -> None:
+    """4 nodes, 2 of them drained or down (TotalNodes still says 4): a 2-node run has none spare."""
+    states = {"node1": "mix", "node2": "drain", "node3": "idle", "node4": "down*"}
+    assert preempt.spare_nodes(states, 2, []) == 0
+    assert preempt.spare_nodes({**states, "node2": "alloc", "node4": "idle"}, 2, ["node4"]) == 1
+    assert preempt.spare_nodes({"node1": "idle*", "node2": "comp"}, 1, []) == 0  # "*": not responding
+
+
+def test_a_node_sick_again_gets_its_exclusion_once_more() -> None:
+    """ExcNodeList lost (the scontrol update killed by the job's KillWait, or refused): the node comes back
+    sick; it is left out again, once. Back after ExcNodeList took, or after two tries: the run stops."""
+    lost = [ev("node_excluded", node="node3", why="x"), ev("requeue", reason="node_health")]
+    assert preempt.exclusion(lost, {"node3": "again"}, 2, 2) == (["node3"], "", "")
+    refused = lost + [ev("exclude_nodes", nodes="node3", ok=False, error="refused")]
+    assert preempt.exclusion(refused, {"node3": "again"}, 2, 2) == (["node3"], "", "")
+    twice = lost + [ev("node_excluded", node="node3", why="again")]
+    assert preempt.exclusion(twice, {"node3": "again"}, 2, 2)[2] == (
+        "node3 failed again (again) though left out since an earlier attempt: ExcNodeList was set 2 times without an "
+        "exclude_nodes event with ok=true; fix the node or add it to cluster.exclude, then `hpc-train resume RUN`")
+    took = lost + [ev("exclude_nodes", nodes="node3,node9", ok=True)]
+    assert preempt.exclusion(took, {"node3": "again"}, 2, 2)[2].startswith(
+        "node3 failed again (again) though left out since an earlier attempt: ExcNodeList took")
 
 
 def test_status_prints_a_line_per_excluded_node() -> None:
@@ -120,9 +188,10 @@ def test_preflight_config_checks() -> None:
         PreflightConfig(min_free_disk_gb=-1)
 
 
-def test_a_hardware_error_leaves_the_node_out_and_a_lone_machine_stops(tmp_path) -> None:
-    """A rank fails with an ECC error: its node is judged sick. The local executor has no other machine,
-    so the run stops with the sentence that names the node and the fix, instead of crash-looping."""
+def test_a_hardware_error_on_a_lone_machine_requeues_without_leaving_it_out(tmp_path) -> None:
+    """A rank fails with an ECC error: its node is judged sick. The local executor has no other machine to
+    leave it for: a `node_not_excluded` event says so and the run requeues as a failure (within
+    requeue.max_failures, so a crash loop still ends); the drill fires in the first attempt only, so it finishes."""
     import json
 
     from conftest import HPC_TRAIN, run
@@ -130,9 +199,53 @@ def test_a_hardware_error_leaves_the_node_out_and_a_lone_machine_stops(tmp_path)
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=10", "+cluster.env.HPC_TRAIN_FAULT=ecc_at_start"],
                timeout_s=240)
     events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").read_text().splitlines()]
-    stopped = [e["reason"] for e in events if e["event"] == "stopped"]
-    assert proc.returncode == 1 and len(stopped) == 1, proc.stdout + proc.stderr
-    assert stopped[0].startswith("leaving out 1 sick nodes would leave too few for the run: the partition has 0 nodes "
-                                 "beyond those it needs (127.0.0.1: rank ")
-    assert "failed with a hardware error (uncorrectable ECC error)" in stopped[0] and "`hpc-train resume RUN`" in stopped[0]
-    assert not any(e["event"] in ("requeue", "node_excluded") for e in events)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    not_out = [e for e in events if e["event"] == "node_not_excluded"]
+    assert len(not_out) == 1 and not_out[0]["nodes"] == ["127.0.0.1"]
+    assert not_out[0]["why"].startswith("a local run has one machine: nowhere to leave it out (127.0.0.1: task 0 on 127.0.0.1 failed")
+    assert "failed with a hardware error (uncorrectable ECC error)" in not_out[0]["why"]
+    assert "requeued without leaving it out, as after any failure (requeue.max_failures)" in not_out[0]["why"]
+    assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
+    assert not any(e["event"] in ("stopped", "node_excluded") for e in events) and events[-1]["event"] == "finish"
+
+
+def test_slurm_call_in_the_job_blocks_stop_signals_without_preexec_fn(monkeypatch) -> None:
+    """The requeue's own scontrol calls outlive the job's TERM/USR2: the child starts with them blocked
+    (/proc/self/status SigBlk), spawned without preexec_fn (which forces fork() in a large, threaded rank),
+    and the caller's mask is as it was after."""
+    import signal
+    import subprocess
+
+    from hpc_train import slurm
+
+    spawned: list[dict] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            spawned.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    blocked = int(slurm.call(["grep", "SigBlk", "/proc/self/status"], ignore_term=True).split()[1], 16)
+    assert blocked & (1 << (signal.SIGTERM - 1)) and blocked & (1 << (signal.SIGUSR2 - 1))
+    assert spawned and all(k.get("preexec_fn") is None for k in spawned)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    plain = int(slurm.call(["grep", "SigBlk", "/proc/self/status"]).split()[1], 16)
+    assert not plain & (1 << (signal.SIGTERM - 1))
+
+
+def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) -> None:
+    """--rank 99 was an IndexError traceback; --node typo armed a drill that never fires."""
+    from hpc_train.metrics import log_event
+    from hpc_train.ops import Run, chaos
+
+    log_event(tmp_path, "start", 0, "7", 0, rank_nodes=["node1", "node1", "node3", "node3"])
+    run = Run(run_dir=tmp_path, label="health-1", job_id="7", executor="slurm", log_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"^--rank 99: health-1's last attempt has ranks 0\.\.3$"):
+        chaos(run, "sick-node", rank=99)
+    with pytest.raises(ValueError, match=r"^--node nod3: health-1's last attempt ran on node1, node3; name one of them$"):
+        chaos(run, "sick-node", node="nod3")
+    chaos(run, "sick-node", rank=2)
+    assert (tmp_path / "drills" / "sick_node.node3").exists()

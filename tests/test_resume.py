@@ -160,7 +160,7 @@ def test_resume_of_a_run_that_spent_its_failure_budget(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.stderr == (
         "hpc-train resume: error: --max-failures -3: a budget is a count >= 0; e.g. --max-failures 4\n")
     proc = run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", "resume", str(run_dir), "--max-failures",
-                "1"], timeout_s=240)
+                "1", "--max-excluded-nodes", "3"], timeout_s=240)
     assert "torch" not in {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert proc.returncode == 1 and proc.stdout.splitlines()[:4] == [
         "demo-1 stopped because failure budget spent: 0 failure requeues in a row without a newer checkpoint "
@@ -171,6 +171,7 @@ def test_resume_of_a_run_that_spent_its_failure_budget(tmp_path: Path) -> None:
     events = read_events(run_dir)
     assert [(e["event"], e["restart"]) for e in events if e["event"] in ("resume", "requeue", "stopped")] == [
         ("stopped", 0), ("resume", 1), ("requeue", 1), ("stopped", 2)]
+    assert next(e for e in events if e["event"] == "resume")["budgets"] == {"max_failures": 1, "max_excluded_nodes": 3}
     stopped = [e["reason"] for e in events if e["event"] == "stopped"]
     assert stopped[-1] == "failure budget spent: 1 failure requeues in a row without a newer checkpoint (requeue.max_failures=1)"
     assert (run_dir / "config.yaml").read_text().count("max_failures: 0") == 1  # the frozen config, as submitted

@@ -9,6 +9,7 @@ import math
 import re
 import socket
 import statistics
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def test_judge_names_after_k_windows_ignores_noise_and_clears() -> None:
     cfg = StragglerConfig(every_steps=20, factor=1.5, floor_s=0.002, windows=3)
     j = Judge()
     slow = [0.005, 0.005, 0.005, 0.020]  # rank 3: 20 ms of its own per step, the others 5 ms
+    assert judge(j, slow, cfg)[:2] == ([], [])  # the attempt's first window: not judged
     assert judge(j, slow, cfg)[:2] == ([], [])
     assert judge(j, slow, cfg)[:2] == ([], [])
     named, cleared, medians = judge(j, slow, cfg)  # the third slow window in a row
@@ -51,6 +53,10 @@ def test_judge_names_after_k_windows_ignores_noise_and_clears() -> None:
     assert judge(j, normal, cfg)[:2] == ([], []) and judge(j, normal, cfg)[:2] == ([], [])
     assert judge(j, normal, cfg)[:2] == ([], [3])  # three normal windows in a row: cleared
     # 1.9 ms on a 1 ms step is 1.9x, but 0.9 ms above the others: below floor_s, noise, never named
+    # windows=1: the first window of an attempt (compilation, cold caches) names nobody; the second does
+    once = StragglerConfig(every_steps=20, factor=1.5, floor_s=0.002, windows=1)
+    fresh = Judge()
+    assert [judge(fresh, slow, once)[0] for _ in range(2)] == [[], [3]]
     quiet = Judge()
     assert all(judge(quiet, [0.001, 0.001, 0.0019], cfg)[:2] == ([], []) for _ in range(10))
     # slow every other window: never `windows` in a row
@@ -58,7 +64,7 @@ def test_judge_names_after_k_windows_ignores_noise_and_clears() -> None:
     assert all(judge(flapping, [0.005, 0.005, 0.02 if k % 2 else 0.005], cfg)[:2] == ([], []) for k in range(10))
     # two ranks: the other's time is the yardstick (the median of both would hide a 3x slower rank)
     pair = Judge()
-    assert [judge(pair, [0.005, 0.012], cfg)[0] for _ in range(3)] == [[], [], [1]]
+    assert [judge(pair, [0.005, 0.012], cfg)[0] for _ in range(4)] == [[], [], [], [1]]
 
 
 def test_median_of_the_others_matches_the_definition() -> None:
@@ -95,7 +101,7 @@ def test_prometheus_text_from_plain_files(tmp_path: Path) -> None:
     rows = [{"time": 100.0 + s, "step": s, "loss": 2.0 / s, "tokens_per_s": 1000.0 * s, "mfu": None,
              "data_wait_fraction": 0.01, "step_time_s": 0.5} for s in range(10, 70, 10)]
     run_dir = write_run(tmp_path / 'we"ird\\run', EVENTS, rows)
-    text = prometheus.run_text(run_dir, "77", run_dir.name)
+    text = prometheus.run_text(run_dir, "77")
     values = parse(text)
     label = 'we\\"ird\\\\run'  # escaped as the format says: \" and \\
     assert values[("hpc_train_step", label)] == 60 and values[("hpc_train_loss", label)] == 2.0 / 60
@@ -127,7 +133,10 @@ def test_status_prometheus_prints_every_run_in_a_folder(tmp_path: Path) -> None:
     values = parse(proc.stdout)
     assert values[("hpc_train_step", "a-1")] == 60 and values[("hpc_train_stragglers", "a-1")] == 1
     assert math.isnan(values[("hpc_train_step", "b-1")]) and values[("hpc_train_straggler_events", "b-1")] == 0
-    assert 'job="78"' in proc.stdout
+    assert 'slurm_job="78"' in proc.stdout
+    (tmp_path / "runs" / "latest").symlink_to("a-1")  # a link to a run: still one series
+    again = run([HPC_TRAIN, "status", str(tmp_path / "runs"), "--prometheus"]).stdout
+    assert again == proc.stdout and again.count("hpc_train_step{") == 2
 
 
 def free_port() -> int:
@@ -161,15 +170,17 @@ def test_endpoint_scraped_while_training_and_a_busy_port_is_not_fatal(tmp_path: 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        textfile = tmp_path / "hpc_train.prom"
-        proc = run([HPC_TRAIN, "submit", "train.steps=30", f"metrics.prometheus_port={taken.getsockname()[1]}",
-                    f"metrics.prometheus_textfile={textfile}", f"out_dir={tmp_path}", "name=taken"], timeout_s=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    taken_dir = tmp_path / "taken-1"
+        taken_dir, job = submit(["train.steps=30", "train.min_step_time_s=0.2", f"metrics.prometheus_port="
+                                 f"{taken.getsockname()[1]}", f'metrics.prometheus_textfile="{tmp_path}/hpc_{{job}}.prom"',
+                                 f"out_dir={tmp_path}", "name=taken", "--no-wait"])
+        textfile = tmp_path / f"hpc_{job}.prom"  # {job}: the job id (here the local controller's pid)
+        wait_until(textfile.exists, 120, "the textfile")
+        assert ("hpc_train_attempt", "taken-1") in parse(textfile.read_text())
+        wait_until(lambda: (taken_dir / "summary.json").exists(), 120, "the run with a taken port to finish")
     failed = [e for e in read_events(taken_dir) if e["event"] == "prometheus_failed"]
-    assert failed and "in use" in failed[0]["error"] and (taken_dir / "summary.json").exists()
-    values = parse(textfile.read_text())
-    assert values[("hpc_train_step", "taken-1")] == 30 and not list(tmp_path.glob(".hpc_train.prom.*"))
+    assert failed and "in use" in failed[0]["error"]
+    wait_until(lambda: not textfile.exists(), 30, "the textfile removed at the end")
+    assert not list(tmp_path.glob("*.prom*")) and not list(tmp_path.glob(".hpc_*"))
     wait_until(lambda: (run_dir / "summary.json").exists(), 120, "the scraped run to finish")
 
 
@@ -213,3 +224,139 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
     assert any(re.search(r"\[hpc_train\] straggler: rank 3 on \w+: [\d.]+ ms/step", p.read_text()) for p in logs)
     report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env)
     assert report.returncode == 0 and "stragglers" in report.stdout, report.stdout + report.stderr
+
+
+def test_an_idle_connection_neither_blocks_a_scrape_nor_close(tmp_path: Path) -> None:
+    """A client that connects and sends nothing (a port scanner, a stuck scraper): another scrape is
+    answered and close() returns, or rank 0 would never reach its requeue decision or its exit."""
+    import threading
+
+    port = free_port()
+    exporter = prometheus.start("127.0.0.1", port, "", "1", lambda: "hpc_train_step 1\n", lambda *a, **k: None)
+    idle = socket.create_connection(("127.0.0.1", port))
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.read() == b"hpc_train_step 1\n"
+        closer = threading.Thread(target=exporter.close, daemon=True)
+        closer.start()
+        closer.join(10)  # a bound on a hang (forever before), not a speed figure
+        assert not closer.is_alive(), "Exporter.close() hangs while a connection is idle"
+    finally:
+        idle.close()
+
+
+def test_chaos_slow_rank_refuses_what_would_hang_or_do_nothing(tmp_path: Path) -> None:
+    """--seconds inf/1e9 would hang the rank every step until the watchdog (and the drill file re-fires on
+    every attempt), NaN and --rank 99 would arm nothing yet report success, no --seconds took slow-storage's 2 s."""
+    from hpc_train import ops
+
+    run_dir = write_run(tmp_path / "slow-1", [ev(100, "start", 0, world_size=4)], [])
+    run_ = ops.find_runs(run_dir)[0]
+    for rank, seconds, says in [(99, 0.02, "slow-1 has 4 ranks; give 0 to 3"), (-1, 0.02, "give 0 to 3"),
+                                (3, math.inf, "--seconds inf"), (3, math.nan, "--seconds nan"),
+                                (3, 1e9, "0 to 10"), (3, None, "needs --seconds")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            ops.chaos(run_, "slow-rank", rank, seconds)
+    assert not (run_dir / "drills").exists() or not list((run_dir / "drills").iterdir())
+    assert ops.chaos(run_, "slow-rank", 3, 0.02) == "rank 3 works 0.02 s more per step"
+    assert (run_dir / "drills" / "slow_rank_3").read_text() == "0.02\n"
+    proc = run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "99", "--seconds", "0.02"])
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert proc.stderr.startswith("hpc-train chaos: error: chaos slow-rank --rank 99: slow-1 has 4 ranks")
+    proc = run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "1"])
+    assert proc.returncode == 2 and "needs --seconds" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_events_are_parsed_once_then_only_what_was_appended(tmp_path: Path) -> None:
+    """Rank 0 renders every 15 s on its training thread and on every scrape: 30 k events parsed whole took
+    0.34 s each time. The second read parses only the appended line; a torn line waits for its newline."""
+    from hpc_train.metrics import read_events as read_all
+
+    events = [ev(100 + k, "checkpoint_committed", k, reason="periodic", stall_s=0.0) for k in range(30000)]
+    run_dir = write_run(tmp_path / "long-1", [ev(99, "start", 0), *events], [])
+    path = run_dir / "events.jsonl"
+    first = prometheus.values(run_dir)
+    assert first["hpc_train_committed_step"] == 29999
+    assert prometheus.JOURNALS[path].read_bytes == path.stat().st_size  # the first read: the whole file
+    line = json.dumps(ev(200000, "checkpoint_committed", 40000, reason="periodic", stall_s=0.0)) + "\n"
+    with open(path, "a") as f:
+        f.write(line[:20])  # the writer is mid-line
+    assert prometheus.values(run_dir)["hpc_train_committed_step"] == 29999
+    assert prometheus.JOURNALS[path].read_bytes == 0
+    with open(path, "a") as f:
+        f.write(line[20:])
+    assert prometheus.values(run_dir)["hpc_train_committed_step"] == 40000
+    assert prometheus.JOURNALS[path].read_bytes == len(line)  # only the appended line, not 30 k events again
+    assert prometheus.events_of(run_dir) == read_all(run_dir)
+    path.write_text(json.dumps(ev(1, "start", 0)) + "\n")  # replaced (a new inode or shorter): read again
+    assert prometheus.events_of(run_dir) == read_all(run_dir) and len(read_all(run_dir)) == 1
+
+
+def test_textfile_per_job_and_removed_when_the_attempt_ends(tmp_path: Path) -> None:
+    """Two jobs on one node with the same setting write two files ({job}); each goes when its attempt ends,
+    so node-exporter does not export a finished run's frozen values."""
+    pattern = str(tmp_path / "hpc_train_{job}.prom")
+    a = prometheus.start("127.0.0.1", 0, pattern, "11_0", lambda: "hpc_train_step 1\n", lambda *a, **k: None)
+    b = prometheus.start("127.0.0.1", 0, pattern, "11_1", lambda: "hpc_train_step 2\n", lambda *a, **k: None)
+    assert (tmp_path / "hpc_train_11_0.prom").read_text() == "hpc_train_step 1\n"
+    assert (tmp_path / "hpc_train_11_1.prom").read_text() == "hpc_train_step 2\n"
+    a.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_train_11_1.prom"]
+    b.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_sweep_trial_is_one_series_from_its_endpoint_and_from_status(tmp_path: Path) -> None:
+    """The endpoint (train.py's run_text) and `status --prometheus` label a trial alike (SWEEP/0003), or
+    one trial would be two series; `slurm_job`, since Prometheus renames a target's own `job` label."""
+    sweep = tmp_path / "mix-1"
+    trial = write_run(sweep / "0003", EVENTS, [{"time": 1.0, "step": 60, "loss": 0.5}], job_id="12_3")
+    (sweep / "sweep.json").write_text(json.dumps({"trials": [{"run_dir": str(trial), "job_id": "12_3"}]}))
+    proc = run([HPC_TRAIN, "status", str(sweep), "--prometheus"])
+    assert proc.returncode == 0, proc.stderr
+
+    def label_sets(text: str) -> set[str]:
+        return {line[line.index("{"):line.index("}") + 1] for line in text.splitlines() if not line.startswith("#")}
+
+    assert label_sets(prometheus.run_text(trial, "12_3")) == label_sets(proc.stdout) == {
+        '{slurm_job="12_3",run="mix-1/0003"}'}
+
+
+def test_a_malformed_row_never_stops_training_nor_prints_a_traceback_per_scrape(tmp_path: Path, capsys) -> None:
+    """step_time_s null in metrics.jsonl (goodput's median) and a straggler event without a rank (current)
+    are rendered around; any other failure warns once, tick() goes on and the endpoint answers 500."""
+    run_dir = write_run(tmp_path / "odd-1", [*EVENTS, ev(115, "straggler", 70, node="node9")],
+                        [{"time": 120.0, "step": 70, "loss": 0.5, "step_time_s": None}])
+    got = prometheus.values(run_dir)
+    assert got["hpc_train_step"] == 70 and got["hpc_train_stragglers"] == 1 and 0 <= got["hpc_train_goodput"] <= 1
+
+    def broken() -> str:
+        raise TypeError("'<' not supported between instances of 'NoneType' and 'float'")
+
+    port = free_port()
+    exporter = prometheus.start("127.0.0.1", port, str(tmp_path / "x.prom"), "1", broken, lambda *a, **k: None)
+    exporter.tick(force=True)  # no raise: the training thread goes on
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert answer.value.code == 500 and answer.value.read().decode().count("\n") == 1
+    exporter.close()
+    out = capsys.readouterr()
+    assert out.out.count("could not be rendered (TypeError: '<' not supported") == 1, out  # once, not per scrape
+    assert "Traceback" not in out.err
+
+
+def test_goodput_gauge_moves_while_an_attempt_runs_and_report_figures_stay(tmp_path: Path) -> None:
+    """A running attempt ended at its last event (a checkpoint): the gauge froze between checkpoints.
+    live=True ends it at the last metrics row, the steps since the commit lost; report's figures unchanged."""
+    from hpc_train.ops import goodput
+
+    events = [ev(100, "start", 0, launched_at=90.0), ev(110, "checkpoint_committed", 20, reason="periodic", stall_s=0.0)]
+    rows = [{"time": 100.0 + s, "step": s, "step_time_s": 0.5} for s in range(10, 60, 10)]
+    early = prometheus.values(write_run(tmp_path / "a", events, rows[:2]))["hpc_train_goodput"]  # step 20 at t=120
+    later = prometheus.values(write_run(tmp_path / "b", events, rows))["hpc_train_goodput"]  # step 50 at t=150
+    assert early != later
+    parts = goodput(events, rows, live=True)  # 90 -> 150: 10 s overhead, 30 steps x 0.5 s lost
+    assert (parts["allocated"], parts["overhead"], parts["lost"]) == (60.0, 10.0, 15.0)
+    assert goodput(events, rows)["allocated"] == 20.0  # without live (report, status): to the last event
+    finished = [*events, ev(160, "finish", 50)]
+    assert goodput(finished, rows, live=True) == goodput(finished, rows)  # a finished attempt: as report says

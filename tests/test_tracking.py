@@ -180,3 +180,16 @@ def test_an_mlflow_server_that_is_down_costs_one_event_and_the_run_finishes(tmp_
         [log] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # the config record's JSON is plain bytes
         sent = log.read_bytes()
         assert b"signal_lead_s" in sent and not any(f"{w}_SECRET".encode() in sent for w in ("SETUP", "TV", "EXTRA", "ENV"))
+
+
+def test_an_empty_prometheus_addr_is_refused_not_bound_to_every_interface(tmp_path: Path) -> None:
+    """http.server binds "" to 0.0.0.0: the endpoint would be open on every interface, logged as http://:PORT."""
+    from conftest import HPC_TRAIN, run
+
+    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "metrics.prometheus_port=9400", "metrics.prometheus_addr=''"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "metrics.prometheus_addr='' is empty, which would serve on every interface; give 127.0.0.1" in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+    from hpc_train.tracking import TrackingConfig
+
+    assert TrackingConfig(prometheus_addr="0.0.0.0").prometheus_addr == "0.0.0.0"  # written explicitly: allowed
