@@ -61,6 +61,11 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def first_start(run_dir: Path) -> dict[str, Any]:
+    """The run's first `start` event (each attempt's `preflight` event comes before it)."""
+    return next(e for e in read_events(run_dir) if e["event"] == "start")
+
+
 def submit(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[Path, str]:
     """Run `hpc-train submit ARGS` as a user would; returns (run_dir, job_id)."""
     proc = run([HPC_TRAIN, "submit", *args], env=env, cwd=cwd, timeout_s=300)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (HPC_TRAIN, RUN_ARGS, high_job_preempting, interrupted_run, read_events, run, sacct_state,
+from conftest import (HPC_TRAIN, first_start, RUN_ARGS, high_job_preempting, interrupted_run, read_events, run, sacct_state,
                       submit, wait_until)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]
@@ -84,12 +84,12 @@ def test_array_task_preempted_while_siblings_run(slurm_env: dict[str, str], tmp_
     victim, sibling = (Path(t["run_dir"]) for t in manifest["trials"])
     wait_until(lambda: all(any(e["event"] == "checkpoint_committed" for e in read_events(d)) for d in (victim, sibling)),
                120, "both trials past their first checkpoint")
-    node = read_events(victim)[0]["nodes"][0]
-    assert node != read_events(sibling)[0]["nodes"][0]
+    node = first_start(victim)["nodes"][0]
+    assert node != first_start(sibling)["nodes"][0]
     high_job_preempting(slurm_env, [], nodes=node)(manifest["trials"][0]["job_id"])
     wait_until(lambda: all((d / "summary.json").exists() for d in (victim, sibling)), 300, "both trials to finish")
     assert starts(read_events(victim)) == [0, 1] and starts(read_events(sibling)) == [0]
     assert [e["reason"] for e in read_events(victim) if e["event"] == "requeue"] == ["preempt"]
-    assert read_events(victim)[0]["job_id"] == manifest["trials"][0]["job_id"]  # "<array>_<task>"
+    assert first_start(victim)["job_id"] == manifest["trials"][0]["job_id"]  # "<array>_<task>"
     twin = json.loads((sibling / "summary.json").read_text())
     assert json.loads((victim / "summary.json").read_text()) == twin

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import cluster
-from conftest import HPC_TRAIN, read_events, run, wait_until
+from conftest import HPC_TRAIN, first_start, read_events, run, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -52,7 +52,7 @@ def test_two_resource_shapes_land_as_two_arrays(slurm_env: dict[str, str], tmp_p
     assert Path(manifest["sweep_dir"], "sweep.json").stat().st_mode & 0o004  # no cluster.env: readable by all
     _wait_summaries(manifest)
     for t, world in zip(trials, [2, 4, 2, 4]):  # 2 tasks per node: the right tasks really ran
-        start = json.loads((Path(t["run_dir"]) / "events.jsonl").read_text().splitlines()[0])
+        start = first_start(Path(t["run_dir"]))
         assert start["world_size"] == world and len(set(start["nodes"])) == world // 2
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
+from conftest import HPC_TRAIN, first_start, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -29,7 +29,7 @@ def test_four_nodes_are_placed_by_switch(slurm_env: dict[str, str], tmp_path: Pa
     logs = "".join(p.read_text() for p in (run_dir / "submitit").glob("*_log.out"))
     placed = {int(r): n for r, n in re.findall(r"placed task \d+ as rank (\d+) on (\w+)", logs)}
     assert placed == {r["rank"]: r["node"] for r in plan["ranks"]}
-    start = read_events(run_dir)[0]
+    start = first_start(run_dir)
     assert start["rank_nodes"] == [r["node"] for r in plan["ranks"]]
 
 
@@ -79,7 +79,7 @@ def test_fsdp2_tp_across_nodes_matches_ddp(slurm_env: dict[str, str], tmp_path: 
                               "train.batch_seqs_per_rank=16", f"out_dir={tmp_path}", "name=tp"], env=slurm_env)
     summary = wait_finished(run_dir, job_id, slurm_env)
     assert abs(summary["final_loss"] - reference["final_loss"]) <= 1e-6 * reference["final_loss"]
-    start = read_events(run_dir)[0]
+    start = first_start(run_dir)
     assert start["mesh"] == json.loads((run_dir / "placement.json").read_text())["mesh"] == {"dp": 2, "tp": 2}
     nodes = start["rank_nodes"]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]  # tp pairs inside a node
