@@ -300,14 +300,14 @@ def _report(args: argparse.Namespace) -> int:
                           ("stall", "checkpoint stall"), ("overhead", "restart overhead (launch -> training)")):
             table.add_row(what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-")
         table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
-        attempts = Table(title="attempts (start-up: python imports rendezvous setup verify load first-step, seconds)")
+        attempts = Table(title="attempts (start-up: python imports rendezvous preflight setup verify load first-step, seconds)")
         batches = ops.batch_text(atts)  # a column only when the global batch or accumulation changed
         for col in ("attempt", "job", "ranks", *(["batch"] if batches else []), "steps", "wall s", "start-up s",
                     "start-up by phase", "ended by", "signals"):
             attempts.add_column(col)
         for i, a in enumerate(atts):
             phases = " ".join(f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-" for k in
-                              ("python", "imports", "rendezvous", "setup", "verify", "load", "first_step"))
+                              ("python", "imports", "rendezvous", "preflight", "setup", "verify", "load", "first_step"))
             attempts.add_row(str(a["restart"]), str(a["job_id"]), ops.size_text(a), *([batches[i]] if batches else []),
                              f"{a['start_step']}->{a['reached_step']}",
                              f"{a['end'] - a['launched']:.1f}", f"{(a['start'] or a['end']) - a['launched']:.1f}",

@@ -143,15 +143,17 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
-        _exclude_nodes(env, cfg.cluster, excluded, record)
-        record("requeue", reason=reason, by="slurm", note=why,
-               **next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded)))
+        size, facts = next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded))
+        err = _update_next_attempt(env, cfg.cluster, excluded, size, record)
+        record("requeue", reason=reason, by="slurm", note=why, **facts, **({"nodes_update_error": err} if err and size else {}))
         return "requeue"
     wait = queue_wait_s(env, cfg, excluded)  # before the requeue: after it, Slurm's SIGTERM reaches our client calls too
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
     if not err:
-        _exclude_nodes(env, cfg.cluster, excluded, record)  # first: the job's KillWait may end this process soon
-        record("requeue", reason=reason, by="hpc_train", fate=fate, **next_attempt_size(env, cfg, wait))
+        size, facts = next_attempt_size(env, cfg, wait)
+        err = _update_next_attempt(env, cfg.cluster, excluded, size, record)  # first: KillWait may end this process soon
+        record("requeue", reason=reason, by="hpc_train", fate=fate, **facts,
+               **({"nodes_update_error": err} if err and size else {}))
         return "requeue"
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
@@ -165,20 +167,25 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
     return "wait" if preempted else "stop"
 
 
-def _exclude_nodes(env: Any, cluster: Any, nodes: list[str], record: Callable[..., None]) -> None:
-    """ExcNodeList on the requeued job: the run's excluded nodes and cluster.exclude. Only now: Slurm 22.05
-    refuses it on a running job ("Job is no longer pending execution"); the requeued job is PENDING and
-    cannot start before cred_expire (10 s on the dev cluster, 120 s by default), so this lands in time.
-    Set at every requeue while the run has any: it also survives a lost first try."""
-    if env.executor != "slurm" or not nodes:
-        return
+def _update_next_attempt(env: Any, cluster: Any, nodes: list[str], size: dict[str, str],
+                         record: Callable[..., None]) -> str:
+    """One `scontrol update` of the requeued job: ExcNodeList (the run's excluded nodes and cluster.exclude)
+    and an elastic run's NumNodes/NumTasks together, so either both land or neither (ExcNodeList alone
+    with a failed NumNodes could leave NumTasks=8 on too few usable nodes: pending for good). Only now:
+    Slurm 22.05 refuses both on a running job ("Job is no longer pending execution"); the requeued job is
+    PENDING and cannot start before cred_expire (10 s on the dev cluster, 120 s by default). Set at every
+    requeue while the run has excluded nodes: it also survives a lost first try. Returns "" or the error."""
+    if env.executor != "slurm" or not (nodes or size):
+        return ""
     from hpc_train import slurm
 
     value = ",".join([*nodes, *([cluster.exclude] if cluster.exclude else [])])
-    err = slurm.update_job(env.job_id, {"ExcNodeList": value})
-    record("exclude_nodes", nodes=value, ok=not err, **({"error": err} if err else {}))
-    if err:
-        print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
+    err = slurm.update_job(env.job_id, {**({"ExcNodeList": value} if nodes else {}), **size})
+    if nodes:
+        record("exclude_nodes", nodes=value, ok=not err, **({"error": err} if err else {}))
+        if err:
+            print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
+    return err
 
 
 def elastic(env: Any, cfg: Any) -> bool:
@@ -205,20 +212,19 @@ def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None,
     return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), facts
 
 
-def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]) -> dict[str, Any]:
+def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]) -> tuple[dict[str, str], dict[str, Any]]:
     """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if they are
-    free within requeue.shrink_after_s, else go on with what Slurm gives (preempt.next_size), set with
-    `scontrol update`, which Slurm takes only now that the job is pending again. Returns the requeue
-    event's fields: nodes_next, full_size_wait_s (None: unknown), the snapshot's facts, and any error."""
-    from hpc_train import slurm
-
+    free within requeue.shrink_after_s, else go on with the nodes free now (preempt.next_size). Returns
+    (the NumNodes/NumTasks fields for _update_next_attempt, the requeue event's fields: nodes_next,
+    full_size_wait_s (None: unknown) and the snapshot's facts); ({}, {}) for a job that is not elastic."""
     if not elastic(env, cfg):
-        return {}
+        return {}, {}
     c, (wait_s, facts) = cfg.cluster, wait
-    fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s)
-    error = slurm.update_job(env.job_id, fields)
-    out = {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1), **facts}
-    return {**out, "nodes_update_error": error} if error else out
+    free = facts.get("free_nodes")
+    fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s,
+                               None if free is None else len(free))
+    return fields, {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1),
+                    **facts}
 
 
 def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> None:

@@ -166,7 +166,7 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
             "nodes_next": next((e.get("nodes_next") for e in evs if e["event"] == "requeue"), None),  # elastic
             **{k: start.get(k) if start else None for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")},
-            # start-up, phase by phase (job.py): python, imports, rendezvous, setup, verify, load, first step
+            # start-up, phase by phase (job.py): python, imports, rendezvous, preflight, setup, verify, load, first step
             "phases_s": {**(start.get("phases_s", {}) if start else {}),
                          **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {})},
         })
