@@ -32,11 +32,16 @@ received: list[str] = []  # names of the signals caught so far, in order; read b
 received_at: list[float] = []  # time.monotonic() of each, for the time left to save
 last_beat = [time.monotonic()]  # the loop's heartbeat, read by job.py's hang watchdog
 step_reached = [-1]  # the last step the loop finished: what a failure event records
+# Heartbeats so far. Every rank beats at the same points (each step's end, after each micro-batch's
+# forward, each evaluation batch), so at a hang the rank whose count is behind the others' is the one
+# that stopped; the rest are blocked in a collective waiting for it (hung_ranks).
+ticks = [0]
 installed_at = [0.0]  # time.time() when the handlers went in: the "python" phase of a restart ends here
 
 
 def beat(step: int | None = None) -> None:
     last_beat[0] = time.monotonic()
+    ticks[0] += 1
     if step is not None:
         step_reached[0] = step
 
@@ -167,6 +172,20 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
         if limit != -1 and used >= limit:
             return "stop", f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
     return "requeue", ""
+
+
+def hung_ranks(counts: dict[int, int], world_size: int) -> list[int]:
+    """The ranks a hang is blamed on (pure), from each rank's heartbeat count when its watchdog fired
+    (counts: rank -> ticks; a rank absent wrote none: its process could not even run its watchdog): those
+    behind every other rank, when they are at most half (a node's ranks, or 1 of 2); [] when all are level
+    (blocked together, e.g. in FSDP's forward all-gather: no one to blame) or most are behind."""
+    if not counts:
+        return []
+    missing = [r for r in range(world_size) if r not in counts]
+    behind = missing or [r for r, t in counts.items() if t == min(counts.values())]
+    if not missing and min(counts.values()) == max(counts.values()):
+        return []
+    return sorted(behind) if 2 * len(behind) <= world_size else []
 
 
 # ---- sick nodes left out (pure) ----------------------------------------------------------------------

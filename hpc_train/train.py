@@ -295,6 +295,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
                 forward_events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 forward_events[-1][0].record()
             loss = loss_of(x, y)
+            preempt.beat()  # past its forward: at a hang, a rank that stopped before here is the one to blame
             if on_gpu and sc.every_steps:
                 forward_events[-1][1].record()
             # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.

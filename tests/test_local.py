@@ -179,6 +179,9 @@ def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     hangs = [e for e in events if e["event"] == "fail" and e["error"].startswith("hang:")]
     assert hangs and hangs[0]["error"] == "hang: no step finished in train.watchdog_s=4 s"
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
+    # The stopped rank (the last) is named by its heartbeats; one machine: nowhere to leave it out.
+    blamed = [e for e in events if e["event"] == "node_not_excluded"]
+    assert len(blamed) == 1 and "rank 2 on 127.0.0.1 hung" in blamed[0]["why"], blamed
     assert events[-1]["event"] == "finish" and events[-1]["final_step"] == 20
     log = (run_dir / "submitit").glob("*_2_log.err")
     assert any("Thread 0x" in p.read_text() and "in train" in p.read_text() for p in log)  # the stack dump

@@ -252,3 +252,16 @@ def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) 
         chaos(run, "sick-node", node="nod3")
     chaos(run, "sick-node", rank=2)
     assert (tmp_path / "drills" / "sick_node.node3").exists()
+
+
+@pytest.mark.parametrize("counts, world, blamed", [
+    ({0: 31, 1: 31, 2: 31, 3: 30}, 4, [3]),   # rank 3 stopped before its forward; the others wait in backward
+    ({0: 31, 1: 31, 2: 31}, 4, [3]),          # rank 3's watchdog could not even report
+    ({0: 30, 1: 30, 2: 30, 3: 30}, 4, []),    # all level: blocked together (FSDP's forward all-gather): no one
+    ({0: 30, 1: 30, 2: 31, 3: 31}, 4, [0, 1]),  # a node's 2 ranks behind the other node's
+    ({0: 30, 1: 30, 2: 30, 3: 31}, 4, []),    # most behind: not one node's fault
+    ({0: 12, 1: 11}, 2, [1]),                 # 2 ranks: the one behind
+    ({}, 4, []),
+])
+def test_hung_ranks_are_a_minority_behind_the_others(counts: dict, world: int, blamed: list) -> None:
+    assert preempt.hung_ranks(counts, world) == blamed
