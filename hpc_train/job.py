@@ -245,8 +245,8 @@ def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) ->
 
 def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
     """At a hang, the nodes of the ranks that stopped (preempt.hung_ranks), from the heartbeat counts every
-    rank's watchdog writes into `hangs`; waits up to wait_s for them all (the blocked ranks' watchdogs fire
-    a forward pass later than the stopped rank's, and poll every <= 5 s)."""
+    failing rank writes into `hangs`; waits up to wait_s for them all (the blocked ranks' watchdogs fire
+    a forward pass later than the stopped rank's and poll every <= 5 s; others fail as peers exit)."""
     until = time.monotonic() + wait_s
     while len([p for p in hangs.iterdir() if p.name.isdigit()]) < env.world_size and time.monotonic() < until:
         time.sleep(0.5)
@@ -259,22 +259,37 @@ def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
     out: dict[str, str] = {}
     for r in preempt.hung_ranks(counts, env.world_size):
         node = env.nodes[r // env.local_world_size]
-        out[node] = (f"rank {r} on {node} hung: " + (f"{counts[r]} heartbeats while the others reached "
-                     f"{max(counts.values())}" if r in counts else "its watchdog did not even report"))
+        out[node] = f"rank {r} on {node} hung: {counts[r]} heartbeats while the others reached {max(counts.values())}"
     return out if len(out) < len(set(env.nodes)) or env.executor != "slurm" else {}
 
 
+_deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
+
+
 def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None,
-                   hung: Callable[[], dict[str, str]] | None = None) -> tuple[str, float]:
+                   hang: bool = False) -> tuple[str, float]:
     """The first rank to fail in an attempt decides (an O_EXCL file); the others die with it (gloo
     sees the closed peer). Returns (its verdict, or "" for the others; the partition's grace time).
-    hung: at a hang, the nodes to blame (asked only by the deciding rank)."""
+    Every failing rank first writes its heartbeat count, from which the deciding rank blames a hang
+    (hang=True: the watchdog fired) on the ranks that stopped first (_hung_nodes)."""
     from hpc_train.config import load_frozen
 
+    hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
+    try:
+        hangs.mkdir(exist_ok=True)
+        (hangs / f"{env.rank}.tmp").write_text(str(preempt.ticks[0]))
+        os.replace(hangs / f"{env.rank}.tmp", hangs / str(env.rank))
+    except OSError:
+        pass  # only a hang's blame needs it
     try:
         os.close(os.open(paths.failure_claim(env.job_id, env.restart_count), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
+        # The watchdog thread decides while the main thread sees the peers' exits (gloo: closed peer), or
+        # the other way round: this thread must not end the process under the deciding one, which exits.
+        while _deciding[0]:
+            time.sleep(1)
         return "", 0.0
+    _deciding[0] = True
     try:
         cfg = load_frozen(paths.run_dir)
     except Exception:  # the config itself is what fails: no point in retrying
@@ -289,7 +304,8 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
     # env is Slurm's task numbering (this runs outside the placed rendezvous too): name the task, not a rank
     task = f"{'Slurm task' if env.executor == 'slurm' else 'task'} {env.rank}"
     sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
-    sick = hung() or None if hung else sick
+    if hang:
+        sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
     return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick), cfg.cluster.preempt_grace_s
 
 
@@ -376,11 +392,7 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
                   error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
-        hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
-        hangs.mkdir(exist_ok=True)
-        (hangs / f"{env.rank}.tmp").write_text(str(preempt.ticks[0]))
-        os.replace(hangs / f"{env.rank}.tmp", hangs / str(env.rank))
-        verdict, grace_s = _after_failure(paths, env, hung=lambda: _hung_nodes(hangs, env, min(30.0, limit_s)))
+        verdict, grace_s = _after_failure(paths, env, hang=True)
         _leave(verdict if verdict == "wait" or (verdict == "requeue" and env.executor == "local") else "stop", grace_s)
 
     preempt.beat()

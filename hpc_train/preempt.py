@@ -175,16 +175,14 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
 
 
 def hung_ranks(counts: dict[int, int], world_size: int) -> list[int]:
-    """The ranks a hang is blamed on (pure), from each rank's heartbeat count when its watchdog fired
-    (counts: rank -> ticks; a rank absent wrote none: its process could not even run its watchdog): those
-    behind every other rank, when they are at most half (a node's ranks, or 1 of 2); [] when all are level
-    (blocked together, e.g. in FSDP's forward all-gather: no one to blame) or most are behind."""
-    if not counts:
+    """The ranks a hang is blamed on (pure), from the heartbeat counts the ranks wrote as they failed
+    (counts: rank -> ticks): those behind every other rank, when they are at most half the ranks (a node's
+    ranks, or 1 of 2). [] when all are level (blocked together, e.g. in FSDP's forward all-gather), when
+    most are behind, or with fewer than two counts. A rank that wrote none is not blamed: it may have died
+    of a peer's exit before its watchdog fired."""
+    if len(counts) < 2 or min(counts.values()) == max(counts.values()):
         return []
-    missing = [r for r in range(world_size) if r not in counts]
-    behind = missing or [r for r, t in counts.items() if t == min(counts.values())]
-    if not missing and min(counts.values()) == max(counts.values()):
-        return []
+    behind = [r for r, t in counts.items() if t == min(counts.values())]
     return sorted(behind) if 2 * len(behind) <= world_size else []
 
 

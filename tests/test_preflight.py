@@ -256,7 +256,8 @@ def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) 
 
 @pytest.mark.parametrize("counts, world, blamed", [
     ({0: 31, 1: 31, 2: 31, 3: 30}, 4, [3]),   # rank 3 stopped before its forward; the others wait in backward
-    ({0: 31, 1: 31, 2: 31}, 4, [3]),          # rank 3's watchdog could not even report
+    ({0: 31, 1: 31, 3: 30}, 4, [3]),          # rank 2 died of a peer's exit before it wrote: not blamed
+    ({0: 31, 1: 31, 2: 31}, 4, []),           # the stopped rank wrote nothing: no one to blame
     ({0: 30, 1: 30, 2: 30, 3: 30}, 4, []),    # all level: blocked together (FSDP's forward all-gather): no one
     ({0: 30, 1: 30, 2: 31, 3: 31}, 4, [0, 1]),  # a node's 2 ranks behind the other node's
     ({0: 30, 1: 30, 2: 30, 3: 31}, 4, []),    # most behind: not one node's fault

@@ -38,3 +38,20 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(slurm_env: dict[st
     assert f"ExcNodeList={sick} " in job, job
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env)
     assert f"{run_dir.name}: {sick} left out: marked sick by `hpc-train chaos sick-node`" in status.stdout, status.stdout
+
+
+def test_a_hung_ranks_node_is_left_out(slurm_env: dict[str, str], tmp_path) -> None:
+    """The `hang` drill stops the last rank before its 4th step; the others get past their forward and
+    block in backward's all-reduce. Every watchdog fires; the stopped rank's heartbeat count is behind,
+    so its node is left out and the next attempt runs elsewhere and finishes."""
+    run_dir, job_id = submit(["cluster=dev", "train.steps=30", "train.watchdog_s=8", "checkpoint.every_steps=10",
+                              "+cluster.env.HPC_TRAIN_FAULT=hang", f"out_dir={tmp_path}", "name=hung"], env=slurm_env)
+    wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    events = read_events(run_dir)
+    starts = {e["restart"]: e for e in events if e["event"] == "start"}
+    stopped = starts[0]["rank_nodes"][-1]  # the drill's rank: the last
+    excluded = [e for e in events if e["event"] == "node_excluded"]
+    assert [(e["node"], e["restart"]) for e in excluded] == [(stopped, 0)], excluded
+    assert excluded[0]["why"].startswith(f"rank {starts[0]['world_size'] - 1} on {stopped} hung: ")
+    assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
+    assert stopped not in starts[1]["nodes"] and events[-1]["event"] == "finish"
