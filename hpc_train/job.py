@@ -288,6 +288,14 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
         # the other way round: this thread must not end the process under the deciding one, which exits.
         while _deciding[0]:
             time.sleep(1)
+        # Another rank decides: stay until its verdict is on record (<= 60 s). Exiting at once closed this
+        # rank's sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a
+        # site's KillOnBadExit=1 srun would kill the deciding rank with us.
+        until = time.monotonic() + 60
+        while time.monotonic() < until and not any(
+                e["event"] in ("requeue", "requeue_failed", "stopped") and e.get("restart") == env.restart_count
+                for e in read_events(paths.run_dir)):
+            time.sleep(0.5)
         return "", 0.0
     _deciding[0] = True
     try:
