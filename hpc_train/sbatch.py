@@ -184,6 +184,7 @@ SBATCH_OWNED = {
     "mem": "use cluster.mem_gb", "mem-per-cpu": "use cluster.mem_per_cpu_gb",
     "gpus-per-node": "use cluster.gpus_per_node", "ntasks-per-node": "use cluster.tasks_per_node",
     "ntasks": "use cluster.tasks_per_node", "time": "use cluster.timeout_min",
+    "mincpus": "an elastic run (cluster.min_nodes) sets it to tasks_per_node x cpus_per_task",
     "signal": "use cluster.signal_lead_s (USR2 that long before the time limit)",
     "requeue": "every run may be requeued already", "no-requeue": "a run must requeue to survive preemption",
     "array": "a sweep (-m) renders it; --max-parallel throttles it", "job-name": "use name=...",
@@ -277,8 +278,14 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         params["array_parallelism"] = max_parallel
     if (cluster.min_nodes or cluster.nodes) < cluster.nodes:
         # --nodes=2-4: Slurm starts it on as many as are free, at least 2. An additional parameter overrides
-        # "nodes" in the script only: submitit counts tasks from the integer (nodes x ntasks_per_node).
+        # "nodes" in the script only. No --ntasks-per-node in the header: with it sbatch sets ntasks to
+        # min_nodes x tasks_per_node and Slurm never gives more nodes than tasks (--nodes=2-4
+        # --ntasks-per-node=1 started on 2 of 4 idle dev nodes). --mincpus reserves the tasks' CPUs on each
+        # node instead, and srun places tasks_per_node ranks on every node it got.
+        params.pop("ntasks_per_node")
         params["additional_parameters"]["nodes"] = f"{cluster.min_nodes}-{cluster.nodes}"
+        params["additional_parameters"]["mincpus"] = cluster.tasks_per_node * cluster.cpus_per_task
+        params["srun_args"] = [f"--ntasks-per-node={cluster.tasks_per_node}"]
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:
