@@ -82,12 +82,21 @@ def _from_env(environ: Mapping[str, str]) -> RankEnv:
         array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
         job_id = f"{array_job}_{array_task}" if array_job and array_task else environ["SLURM_JOB_ID"]
         restart = int(environ.get("SLURM_RESTART_COUNT") or 0)
+        # srun sets SLURM_NTASKS_PER_NODE only when it honours --ntasks-per-node; it ignores it ("can't
+        # honor") when an inherited SLURM_NTASKS disagrees, and the ranks would be placed unevenly.
+        per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE", "")
+        world_size, local_world_size = int(environ["SLURM_NTASKS"]), int(per_node.split("(")[0].split(",")[0] or 0)
+        if local_world_size * len(nodes) != world_size:
+            raise RuntimeError(f"srun started {world_size} tasks on {len(nodes)} nodes ({per_node or '?'} per node), "
+                               f"not the same number on each: the job's task count disagrees with its nodes "
+                               f"(SLURM_NTASKS inherited from an salloc shell, or a NumTasks set by hand); submit "
+                               f"from a login shell and leave NumNodes/NumTasks to hpc-train")
         return RankEnv(
             executor="slurm",
             rank=int(environ["SLURM_PROCID"]),
             local_rank=int(environ["SLURM_LOCALID"]),
-            world_size=int(environ["SLURM_NTASKS"]),
-            local_world_size=int(environ["SLURM_NTASKS_PER_NODE"].split("(")[0].split(",")[0]),
+            world_size=world_size,
+            local_world_size=local_world_size,
             node_rank=int(environ["SLURM_NODEID"]),
             num_nodes=len(nodes),
             nodes=nodes,

@@ -332,11 +332,10 @@ def next_size(min_nodes: int, max_nodes: int, tasks_per_node: int, wait_s: float
               shrink_after_s: float, free_now: int | None = None) -> dict[str, str]:
     """The `scontrol update` fields for a requeued elastic job's next attempt (pure): wait for all nodes
     (grow back) when they are free within shrink_after_s, else go on with the nodes free now (free_now,
-    at least min_nodes; min_nodes when unknown). An exact count, not a range: with NumTasks set, sbatch
-    treats --ntasks-per-node as a maximum, so NumNodes=1-2 NumTasks=2 may come as 2 nodes x 1 task, a
-    layout the ranks' SLURM_NTASKS_PER_NODE=2 would misplace. NumTasks too: a requeued job keeps the
-    count of its last allocation (8 after 4 nodes x 2), and NumNodes=2-3 with NumTasks=8 left it pending
-    with Reason=BadConstraints (Slurm 22.05)."""
+    at least min_nodes; min_nodes when unknown). An exact count, not a range, and NumTasks to match:
+    a task count that disagrees with the nodes makes srun ignore --ntasks-per-node ("can't honor") and
+    place the ranks unevenly. (With the earlier --ntasks-per-node header a requeued job also
+    kept its last count: NumNodes=2-3 with NumTasks=8 left it pending, Reason=BadConstraints, 22.05.)"""
     grow = wait_s is not None and wait_s <= shrink_after_s
     low = max_nodes if grow else min(max_nodes, max(min_nodes, free_now or 0))
     return {"NumNodes": f"{low}-{low}", "NumTasks": str(low * tasks_per_node)}

@@ -85,6 +85,11 @@ class ClusterConfig:
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
             raise ValueError(f"cluster.min_nodes={self.min_nodes} must be between 1 and cluster.nodes={self.nodes}; "
                              f"use null for a fixed size")
+        mincpus, extra = self.tasks_per_node * self.cpus_per_task, str(self.sbatch_extra.get("mincpus", ""))
+        if (self.min_nodes or self.nodes) < self.nodes and extra.isdigit() and int(extra) < mincpus:
+            raise ValueError(f"cluster.sbatch_extra.mincpus={self.sbatch_extra['mincpus']} is below the "
+                             f"{self.tasks_per_node} x {self.cpus_per_task} CPUs an elastic run's ranks need on each "
+                             f"node (it sets --mincpus={mincpus}); raise it or leave it out")
         if self.executor == "local" and self.nodes != 1:
             raise ValueError(f"cluster.nodes={self.nodes} but the local executor runs on this one machine; "
                              f"use cluster.nodes=1, or cluster=slurm for several nodes")
@@ -184,7 +189,8 @@ SBATCH_OWNED = {
     "mem": "use cluster.mem_gb", "mem-per-cpu": "use cluster.mem_per_cpu_gb",
     "gpus-per-node": "use cluster.gpus_per_node", "ntasks-per-node": "use cluster.tasks_per_node",
     "ntasks": "use cluster.tasks_per_node", "time": "use cluster.timeout_min",
-    "mincpus": "an elastic run (cluster.min_nodes) sets it to tasks_per_node x cpus_per_task",
+    "use-min-nodes": "an elastic run (cluster.min_nodes) starts on as many nodes as are free; for a fixed size "
+                     "leave cluster.min_nodes unset",
     "signal": "use cluster.signal_lead_s (USR2 that long before the time limit)",
     "requeue": "every run may be requeued already", "no-requeue": "a run must requeue to survive preemption",
     "array": "a sweep (-m) renders it; --max-parallel throttles it", "job-name": "use name=...",
@@ -282,10 +288,14 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         # min_nodes x tasks_per_node and Slurm never gives more nodes than tasks (--nodes=2-4
         # --ntasks-per-node=1 started on 2 of 4 idle dev nodes). --mincpus reserves the tasks' CPUs on each
         # node instead, and srun places tasks_per_node ranks on every node it got.
+        # submitit's own task count becomes nodes x 1; nothing reads it for a Slurm job (logs and results
+        # go by srun's %t). SLURM_NTASKS unset: srun counts SLURM_NNODES x tasks_per_node, where an
+        # inherited value (a submit from inside salloc) would make it ignore --ntasks-per-node.
         params.pop("ntasks_per_node")
         params["additional_parameters"]["nodes"] = f"{cluster.min_nodes}-{cluster.nodes}"
         params["additional_parameters"]["mincpus"] = cluster.tasks_per_node * cluster.cpus_per_task
         params["srun_args"] = [f"--ntasks-per-node={cluster.tasks_per_node}"]
+        params["setup"] = [*params["setup"], "unset SLURM_NTASKS SLURM_NPROCS"]
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:

@@ -26,6 +26,12 @@ def test_min_nodes_renders_a_node_range() -> None:
     script = render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
     assert "--ntasks-per-node" not in script.split("# command")[0] and "#SBATCH --mincpus=6\n" in script
     assert "srun --unbuffered --output /runs/e-1/submitit/%j_%t_log.out --ntasks-per-node=2 " in script
+    assert "\nunset SLURM_NTASKS SLURM_NPROCS\n" in script  # an salloc shell's count would override the layout
+    # A fixed-size run may still ask for --mincpus of its own; an elastic one at least its ranks' CPUs.
+    run = to_run_config(compose(["cluster=dev", "+cluster.sbatch_extra.mincpus=8"]))
+    assert "#SBATCH --mincpus=8\n" in render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
+    run = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "+cluster.sbatch_extra.mincpus=8"]))
+    assert "#SBATCH --mincpus=8\n" in render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -33,6 +39,10 @@ def test_min_nodes_renders_a_node_range() -> None:
     (["cluster=dev", "cluster.min_nodes=0"], r"cluster.min_nodes=0 must be between 1"),
     (["cluster=local", "cluster.min_nodes=2"], r"cluster.min_nodes=2 must be between 1 and cluster.nodes=1"),
     (["requeue.shrink_after_s=-1"], r"requeue.shrink_after_s=-1.0 must be >= 0"),
+    (["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "cluster.tasks_per_node=2", "+cluster.sbatch_extra.mincpus=1"],
+     r"cluster.sbatch_extra.mincpus=1 is below the 2 x 1 CPUs an elastic run's ranks need on each node"),
+    (["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "+cluster.sbatch_extra.use_min_nodes=''"],
+     r"--use-min-nodes is hpc_train's own; an elastic run"),
 ])
 def test_elastic_config_errors(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -216,6 +226,22 @@ def test_shrink_and_grow_back_across_two_requeues(slurm_env: dict[str, str], tmp
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
     print(f"worst relative loss difference over 80 steps: {worst:.2e}")
     assert worst <= LOSS_RTOL
+
+
+@pytest.mark.slurm
+def test_elastic_header_places_two_ranks_of_two_cpus_per_node(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """--mincpus=4 instead of --ntasks-per-node: the first attempt gets both idle nodes and srun places
+    2 ranks of 2 CPUs on each (a node has 4), with the submitting shell's SLURM_NTASKS=1 (an salloc) unset."""
+    wait_until(lambda: all_idle(slurm_env), 60, "4 idle nodes")
+    run_dir, job_id = submit(["cluster=dev", "cluster.nodes=2", "cluster.min_nodes=1", "cluster.tasks_per_node=2",
+                              "cluster.cpus_per_task=2", "model=tiny", "train.steps=5", f"out_dir={tmp_path}",
+                              "name=header"], env={**slurm_env, "SLURM_NTASKS": "1", "SLURM_NPROCS": "1"})
+    summary = wait_finished(run_dir, job_id, slurm_env)
+    assert summary["final_step"] == 5
+    start = next(e for e in read_events(run_dir) if e["event"] == "start")
+    assert start["world_size"] == 4 and len(set(start["nodes"])) == 2, start
+    script = next((run_dir / "submitit").glob("*.sh")).read_text()
+    assert "#SBATCH --mincpus=4\n" in script and "#SBATCH --nodes=1-2\n" in script
 
 
 def test_exclusion_and_next_size_go_in_one_scontrol_update(monkeypatch: pytest.MonkeyPatch) -> None:

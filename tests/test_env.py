@@ -36,6 +36,19 @@ def test_from_slurm_env() -> None:
                                   "MASTER_ADDR": "node3", "MASTER_PORT": str(env.master_port)}
 
 
+def test_tasks_placed_unevenly_say_why() -> None:
+    """srun ignores --ntasks-per-node when an inherited SLURM_NTASKS disagrees with the node count: no
+    SLURM_NTASKS_PER_NODE, 2 tasks on 2 nodes where 4 were meant. A clear error, not a KeyError."""
+    uneven = {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"} | {
+        "SLURM_NTASKS": "6", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1(x2)"}
+    with pytest.raises(RuntimeError, match=r"srun started 6 tasks on 4 nodes \(2\(x2\),1\(x2\) per node\)"):
+        from_env(uneven)
+    with pytest.raises(RuntimeError, match=r"\? per node"):
+        from_env({k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"})
+    assert from_env({k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"} |
+                    {"SLURM_STEP_TASKS_PER_NODE": "2(x4)"}).local_world_size == 2
+
+
 def test_array_task_requeues_itself_and_each_attempt_gets_a_new_port() -> None:
     first = from_env({**SLURM, "SLURM_ARRAY_JOB_ID": "1200", "SLURM_ARRAY_TASK_ID": "34"})
     again = from_env({**SLURM, "SLURM_ARRAY_JOB_ID": "1200", "SLURM_ARRAY_TASK_ID": "34", "SLURM_RESTART_COUNT": "1"})
