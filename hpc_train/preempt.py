@@ -256,6 +256,8 @@ def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_n
            f"{it}, or leave {it} out for good with cluster.exclude")
     if local:
         return sorted(before), f"a local run has one machine: nowhere to leave it out ({named}); {fix}", ""
+    if not new:  # only nodes already left out, sick again: set the same ExcNodeList once more, no budget spent
+        return sorted(before), "", ""
     if len(after) > max_excluded_nodes:
         return sorted(before), (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
                                 f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise the "

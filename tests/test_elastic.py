@@ -4,6 +4,7 @@ and the next attempt's size (pure, plain data); then 4 -> 2 -> 4 nodes on the de
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,107 @@ def test_exclusion_and_next_size_go_in_one_scontrol_update(monkeypatch: pytest.M
     assert job._update_next_attempt(env, cluster, [], size, record) == "scontrol did not answer"
     assert calls[-1] == size and len(events) == 1  # no exclusion: no exclude_nodes event
     assert job._update_next_attempt(env, cluster, [], {}, record) == "" and len(calls) == 2  # nothing to set
+
+
+STATES = ["idle", "idle", "alloc", "mix", "comp", "drng", "drain", "down*", "idle*", "resv"]
+
+
+def random_snapshot(rng: random.Random) -> tuple[str, list[str], dict[str, str], list[dict]]:
+    """One queue snapshot as slurm.queue_snapshot gives it: node states, this job (id "7") with its own nodes
+    and ExcNodeList, other running jobs on disjoint nodes with an end time or none."""
+    nodes = [f"node{i}" for i in range(1, rng.randint(2, 9))]
+    states = {n: rng.choice(STATES) for n in nodes}
+    rest = list(nodes)
+    rng.shuffle(rest)
+    own = [rest.pop() for _ in range(rng.randint(1, len(rest)))]
+    jobs = [{"id": "7", "state": "PENDING", "end": None, "nodes": [], "excluded": rng.sample(nodes, rng.randint(0, min(2, len(nodes))))}]
+    while rest and rng.random() < 0.8:
+        held = [rest.pop() for _ in range(rng.randint(1, len(rest)))]
+        jobs.append({"id": str(100 + len(jobs)), "state": rng.choice(["RUNNING", "RUNNING", "RUNNING", "PENDING"]),
+                     "end": None if rng.random() < 0.25 else 1000.0 + rng.randint(0, 3600), "nodes": held, "excluded": []})
+        for n in held:  # mostly busy, sometimes lost under the other job
+            states[n] = rng.choice(["alloc", "mix", "alloc", "mix", "comp", rng.choice(STATES)])
+    return "7", own, states, jobs
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_elastic_decisions_random_snapshots(seed: int) -> None:
+    """Random snapshots: what the estimate and the next size must always hold. The free nodes are ones Slurm
+    could start on now (idle, or the job's own not lost) and never excluded; the wait is the first moment
+    enough usable nodes are free, None exactly when running jobs with end times never free enough; every
+    node is free, held by another job or listed in not_free with its state; the next size is an exact
+    count in [min_nodes, nodes] with NumTasks = count x tasks_per_node, the full size exactly when the wait
+    is known and within shrink_after_s."""
+    rng = random.Random(seed)
+    job_id, own, states, jobs = random_snapshot(rng)
+    need, now = rng.randint(1, len(states) + (rng.random() < 0.1)), 1000.0
+    excluded = preempt.job_excluded(job_id, jobs)
+    usable = preempt.usable_nodes(states)
+    free = preempt.free_now(own, states, excluded)
+    assert free <= ({n for n, st in states.items() if st == "idle"} | set(own)) and free <= usable
+    assert not free & set(excluded)
+    wait = preempt.full_size_wait_s(need, job_id, own, states, jobs, now)
+    running = [j for j in jobs if j["id"] != job_id and j["state"] == "RUNNING"]
+
+    def free_at(t: float) -> set[str]:  # free now plus the usable nodes of jobs ended by t
+        return free | {n for j in running if j["end"] is not None and j["end"] <= t for n in j["nodes"]} & usable - set(excluded)
+
+    if wait is None:
+        assert len(free_at(float("inf"))) < need
+    else:
+        assert (wait == 0.0) == (len(free) >= need)
+        assert len(free_at(now + wait)) >= need  # enough by then ...
+        earlier = [j["end"] for j in running if j["end"] is not None and j["end"] < now + wait]
+        assert all(len(free_at(t)) < need for t in earlier)  # ... and not at any earlier end
+    held = {n for j in running for n in j["nodes"]}
+    nf = preempt.not_free(job_id, states, free, jobs)
+    assert set(states) == free | held | set(nf) and not set(nf) & (free | held)
+    assert all(st.split()[0] == states[n] and (st.endswith(" excluded") == (n in excluded)) for n, st in nf.items())
+    min_nodes = rng.randint(1, need)
+    tpn, shrink_after_s = rng.choice([1, 2, 8]), rng.choice([0.0, 30.0, 600.0])
+    size = preempt.next_size(min_nodes, need, tpn, wait, shrink_after_s, len(free))
+    low, high = map(int, size["NumNodes"].split("-"))
+    assert low == high and min_nodes <= low <= need and int(size["NumTasks"]) == low * tpn
+    if wait is not None and wait <= shrink_after_s:
+        assert low == need
+    else:
+        assert low == min(need, max(min_nodes, len(free)))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_exclusion_random_histories(seed: int) -> None:
+    """Random histories of sick nodes, exclusions that took or not, and resumes: a node once left out stays
+    out until a resume; never more nodes out than the budget allows (or the partition spares); a run stops
+    only for a node sick again after its exclusion took or was set twice; one answer at a time."""
+    rng = random.Random(seed)
+    nodes = [f"node{i}" for i in range(1, 7)]
+    events: list[dict] = []
+    budget = rng.choice([0, 1, 2, 4])
+    for _ in range(rng.randint(0, 12)):
+        sick = {n: "ecc" for n in rng.sample(nodes, rng.randint(1, 2))}
+        spare = rng.choice([None, 0, 1, 2, 5])
+        before = preempt.excluded_nodes(events)
+        out, why_not, stop = preempt.exclusion(events, sick, budget, spare)
+        assert not (why_not and stop)
+        if stop:
+            node = next(n for n in sick if n in before and f"{n} failed again" in stop)
+            took, times = preempt._exclusion_took(events, node)
+            assert took or times >= 2
+            assert out == []
+            events.append({"event": "resume", "restart": 0})  # a person fixed it
+            continue
+        assert set(before) <= set(out) and out == sorted(out)
+        new = set(out) - set(before)
+        if new:
+            assert new == set(sick) - set(before) and not why_not
+            assert len(out) <= budget and (spare is None or len(out) <= spare)
+        else:
+            assert set(out) == set(before)
+            assert bool(why_not) == bool(set(sick) - set(before))  # a new sick node not left out says why
+        for n in new:
+            events.append({"event": "node_excluded", "node": n, "why": sick[n]})
+        if new or rng.random() < 0.3:  # the scontrol update lands, or not
+            events.append({"event": "exclude_nodes", "nodes": ",".join(out), "ok": rng.random() < 0.7})
+        if rng.random() < 0.1:
+            events.append({"event": "resume", "restart": 0})
+    assert len(preempt.excluded_nodes(events)) <= budget

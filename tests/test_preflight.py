@@ -147,6 +147,15 @@ def test_exclusion_budget_and_partition() -> None:
     assert preempt.exclusion(one + [ev("resume", restart=1)], {"node3": "again"}, 2, 2) == (["node3"], "", "")
 
 
+def test_a_node_sick_again_is_left_out_again_whatever_the_spare_count() -> None:
+    """Found by test_exclusion_random_histories: node3 left out, its ExcNodeList not confirmed, sick again
+    while the partition has no node to spare: it is left out once more (no node added). It said "leaving out
+    1 sick nodes would leave too few ... ()" and requeued onto node3 again."""
+    one = [ev("node_excluded", node="node3", why="ecc"), ev("exclude_nodes", nodes="node3", ok=False)]
+    assert preempt.exclusion(one, {"node3": "ecc"}, 2, spare_nodes=0) == (["node3"], "", "")
+    assert preempt.exclusion(one, {"node3": "ecc"}, 0, spare_nodes=None) == (["node3"], "", "")
+
+
 def test_spare_nodes_counts_usable_nodes_only() -> None:
     """4 nodes, 2 of them drained or down (TotalNodes still says 4): a 2-node run has none spare."""
     states = {"node1": "mix", "node2": "drain", "node3": "idle", "node4": "down*"}
