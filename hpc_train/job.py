@@ -81,11 +81,15 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     os.environ.update(rank_env.torchrun_vars(env))
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
+    _placed[0] = None
     try:
         return _run(paths, env, process_start, phases_s)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
+        # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
+        # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
+        env = _placed[0] or env
         log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
                   error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
         verdict, grace_s = _after_failure(paths, env, e)
@@ -206,6 +210,12 @@ def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None,
         states, jobs = slurm.queue_snapshot(partition, env.job_id)
     except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
         return None, {"queue_error": str(e)}
+    # The run's own exclusions count wherever Slurm's ExcNodeList does: an update that failed, or a requeue
+    # Slurm made, left them out of ExcNodeList, and a left-out idle node counted free pinned NumNodes=4-4
+    # on 3 usable nodes (pending for good on a 4-node partition).
+    mine = [j for j in jobs if j["id"] == env.job_id] or [{"id": env.job_id, "state": "PENDING", "end": None,
+                                                          "nodes": [], "excluded": []}]
+    jobs = [j for j in jobs if j["id"] != env.job_id] + [{**mine[0], "excluded": sorted({*mine[0]["excluded"], *excluded})}]
     own = [n for n in env.nodes if n not in excluded]
     free = preempt.free_now(own, states, preempt.job_excluded(env.job_id, jobs))
     facts = {"free_nodes": sorted(free), "not_free": preempt.not_free(env.job_id, states, free, jobs)}
@@ -263,6 +273,7 @@ def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
     return out if len(out) < len(set(env.nodes)) or env.executor != "slurm" else {}
 
 
+_placed: list[Any] = [None]  # this task's env once placed by the rendezvous (ranks in topology order)
 _deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
 
 
@@ -370,10 +381,13 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
         if torch.cuda.is_available():  # one GPU per task: the task's own if Slurm bound one, else by local rank
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
             backend = "cpu:gloo,cuda:nccl"  # CPU tensors (resume step, verdicts) still go through gloo
-        # Collectives wait up to the hang watchdog's limit (900 s), not the rendezvous timeout: rank 0's requeue
+        # Collectives wait past the hang watchdog's limit (900 s), not the rendezvous timeout: rank 0's requeue
         # decision (two scontrol calls, up to ~66 s) or one rank's slower write must not time out the others.
+        # 60 s past it: the watchdog (polling every <= 5 s) fires first on every rank, so a hang is judged as
+        # one (heartbeat counts, the hung node left out); at exactly watchdog_s gloo's own timeout usually won
+        # and the hang went down as an ordinary failure, onto the same node again.
         dist.init_process_group(backend, store=store, rank=placed.rank, world_size=env.world_size,
-                                timeout=max(timeout, timedelta(seconds=cfg.train.watchdog_s)))
+                                timeout=max(timeout, timedelta(seconds=collective_timeout_s(cfg.train.watchdog_s))))
     except Exception as e:
         raise RuntimeError(
             f"task {env.rank}/{env.world_size} on {socket.gethostname()}: rendezvous at {where} failed within "
@@ -381,7 +395,14 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             f"resolves here and that port {env.master_port} is free on it.") from e
     os.environ.update(torchrun_vars(placed))
     print(f"[hpc_train] placed task {env.rank} as rank {placed.rank} on {node}", flush=True)
+    _placed[0] = placed
     return placed
+
+
+def collective_timeout_s(watchdog_s: float) -> float:
+    """How long a collective may block before torch.distributed raises: past the watchdog's limit plus its
+    polling interval (min(5, watchdog_s / 10) s), so the watchdog names a hang first."""
+    return watchdog_s + 60.0
 
 
 def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:

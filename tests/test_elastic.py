@@ -245,6 +245,36 @@ def test_elastic_header_places_two_ranks_of_two_cpus_per_node(slurm_env: dict[st
     assert "#SBATCH --mincpus=4\n" in script and "#SBATCH --nodes=1-2\n" in script
 
 
+def test_the_runs_own_exclusions_are_not_counted_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by an adversarial read: node4 left out by the run, its ExcNodeList not set (the update failed,
+    or Slurm requeued the job itself) and idle: it was counted free, the wait was 0 and the next attempt
+    asked for 4-4 on 3 usable nodes (pending for good on this 4-node partition)."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+
+    states = {f"node{i}": "idle" for i in range(1, 5)}
+    for snapshot_jobs in ([{"id": "7", "state": "RUNNING", "end": None, "nodes": ["node1", "node2", "node3"],
+                            "excluded": []}], []):  # the job in squeue's answer, or not
+        monkeypatch.setattr(slurm, "queue_snapshot", lambda partition, job_id: (states, snapshot_jobs))
+        env = SimpleNamespace(executor="slurm", job_id="7", nodes=("node1", "node2", "node3", "node4"))
+        cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
+        wait = job.queue_wait_s(env, cfg, ["node4"])
+        assert wait == (None, {"free_nodes": ["node1", "node2", "node3"], "not_free": {"node4": "idle excluded"}})
+        size, fields = job.next_attempt_size(env, cfg, wait)
+        assert size == {"NumNodes": "3-3", "NumTasks": "6"} and fields["nodes_next"] == "3-3"
+
+
+def test_collectives_outlast_the_hang_watchdog() -> None:
+    """Found by an adversarial read: with the collective timeout equal to train.watchdog_s (both 900 s by
+    default), gloo's own timeout usually fired before the watchdog (it polls every <= 5 s): the hang went down
+    as an ordinary failure and the hung node was not left out."""
+    from hpc_train.job import collective_timeout_s
+
+    for watchdog_s in (1.0, 8.0, 900.0):
+        assert collective_timeout_s(watchdog_s) >= watchdog_s + min(5.0, watchdog_s / 10) + 30  # + the blame's wait
+
+
 def test_exclusion_and_next_size_go_in_one_scontrol_update(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both land or neither: ExcNodeList alone, with NumNodes lost, left NumTasks=8 on too few usable nodes.
     (The real update is exercised by the dev-cluster tests; this pins how the fields are combined.)"""
