@@ -33,7 +33,10 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512, help="parameter bytes; AdamW adds 2x that")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under ./runs)")
     args = ap.parse_args()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_bench_", dir=Path("runs").resolve() if Path("runs").is_dir() else None))
+    root = Path(
+        args.dir
+        or tempfile.mkdtemp(prefix="ckpt_bench_", dir=Path("runs").resolve() if Path("runs").is_dir() else None)
+    )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -48,15 +51,19 @@ def main() -> None:
 
     dd_file = root / "dd.bin"
     t0 = time.monotonic()
-    subprocess.run(["dd", "if=/dev/zero", f"of={dd_file}", "bs=16M", f"count={max(1, state_bytes >> 24)}",
-                    "conv=fsync"], check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={dd_file}", "bs=16M", f"count={max(1, state_bytes >> 24)}", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
     dd_s = time.monotonic() - t0
     dd_file.unlink()
 
     def save(step: int, background: bool) -> tuple[float, float]:
         state.step = step
-        pending = checkpoint.start_save(root / "ckpt", state, "periodic", writer if background else None,
-                                        root / "drills", False)
+        pending = checkpoint.start_save(
+            root / "ckpt", state, "periodic", writer if background else None, root / "drills", False
+        )
         stall = pending.stall_s
         why, _ = checkpoint.commit(pending)
         assert not why, why
@@ -71,8 +78,10 @@ def main() -> None:
     print(f"state: {n_layers} x 4096x4096 fp32 weights + AdamW moments = {mb:,.0f} MB on {root}")
     print(f"dd conv=fsync:            {mb / dd_s:8.1f} MB/s  ({dd_s:.2f} s)")
     print(f"synchronous save+commit:  {mb / sync_s:8.1f} MB/s  ({sync_s:.2f} s, best of 3) = {dd_s / sync_s:.2f}x dd")
-    print(f"async save: loop blocked  {stall_s:8.3f} s  = {stall_s / sync_s:.3f}x the synchronous save "
-          f"(background write + commit took {min(a[1] for a in asyn):.2f} s)")
+    print(
+        f"async save: loop blocked  {stall_s:8.3f} s  = {stall_s / sync_s:.3f}x the synchronous save "
+        f"(background write + commit took {min(a[1] for a in asyn):.2f} s)"
+    )
     dist.destroy_process_group()
     shutil.rmtree(root, ignore_errors=True)
 

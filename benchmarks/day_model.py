@@ -52,23 +52,38 @@ def timeline(d: Day, features: bool) -> list[tuple[float, float, float, str]]:
     if not features:
         a_back = 6 + d.repair_h
         refail = a_back + d.refail_h
-        segs = [(0, 6, 1.0, "4 nodes"),
-                (6, a_back + d.restart_s * h, 0.0, f"node A died: {crash_lost_h:g} h of work lost, waiting "
-                                                   f"{d.repair_h:g} h for 4 nodes"),
-                (a_back + d.restart_s * h, refail, slow, f"4 nodes, node B straggling {d.slowdown:g}x"),
-                (refail, refail + d.repair_h + d.restart_s * h, 0.0, f"node A died again: {crash_lost_h:g} h "
-                                                                     f"lost, waiting {d.repair_h:g} h"),
-                (refail + d.repair_h + d.restart_s * h, 24, slow, f"4 nodes, node B straggling {d.slowdown:g}x")]
+        segs = [
+            (0, 6, 1.0, "4 nodes"),
+            (
+                6,
+                a_back + d.restart_s * h,
+                0.0,
+                f"node A died: {crash_lost_h:g} h of work lost, waiting {d.repair_h:g} h for 4 nodes",
+            ),
+            (a_back + d.restart_s * h, refail, slow, f"4 nodes, node B straggling {d.slowdown:g}x"),
+            (
+                refail,
+                refail + d.repair_h + d.restart_s * h,
+                0.0,
+                f"node A died again: {crash_lost_h:g} h lost, waiting {d.repair_h:g} h",
+            ),
+            (refail + d.repair_h + d.restart_s * h, 24, slow, f"4 nodes, node B straggling {d.slowdown:g}x"),
+        ]
         lost = [(6, crash_lost_h), (refail, crash_lost_h * slow)]
     else:
         three = 3 / d.nodes
         drop_b = 2 / d.nodes > three * slow  # 2 healthy nodes beat 3 with the straggler in
-        b_part = (f"node B named within {d.detect_s:.0f} s; dropped: 2 nodes" if drop_b else
-                  f"node B named within {d.detect_s:.0f} s and kept (2 nodes would be slower)")
-        segs = [(0, 6, 1.0, "4 nodes"),
-                (6, 6 + d.restart_s * h, 0.0, f"node A died: {crash_lost_h:g} h lost, excluded; resume on 3 nodes"),
-                (6 + d.restart_s * h, 10, three, "3 nodes"),
-                (10, 24, 2 / d.nodes if drop_b else three * slow, b_part)]
+        b_part = (
+            f"node B named within {d.detect_s:.0f} s; dropped: 2 nodes"
+            if drop_b
+            else f"node B named within {d.detect_s:.0f} s and kept (2 nodes would be slower)"
+        )
+        segs = [
+            (0, 6, 1.0, "4 nodes"),
+            (6, 6 + d.restart_s * h, 0.0, f"node A died: {crash_lost_h:g} h lost, excluded; resume on 3 nodes"),
+            (6 + d.restart_s * h, 10, three, "3 nodes"),
+            (10, 24, 2 / d.nodes if drop_b else three * slow, b_part),
+        ]
         lost = [(6, crash_lost_h)]
     out: list[tuple[float, float, float, str]] = []
     for start, end, rate, what in segs:  # time-limit requeues: a restart each
@@ -90,8 +105,10 @@ def main() -> None:
     for features in (False, True):
         segs = timeline(d, features)
         work = sum((end - start) * rate for start, end, rate, _ in segs)
-        print(f"{'with' if features else 'without'} issue 12's features: goodput {work / 24:.1%} "
-              f"({work:.2f} full-size hours of 24)")
+        print(
+            f"{'with' if features else 'without'} issue 12's features: goodput {work / 24:.1%} "
+            f"({work:.2f} full-size hours of 24)"
+        )
         for start, end, rate, what in segs:
             if what != "lost":
                 span = f"{start:05.2f}-{end:05.2f} h  x{rate:.2f}  " if end > start else " " * 22

@@ -30,8 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import cluster  # noqa: E402
 
 HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
-ARGS = ["cluster=dev", "model=tiny", "train.steps=200", "train.min_step_time_s=0.25", "checkpoint.every_steps=20",
-        "requeue.shrink_after_s=30"]
+ARGS = [
+    "cluster=dev",
+    "model=tiny",
+    "train.steps=200",
+    "train.min_step_time_s=0.25",
+    "checkpoint.every_steps=20",
+    "requeue.shrink_after_s=30",
+]
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -57,13 +63,40 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
     blocker = ""
     try:
         if args.blocker:
-            blocker = sh(["sbatch", "--parsable", "-p", "debug", "-w", args.blocker, "-N", str(len(args.blocker.split(","))),
-                          "--exclusive", f"--time={int(repair_s // 60) + 1}", "-o", "/dev/null", "--wrap",
-                          f"sleep {repair_s}"], env)
+            blocker = sh(
+                [
+                    "sbatch",
+                    "--parsable",
+                    "-p",
+                    "debug",
+                    "-w",
+                    args.blocker,
+                    "-N",
+                    str(len(args.blocker.split(","))),
+                    "--exclusive",
+                    f"--time={int(repair_s // 60) + 1}",
+                    "-o",
+                    "/dev/null",
+                    "--wrap",
+                    f"sleep {repair_s}",
+                ],
+                env,
+            )
             wait(lambda: sh(["squeue", "-h", "-j", blocker, "-o", "%T"], env) == "RUNNING", 60, "the blocker")
         extra = [f"cluster.min_nodes={args.min_nodes}"] if mode == "shrink" else []
-        line = sh([HPC_TRAIN, "submit", *ARGS, f"cluster.nodes={args.nodes}", f"cluster.tasks_per_node={args.tasks_per_node}",
-                   *extra, f"out_dir={out}", f"name={mode}"], env)
+        line = sh(
+            [
+                HPC_TRAIN,
+                "submit",
+                *ARGS,
+                f"cluster.nodes={args.nodes}",
+                f"cluster.tasks_per_node={args.tasks_per_node}",
+                *extra,
+                f"out_dir={out}",
+                f"name={mode}",
+            ],
+            env,
+        )
         line = next(l for l in line.splitlines() if l.startswith("submitted job"))
         job_id, run_dir = line.split()[2].rstrip(";"), Path(line.split("run directory ")[1])
         wait(lambda: any(e["event"] == "checkpoint_committed" for e in events(run_dir)), 180, "a first checkpoint")
@@ -71,8 +104,13 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
         for node in lost:
             sh(["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=elastic-bench"], env)
         sh(["scancel", "--signal=TERM", job_id], env)
-        repair = threading.Timer(max(0.0, lost_at + repair_s - time.time()), lambda: [subprocess.run(
-            ["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, capture_output=True) for node in lost])
+        repair = threading.Timer(
+            max(0.0, lost_at + repair_s - time.time()),
+            lambda: [
+                subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, capture_output=True)
+                for node in lost
+            ],
+        )
         repair.start()
         wait(lambda: (run_dir / "summary.json").exists(), repair_s + 600, f"{mode} run to finish")
         repair.join()
@@ -87,15 +125,25 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
     first = next(e for e in ev if e["event"] == "first_step" and e["restart"] == 1)
     finish = next(e for e in ev if e["event"] == "finish")
     launched = min(e.get("launched_at", e["time"]) for e in ev if e["event"] == "start")
-    return {"mode": mode, "requeue_to_first_step_s": first["time"] - requeue["time"], "world_size": start["world_size"],
-            "nodes_next": requeue.get("nodes_next", f"{args.nodes} (fixed)"), "nodes": start["nodes"], "full_size_wait_s": requeue.get("full_size_wait_s"),
-            "resumed_step": start["step"], "lost_to_first_step_s": first["time"] - lost_at,
-            "run_wall_s": finish["time"] - launched, "run_dir": str(run_dir)}
+    return {
+        "mode": mode,
+        "requeue_to_first_step_s": first["time"] - requeue["time"],
+        "world_size": start["world_size"],
+        "nodes_next": requeue.get("nodes_next", f"{args.nodes} (fixed)"),
+        "nodes": start["nodes"],
+        "full_size_wait_s": requeue.get("full_size_wait_s"),
+        "resumed_step": start["step"],
+        "lost_to_first_step_s": first["time"] - lost_at,
+        "run_wall_s": finish["time"] - launched,
+        "run_dir": str(run_dir),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repair-s", type=float, default=90.0, help="the lost nodes (and the blocker's) back after this long")
+    ap.add_argument(
+        "--repair-s", type=float, default=90.0, help="the lost nodes (and the blocker's) back after this long"
+    )
     ap.add_argument("--modes", default="shrink,full")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--min-nodes", type=int, default=2, help="cluster.min_nodes of mode shrink")
@@ -109,12 +157,17 @@ def main() -> None:
     env = cluster.client_env()
     out = Path(tempfile.mkdtemp(prefix="elastic_bench_"))
     rows = [one(mode, args, env, out) for mode in args.modes.split(",")]
-    print(f"{args.lost} lost, back after {args.repair_s:.0f} s; blocker on {args.blocker or 'no node'}; {args.nodes} nodes x "
-          f"{args.tasks_per_node} ranks, tiny, 0.25 s/step, 200 steps")
+    print(
+        f"{args.lost} lost, back after {args.repair_s:.0f} s; blocker on {args.blocker or 'no node'}; "
+        f"{args.nodes} nodes x "
+        f"{args.tasks_per_node} ranks, tiny, 0.25 s/step, 200 steps"
+    )
     for r in rows:
-        print(f"{r['mode']:6s}: requeue -> first step {r['requeue_to_first_step_s']:6.1f} s on {r['world_size']} ranks "
-              f"{','.join(r['nodes'])} (nodes_next {r['nodes_next']}, estimate {r['full_size_wait_s']} s); node lost -> "
-              f"first step {r['lost_to_first_step_s']:6.1f} s; whole run {r['run_wall_s']:6.1f} s  [{r['run_dir']}]")
+        print(
+            f"{r['mode']:6s}: requeue -> first step {r['requeue_to_first_step_s']:6.1f} s on {r['world_size']} ranks "
+            f"{','.join(r['nodes'])} (nodes_next {r['nodes_next']}, estimate {r['full_size_wait_s']} s); node lost -> "
+            f"first step {r['lost_to_first_step_s']:6.1f} s; whole run {r['run_wall_s']:6.1f} s  [{r['run_dir']}]"
+        )
     if started:
         cluster.down()
 

@@ -42,17 +42,36 @@ def main() -> None:
     env = cluster.client_env()
     out = Path(tempfile.mkdtemp(prefix="goodput_"))
     steps = int(args.minutes * 60 / 0.25)
-    proc = subprocess.run([HPC_TRAIN, "submit", "cluster=dev", "cluster.partition=low", f"train.steps={steps}",
-                           "train.min_step_time_s=0.25", "checkpoint.every_steps=40", "train.log_every_steps=40",
-                           f"out_dir={out}", "name=goodput"], env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "cluster=dev",
+            "cluster.partition=low",
+            f"train.steps={steps}",
+            "train.min_step_time_s=0.25",
+            "checkpoint.every_steps=40",
+            "train.log_every_steps=40",
+            f"out_dir={out}",
+            "name=goodput",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job_id = re.search(r"submitted job (\S+);", proc.stdout).group(1)
     run_dir = out / "goodput-1"
     preemptions = 0
     while not (run_dir / "summary.json").exists():
         starts = [e for e in events(run_dir) if e["event"] == "start"]
         if starts and len(starts) == preemptions + 1 and time.time() - starts[-1]["time"] >= args.every_s:
-            subprocess.run(["sbatch", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 1"],
-                           env=env, check=True, capture_output=True)
+            subprocess.run(
+                ["sbatch", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 1"],
+                env=env,
+                check=True,
+                capture_output=True,
+            )
             preemptions += 1
         time.sleep(1)
     print(f"run {run_dir} (job {job_id}): {steps} steps, preempted {preemptions} times\n")
@@ -60,7 +79,9 @@ def main() -> None:
     log = (cluster.paths()["log"] / "slurmctld.log").read_text()
     print("slurmctld.log, for checking by hand:")
     for line in log.splitlines():
-        if re.search(rf"JobId={job_id}\b.*(Requeuing|Allocate)|Requeuing JobId={job_id}\b|Allocate JobId={job_id}\b", line):
+        if re.search(
+            rf"JobId={job_id}\b.*(Requeuing|Allocate)|Requeuing JobId={job_id}\b|Allocate JobId={job_id}\b", line
+        ):
             print("  " + line)
     if started:
         cluster.down()

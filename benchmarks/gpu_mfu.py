@@ -35,19 +35,39 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_mfu.py needs a GPU and a CUDA build of torch")
     out = Path(tempfile.mkdtemp(prefix="gpu_mfu_"))
-    cmd = [HPC_TRAIN, "submit", "model=1b", "train.parallelism=fsdp", "train.bf16=true",
-           f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-           "cluster.tasks_per_node=1", f"train.steps={args.steps}", f"train.batch_seqs_per_rank={args.batch}",
-           "train.log_every_steps=5", "train.warmup_steps=5", f"checkpoint.every_steps={args.steps}",
-           f"out_dir={out}", "name=mfu"]
+    cmd = [
+        HPC_TRAIN,
+        "submit",
+        "model=1b",
+        "train.parallelism=fsdp",
+        "train.bf16=true",
+        f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+        "cluster.tasks_per_node=1",
+        f"train.steps={args.steps}",
+        f"train.batch_seqs_per_rank={args.batch}",
+        "train.log_every_steps=5",
+        "train.warmup_steps=5",
+        f"checkpoint.every_steps={args.steps}",
+        f"out_dir={out}",
+        "name=mfu",
+    ]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     rows = [json.loads(line) for line in (out / "mfu-1" / "metrics.jsonl").read_text().splitlines()][1:]
-    median = {k: statistics.median(r[k] for r in rows) for k in ("tokens_per_s", "step_time_s", "peak_memory_mb", "mfu")}
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch_tokens": args.batch * 2048,
-              "activation_checkpointing": args.activation_checkpointing, **median}
-    print(f"{result['gpu']}: {median['tokens_per_s']:,.0f} tokens/s, {median['step_time_s'] * 1e3:.0f} ms/step, "
-          f"peak {median['peak_memory_mb'] / 1024:.1f} GiB, MFU {median['mfu']:.1%} (target >= 45%)")
+    median = {
+        k: statistics.median(r[k] for r in rows) for k in ("tokens_per_s", "step_time_s", "peak_memory_mb", "mfu")
+    }
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "batch_tokens": args.batch * 2048,
+        "activation_checkpointing": args.activation_checkpointing,
+        **median,
+    }
+    print(
+        f"{result['gpu']}: {median['tokens_per_s']:,.0f} tokens/s, {median['step_time_s'] * 1e3:.0f} ms/step, "
+        f"peak {median['peak_memory_mb'] / 1024:.1f} GiB, MFU {median['mfu']:.1%} (target >= 45%)"
+    )
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "mfu.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -77,8 +77,15 @@ def worker(rank: int, world: int, layers: int, root: str, port: int) -> None:
         add("old verify (rank 0 alone)", timed(lambda: rank == 0 and ck.verify(folder, manifest)))
         state.step = 10 + attempt
         pending: list = []
-        add("save+commit now (sync)", timed(lambda: pending.append(ck.start_save(root_p, state, "periodic", None, drills, False))
-                                            or ck.commit(pending[-1])))
+        add(
+            "save+commit now (sync)",
+            timed(
+                lambda: (
+                    pending.append(ck.start_save(root_p, state, "periodic", None, drills, False))
+                    or ck.commit(pending[-1])
+                )
+            ),
+        )
         add("write+own hash now (sync)", max(p.future.result()[1] for p in pending))
         state.step = 20 + attempt
         p = ck.start_save(root_p, state, "periodic", writer, drills, False)
@@ -86,27 +93,35 @@ def worker(rank: int, world: int, layers: int, root: str, port: int) -> None:
         add("async commit stall now", timed(lambda: ck.commit(p)))
         marker = ck.read_marker(ck.step_dir(root_p, state.step))
         share = ck.shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
-        add("verify now (every rank a share)", timed(lambda: ck.verify(ck.step_dir(root_p, state.step),
-                                                                        {n: marker["files"][n] for n in share})))
+        add(
+            "verify now (every rank a share)",
+            timed(lambda: ck.verify(ck.step_dir(root_p, state.step), {n: marker["files"][n] for n in share})),
+        )
         for f in (folder, ck.step_dir(root_p, 10 + attempt), ck.step_dir(root_p, 20 + attempt)):
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(f)
     if rank == 0:
         state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())  # DTensor numel: the global size
-        print(f"state: {layers} x 4096x4096 fp32 weights + AdamW moments = {state_bytes / 1e9:.2f} GB on {world} ranks "
-              f"({state_bytes / world / 1e6:,.0f} MB per rank), {os.cpu_count()} CPUs")
+        print(
+            f"state: {layers} x 4096x4096 fp32 weights + AdamW moments = {state_bytes / 1e9:.2f} GB on {world} ranks "
+            f"({state_bytes / world / 1e6:,.0f} MB per rank), {os.cpu_count()} CPUs"
+        )
         w = min(rows["write"])
         for name, values in rows.items():
             best = min(values)
             extra = f"  ({state_bytes / 1e6 / best:,.0f} MB/s)" if name in ("write",) else ""
             print(f"{name:34s} {best:7.2f} s{extra}")
         old = min(rows["old commit (rank 0 hashes all)"])
-        print(f"-> commit overhead after the write: before {old:.2f} s (all ranks wait), now "
-              f"{min(rows['save+commit now (sync)']) - w:.2f} s; loop blocked at an async commit: before "
-              f"{old:.2f} s, now {min(rows['async commit stall now']):.3f} s")
-        print(f"-> resume verification: before {min(rows['old verify (rank 0 alone)']):.2f} s, now "
-              f"{min(rows['verify now (every rank a share)']):.2f} s")
+        print(
+            f"-> commit overhead after the write: before {old:.2f} s (all ranks wait), now "
+            f"{min(rows['save+commit now (sync)']) - w:.2f} s; loop blocked at an async commit: before "
+            f"{old:.2f} s, now {min(rows['async commit stall now']):.3f} s"
+        )
+        print(
+            f"-> resume verification: before {min(rows['old verify (rank 0 alone)']):.2f} s, now "
+            f"{min(rows['verify now (every rank a share)']):.2f} s"
+        )
     writer.pool.shutdown(wait=True)
     dist.destroy_process_group()
 

@@ -25,8 +25,13 @@ def fat_tree(nodes: int, leaves: int, spines: int, interleave: bool) -> dict[str
 
 def main() -> None:
     print(f"{'tree':48s} {'ranks':>8s} {'ours':>6s} {'slurm':>7s} {'optimum':>8s} {'plan time':>10s}")
-    for nodes, leaves, spines, inter in [(4, 2, 1, True), (64, 8, 2, True), (64, 8, 2, False),
-                                         (1024, 32, 4, True), (12_500, 250, 5, True)]:
+    for nodes, leaves, spines, inter in [
+        (4, 2, 1, True),
+        (64, 8, 2, True),
+        (64, 8, 2, False),
+        (1024, 32, 4, True),
+        (12_500, 250, 5, True),
+    ]:
         addrs = fat_tree(nodes, leaves, spines, inter)
         t0 = time.perf_counter()
         p = placement(addrs, ranks_per_node=8)

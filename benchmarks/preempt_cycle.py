@@ -46,9 +46,22 @@ def main() -> None:
     up_s = cluster.up() if started else float("nan")
     env = cluster.client_env()
     out = Path(tempfile.mkdtemp(prefix="preempt_cycle_"))
-    proc = subprocess.run([HPC_TRAIN, "submit", "cluster=dev", "cluster.partition=low", "train.steps=60",
-                           "train.min_step_time_s=0.25", f"out_dir={out}", "name=cycle"],
-                          env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "cluster=dev",
+            "cluster.partition=low",
+            "train.steps=60",
+            "train.min_step_time_s=0.25",
+            f"out_dir={out}",
+            "name=cycle",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job_id = proc.stdout.split()[2].rstrip(";")
     run_dir = out / "cycle-1"
     wait(lambda: any(e["event"] == "checkpoint_committed" for e in events(run_dir)), 120)
@@ -56,8 +69,12 @@ def main() -> None:
     if args.how == "usr2":
         subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True)
     else:
-        subprocess.run(["sbatch", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2"],
-                       env=env, check=True, capture_output=True)
+        subprocess.run(
+            ["sbatch", "-p", "high", "-N", "4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
     wait(lambda: (run_dir / "summary.json").exists(), 300)
     ev = events(run_dir)
     first = lambda name, after=0.0: next(e for e in ev if e["event"] == name and e["time"] >= after)  # noqa: E731
@@ -73,8 +90,10 @@ def main() -> None:
     print(f"agreed -> checkpoint committed:          {commit['time'] - sig['time']:6.2f} s")
     print(f"committed -> requeue done:               {requeue['time'] - commit['time']:6.2f} s")
     print(f"requeue -> next attempt started:         {restart['time'] - requeue['time']:6.2f} s")
-    print(f"next attempt: process start -> resumed:  {restart['time'] - restart['launched_at']:6.2f} s "
-          f"(imports, rendezvous, checkpoint load)")
+    print(
+        f"next attempt: process start -> resumed:  {restart['time'] - restart['launched_at']:6.2f} s "
+        f"(imports, rendezvous, checkpoint load)"
+    )
     print(f"resumed -> first step done:              {resumed_step['time'] - restart['time']:6.2f} s")
     print(f"signal sent -> first resumed step done:  {resumed_step['time'] - sent:6.2f} s")
     print(f"steps lost:                              {sig['step'] - restart['step']}")

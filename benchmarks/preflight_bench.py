@@ -11,7 +11,6 @@ the node, from the rendezvous to the verdict), and its share of the attempt's st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,15 +30,21 @@ def from_runs(run_dirs: list[Path]) -> None:
             start = starts.get(e["restart"])
             startup = (start["time"] - start["launched_at"]) if start else None
             share = f"{e['wall_s'] / startup:.1%} of a {startup:.1f} s start-up" if startup else "no start event"
-            print(f"{run_dir.name} attempt {e['restart']}: preflight {e['wall_s']:.3f} s ({share}), all-reduce "
-                  f"{e['allreduce_gbps']:.3f} GB/s")
+            print(
+                f"{run_dir.name} attempt {e['restart']}: preflight {e['wall_s']:.3f} s ({share}), all-reduce "
+                f"{e['allreduce_gbps']:.3f} GB/s"
+            )
             for node, f in e["nodes"].items():
                 walls.append(f["wall_s"])
-                print(f"  {node}: {f['wall_s']:.3f} s, {f['device']} matmul {f['matmul_tflops']:.4f} TFLOP/s, "
-                      f"disk {f.get('disk_free_gb', '-')} GB free, clock {f['skew_s']:+.4f} s, "
-                      f"{'SICK: ' + f['sick'] if f['sick'] else 'healthy'}")
+                print(
+                    f"  {node}: {f['wall_s']:.3f} s, {f['device']} matmul {f['matmul_tflops']:.4f} TFLOP/s, "
+                    f"disk {f.get('disk_free_gb', '-')} GB free, clock {f['skew_s']:+.4f} s, "
+                    f"{'SICK: ' + f['sick'] if f['sick'] else 'healthy'}"
+                )
     if walls:
-        print(f"per node: median {statistics.median(walls):.3f} s, max {max(walls):.3f} s over {len(walls)} node checks")
+        print(
+            f"per node: median {statistics.median(walls):.3f} s, max {max(walls):.3f} s over {len(walls)} node checks"
+        )
 
 
 def _rank(rank: int, world: int, port: int, out: str, repeat: int) -> None:
@@ -51,9 +56,16 @@ def _rank(rank: int, world: int, port: int, out: str, repeat: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    env = argparse.Namespace(rank=rank, local_rank=rank % 2, local_world_size=2, world_size=world,
-                             node_rank=rank // 2, nodes=tuple(f"node{i}" for i in range(world // 2)),
-                             job_id="bench", restart_count=0)
+    env = argparse.Namespace(
+        rank=rank,
+        local_rank=rank % 2,
+        local_world_size=2,
+        world_size=world,
+        node_rank=rank // 2,
+        nodes=tuple(f"node{i}" for i in range(world // 2)),
+        job_id="bench",
+        restart_count=0,
+    )
     for _ in range(repeat):
         check(env, PreflightConfig(), RunPaths(Path(out)))
     dist.destroy_process_group()

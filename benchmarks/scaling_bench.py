@@ -31,9 +31,22 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="scaling_"))
     print(f"{'nodes':>5s} {'ranks':>5s} {'tokens/s':>10s} {'per rank':>9s} {'step ms':>8s}")
     for nodes in (1, 2, 4):
-        subprocess.run([HPC_TRAIN, "submit", "cluster=dev", f"cluster.nodes={nodes}", "train.steps=100",
-                        "train.log_every_steps=10", "checkpoint.every_steps=50", f"out_dir={out}", f"name=n{nodes}"],
-                       env=env, check=True, capture_output=True)
+        subprocess.run(
+            [
+                HPC_TRAIN,
+                "submit",
+                "cluster=dev",
+                f"cluster.nodes={nodes}",
+                "train.steps=100",
+                "train.log_every_steps=10",
+                "checkpoint.every_steps=50",
+                f"out_dir={out}",
+                f"name=n{nodes}",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         run_dir = out / f"n{nodes}-1"
         while not (run_dir / "summary.json").exists():
             time.sleep(1)

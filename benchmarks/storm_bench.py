@@ -31,19 +31,25 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         out = Path(tempfile.mkdtemp(prefix="storm_"))
-        result = storm.run_storm(cluster.client_env(), out, args.seed, args.faults, args.steps or 30 * args.faults + 100)
+        result = storm.run_storm(
+            cluster.client_env(), out, args.seed, args.faults, args.steps or 30 * args.faults + 100
+        )
         fig, violations = storm.figures(result), storm.check(result)
     finally:
         if started:
             cluster.down()
     lost, lat = fig["steps_lost"], fig["requeue_latency_s"]
-    print(f"seed {args.seed}, {fig['faults']} faults injected over {fig['attempts']} attempts, "
-          f"{(time.monotonic() - t0) / 60:.1f} min; run directory {result.run_dir}")
+    print(
+        f"seed {args.seed}, {fig['faults']} faults injected over {fig['attempts']} attempts, "
+        f"{(time.monotonic() - t0) / 60:.1f} min; run directory {result.run_dir}"
+    )
     print(f"finished with the uninterrupted run's weights: {fig['finished'] and not violations}")
     print(f"faults by kind: { {k: sum(i['fault'] == k for i in result.injected) for k in storm.FAULTS} }")
     if lost:
-        print(f"steps lost per attempt-ending fault: mean {statistics.mean(lost):.1f}, max {max(lost)} "
-              f"(checkpoint every 10 steps)")
+        print(
+            f"steps lost per attempt-ending fault: mean {statistics.mean(lost):.1f}, max {max(lost)} "
+            f"(checkpoint every 10 steps)"
+        )
     if lat:
         print(f"requeue -> next attempt launched: median {statistics.median(lat):.1f} s, max {max(lat):.1f} s")
     print("invariant violations: " + ("none" if not violations else "; ".join(violations)))

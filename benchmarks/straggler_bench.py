@@ -59,10 +59,23 @@ def main() -> None:
         cluster.up()
     env = cluster.client_env()
     out = Path(tempfile.mkdtemp(prefix="straggler_"))
-    subprocess.run([HPC_TRAIN, "submit", "cluster=dev", "cluster.nodes=2", "train.steps=100000",
-                    "checkpoint.every_steps=5000", f"straggler.every_steps={args.every}",
-                    f"straggler.windows={args.windows}", f"out_dir={out}", "name=bench"], env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "cluster=dev",
+            "cluster.nodes=2",
+            "train.steps=100000",
+            "checkpoint.every_steps=5000",
+            f"straggler.every_steps={args.every}",
+            f"straggler.windows={args.windows}",
+            f"out_dir={out}",
+            "name=bench",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     run_dir = out / "bench-1"
     while not any(m["step"] >= 200 for m in rows(run_dir / "metrics.jsonl")):  # past start-up and warm-up
         time.sleep(0.5)
@@ -70,19 +83,29 @@ def main() -> None:
     print(f"{'extra ms':>8s} {'own ms':>7s} {'others ms':>9s} {'x':>5s} {'steps':>6s} {'seconds':>8s}")
     for seconds in (float(s) for s in args.seconds.split(",")):
         n_events = len(rows(run_dir / "events.jsonl"))
-        subprocess.run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", str(seconds)],
-                       env=env, check=True, capture_output=True)
+        subprocess.run(
+            [HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", str(seconds)],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         t0 = wait_for(run_dir, "chaos", n_events, 10)["time"]  # written just after the drill file
         armed_step = max(m["step"] for m in rows(run_dir / "metrics.jsonl") if m["time"] <= t0)
         named = wait_for(run_dir, "straggler", n_events, 60)
-        subprocess.run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", "0"],
-                       env=env, check=True, capture_output=True)
+        subprocess.run(
+            [HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", "0"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         if named is None:
             print(f"{seconds * 1e3:8.1f} {'-':>7s} {'-':>9s} {'-':>5s} {'not named in 60 s':>15s}")
             time.sleep(3 * args.every * 0.05)  # let the slow windows pass before the next amount
             continue
-        print(f"{seconds * 1e3:8.1f} {named['own_s'] * 1e3:7.1f} {named['median_own_s'] * 1e3:9.1f} "
-              f"{named['own_s'] / named['median_own_s']:5.1f} {named['step'] - armed_step:6d} {named['time'] - t0:8.1f}")
+        print(
+            f"{seconds * 1e3:8.1f} {named['own_s'] * 1e3:7.1f} {named['median_own_s'] * 1e3:9.1f} "
+            f"{named['own_s'] / named['median_own_s']:5.1f} {named['step'] - armed_step:6d} {named['time'] - t0:8.1f}"
+        )
         wait_for(run_dir, "straggler_cleared", n_events, 120)
     subprocess.run([HPC_TRAIN, "cancel", str(run_dir)], env=env, capture_output=True)
     if started:

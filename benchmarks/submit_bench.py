@@ -34,12 +34,14 @@ PY = sys.executable
 HPC_TRAIN = str(Path(PY).parent / "hpc-train")
 APP = str(ROOT / "benchmarks" / "hydra_anchor" / "app.py")
 # Runs the command, prints its pid at once and its peak RSS (KiB) when it ends.
-RSS_WRAPPER = ("import resource, subprocess, sys\n"
-               "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)\n"
-               "print(p.pid, flush=True)\n"
-               "err = p.communicate()[1]\n"
-               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, p.returncode, flush=True)\n"
-               "sys.stderr.write(err.decode()[-2000:])\n")
+RSS_WRAPPER = (
+    "import resource, subprocess, sys\n"
+    "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)\n"
+    "print(p.pid, flush=True)\n"
+    "err = p.communicate()[1]\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, p.returncode, flush=True)\n"
+    "sys.stderr.write(err.decode()[-2000:])\n"
+)
 
 
 def submissions() -> int:
@@ -102,17 +104,31 @@ def main() -> None:
 
     ours_dry = median_wall([HPC_TRAIN, "submit", "--dry-run", "cluster=dev", f"out_dir={out}"], env)
     anchor_cfg = median_wall([PY, APP, "--cfg", "job"], env)
-    print(f"{'dry run (median of 7)':40s} hpc_train {ours_dry:6.2f} s   anchor (--cfg job, no script) {anchor_cfg:6.2f} s")
+    print(
+        f"{'dry run (median of 7)':40s} hpc_train {ours_dry:6.2f} s   anchor (--cfg job, no script) {anchor_cfg:6.2f} s"
+    )
 
     for n in [int(s) for s in args.sizes.split(",")]:
         name = f"bench{n}"
-        ours = sweep([HPC_TRAIN, "submit", "-m", "cluster=dev", f"out_dir={out}", f"name={name}",
-                      f"train.seed=range({n})"], job_name(out.resolve() / f"{name}-1"), n, env, wait_for_end=True)
-        anchor = sweep([PY, APP, "-m", f"lr=range({n})", f"hydra.launcher.name=anchor{n}"], f"anchor{n}", n, env,
-                       wait_for_end=(n <= 100))
+        ours = sweep(
+            [HPC_TRAIN, "submit", "-m", "cluster=dev", f"out_dir={out}", f"name={name}", f"train.seed=range({n})"],
+            job_name(out.resolve() / f"{name}-1"),
+            n,
+            env,
+            wait_for_end=True,
+        )
+        anchor = sweep(
+            [PY, APP, "-m", f"lr=range({n})", f"hydra.launcher.name=anchor{n}"],
+            f"anchor{n}",
+            n,
+            env,
+            wait_for_end=(n <= 100),
+        )
         for label, r in (("hpc_train", ours), ("anchor", anchor)):
-            print(f"{n:5d}-point sweep  {label:10s} queued in {r['queued_s']:7.2f} s, command returned after "
-                  f"{r['returned_s']:7.2f} s, {r['sbatch_calls']:4d} sbatch call(s), peak RSS {r['rss_mb']:6.1f} MB")
+            print(
+                f"{n:5d}-point sweep  {label:10s} queued in {r['queued_s']:7.2f} s, command returned after "
+                f"{r['returned_s']:7.2f} s, {r['sbatch_calls']:4d} sbatch call(s), peak RSS {r['rss_mb']:6.1f} MB"
+            )
     if started:
         cluster.down()
 

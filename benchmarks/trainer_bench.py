@@ -48,9 +48,21 @@ def plain_loop(model_cfg: ModelConfig, steps: int, batch: int, threads: int) -> 
 
 
 def ours(steps: int, batch: int, out: Path) -> float:
-    subprocess.run([HPC_TRAIN, "submit", "model=small", f"train.steps={steps}", f"train.batch_seqs_per_rank={batch}",
-                    "cluster.tasks_per_node=1", "checkpoint.every_steps=50", f"out_dir={out}", "name=bench"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "model=small",
+            f"train.steps={steps}",
+            f"train.batch_seqs_per_rank={batch}",
+            "cluster.tasks_per_node=1",
+            "checkpoint.every_steps=50",
+            f"out_dir={out}",
+            "name=bench",
+        ],
+        check=True,
+        capture_output=True,
+    )
     events = [json.loads(line) for line in (out / "bench-1" / "events.jsonl").read_text().splitlines()]
     first = next(e for e in events if e["event"] == "first_step")
     finish = next(e for e in events if e["event"] == "finish")
@@ -71,10 +83,14 @@ def main() -> None:
     ours_tps = ours(args.steps, args.batch, out)
     plain_after = plain_loop(small, args.steps, args.batch, threads)
     plain_tps = (plain_before + plain_after) / 2
-    print(f"model=small ({sum(p.numel() for p in GPT(small).parameters()) / 1e6:.1f} M params), batch {args.batch} x "
-          f"{small.seq_len} tokens, {args.steps} steps, {threads} threads, 1 rank")
+    print(
+        f"model=small ({sum(p.numel() for p in GPT(small).parameters()) / 1e6:.1f} M params), batch {args.batch} x "
+        f"{small.seq_len} tokens, {args.steps} steps, {threads} threads, 1 rank"
+    )
     print(f"plain torch loop:  {plain_tps:10,.0f} tokens/s  (before {plain_before:,.0f}, after {plain_after:,.0f})")
-    print(f"hpc_train:         {ours_tps:10,.0f} tokens/s  = {ours_tps / plain_tps:.3f}x the plain loop (target >= 0.97)")
+    print(
+        f"hpc_train:         {ours_tps:10,.0f} tokens/s  = {ours_tps / plain_tps:.3f}x the plain loop (target >= 0.97)"
+    )
 
 
 if __name__ == "__main__":

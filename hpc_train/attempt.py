@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["Attempt", "TrainState"]
 
 
-def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, "DeviceMesh"]:
+def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, DeviceMesh]:
     """This rank's device (the GPU job.py selected, else CPU) and the (dp, tp) mesh. Ranks are
     node-contiguous (placement) and tp divides tasks_per_node, so the inner tp dimension, consecutive
     ranks, never leaves a node: TP's per-layer all-reduces stay on NVLink, FSDP's traffic crosses nodes."""
@@ -64,7 +64,7 @@ class Attempt:
     env: RankEnv  # this rank after placement: rank, local_rank, world_size, node_rank, nodes
     cfg: RunConfig  # the frozen config; cfg.checkpoint drives the saves
     paths: RunPaths  # every file of the run directory
-    mesh: "DeviceMesh"  # ("dp", "tp"); tp = train.tp, inside a node
+    mesh: DeviceMesh  # ("dp", "tp"); tp = train.tp, inside a node
     device: torch.device  # this rank's GPU, else CPU
     saver: Saver
     process_start: float  # Unix time this process started (launched_at)
@@ -79,11 +79,14 @@ class Attempt:
     _signalled: bool = False
 
     @classmethod
-    def build(cls, env: RankEnv, cfg: RunConfig, paths: RunPaths, process_start: float,
-              phases_s: dict[str, float]) -> "Attempt":
+    def build(
+        cls, env: RankEnv, cfg: RunConfig, paths: RunPaths, process_start: float, phases_s: dict[str, float]
+    ) -> Attempt:
         """Collective: device, mesh, the background writer and what earlier attempts measured."""
         device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
-        history = torch.tensor([slowest_write_s(read_events(paths.run_dir)) if env.rank == 0 else 0.0], dtype=torch.float64)
+        history = torch.tensor(
+            [slowest_write_s(read_events(paths.run_dir)) if env.rank == 0 else 0.0], dtype=torch.float64
+        )
         dist.all_reduce(history, op=dist.ReduceOp.MAX)
 
         def event(name: str, step: int, **fields: Any) -> None:
@@ -127,24 +130,43 @@ class Attempt:
             source, verify_s, load_s = self.saver.init_from(state)
         self.phases_s.update(verify=verify_s, load=load_s)
         saved = self.saver.saved_world_size
-        resharded = {} if folder is None or saved == self.env.world_size else \
-            {"resharded_from": saved, "fresh_rng_ranks": list(range(saved, self.env.world_size))}
+        resharded = (
+            {}
+            if folder is None or saved == self.env.world_size
+            else {"resharded_from": saved, "fresh_rng_ranks": list(range(saved, self.env.world_size))}
+        )
         if resharded:
-            self.say(f"[hpc_train] {folder} was written by {saved} ranks; resharded to {self.env.world_size}"
-                     + (f"; ranks {saved}..{self.env.world_size - 1} keep a fresh RNG seed" if saved < self.env.world_size else ""))
+            self.say(
+                f"[hpc_train] {folder} was written by {saved} ranks; resharded to {self.env.world_size}"
+                + (
+                    f"; ranks {saved}..{self.env.world_size - 1} keep a fresh RNG seed"
+                    if saved < self.env.world_size
+                    else ""
+                )
+            )
         pids = [torch.zeros(1, dtype=torch.int64) for _ in range(self.env.world_size)]
         dist.all_gather(pids, torch.tensor([os.getpid()]))  # `hpc-train chaos kill-rank`, post-mortems
-        self.event("start", state.step, resumed_from=str(folder) if folder else None, init_from=source,
-                   target=self.cfg.fn._target_ or "hpc_train.train.main",
-                   mesh={"dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()},
-                   vocab_size=self.cfg.model.vocab_size,  # data=tokens: raised to the data's meta.json (config.py)
-                   world_size=self.env.world_size, nodes=list(self.env.nodes), launched_at=self.process_start,
-                   pids=[int(p) for p in pids],
-                   rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
-                   phases_s={k: round(v, 3) for k, v in self.phases_s.items()}, tokens_seen=state.tokens_seen,
-                   data=None if state.data is None else {k: v.tolist() if isinstance(v, torch.Tensor) else v
-                                                         for k, v in state.data.state_dict().items()},
-                   **resharded, **start_fields)
+        self.event(
+            "start",
+            state.step,
+            resumed_from=str(folder) if folder else None,
+            init_from=source,
+            target=self.cfg.fn._target_ or "hpc_train.train.main",
+            mesh={"dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()},
+            vocab_size=self.cfg.model.vocab_size,  # data=tokens: raised to the data's meta.json (config.py)
+            world_size=self.env.world_size,
+            nodes=list(self.env.nodes),
+            launched_at=self.process_start,
+            pids=[int(p) for p in pids],
+            rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
+            phases_s={k: round(v, 3) for k, v in self.phases_s.items()},
+            tokens_seen=state.tokens_seen,
+            data=None
+            if state.data is None
+            else {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in state.data.state_dict().items()},
+            **resharded,
+            **start_fields,
+        )
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         return folder is not None
@@ -185,8 +207,14 @@ class Attempt:
         if stop and not self._signalled:
             self._signalled = True
             left, reason = self.time_left_s()
-            self.event("signal", state.step, signals=list(preempt.received), reason=reason, left_s=round(left, 2),
-                       finishing=state.step >= last_step)
+            self.event(
+                "signal",
+                state.step,
+                signals=list(preempt.received),
+                reason=reason,
+                left_s=round(left, 2),
+                finishing=state.step >= last_step,
+            )
             if state.step < last_step:
                 self.stopped, self.stop_step, self.stop_reason = True, state.step, reason
                 self.kill_deadline = time.monotonic() + left

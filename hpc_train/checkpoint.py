@@ -28,10 +28,11 @@ import shutil
 import signal
 import stat
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,12 +44,14 @@ from hpc_train.config import CheckpointConfig
 from hpc_train.paths import MARKER, read_marker, step_dir, step_folders
 from hpc_train.preempt import Unrecoverable, claim_drill, drill_seconds, injected
 
+
 @dataclass
 class TrainState:
     """What a checkpoint holds, as torch's Stateful protocol (state_dict / load_state_dict): model and
     optimizer (sharded under FSDP2), step and tokens seen, and `data`, anything with its own
     state_dict / load_state_dict of tensors (the sampler's position). Each rank's RNG goes to its own
     rank file. Loop counters live here, so a resumed attempt needs nothing else."""
+
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     data: Any = None
@@ -57,8 +60,11 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
-                              "progress": {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}}
+        sd: dict[str, Any] = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "progress": {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)},
+        }
         if self.data is not None:
             sd["data"] = self.data.state_dict()
         return sd
@@ -84,6 +90,7 @@ class TrainState:
 
 
 # ---- files and hashes ---------------------------------------------------------------------------------
+
 
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -118,7 +125,7 @@ def manifest_of(paths: list[Path]) -> dict[str, dict[str, Any]]:
 
 
 def verify(folder: Path, files: dict[str, dict[str, Any]], advance: Callable[[int], Any] = lambda n: None) -> str:
-    """"" if these manifest entries match the folder, else the first reason they do not (never raises)."""
+    """ "" if these manifest entries match the folder, else the first reason they do not (never raises)."""
     for name, want in files.items():
         p = folder / name
         try:
@@ -148,7 +155,7 @@ def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
 
 
 def shape_mismatch(saved: dict[str, Any], sd: dict[str, Any]) -> str:
-    """"" when every tensor of `sd` (nested, as DCP flattens it: "model.tok.weight") is in the checkpoint's
+    """ "" when every tensor of `sd` (nested, as DCP flattens it: "model.tok.weight") is in the checkpoint's
     metadata with the same global shape and no model tensor of the checkpoint is left over; else the
     first few differences, in words."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -163,12 +170,14 @@ def shape_mismatch(saved: dict[str, Any], sd: dict[str, Any]) -> str:
             wrong.append(f"{key} is not in the checkpoint")
         elif tuple(have) != tuple(t.shape):
             wrong.append(f"{key} is {list(have)} in the checkpoint but {list(t.shape)} here")
-    wrong += [f"{key} of the checkpoint has no place here" for key in saved
-              if key.startswith("model.") and key not in flat]
+    wrong += [
+        f"{key} of the checkpoint has no place here" for key in saved if key.startswith("model.") and key not in flat
+    ]
     return "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
 
 
 # ---- writing ------------------------------------------------------------------------------------------
+
 
 class _ReusedHostBuffers:
     """DCP's AsyncStager protocol: copy into buffers allocated on the first save and reused after.
@@ -200,10 +209,12 @@ class Writer:
     training's collectives, since the write runs in another thread; host buffers reused from save to
     save (allocating them afresh made the loop's stall 0.115x of a synchronous save instead of 0.04x,
     1.6 GB state, benchmarks/checkpoint_bench.py); one thread that waits for DCP's write and hashes it."""
+
     group: Any = field(default_factory=lambda: dist.new_group(backend="gloo"))
     stager: _ReusedHostBuffers = field(default_factory=_ReusedHostBuffers)
     pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpc_train-ckpt"))
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpc_train-ckpt")
+    )
 
 
 @contextmanager
@@ -224,6 +235,7 @@ def _helper_threads_single_threaded() -> Iterator[None]:
 @dataclass
 class Pending:
     """A save whose files are (being) written; it counts once commit() has written its marker."""
+
     folder: Path
     step: int
     reason: str  # "periodic" | "stop" | "final"
@@ -235,8 +247,9 @@ class Pending:
         return self.future.done()
 
 
-def start_save(root: Path, state: TrainState, reason: str, writer: Writer | None, drills: Path,
-               fallback_exists: bool) -> Pending:
+def start_save(
+    root: Path, state: TrainState, reason: str, writer: Writer | None, drills: Path, fallback_exists: bool
+) -> Pending:
     """Collective. Writes this rank's rank file, then the DCP state: now, or with a Writer in a
     background thread after copying the state to host memory (the loop is blocked only for that copy).
     Either way this rank then hashes what it wrote, in the same writer."""
@@ -304,8 +317,12 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
     dist.all_gather_object(pieces, mine)
     why = next((f"rank {r}: {p['error']}" for r, p in enumerate(pieces) if "error" in p), "")
     if dist.get_rank() == 0 and not why:
-        marker = {"step": pending.step, "reason": pending.reason, "world_size": len(pieces),
-                  "files": {name: entry for p in pieces for name, entry in sorted(p["files"].items())}}
+        marker = {
+            "step": pending.step,
+            "reason": pending.reason,
+            "world_size": len(pieces),
+            "files": {name: entry for p in pieces for name, entry in sorted(p["files"].items())},
+        }
         try:
             tmp = pending.folder / f"{MARKER}.tmp"
             tmp.write_text(json.dumps(marker, indent=1))
@@ -321,8 +338,10 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
 
 # ---- retention (pure plan, then rank 0 deletes) --------------------------------------------------------
 
-def retention_plan(folders: dict[int, str | None], cfg: CheckpointConfig, verified: set[int], bad: set[int],
-                   keep: set[int]) -> set[int]:
+
+def retention_plan(
+    folders: dict[int, str | None], cfg: CheckpointConfig, verified: set[int], bad: set[int], keep: set[int]
+) -> set[int]:
     """Steps whose folders to delete (pure). folders: step -> its commit reason ("periodic", "stop",
     "final"), "" without COMMITTED, None for an unreadable COMMITTED; verified: steps known good in
     this attempt (resumed from, or committed by it); bad: failed verification; keep: writes in flight.
@@ -336,7 +355,7 @@ def retention_plan(folders: dict[int, str | None], cfg: CheckpointConfig, verifi
     anchor = max(verified)
     good = [s for s, r in folders.items() if s <= anchor and r and s not in bad]
     periodic = sorted(s for s in good if folders[s] != "stop")
-    stay = {anchor, *periodic[-cfg.keep_last:]}
+    stay = {anchor, *periodic[-cfg.keep_last :]}
     if cfg.keep_every_steps:
         stay |= {s for s in periodic if s % cfg.keep_every_steps == 0}
     return {s for s in folders if s < anchor and s not in stay and s not in keep}
@@ -345,8 +364,10 @@ def retention_plan(folders: dict[int, str | None], cfg: CheckpointConfig, verifi
 def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: set[int], keep: set[int]) -> list[int]:
     """Delete what retention_plan says; returns the steps deleted."""
     folders = step_folders(root)
-    described = {s: (m.get("reason", "periodic") if (m := read_marker(p)) else None) if (p / MARKER).exists() else ""
-                 for s, p in folders.items()}
+    described = {
+        s: (m.get("reason", "periodic") if (m := read_marker(p)) else None) if (p / MARKER).exists() else ""
+        for s, p in folders.items()
+    }
     doomed = sorted(retention_plan(described, cfg, verified, bad, keep))
     for s in doomed:
         shutil.rmtree(folders[s], ignore_errors=True)
@@ -355,12 +376,14 @@ def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: 
 
 # ---- the saver: policy for one attempt -----------------------------------------------------------------
 
+
 @dataclass
 class Saver:
     """This attempt's checkpoints. One save in flight at a time: a periodic save due while the previous
     background write still runs first waits for that write and commits it (before, the older save was
     silently replaced and never committed). Stop and final saves are synchronous; a stop save is bounded
     by the time Slurm leaves before SIGKILL."""
+
     root: Path
     cfg: CheckpointConfig
     drills: Path
@@ -382,8 +405,9 @@ class Saver:
         rank, world = dist.get_rank(), dist.get_world_size()
         listing: list[Any] = [None]
         if rank == 0:
-            listing[0] = [(s, read_marker(p)) for s, p in reversed(step_folders(self.root).items())
-                          if (p / MARKER).exists()]
+            listing[0] = [
+                (s, read_marker(p)) for s, p in reversed(step_folders(self.root).items()) if (p / MARKER).exists()
+            ]
         dist.broadcast_object_list(listing, src=0)
         t0 = time.monotonic()
         load_failed = ""
@@ -394,7 +418,9 @@ class Saver:
                     why = f"unreadable {MARKER}"
                 else:
                     share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
-                    task = progress.add_task(f"verifying {folder.name}", total=sum(marker["files"][n]["bytes"] for n in share))
+                    task = progress.add_task(
+                        f"verifying {folder.name}", total=sum(marker["files"][n]["bytes"] for n in share)
+                    )
                     why = verify(folder, {n: marker["files"][n] for n in share}, lambda n: progress.advance(task, n))
                 whys: list[Any] = [None] * world
                 dist.all_gather_object(whys, why)
@@ -409,7 +435,9 @@ class Saver:
                         # Another world size (elastic resume): DCP resharded model and optimizer above; a rank
                         # the checkpoint had no file for keeps its fresh seed (Attempt.resume says so).
                         if (folder / rank_file(rank)).exists():
-                            state.load_rank_state(torch.load(folder / rank_file(rank), weights_only=True))  # no pickle runs
+                            state.load_rank_state(
+                                torch.load(folder / rank_file(rank), weights_only=True)
+                            )  # no pickle runs
                         self.verified.add(step)
                         self.saved_world_size = int(marker["world_size"])
                         return folder, verify_s, time.monotonic() - t1
@@ -418,8 +446,10 @@ class Saver:
                 self.bad.add(step)
                 self.event("checkpoint_skipped", step, reason=f"{folder.name}: {why}")
         if load_failed:  # the model may hold part of that checkpoint: a fresh start would not be one
-            raise RuntimeError(f"no checkpoint loaded and a partial load may have changed the model ({load_failed}); "
-                               f"the next attempt starts clean")
+            raise RuntimeError(
+                f"no checkpoint loaded and a partial load may have changed the model ({load_failed}); "
+                f"the next attempt starts clean"
+            )
         return None, time.monotonic() - t0, 0.0
 
     def init_from(self, state: TrainState) -> tuple[dict[str, Any], float, float]:
@@ -444,23 +474,29 @@ class Saver:
         dist.broadcast_object_list(found, src=0)
         marker, meta = found[0]
         if marker is None:
-            raise Unrecoverable(f"checkpoint.init_from={folder}: no readable {MARKER} manifest there (deleted by its "
-                                f"run's retention, or never committed); submit again with another committed step "
-                                f"folder of that run")
+            raise Unrecoverable(
+                f"checkpoint.init_from={folder}: no readable {MARKER} manifest there (deleted by its "
+                f"run's retention, or never committed); submit again with another committed step "
+                f"folder of that run"
+            )
         share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
         whys: list[Any] = [None] * world
         dist.all_gather_object(whys, verify(folder, {n: marker["files"][n] for n in share}))
         why = next((w for w in whys if w), "")
         if why:
-            raise Unrecoverable(f"checkpoint.init_from={folder} does not verify: {why}; submit again with another "
-                                f"committed step folder of that run")
+            raise Unrecoverable(
+                f"checkpoint.init_from={folder} does not verify: {why}; submit again with another "
+                f"committed step folder of that run"
+            )
         verify_s, t1 = time.monotonic() - t0, time.monotonic()
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
         wrong = shape_mismatch(meta, sd)
         if wrong:
-            raise Unrecoverable(f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "
-                                f"trained with (its run's config.yaml), or drop checkpoint.init_from")
+            raise Unrecoverable(
+                f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "
+                f"trained with (its run's config.yaml), or drop checkpoint.init_from"
+            )
         with _helper_threads_single_threaded():
             dcp.load(sd, checkpoint_id=folder)  # only the keys asked for: a partial load of that checkpoint
         if with_optim:
@@ -489,9 +525,16 @@ class Saver:
         self.verified.add(p.step)
         self.bad.discard(p.step)  # a bad folder this attempt saved again is good now
         self.expected_write_s = max(self.expected_write_s, write_s)
-        self.event("checkpoint_committed", p.step, path=str(p.folder), reason=p.reason,
-                   save_s=round(time.monotonic() - p.started, 4), write_s=round(write_s, 4),
-                   stall_s=round(p.stall_s, 4), waited_s=round(time.monotonic() - t0, 4))
+        self.event(
+            "checkpoint_committed",
+            p.step,
+            path=str(p.folder),
+            reason=p.reason,
+            save_s=round(time.monotonic() - p.started, 4),
+            write_s=round(write_s, 4),
+            stall_s=round(p.stall_s, 4),
+            waited_s=round(time.monotonic() - t0, 4),
+        )
         if dist.get_rank() == 0:
             for s in apply_retention(self.root, self.cfg, self.verified, self.bad, self.abandoned):
                 self.event("checkpoint_deleted", s, anchor=max(self.verified))
@@ -504,8 +547,14 @@ class Saver:
         self.commit_pending()
         if state.step in self.verified:
             return
-        self.pending = start_save(self.root, state, reason, self.writer if background else None, self.drills,
-                                  fallback_exists=bool(self.verified))
+        self.pending = start_save(
+            self.root,
+            state,
+            reason,
+            self.writer if background else None,
+            self.drills,
+            fallback_exists=bool(self.verified),
+        )
         if not background:
             self.commit_pending()
 
@@ -522,8 +571,12 @@ class Saver:
             self.commit_pending(timeout_s=max(0.0, left_s - need) if self.verified else left_s)
         fits = agree(not self.verified or need <= left_s - (time.monotonic() - t0))
         if not fits and state.step not in self.verified:
-            self.event("stop_save_skipped", state.step, expected_save_s=round(need, 3),
-                       left_s=round(left_s - (time.monotonic() - t0), 3))
+            self.event(
+                "stop_save_skipped",
+                state.step,
+                expected_save_s=round(need, 3),
+                left_s=round(left_s - (time.monotonic() - t0), 3),
+            )
             return
         self.save(state, "stop", background=False)
 

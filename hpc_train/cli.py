@@ -1,17 +1,17 @@
 """`hpc-train` command line. Argument parsing only; every import is lazy and none reaches torch.
 
-    hpc-train init                                            # ./conf: the starter configs, yours to edit
-    hpc-train submit                                          # demo: 2 ranks on this machine, waits
-    hpc-train submit cluster=dev train.steps=200              # 2 nodes x 2 ranks on the test cluster
-    hpc-train submit -m cluster=dev train.lr=1e-3,3e-3 cluster.nodes=1,2   # 4 trials as 2 job arrays
-    hpc-train submit -m ... --sweep-dir runs/demo-3           # complete a half-submitted sweep
-    hpc-train submit --dry-run -m cluster=dev train.seed=range(8)          # print scripts, queue nothing
-    hpc-train submit --cfg job model.d_model=128              # print the composed config
-    hpc-train results runs/demo-3 --sort train.lr             # a sweep's trials: overrides, state, loss
-    hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
-    hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
-    hpc-train prepare-data notes/ --out data/n2 --val-fraction 0.05   # ... the last 5% held out for eval
-    hpc-train submit data=tokens data.path=data/notes         # train on them
+hpc-train init                                            # ./conf: the starter configs, yours to edit
+hpc-train submit                                          # demo: 2 ranks on this machine, waits
+hpc-train submit cluster=dev train.steps=200              # 2 nodes x 2 ranks on the test cluster
+hpc-train submit -m cluster=dev train.lr=1e-3,3e-3 cluster.nodes=1,2   # 4 trials as 2 job arrays
+hpc-train submit -m ... --sweep-dir runs/demo-3           # complete a half-submitted sweep
+hpc-train submit --dry-run -m cluster=dev train.seed=range(8)          # print scripts, queue nothing
+hpc-train submit --cfg job model.d_model=128              # print the composed config
+hpc-train results runs/demo-3 --sort train.lr             # a sweep's trials: overrides, state, loss
+hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
+hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
+hpc-train prepare-data notes/ --out data/n2 --val-fraction 0.05   # ... the last 5% held out for eval
+hpc-train submit data=tokens data.path=data/notes         # train on them
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ def _print_dry_run(p: object) -> None:
         print(yaml.safe_dump(config, sort_keys=False), end="")
     why, sweep = p.unvalidated, len(p.trials) > 1  # type: ignore[attr-defined]
     if why:
-        print(f"# NOT validated against the live cluster: {why}. Unchecked: partition and its limits, account, qos, "
-              f"constraint, reservation, nodelist/exclude, sbatch --test-only"
-              f"{'; MaxArraySize taken as 1001' if sweep else ''}")
+        print(
+            f"# NOT validated against the live cluster: {why}. Unchecked: partition and its limits, account, qos, "
+            f"constraint, reservation, nodelist/exclude, sbatch --test-only"
+            f"{'; MaxArraySize taken as 1001' if sweep else ''}"
+        )
     for note in dict.fromkeys(p.unchecked):  # type: ignore[attr-defined]
         print(f"# NOT validated: {note}")
     print(f"# dry run: {len(p.trials)} trial(s) in {len(p.arrays)} sbatch call(s); nothing written or queued")  # type: ignore[attr-defined]
@@ -72,25 +74,33 @@ def _init(args: argparse.Namespace) -> int:
 
     target = Path(args.dir) / "conf"
     if Path(args.dir).exists() and not Path(args.dir).is_dir():
-        raise ValueError(f"{args.dir} is a file, not a folder; give the folder to hold conf/ (default: this one), "
-                         f"e.g. hpc-train init {Path(args.dir).parent}")
+        raise ValueError(
+            f"{args.dir} is a file, not a folder; give the folder to hold conf/ (default: this one), "
+            f"e.g. hpc-train init {Path(args.dir).parent}"
+        )
     if target.is_symlink() and not target.exists():
-        raise ValueError(f"{target} is a symlink to {os.readlink(target)}, which does not exist; remove it (rm "
-                         f"{target}) or create what it points to, then run hpc-train init again")
+        raise ValueError(
+            f"{target} is a symlink to {os.readlink(target)}, which does not exist; remove it (rm "
+            f"{target}) or create what it points to, then run hpc-train init again"
+        )
     if target.exists():
-        raise ValueError(f"{target} exists already; init never overwrites a config. Edit it, or move it away "
-                         f"and run hpc-train init again for a fresh copy")
+        raise ValueError(
+            f"{target} exists already; init never overwrites a config. Edit it, or move it away "
+            f"and run hpc-train init again for a fresh copy"
+        )
     shutil.copytree(CONF_DIR, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     groups = sorted(d.name for d in target.iterdir() if d.is_dir())
     where = "" if Path(args.dir).resolve() == Path.cwd() else f"cd {args.dir} && "
-    print(f"wrote {target}/: config.yaml and the groups {', '.join(groups)}\n"
-          f"hpc-train submit run in {Path(args.dir).resolve()} now composes from it. Describe your cluster in "
-          f"{target}/cluster/example_site.yaml, then: {where}hpc-train submit --cfg job cluster=example_site")
+    print(
+        f"wrote {target}/: config.yaml and the groups {', '.join(groups)}\n"
+        f"hpc-train submit run in {Path(args.dir).resolve()} now composes from it. Describe your cluster in "
+        f"{target}/cluster/example_site.yaml, then: {where}hpc-train submit --cfg job cluster=example_site"
+    )
     return 0
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from hpc_train.config import ConfigSource, compose, explain, expand_sweep
+    from hpc_train.config import ConfigSource, compose, expand_sweep, explain
 
     try:
         source = ConfigSource.find(args.config_path, args.config_name, args.config_dir)
@@ -105,11 +115,9 @@ def _submit(args: argparse.Namespace) -> int:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
         from hpc_train import submit
-
         from hpc_train.metrics import lead_warning
 
-        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source,
-                        dry_run=args.dry_run)
+        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source, dry_run=args.dry_run)
         print(f"hpc-train submit: config {source.dir / source.name}.yaml", file=sys.stderr)  # ./conf, -cp or shipped
         slurm_run = p.runs[0].cluster.executor == "slurm"
         warning = slurm_run and lead_warning(submit.previous_runs(p), p.runs[0].cluster.signal_lead_s)
@@ -152,10 +160,12 @@ def _wait_local(job: object, run_dir: Path) -> int:
     try:
         job.wait()  # type: ignore[attr-defined]  # submitit polls the controller process once a second
     except KeyboardInterrupt:
-        print(f"\ndetached: {run_dir.name} keeps running on this machine\n"
-              f"  hpc-train logs {run} -f     # follow rank 0's log; returns when the run ends\n"
-              f"  hpc-train status {run}      # state, step, goodput\n"
-              f"  hpc-train cancel {run}      # stop it (it saves a checkpoint first)")
+        print(
+            f"\ndetached: {run_dir.name} keeps running on this machine\n"
+            f"  hpc-train logs {run} -f     # follow rank 0's log; returns when the run ends\n"
+            f"  hpc-train status {run}      # state, step, goodput\n"
+            f"  hpc-train cancel {run}      # stop it (it saves a checkpoint first)"
+        )
         return 130  # the shell's code for "ended by Ctrl-C"
     code, text = _local_outcome(run_dir)
     print(text, file=sys.stdout if code == 0 else sys.stderr)
@@ -173,30 +183,39 @@ def _local_outcome(run_dir: Path) -> tuple[int, str]:
     run, paths, events = _shown(run_dir), RunPaths(run_dir), since_resume(read_events(run_dir))
     if paths.summary.exists():
         summary = json.loads(paths.summary.read_text())
-        return 0, (f"finished {run_dir.name}: {summary['final_step']} steps, final loss {summary['final_loss']:.4f}; "
-                   f"the run lives in {run}\n"
-                   f"next: hpc-train report {run}   # where the time went, and {run}/report.png\n"
-                   f"      hpc-train logs {run}     # rank 0's log")
+        return 0, (
+            f"finished {run_dir.name}: {summary['final_step']} steps, final loss {summary['final_loss']:.4f}; "
+            f"the run lives in {run}\n"
+            f"next: hpc-train report {run}   # where the time went, and {run}/report.png\n"
+            f"      hpc-train logs {run}     # rank 0's log"
+        )
     stopped = next((e for e in reversed(events) if e["event"] == "stopped"), None)
     if stopped and any(e["event"] == "cancel" for e in events):
         return 1, f"{run_dir.name} was cancelled at step {stopped['step']}: {stopped['reason']}"
     fails = [e for e in events if e["event"] == "fail"]
     if not fails:
-        return 1, (f"{run_dir.name} ended without finishing (no summary.json, no failure recorded); "
-                   f"see its log: hpc-train logs {run}")
+        return 1, (
+            f"{run_dir.name} ended without finishing (no summary.json, no failure recorded); "
+            f"see its log: hpc-train logs {run}"
+        )
     last = [e for e in fails if e["restart"] == fails[-1]["restart"]][0]  # the last attempt's first failure
     rank = last.get("rank", 0)
-    return 1, (f"{run_dir.name} failed: {last['error']} (rank {rank}, attempt {last['restart']})"
-               + (f"\nnot requeued: {stopped['reason']}" if stopped else "")
-               + f"\nthe traceback: hpc-train logs {run} --rank {rank}")
+    return 1, (
+        f"{run_dir.name} failed: {last['error']} (rank {rank}, attempt {last['restart']})"
+        + (f"\nnot requeued: {stopped['reason']}" if stopped else "")
+        + f"\nthe traceback: hpc-train logs {run} --rank {rank}"
+    )
 
 
 def _resume(args: argparse.Namespace) -> int:
     """A stopped, cancelled or failed run again, same run directory and config, from its last checkpoint."""
     from hpc_train import submit
 
-    budgets = {k: v for k in ("max_preemptions", "max_time_limit_requeues", "max_failures", "max_excluded_nodes")
-               if (v := getattr(args, k)) is not None}
+    budgets = {
+        k: v
+        for k in ("max_preemptions", "max_time_limit_requeues", "max_failures", "max_excluded_nodes")
+        if (v := getattr(args, k)) is not None
+    }
     job, lines = submit.resume(Path(args.run), budgets, args.reason)
     print("\n".join(lines))
     if type(job).__name__ != "LocalJob" or args.no_wait:
@@ -228,8 +247,10 @@ def _status(args: argparse.Namespace) -> int:
 
         # one series per run: runs/latest -> demo-3 is demo-3 again
         runs = list({r.run_dir.resolve(): r for r in _runs(args.path, unreadable_ok=True) if not r.unreadable}.values())
-        print(prometheus.render([(prometheus.labels(r.run_dir, r.job_id), prometheus.values(r.run_dir)) for r in runs]),
-              end="")
+        print(
+            prometheus.render([(prometheus.labels(r.run_dir, r.job_id), prometheus.values(r.run_dir)) for r in runs]),
+            end="",
+        )
         return 0
     while True:
         rows = ops.status_rows(_runs(args.path, unreadable_ok=True))
@@ -263,8 +284,12 @@ def _logs(args: argparse.Namespace) -> int:
         print(errors, end="" if errors.endswith("\n") else "\n")
     if args.follow:  # then both streams as they grow, labelled at each switch; returns when the run ends
         streams, unknown_since = [(out, len(out_bytes), labels[0]), (err, len(err_bytes), labels[1])], []
-        ops.follow(streams, labels[1] if ops.has_output(errors) else labels[0], lambda: ops.run_ended(run, unknown_since),
-                   check_every_s=10.0 if run.executor == "slurm" else 0.5)  # sacct: at most once per 10 s
+        ops.follow(
+            streams,
+            labels[1] if ops.has_output(errors) else labels[0],
+            lambda: ops.run_ended(run, unknown_since),
+            check_every_s=10.0 if run.executor == "slurm" else 0.5,
+        )  # sacct: at most once per 10 s
     return 0
 
 
@@ -296,35 +321,78 @@ def _report(args: argparse.Namespace) -> int:
         table = Table(title=f"{run.label}: goodput {parts['goodput']:.1%} of {parts['allocated']:.1f} s allocated")
         for col in ("part", "seconds", "share"):
             table.add_column(col)
-        for key, what in (("committed", "committed training"), ("lost", "work lost (recomputed)"),
-                          ("stall", "checkpoint stall"), ("overhead", "restart overhead (launch -> training)")):
-            table.add_row(what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-")
+        for key, what in (
+            ("committed", "committed training"),
+            ("lost", "work lost (recomputed)"),
+            ("stall", "checkpoint stall"),
+            ("overhead", "restart overhead (launch -> training)"),
+        ):
+            table.add_row(
+                what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-"
+            )
         table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
-        attempts = Table(title="attempts (start-up: python imports rendezvous preflight setup verify load first-step, seconds)")
+        attempts = Table(
+            title="attempts (start-up: python imports rendezvous preflight setup verify load first-step, seconds)"
+        )
         batches = ops.batch_text(atts)  # a column only when the global batch or accumulation changed
-        for col in ("attempt", "job", "ranks", *(["batch"] if batches else []), "steps", "wall s", "start-up s",
-                    "start-up by phase", "ended by", "signals"):
+        for col in (
+            "attempt",
+            "job",
+            "ranks",
+            *(["batch"] if batches else []),
+            "steps",
+            "wall s",
+            "start-up s",
+            "start-up by phase",
+            "ended by",
+            "signals",
+        ):
             attempts.add_column(col)
         for i, a in enumerate(atts):
-            phases = " ".join(f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-" for k in
-                              ("python", "imports", "rendezvous", "preflight", "setup", "verify", "load", "first_step"))
-            attempts.add_row(str(a["restart"]), str(a["job_id"]), ops.size_text(a), *([batches[i]] if batches else []),
-                             f"{a['start_step']}->{a['reached_step']}",
-                             f"{a['end'] - a['launched']:.1f}", f"{(a['start'] or a['end']) - a['launched']:.1f}",
-                             phases, a["ended_by"] + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else ""),
-                             ",".join(a["signals"]))
+            phases = " ".join(
+                f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-"
+                for k in ("python", "imports", "rendezvous", "preflight", "setup", "verify", "load", "first_step")
+            )
+            attempts.add_row(
+                str(a["restart"]),
+                str(a["job_id"]),
+                ops.size_text(a),
+                *([batches[i]] if batches else []),
+                f"{a['start_step']}->{a['reached_step']}",
+                f"{a['end'] - a['launched']:.1f}",
+                f"{(a['start'] or a['end']) - a['launched']:.1f}",
+                phases,
+                a["ended_by"] + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else ""),
+                ",".join(a["signals"]),
+            )
         console = Console(width=200)
         console.print(table)
         console.print(attempts)
         slow = ops.straggler_rows(ops.read_events(run.run_dir))
         if slow:
             named = Table(title="stragglers (own = compute + data per step; comm = waiting in collectives)")
-            for col in ("attempt", "named at step", "rank", "node", "own ms", "median ms", "comm ms", "cleared at step"):
+            for col in (
+                "attempt",
+                "named at step",
+                "rank",
+                "node",
+                "own ms",
+                "median ms",
+                "comm ms",
+                "cleared at step",
+            ):
                 named.add_column(col)
             for r in slow:
-                named.add_row(str(r["attempt"]), str(r["step"]), str(r["rank"]), r["node"], f"{r['own_ms']:.1f}",
-                              f"{r['median_ms']:.1f}", f"{r['comm_ms']:.1f}",
-                              "-" if r["cleared_step"] is None else str(r["cleared_step"]))
+                named.add_row(
+                    str(r["attempt"]),
+                    str(r["step"]),
+                    str(r["rank"]),
+                    r["node"],
+                    f"{r['own_ms']:.1f}",
+                    f"{r['median_ms']:.1f}",
+                    f"{r['comm_ms']:.1f}",
+                    "-" if r["cleared_step"] is None else str(r["cleared_step"]),
+                )
             console.print(named)
         print(f"picture: {made}" if made.endswith(".png") else made)
     return 0
@@ -343,13 +411,16 @@ def _results(args: argparse.Namespace) -> int:
 def _prepare_data(args: argparse.Namespace) -> int:
     from hpc_train import data
 
-    meta = data.prepare([Path(p) for p in args.inputs], Path(args.out), args.shard_tokens, args.tokenizer,
-                        args.val_fraction)
+    meta = data.prepare(
+        [Path(p) for p in args.inputs], Path(args.out), args.shard_tokens, args.tokenizer, args.val_fraction
+    )
     held_out = f" + {meta['val_tokens']:,} held out for evaluation" if meta.get("val_shards") else ""
-    print(f"{meta['tokens']:,} tokens{held_out} from {meta['documents']} file(s) in {len(meta['shards'])} shard(s) "
-          f"under {args.out} ({meta['tokenizer']}, vocab {meta['vocab_size']:,}, {meta['dtype']})\n"
-          f"train on them: hpc-train submit data=tokens data.path={args.out}"
-          f"{' train.eval_every_steps=100' if held_out else ''}")
+    print(
+        f"{meta['tokens']:,} tokens{held_out} from {meta['documents']} file(s) in {len(meta['shards'])} shard(s) "
+        f"under {args.out} ({meta['tokenizer']}, vocab {meta['vocab_size']:,}, {meta['dtype']})\n"
+        f"train on them: hpc-train submit data=tokens data.path={args.out}"
+        f"{' train.eval_every_steps=100' if held_out else ''}"
+    )
     return 0
 
 
@@ -387,10 +458,15 @@ class _Version(argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hpc-train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action=_Version, nargs=0, help="print the version, where it is installed "
-                                                                     "and its git commit, and exit")
+    parser = argparse.ArgumentParser(
+        prog="hpc-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        nargs=0,
+        help="print the version, where it is installed and its git commit, and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("init", help="copy the starter configs into ./conf (or DIR/conf), where submit finds them")
     p.add_argument("dir", nargs="?", default=".", help="the folder to hold conf/ (default: this one)")
@@ -403,18 +479,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-parallel", type=int, help="at most this many tasks of an array run at once (%%N)")
     # Hydra's three flags, with Hydra's meaning (hydra/_internal/utils.py): -cp replaces the primary config
     # directory, -cn picks its file, -cd adds a directory searched after it.
-    p.add_argument("-cp", "--config-path", help="the primary config directory (default: ./conf if it holds "
-                                                "config.yaml, else the package's; `hpc-train init` writes ./conf)")
+    p.add_argument(
+        "-cp",
+        "--config-path",
+        help="the primary config directory (default: ./conf if it holds "
+        "config.yaml, else the package's; `hpc-train init` writes ./conf)",
+    )
     p.add_argument("-cn", "--config-name", help="the primary config file in it, without .yaml (default: config)")
-    p.add_argument("-cd", "--config-dir", action="append", default=[],
-                   help="a directory searched after the primary one: add options (DIR/cluster/mysite.yaml) "
-                        "without copying the rest; may be repeated")
+    p.add_argument(
+        "-cd",
+        "--config-dir",
+        action="append",
+        default=[],
+        help="a directory searched after the primary one: add options (DIR/cluster/mysite.yaml) "
+        "without copying the rest; may be repeated",
+    )
     p.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_submit)
-    p = sub.add_parser("resume", help="start a stopped, cancelled or failed run again, from its last checkpoint",
-                       description="Same run directory, frozen config.yaml and events.jsonl; a new attempt (and job). "
-                                   "Budget options are recorded in the `resume` event and apply over config.yaml.")
+    p = sub.add_parser(
+        "resume",
+        help="start a stopped, cancelled or failed run again, from its last checkpoint",
+        description="Same run directory, frozen config.yaml and events.jsonl; a new attempt (and job). "
+        "Budget options are recorded in the `resume` event and apply over config.yaml.",
+    )
     p.add_argument("run", help="the run directory (a sweep's trial: SWEEP/0003)")
     p.add_argument("--reason", default="", help="why, for events.jsonl (who is recorded anyway)")
     p.add_argument("--max-failures", type=int, help="set requeue.max_failures (failure requeues in a row)")
@@ -427,29 +515,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
     p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")
     p.add_argument("--json", action="store_true", help="the same rows as JSON, for scripts")
-    p.add_argument("--prometheus", action="store_true",
-                   help="Prometheus text format instead (every run under PATH), for node-exporter's textfile from cron")
+    p.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="Prometheus text format instead (every run under PATH), for node-exporter's textfile from cron",
+    )
     p.set_defaults(func=_status)
     p = sub.add_parser("logs", help="the log of one rank and attempt of a run")
     p.add_argument("run")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--attempt", type=int, help="only this attempt (0 = first); default: all")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing what both streams append; returns when the run ends")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing what both streams append; returns when the run ends"
+    )
     p.set_defaults(func=_logs)
     p = sub.add_parser("cancel", help="cancel exactly this run's or sweep's jobs")
     p.add_argument("path")
     p.set_defaults(func=_cancel)
     from hpc_train.ops import CHAOS  # torch-free, no Slurm call
 
-    p = sub.add_parser("chaos", help="inject a fault into a running job (drills); recorded in events.jsonl",
-                       description="actions:\n" + "\n".join(f"  {a:22s} {w}" for a, w in CHAOS.items()),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "chaos",
+        help="inject a fault into a running job (drills); recorded in events.jsonl",
+        description="actions:\n" + "\n".join(f"  {a:22s} {w}" for a, w in CHAOS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run")
     p.add_argument("action", choices=list(CHAOS))
-    p.add_argument("--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank")
-    p.add_argument("--seconds", type=float,
-                   help="slow-storage: seconds added to each write (default 2); slow-rank (required): to each step, "
-                        "0 to 10 (0: off)")
+    p.add_argument(
+        "--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank"
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        help="slow-storage: seconds added to each write (default 2); slow-rank (required): to each step, "
+        "0 to 10 (0: off)",
+    )
     p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
     p.set_defaults(func=_chaos)
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")
@@ -458,8 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
     p = sub.add_parser("results", help="a sweep's trials side by side: overrides, state, loss, goodput; sorted")
     p.add_argument("sweep_dir", help="the sweep directory `submit -m` printed, e.g. runs/mix-1")
-    p.add_argument("--sort", default="final_loss", help="a column or an override key, e.g. goodput, train.lr "
-                   "(default: final_loss, lowest first)")
+    p.add_argument(
+        "--sort",
+        default="final_loss",
+        help="a column or an override key, e.g. goodput, train.lr (default: final_loss, lowest first)",
+    )
     p.add_argument("--reverse", action="store_true", help="highest first")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
@@ -469,17 +573,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", help="text files, or directories searched recursively")
     p.add_argument("--out", required=True, help="a new directory for shard_*.bin and meta.json")
     p.add_argument("--shard-tokens", type=int, default=256 * 2**20, help="tokens per shard (default 256 Mi)")
-    p.add_argument("--tokenizer", default="bytes", help="bytes (default, vocab 256); bpe:VOCAB trains a byte-level "
-                   "BPE on the inputs; or a tokenizer.json (both need: pip install 'hpc_train[tokenizers]')")
-    p.add_argument("--val-fraction", type=float, default=0.0,
-                   help="hold out this share of the tokens, the last ones, as val_*.bin for train.eval_every_steps")
+    p.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (default, vocab 256); bpe:VOCAB trains a byte-level "
+        "BPE on the inputs; or a tokenizer.json (both need: pip install 'hpc_train[tokenizers]')",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="hold out this share of the tokens, the last ones, as val_*.bin for train.eval_every_steps",
+    )
     p.set_defaults(func=_prepare_data)
     args = parser.parse_args(argv)
     try:
         return _run(args)
     except KeyboardInterrupt:  # submit and resume hold Ctrl-C until a queued job's id is on disk
-        print(f"\nhpc-train {args.command}: interrupted (Ctrl-C); a job queued before it is recorded in its run "
-              f"directory: `hpc-train status` shows it, `hpc-train cancel RUN_DIR` removes it", file=sys.stderr)
+        print(
+            f"\nhpc-train {args.command}: interrupted (Ctrl-C); a job queued before it is recorded in its run "
+            f"directory: `hpc-train status` shows it, `hpc-train cancel RUN_DIR` removes it",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -493,6 +608,7 @@ def _run(args: argparse.Namespace) -> int:
             raise
         print(f"hpc-train {args.command}: error: {e}", file=sys.stderr)
         return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

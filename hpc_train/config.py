@@ -33,7 +33,9 @@ def check_at_least(scope: str, cfg: Any, minimums: dict[str, tuple[float, str]])
         value = getattr(cfg, key)
         if not (value >= low and math.isfinite(value)):
             finite = "" if math.isfinite(value) else "finite and "
-            raise ValueError(f"{scope}.{key}={value} must be {finite}>= {low:g}: {what}; e.g. {scope}.{key}={defaults[key]}")
+            raise ValueError(
+                f"{scope}.{key}={value} must be {finite}>= {low:g}: {what}; e.g. {scope}.{key}={defaults[key]}"
+            )
 
 
 @dataclass
@@ -45,16 +47,22 @@ class ModelConfig:  # model.py
     n_heads: int = 4
 
     def __post_init__(self) -> None:
-        check_at_least("model", self, {
-            "vocab_size": (2, "token ids the model predicts (byte tokens: 256)"),
-            "seq_len": (1, "tokens per training sequence, the context length"),
-            "n_layers": (1, "transformer blocks"),
-            "n_heads": (1, "attention heads per block"),
-            "d_model": (1, "the width of every token's vector"),
-        })
+        check_at_least(
+            "model",
+            self,
+            {
+                "vocab_size": (2, "token ids the model predicts (byte tokens: 256)"),
+                "seq_len": (1, "tokens per training sequence, the context length"),
+                "n_layers": (1, "transformer blocks"),
+                "n_heads": (1, "attention heads per block"),
+                "d_model": (1, "the width of every token's vector"),
+            },
+        )
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}; "
-                             f"use n_heads in {[h for h in range(1, 17) if self.d_model % h == 0]}")
+            raise ValueError(
+                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}; "
+                f"use n_heads in {[h for h in range(1, 17) if self.d_model % h == 0]}"
+            )
 
 
 @dataclass
@@ -69,11 +77,14 @@ class DataConfig:  # data.py
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "tokens"):
-            raise ValueError(f"data.source={self.source!r} is not one of ('synthetic', 'tokens'); use data=synthetic "
-                             f"or data=tokens data.path=DIR")
+            raise ValueError(
+                f"data.source={self.source!r} is not one of ('synthetic', 'tokens'); use data=synthetic "
+                f"or data=tokens data.path=DIR"
+            )
         if self.source == "tokens" and not self.path:
-            raise ValueError("data.source=tokens needs data.path: the directory `hpc-train prepare-data FILES... "
-                             "--out DIR` wrote")
+            raise ValueError(
+                "data.source=tokens needs data.path: the directory `hpc-train prepare-data FILES... --out DIR` wrote"
+            )
         if self.corpus_words < 64:
             raise ValueError(f"data.corpus_words={self.corpus_words} must be >= 64 so every batch finds a window")
         check_at_least("data", self, {"seed": (0, "numpy seeds the corpus and the window order with it")})
@@ -135,50 +146,70 @@ class TrainConfig:  # train.py
         if self.parallelism not in ("ddp", "fsdp"):
             raise ValueError(f"train.parallelism={self.parallelism!r} is not one of ('ddp', 'fsdp')")
         if self.tp < 1 or (self.tp > 1 and self.parallelism != "fsdp"):
-            raise ValueError(f"train.tp={self.tp} needs train.parallelism=fsdp (FSDP2 + tensor parallel on a 2-D "
-                             f"mesh) and must be >= 1; got parallelism={self.parallelism!r}")
+            raise ValueError(
+                f"train.tp={self.tp} needs train.parallelism=fsdp (FSDP2 + tensor parallel on a 2-D "
+                f"mesh) and must be >= 1; got parallelism={self.parallelism!r}"
+            )
         if not (self.lr > 0 and self.grad_clip > 0 and math.isfinite(self.lr) and math.isfinite(self.grad_clip)):
             raise ValueError(f"train.lr={self.lr} and train.grad_clip={self.grad_clip} must be > 0 and finite")
         if self.grad_accum_steps < 1 or not (self.watchdog_s > 0 and math.isfinite(self.watchdog_s)):
-            raise ValueError(f"train.grad_accum_steps={self.grad_accum_steps} must be >= 1 and train.watchdog_s="
-                             f"{self.watchdog_s} > 0")
+            raise ValueError(
+                f"train.grad_accum_steps={self.grad_accum_steps} must be >= 1 and train.watchdog_s="
+                f"{self.watchdog_s} > 0"
+            )
         if self.steps < 1 or self.batch_seqs_per_rank < 1:
-            raise ValueError(f"train.steps={self.steps} and train.batch_seqs_per_rank={self.batch_seqs_per_rank} "
-                             f"must both be >= 1")
-        check_at_least("train", self, {
-            "warmup_steps": (0, "steps of linear warm-up (0: start at the peak lr)"),
-            "weight_decay": (0, "AdamW's decoupled decay: each step shrinks weights by lr x weight_decay"),
-            "seed": (0, "the initial weights' seed"),
-            "log_every_steps": (1, "a metrics line every this many steps"),
-            "eval_every_steps": (0, "0 = no evaluation"),
-            "eval_batches": (1, "held-out batches per data-parallel rank in each evaluation"),
-            "min_step_time_s": (0, "0 = off"),
-            "rendezvous_timeout_s": (1, "seconds the ranks wait for each other at start"),
-            "peak_tflops_per_device": (0, "0 = detect the GPU"),
-        })
+            raise ValueError(
+                f"train.steps={self.steps} and train.batch_seqs_per_rank={self.batch_seqs_per_rank} must both be >= 1"
+            )
+        check_at_least(
+            "train",
+            self,
+            {
+                "warmup_steps": (0, "steps of linear warm-up (0: start at the peak lr)"),
+                "weight_decay": (0, "AdamW's decoupled decay: each step shrinks weights by lr x weight_decay"),
+                "seed": (0, "the initial weights' seed"),
+                "log_every_steps": (1, "a metrics line every this many steps"),
+                "eval_every_steps": (0, "0 = no evaluation"),
+                "eval_batches": (1, "held-out batches per data-parallel rank in each evaluation"),
+                "min_step_time_s": (0, "0 = off"),
+                "rendezvous_timeout_s": (1, "seconds the ranks wait for each other at start"),
+                "peak_tflops_per_device": (0, "0 = detect the GPU"),
+            },
+        )
         if self.eval_batches > 10_000:  # each rank's loop; ~100 s at 10 ms a batch, every eval_every_steps
-            raise ValueError(f"train.eval_batches={self.eval_batches} must be <= 10000: an evaluation holds up "
-                             f"training and must stay short; e.g. train.eval_batches=4")
+            raise ValueError(
+                f"train.eval_batches={self.eval_batches} must be <= 10000: an evaluation holds up "
+                f"training and must stay short; e.g. train.eval_batches=4"
+            )
         if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"train.lr_schedule={self.lr_schedule!r} is not one of {LR_SCHEDULES}; e.g. "
-                             f"train.lr_schedule=cosine")
-        intervals = {"min_lr_fraction": (0.0 <= self.min_lr_fraction <= 1.0, "[0, 1]"),
-                     "decay_fraction": (0.0 < self.decay_fraction <= 1.0, "(0, 1]"),
-                     "adam_beta1": (0.0 <= self.adam_beta1 < 1.0, "[0, 1)"),  # 1 would never forget a gradient
-                     "adam_beta2": (0.0 <= self.adam_beta2 < 1.0, "[0, 1)")}
+            raise ValueError(
+                f"train.lr_schedule={self.lr_schedule!r} is not one of {LR_SCHEDULES}; e.g. train.lr_schedule=cosine"
+            )
+        intervals = {
+            "min_lr_fraction": (0.0 <= self.min_lr_fraction <= 1.0, "[0, 1]"),
+            "decay_fraction": (0.0 < self.decay_fraction <= 1.0, "(0, 1]"),
+            "adam_beta1": (0.0 <= self.adam_beta1 < 1.0, "[0, 1)"),  # 1 would never forget a gradient
+            "adam_beta2": (0.0 <= self.adam_beta2 < 1.0, "[0, 1)"),
+        }
         for key, (ok, interval) in intervals.items():
             if not ok:
-                raise ValueError(f"train.{key}={getattr(self, key)} must be in {interval}; e.g. train.{key}="
-                                 f"{getattr(TrainConfig, key)}")
+                raise ValueError(
+                    f"train.{key}={getattr(self, key)} must be in {interval}; e.g. train.{key}="
+                    f"{getattr(TrainConfig, key)}"
+                )
         if not (self.adam_eps > 0 and math.isfinite(self.adam_eps)):
-            raise ValueError(f"train.adam_eps={self.adam_eps} must be > 0 (it keeps AdamW's division finite); "
-                             f"e.g. train.adam_eps=1e-8")
+            raise ValueError(
+                f"train.adam_eps={self.adam_eps} must be > 0 (it keeps AdamW's division finite); "
+                f"e.g. train.adam_eps=1e-8"
+            )
         if self.compile and cxx_compiler() is None:
             import os
 
-            raise ValueError(f"train.compile=true needs a C++ compiler for torch.compile (inductor), and "
-                             f"{os.environ.get('CXX', 'g++')!r} is not on PATH here; install g++ (apt-get install g++) "
-                             f"or set CXX, or set train.compile=false")
+            raise ValueError(
+                f"train.compile=true needs a C++ compiler for torch.compile (inductor), and "
+                f"{os.environ.get('CXX', 'g++')!r} is not on PATH here; install g++ (apt-get install g++) "
+                f"or set CXX, or set train.compile=false"
+            )
 
 
 @dataclass
@@ -197,12 +228,16 @@ class CheckpointConfig:  # checkpoint.py
 
     def __post_init__(self) -> None:
         if self.every_steps < 1 or self.keep_last < 1 or self.keep_every_steps < 0:
-            raise ValueError(f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
-                             f"{self.keep_last} must be >= 1, checkpoint.keep_every_steps="
-                             f"{self.keep_every_steps} >= 0")
+            raise ValueError(
+                f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
+                f"{self.keep_last} must be >= 1, checkpoint.keep_every_steps="
+                f"{self.keep_every_steps} >= 0"
+            )
         if self.init_from_optimizer and not self.init_from:
-            raise ValueError("checkpoint.init_from_optimizer=true needs checkpoint.init_from=PATH (a run directory "
-                             "or a step folder of another run)")
+            raise ValueError(
+                "checkpoint.init_from_optimizer=true needs checkpoint.init_from=PATH (a run directory "
+                "or a step folder of another run)"
+            )
 
 
 @dataclass
@@ -220,10 +255,13 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
     def __post_init__(self) -> None:
         if not self.shrink_after_s >= 0:
             raise ValueError(f"requeue.shrink_after_s={self.shrink_after_s} must be >= 0 (0: never wait for all nodes)")
-        if self.max_failures < 0 or self.max_time_limit_requeues < 0 or self.max_preemptions < -1 \
-                or self.max_excluded_nodes < 0:
-            raise ValueError(f"requeue budgets must be >= 0 (max_preemptions may be -1 = unlimited); got "
-                             f"{self}")
+        if (
+            self.max_failures < 0
+            or self.max_time_limit_requeues < 0
+            or self.max_preemptions < -1
+            or self.max_excluded_nodes < 0
+        ):
+            raise ValueError(f"requeue budgets must be >= 0 (max_preemptions may be -1 = unlimited); got {self}")
 
 
 @dataclass
@@ -250,8 +288,10 @@ class FnConfig:  # job.py: the training function, yours or the built-in one
         except ModuleNotFoundError:
             found = False
         if not found:
-            raise ValueError(f"fn._target_={self._target_!r}: module {module!r} is not importable here; install it "
-                             f"(pip install -e .) or add its folder to PYTHONPATH, which the job inherits")
+            raise ValueError(
+                f"fn._target_={self._target_!r}: module {module!r} is not importable here; install it "
+                f"(pip install -e .) or add its folder to PYTHONPATH, which the job inherits"
+            )
 
 
 @dataclass
@@ -275,8 +315,9 @@ class RunConfig:
         tp, per_node = self.train.tp, self.cluster.tasks_per_node
         mesh_shape(per_node * self.cluster.nodes, per_node, tp)  # the job's own check, at submit
         if tp > 1 and self.model.n_heads % tp:
-            raise ValueError(f"train.tp={tp} must divide model.n_heads={self.model.n_heads}: each rank holds whole "
-                             f"attention heads")
+            raise ValueError(
+                f"train.tp={tp} must divide model.n_heads={self.model.n_heads}: each rank holds whole attention heads"
+            )
         if self.data.source == "tokens":
             from hpc_train.data import read_meta
 
@@ -286,14 +327,18 @@ class RunConfig:
             self.model.vocab_size = max(self.model.vocab_size, int(meta["vocab_size"]))
             val = meta.get("val_shards", [])
             if self.train.eval_every_steps and max((s["tokens"] for s in val), default=0) <= self.model.seq_len:
-                raise ValueError(f"train.eval_every_steps={self.train.eval_every_steps} needs a held-out split with a "
-                                 f"window of model.seq_len + 1 = {self.model.seq_len + 1} tokens, and data.path="
-                                 f"{self.data.path!r} has {sum(s['tokens'] for s in val)} held-out tokens; prepare it "
-                                 f"with `hpc-train prepare-data ... --val-fraction 0.01`, or set train.eval_every_steps=0")
+                raise ValueError(
+                    f"train.eval_every_steps={self.train.eval_every_steps} needs a held-out split with a "
+                    f"window of model.seq_len + 1 = {self.model.seq_len + 1} tokens, and data.path="
+                    f"{self.data.path!r} has {sum(s['tokens'] for s in val)} held-out tokens; prepare it "
+                    f"with `hpc-train prepare-data ... --val-fraction 0.01`, or set train.eval_every_steps=0"
+                )
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):
-            raise ValueError(f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the run "
-                             f"directory and the Slurm job); e.g. name=lr-sweep")
+            raise ValueError(
+                f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the run "
+                f"directory and the Slurm job); e.g. name=lr-sweep"
+            )
         if any(ord(c) < 32 for c in self.out_dir):
             raise ValueError(f"out_dir={self.out_dir!r} contains a control character (newline?); give a plain path")
 
@@ -309,20 +354,24 @@ class ConfigSource:
     """Where a config is composed from, as in Hydra: the primary config directory (--config-path; else
     ./conf when it holds config.yaml (or the --config-name file); else the package's) and file (--config-name), then
     directories searched after it (--config-dir: add options such as cluster/mysite.yaml, copy nothing)."""
+
     dir: Path = CONF_DIR
     name: str = "config"
     extra: tuple[Path, ...] = ()
 
     @staticmethod
-    def find(config_path: str | None = None, config_name: str | None = None,
-             config_dirs: list[str] | tuple[str, ...] = ()) -> "ConfigSource":
+    def find(
+        config_path: str | None = None, config_name: str | None = None, config_dirs: list[str] | tuple[str, ...] = ()
+    ) -> ConfigSource:
         # ./conf only when it holds the primary config: a project's unrelated conf/ (or a dangling link) is not ours
         own = Path("conf") / f"{config_name or 'config'}.yaml"
         primary = Path(config_path) if config_path else Path("conf") if own.is_file() else CONF_DIR
         for d in (primary, *map(Path, config_dirs)):
             if not d.is_dir():
-                raise ValueError(f"config directory {str(d)!r} does not exist; give a folder holding config.yaml "
-                                 f"and groups such as cluster/ (hpc-train init writes one to ./conf)")
+                raise ValueError(
+                    f"config directory {str(d)!r} does not exist; give a folder holding config.yaml "
+                    f"and groups such as cluster/ (hpc-train init writes one to ./conf)"
+                )
         return ConfigSource(primary.resolve(), config_name or "config", tuple(Path(d).resolve() for d in config_dirs))
 
     def is_group(self, key: str) -> bool:
@@ -355,20 +404,24 @@ def expand_sweep(overrides: list[str], multirun: bool = True) -> list[list[str]]
     for o in OverridesParser.create().parse_overrides(overrides):
         if o.is_sweep_override():
             if not multirun:
-                raise ValueError(f"{o.input_line!r} gives several values, a sweep: add -m to run one trial per "
-                                 f"value (hpc-train submit -m ... {o.input_line}), or write one value; a list value "
-                                 f"is written [a,b], a string with a comma is quoted")
+                raise ValueError(
+                    f"{o.input_line!r} gives several values, a sweep: add -m to run one trial per "
+                    f"value (hpc-train submit -m ... {o.input_line}), or write one value; a list value "
+                    f"is written [a,b], a string with a comma is quoted"
+                )
             if o.is_interval_sweep():
-                raise ValueError(f"{o.input_line!r}: interval() needs an optimizing sweeper; list the values, "
-                                 f"e.g. range() or a,b,c")
+                raise ValueError(
+                    f"{o.input_line!r}: interval() needs an optimizing sweeper; list the values, e.g. range() or a,b,c"
+                )
             axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
         else:
             axes.append([o.input_line])
     return [list(trial) for trial in itertools.product(*axes)]
 
 
-def compose_trials(trials: list[list[str]],
-                   source: ConfigSource = ConfigSource()) -> list[tuple[dict[str, Any], RunConfig]]:
+def compose_trials(
+    trials: list[list[str]], source: ConfigSource = ConfigSource()
+) -> list[tuple[dict[str, Any], RunConfig]]:
     """(resolved config as plain dicts, its validated RunConfig) per trial.
 
     Hydra's compose costs ~50 ms, 53 s for 1,000 trials. So compose once per distinct set of
@@ -386,8 +439,15 @@ def compose_trials(trials: list[list[str]],
     out = []
     for trial in trials:
         parsed = parser.parse_overrides(trial)
-        fast = [o for o in parsed if o.type.name == "CHANGE" and o.package is None and "${" not in o.input_line
-                and not o.key_or_group.startswith("hydra.") and not source.is_group(o.key_or_group)]
+        fast = [
+            o
+            for o in parsed
+            if o.type.name == "CHANGE"
+            and o.package is None
+            and "${" not in o.input_line
+            and not o.key_or_group.startswith("hydra.")
+            and not source.is_group(o.key_or_group)
+        ]
         structural = tuple(o.input_line for o in parsed if o not in fast)
         if structural not in bases:
             cfg = compose(list(structural), source)
@@ -416,10 +476,10 @@ def _nearest(word: str, options: Any) -> str | None:
 
 
 def did_you_mean(key: str, part: int, options: Any) -> str:
-    """"\ndid you mean train.steps?" for key "trian.steps" whose part 0 is not among options; "" if none is near."""
+    """ "\ndid you mean train.steps?" for key "trian.steps" whose part 0 is not among options; "" if none is near."""
     parts = key.split(".")
     near = _nearest(parts[part], options)
-    return f"\ndid you mean {'.'.join([*parts[:part], near, *parts[part + 1:]])}?" if near else ""
+    return f"\ndid you mean {'.'.join([*parts[:part], near, *parts[part + 1 :]])}?" if near else ""
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -427,13 +487,17 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node = tree
     for i, part in enumerate(parents):
         if not isinstance(node.get(part), dict):
-            raise ValueError(f"Could not override '{key}': '{'.'.join(parents[:i + 1])}' is not a config group "
-                             f"or section{did_you_mean(key, i, [k for k, v in node.items() if isinstance(v, dict)])}")
+            raise ValueError(
+                f"Could not override '{key}': '{'.'.join(parents[: i + 1])}' is not a config group "
+                f"or section{did_you_mean(key, i, [k for k, v in node.items() if isinstance(v, dict)])}"
+            )
         node = node[part]
     if leaf not in node:
         where = ".".join(parents) or "the top level"
-        raise ValueError(f"Could not override '{key}': no key '{leaf}'\nvalid keys under {where}: "
-                         f"{', '.join(node)}{did_you_mean(key, len(parents), node)}")
+        raise ValueError(
+            f"Could not override '{key}': no key '{leaf}'\nvalid keys under {where}: "
+            f"{', '.join(node)}{did_you_mean(key, len(parents), node)}"
+        )
     node[leaf] = value
 
 
@@ -446,9 +510,11 @@ def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
     names = [f.name for f in fields(cls)]
     for key in data:
         if key not in names:
-            raise ValueError(f"Key '{path}{key}' is not in {cls.__name__}\n"
-                             f"valid keys under {path.rstrip('.') or 'the top level'}: {', '.join(names)}"
-                             f"{did_you_mean(path + key, path.count('.'), names)}")
+            raise ValueError(
+                f"Key '{path}{key}' is not in {cls.__name__}\n"
+                f"valid keys under {path.rstrip('.') or 'the top level'}: {', '.join(names)}"
+                f"{did_you_mean(path + key, path.count('.'), names)}"
+            )
     kwargs = {}
     for key, value in data.items():
         hint = hints[key]

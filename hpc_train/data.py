@@ -27,20 +27,24 @@ from hpc_train.tokenizer import open_encoder
 META = "meta.json"
 
 
-def prepare(inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str = "bytes",
-            val_fraction: float = 0.0) -> dict[str, Any]:
+def prepare(
+    inputs: list[Path], out_dir: Path, shard_tokens: int, tokenizer: str = "bytes", val_fraction: float = 0.0
+) -> dict[str, Any]:
     """Write the tokens (tokenizer.py) of every file under `inputs` (sorted, recursively) into shards of at most
     `shard_tokens` tokens, plus meta.json; the last `val_fraction` of the tokens are held out (split_off_val).
     Writes into <out_dir>.tmp and renames it once complete, so an interrupted run leaves nothing that looks
     usable; refuses an existing out_dir rather than mixing."""
     if out_dir.exists():
-        raise ValueError(f"--out {out_dir} already exists; give a new directory (existing shards are never "
-                         f"overwritten)")
+        raise ValueError(
+            f"--out {out_dir} already exists; give a new directory (existing shards are never overwritten)"
+        )
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be >= 1")
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1): the share of tokens held out for "
-                         f"evaluation, e.g. --val-fraction 0.01")
+        raise ValueError(
+            f"--val-fraction {val_fraction} must be in [0, 1): the share of tokens held out for "
+            f"evaluation, e.g. --val-fraction 0.01"
+        )
     files: list[Path] = []
     for p in inputs:
         if p.is_dir():
@@ -102,8 +106,10 @@ def split_off_val(folder: Path, meta: dict[str, Any], fraction: float) -> dict[s
     left = max(1, round(fraction * meta["tokens"]))
     if left >= meta["tokens"]:
         shutil.rmtree(folder)
-        raise ValueError(f"--val-fraction {fraction} of {meta['tokens']} tokens leaves none to train on; give more "
-                         f"text or a smaller fraction")
+        raise ValueError(
+            f"--val-fraction {fraction} of {meta['tokens']} tokens leaves none to train on; give more "
+            f"text or a smaller fraction"
+        )
     pieces: list[tuple[Path, int]] = []  # (file now holding it, tokens), in stream order
     while left:
         last = train[-1]
@@ -124,21 +130,29 @@ def split_off_val(folder: Path, meta: dict[str, Any], fraction: float) -> dict[s
     for i, (src, tokens) in enumerate(pieces):
         val.append({"file": f"val_{i:05d}.bin", "tokens": tokens})
         os.replace(src, folder / val[-1]["file"])
-    return {**meta, "tokens": sum(s["tokens"] for s in train), "shards": train,
-            "val_tokens": sum(s["tokens"] for s in val), "val_shards": val}
+    return {
+        **meta,
+        "tokens": sum(s["tokens"] for s in train),
+        "shards": train,
+        "val_tokens": sum(s["tokens"] for s in val),
+        "val_shards": val,
+    }
 
 
 def read_meta(path: Path) -> dict[str, Any]:
     try:
         return json.loads((path / META).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"data.path={str(path)!r} has no readable {META} ({e}); write one with "
-                         f"`hpc-train prepare-data FILES... --out {path}`") from None
+        raise ValueError(
+            f"data.path={str(path)!r} has no readable {META} ({e}); write one with "
+            f"`hpc-train prepare-data FILES... --out {path}`"
+        ) from None
 
 
 @dataclass
 class Sampler:
     """Which token windows each data-parallel rank reads; `position` is all it needs to resume."""
+
     shards: list[Any]  # 1-D uint8/int64 arrays: np.memmap over prepared shards, or the generated corpus
     seq_len: int
     seed: int
@@ -152,8 +166,9 @@ class Sampler:
         counts = [max(0, (len(s) - 1) // self.seq_len) for s in self.shards]
         self._starts = np.cumsum([0, *counts])
         if self._starts[-1] == 0:
-            raise ValueError(f"no shard holds seq_len + 1 = {self.seq_len + 1} tokens; use a smaller "
-                             f"model.seq_len or more text")
+            raise ValueError(
+                f"no shard holds seq_len + 1 = {self.seq_len + 1} tokens; use a smaller model.seq_len or more text"
+            )
 
     def window(self, sample: int) -> Any:
         import numpy as np
@@ -165,7 +180,7 @@ class Sampler:
         w = int(self._perm[1][k])
         shard = int(np.searchsorted(self._starts, w, side="right")) - 1
         offset = (w - int(self._starts[shard])) * self.seq_len
-        return self.shards[shard][offset: offset + self.seq_len + 1]
+        return self.shards[shard][offset : offset + self.seq_len + 1]
 
     def state_dict(self) -> dict[str, Any]:  # the Stateful protocol: checkpointed with the model
         import torch
@@ -197,8 +212,10 @@ def open_sampler(cfg: Any, seq_len: int, vocab_size: int, split: str = "train") 
         key = "val_shards" if split == "val" else "shards"
         shards = [np.memmap(Path(cfg.path) / s["file"], dtype=meta["dtype"], mode="r") for s in meta.get(key, [])]
         if not shards:
-            raise ValueError(f"data.path={cfg.path!r} has no held-out split; prepare it with `hpc-train prepare-data "
-                             f"... --val-fraction 0.01`, or set train.eval_every_steps=0")
+            raise ValueError(
+                f"data.path={cfg.path!r} has no held-out split; prepare it with `hpc-train prepare-data "
+                f"... --val-fraction 0.01`, or set train.eval_every_steps=0"
+            )
     elif split == "val":  # an eighth as many words again, from the same vocabulary
         shards = [synthetic_corpus(max(64, cfg.corpus_words // 8), cfg.seed, vocab_size, held_out=True)]
     else:
@@ -216,4 +233,3 @@ def synthetic_corpus(words: int, seed: int, vocab_size: int, held_out: bool = Fa
     vocab = [rng.integers(0, vocab_size, int(rng.integers(3, 9))) for _ in range(64)]
     order = np.random.default_rng([seed, 1]) if held_out else rng
     return np.concatenate([vocab[i] for i in order.integers(0, len(vocab), words)])
-

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,9 @@ def from_env(environ: Mapping[str, str]) -> RankEnv:
     env = _from_env(environ)
     addr = environ.get("HPC_TRAIN_MASTER_ADDR") or env.master_addr
     port = int(environ.get("HPC_TRAIN_MASTER_PORT") or env.master_port)
-    return env if (addr, port) == (env.master_addr, env.master_port) else replace(env, master_addr=addr, master_port=port)
+    return (
+        env if (addr, port) == (env.master_addr, env.master_port) else replace(env, master_addr=addr, master_port=port)
+    )
 
 
 def _from_env(environ: Mapping[str, str]) -> RankEnv:
@@ -87,10 +89,12 @@ def _from_env(environ: Mapping[str, str]) -> RankEnv:
         per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE", "")
         world_size, local_world_size = int(environ["SLURM_NTASKS"]), int(per_node.split("(")[0].split(",")[0] or 0)
         if local_world_size * len(nodes) != world_size:
-            raise RuntimeError(f"srun started {world_size} tasks on {len(nodes)} nodes ({per_node or '?'} per node), "
-                               f"not the same number on each: the job's task count disagrees with its nodes "
-                               f"(SLURM_NTASKS inherited from an salloc shell, or a NumTasks set by hand); submit "
-                               f"from a login shell and leave NumNodes/NumTasks to hpc-train")
+            raise RuntimeError(
+                f"srun started {world_size} tasks on {len(nodes)} nodes ({per_node or '?'} per node), "
+                f"not the same number on each: the job's task count disagrees with its nodes "
+                f"(SLURM_NTASKS inherited from an salloc shell, or a NumTasks set by hand); submit "
+                f"from a login shell and leave NumNodes/NumTasks to hpc-train"
+            )
         return RankEnv(
             executor="slurm",
             rank=int(environ["SLURM_PROCID"]),
@@ -125,8 +129,10 @@ def _from_env(environ: Mapping[str, str]) -> RankEnv:
             job_id=job_id,
             restart_count=restart,
         )
-    raise RuntimeError("neither SLURM_PROCID nor SUBMITIT_LOCAL_JOB_ID is set: run this inside a job "
-                       "started by `hpc-train submit` (or under srun)")
+    raise RuntimeError(
+        "neither SLURM_PROCID nor SUBMITIT_LOCAL_JOB_ID is set: run this inside a job "
+        "started by `hpc-train submit` (or under srun)"
+    )
 
 
 def torchrun_vars(env: RankEnv) -> dict[str, str]:

@@ -27,9 +27,10 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hpc_train import preempt
 from hpc_train.metrics import log_event, read_events
@@ -72,7 +73,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     resumes = [i for i, e in enumerate(events) if e["event"] == "resume"]
     base = events[resumes[-1]]["restart"] if resumes else 0
     if "SLURM_PROCID" not in os.environ:  # local controller restarts in place: count attempts on disk
-        requeues = sum(e["event"] == "requeue" for e in events[resumes[-1] + 1 if resumes else 0:])
+        requeues = sum(e["event"] == "requeue" for e in events[resumes[-1] + 1 if resumes else 0 :])
         os.environ["HPC_TRAIN_ATTEMPT"] = str(base + requeues)
     env = rank_env.from_env(os.environ)
     if env.executor == "slurm" and base:
@@ -90,8 +91,16 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
         # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
         env = _placed[0] or env
-        log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
-                  error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
+        log_event(
+            paths.run_dir,
+            "fail",
+            preempt.step_reached[0],
+            env.job_id,
+            env.restart_count,
+            rank=env.rank,
+            error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc(limit=5),
+        )
         verdict, grace_s = _after_failure(paths, env, e)
         traceback.print_exc()  # this rank's log keeps the whole story
         if verdict == "wait" or (verdict == "requeue" and env.executor == "local"):
@@ -115,8 +124,9 @@ def spare_nodes(env: Any, cluster: Any) -> int | None:
     return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
-def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
-                    sick: dict[str, str] | None = None) -> str:
+def requeue_or_stop(
+    paths: RunPaths, env: Any, cfg: Any, reason: str, step: int, sick: dict[str, str] | None = None
+) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
     (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
     "requeue" (the job comes back, without the run's excluded nodes), "wait" (only Slurm can bring it
@@ -131,8 +141,9 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
     record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
     excluded = sorted(preempt.excluded_nodes(events))
     if action != "stop" and sick:
-        excluded, not_out, stop = preempt.exclusion(events, sick, budgets.max_excluded_nodes,
-                                                    spare_nodes(env, cfg.cluster), local=env.executor != "slurm")
+        excluded, not_out, stop = preempt.exclusion(
+            events, sick, budgets.max_excluded_nodes, spare_nodes(env, cfg.cluster), local=env.executor != "slurm"
+        )
         if stop:
             action, why = "stop", stop
         elif not_out:  # requeued as a failure: counted in requeue.max_failures, a crash loop still ends
@@ -149,15 +160,32 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
     if action == "slurm":
         size, facts = next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded))
         err = _update_next_attempt(env, cfg.cluster, excluded, size, record)
-        record("requeue", reason=reason, by="slurm", note=why, **facts, **({"nodes_update_error": err} if err and size else {}))
+        record(
+            "requeue",
+            reason=reason,
+            by="slurm",
+            note=why,
+            **facts,
+            **({"nodes_update_error": err} if err and size else {}),
+        )
         return "requeue"
-    wait = queue_wait_s(env, cfg, excluded)  # before the requeue: after it, Slurm's SIGTERM reaches our client calls too
+    wait = queue_wait_s(
+        env, cfg, excluded
+    )  # before the requeue: after it, Slurm's SIGTERM reaches our client calls too
     err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
     if not err:
         size, facts = next_attempt_size(env, cfg, wait)
-        err = _update_next_attempt(env, cfg.cluster, excluded, size, record)  # first: KillWait may end this process soon
-        record("requeue", reason=reason, by="hpc_train", fate=fate, **facts,
-               **({"nodes_update_error": err} if err and size else {}))
+        err = _update_next_attempt(
+            env, cfg.cluster, excluded, size, record
+        )  # first: KillWait may end this process soon
+        record(
+            "requeue",
+            reason=reason,
+            by="hpc_train",
+            fate=fate,
+            **facts,
+            **({"nodes_update_error": err} if err and size else {}),
+        )
         return "requeue"
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
@@ -165,14 +193,18 @@ def requeue_or_stop(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
     unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
     record("requeue_failed", reason=reason, fate=fate, error=err, **unset)
     preempted = reason == "preempt" or "SIGTERM" in preempt.received  # a crash inside a preemption's grace too
-    then = "waiting for Slurm to end and requeue the preempted job" if preempted else \
-        "the last committed checkpoint stays; resubmit to go on"
+    then = (
+        "waiting for Slurm to end and requeue the preempted job"
+        if preempted
+        else "the last committed checkpoint stays; resubmit to go on"
+    )
     print(f"[hpc_train] requeue failed: {err}; {then}", file=sys.stderr, flush=True)
     return "wait" if preempted else "stop"
 
 
-def _update_next_attempt(env: Any, cluster: Any, nodes: list[str], size: dict[str, str],
-                         record: Callable[..., None]) -> str:
+def _update_next_attempt(
+    env: Any, cluster: Any, nodes: list[str], size: dict[str, str], record: Callable[..., None]
+) -> str:
     """One `scontrol update` of the requeued job: ExcNodeList (the run's excluded nodes and cluster.exclude)
     and an elastic run's NumNodes/NumTasks together, so either both land or neither (ExcNodeList alone
     with a failed NumNodes could leave NumTasks=8 on too few usable nodes: pending for good). Only now:
@@ -213,16 +245,21 @@ def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None,
     # The run's own exclusions count wherever Slurm's ExcNodeList does: an update that failed, or a requeue
     # Slurm made, left them out of ExcNodeList, and a left-out idle node counted free pinned NumNodes=4-4
     # on 3 usable nodes (pending for good on a 4-node partition).
-    mine = [j for j in jobs if j["id"] == env.job_id] or [{"id": env.job_id, "state": "PENDING", "end": None,
-                                                          "nodes": [], "excluded": []}]
-    jobs = [j for j in jobs if j["id"] != env.job_id] + [{**mine[0], "excluded": sorted({*mine[0]["excluded"], *excluded})}]
+    mine = [j for j in jobs if j["id"] == env.job_id] or [
+        {"id": env.job_id, "state": "PENDING", "end": None, "nodes": [], "excluded": []}
+    ]
+    jobs = [j for j in jobs if j["id"] != env.job_id] + [
+        {**mine[0], "excluded": sorted({*mine[0]["excluded"], *excluded})}
+    ]
     own = [n for n in env.nodes if n not in excluded]
     free = preempt.free_now(own, states, preempt.job_excluded(env.job_id, jobs))
     facts = {"free_nodes": sorted(free), "not_free": preempt.not_free(env.job_id, states, free, jobs)}
     return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), facts
 
 
-def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]) -> tuple[dict[str, str], dict[str, Any]]:
+def next_attempt_size(
+    env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]
+) -> tuple[dict[str, str], dict[str, Any]]:
     """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if they are
     free within requeue.shrink_after_s, else go on with the nodes free now (preempt.next_size). Returns
     (the NumNodes/NumTasks fields for _update_next_attempt, the requeue event's fields: nodes_next,
@@ -231,10 +268,14 @@ def next_attempt_size(env: Any, cfg: Any, wait: tuple[float | None, dict[str, An
         return {}, {}
     c, (wait_s, facts) = cfg.cluster, wait
     free = facts.get("free_nodes")
-    fields = preempt.next_size(c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s,
-                               None if free is None else len(free))
-    return fields, {"nodes_next": fields["NumNodes"], "full_size_wait_s": None if wait_s is None else round(wait_s, 1),
-                    **facts}
+    fields = preempt.next_size(
+        c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s, None if free is None else len(free)
+    )
+    return fields, {
+        "nodes_next": fields["NumNodes"],
+        "full_size_wait_s": None if wait_s is None else round(wait_s, 1),
+        **facts,
+    }
 
 
 def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> None:
@@ -277,8 +318,9 @@ _placed: list[Any] = [None]  # this task's env once placed by the rendezvous (ra
 _deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
 
 
-def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None,
-                   hang: bool = False) -> tuple[str, float]:
+def _after_failure(
+    paths: RunPaths, env: Any, error: BaseException | None = None, hang: bool = False
+) -> tuple[str, float]:
     """The first rank to fail in an attempt decides (an O_EXCL file); the others die with it (gloo
     sees the closed peer). Returns (its verdict, or "" for the others; the partition's grace time).
     Every failing rank first writes its heartbeat count, from which the deciding rank blames a hang
@@ -304,8 +346,9 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
         # site's KillOnBadExit=1 srun would kill the deciding rank with us.
         until = time.monotonic() + 60
         while time.monotonic() < until and not any(
-                e["event"] in ("requeue", "requeue_failed", "stopped") and e.get("restart") == env.restart_count
-                for e in read_events(paths.run_dir)):
+            e["event"] in ("requeue", "requeue_failed", "stopped") and e.get("restart") == env.restart_count
+            for e in read_events(paths.run_dir)
+        ):
             time.sleep(0.5)
         return "", 0.0
     _deciding[0] = True
@@ -328,8 +371,15 @@ def _after_failure(paths: RunPaths, env: Any, error: BaseException | None = None
     return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick), cfg.cluster.preempt_grace_s
 
 
-def _decide_together(paths: RunPaths, env: Any, cfg: Any, reason: str, step: int,
-                     kill_deadline: float = float("inf"), sick: dict[str, str] | None = None) -> None:
+def _decide_together(
+    paths: RunPaths,
+    env: Any,
+    cfg: Any,
+    reason: str,
+    step: int,
+    kill_deadline: float = float("inf"),
+    sick: dict[str, str] | None = None,
+) -> None:
     """Rank 0 decides (requeue_or_stop) and tells everyone, so no rank exits with 144 alone; never returns."""
     import torch
     import torch.distributed as dist
@@ -360,8 +410,14 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
     timeout = timedelta(seconds=cfg.train.rendezvous_timeout_s)
     where = f"{env.master_addr}:{env.master_port}"
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
-                              timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         node = os.environ.get("SLURMD_NODENAME", env.nodes[env.node_rank])
         store.set(f"topo/{env.rank}", json.dumps([node, os.environ.get("SLURM_TOPOLOGY_ADDR", "")]))
         if env.rank == 0:
@@ -375,8 +431,12 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             paths.placement.write_text(json.dumps(plan, indent=1) + "\n")
         plan = json.loads(store.get("placement"))
         order = plan["nodes"]
-        placed = dataclasses.replace(env, rank=order.index(node) * env.local_world_size + env.local_rank,
-                                     node_rank=order.index(node), nodes=tuple(order))
+        placed = dataclasses.replace(
+            env,
+            rank=order.index(node) * env.local_world_size + env.local_rank,
+            node_rank=order.index(node),
+            nodes=tuple(order),
+        )
         backend = "gloo"
         if torch.cuda.is_available():  # one GPU per task: the task's own if Slurm bound one, else by local rank
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
@@ -386,13 +446,19 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
         # 60 s past it: the watchdog (polling every <= 5 s) fires first on every rank, so a hang is judged as
         # one (heartbeat counts, the hung node left out); at exactly watchdog_s gloo's own timeout usually won
         # and the hang went down as an ordinary failure, onto the same node again.
-        dist.init_process_group(backend, store=store, rank=placed.rank, world_size=env.world_size,
-                                timeout=max(timeout, timedelta(seconds=collective_timeout_s(cfg.train.watchdog_s))))
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=placed.rank,
+            world_size=env.world_size,
+            timeout=max(timeout, timedelta(seconds=collective_timeout_s(cfg.train.watchdog_s))),
+        )
     except Exception as e:
         raise RuntimeError(
             f"task {env.rank}/{env.world_size} on {socket.gethostname()}: rendezvous at {where} failed within "
             f"train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s}: {e}. Check that {env.master_addr} "
-            f"resolves here and that port {env.master_port} is free on it.") from e
+            f"resolves here and that port {env.master_port} is free on it."
+        ) from e
     os.environ.update(torchrun_vars(placed))
     print(f"[hpc_train] placed task {env.rank} as rank {placed.rank} on {node}", flush=True)
     _placed[0] = placed
@@ -416,11 +482,21 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
     def watch() -> None:
         while time.monotonic() - preempt.last_beat[0] < limit_s:
             time.sleep(min(5.0, limit_s / 10))
-        print(f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; "
-              f"stacks follow", file=sys.stderr, flush=True)
+        print(
+            f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        log_event(paths.run_dir, "fail", preempt.step_reached[0], env.job_id, env.restart_count, rank=env.rank,
-                  error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
+        log_event(
+            paths.run_dir,
+            "fail",
+            preempt.step_reached[0],
+            env.job_id,
+            env.restart_count,
+            rank=env.rank,
+            error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s",
+        )
         verdict, grace_s = _after_failure(paths, env, hang=True)
         _leave(verdict if verdict == "wait" or (verdict == "requeue" and env.executor == "local") else "stop", grace_s)
 
@@ -450,7 +526,14 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
             print(f"[hpc_train] warning: {changed}", file=sys.stderr, flush=True)
     if env.executor == "local" and preempt.local_fate(read_events(paths.run_dir)) == "cancelled":
         if env.rank == 0:  # `hpc-train cancel` came between two attempts
-            log_event(paths.run_dir, "stopped", -1, env.job_id, env.restart_count, reason="cancelled before this attempt started")
+            log_event(
+                paths.run_dir,
+                "stopped",
+                -1,
+                env.job_id,
+                env.restart_count,
+                reason="cancelled before this attempt started",
+            )
         sys.exit(1)
     if preempt.injected("raise_at_start"):
         raise RuntimeError("injected fault: raise_at_start (HPC_TRAIN_FAULT)")

@@ -14,7 +14,6 @@ from typing import Any
 from hpc_train.paths import RunPaths
 
 
-
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """One line per record, written with a single O_APPEND write so concurrent writers never interleave."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
@@ -26,8 +25,10 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def log_event(run_dir: Path, event: str, step: int, job_id: str, restart: int, **fields: Any) -> None:
-    append_jsonl(RunPaths(run_dir).events, {"time": time.time(), "event": event, "step": step, "job_id": job_id,
-                                    "restart": restart, **fields})
+    append_jsonl(
+        RunPaths(run_dir).events,
+        {"time": time.time(), "event": event, "step": step, "job_id": job_id, "restart": restart, **fields},
+    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -56,8 +57,12 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def is_event(e: dict[str, Any]) -> bool:
-    return (isinstance(e.get("event"), str) and _number(e.get("time")) and type(e.get("step")) is int
-            and type(e.get("restart", 0)) is int)
+    return (
+        isinstance(e.get("event"), str)
+        and _number(e.get("time"))
+        and type(e.get("step")) is int
+        and type(e.get("restart", 0)) is int
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -70,12 +75,16 @@ SLURM_SIGNAL_SLACK_S = 60
 
 
 def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
-    """"" if signal_lead_s covers the slowest measured save + the slowest step + Slurm's slack in these
+    """ "" if signal_lead_s covers the slowest measured save + the slowest step + Slurm's slack in these
     runs, else a warning that names the measurements and the value to use."""
     saves = [e.get("save_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "checkpoint_committed"]
     # a step's evaluation (eval_s) runs before its stop check: counted whole (a signal cuts it after 8 batches)
-    steps = [m.get("step_time_s", 0.0) + (m.get("eval_s") if _number(m.get("eval_s")) else 0.0)
-             for d in run_dirs for m in read_metrics(d) if _number(m.get("step_time_s", 0.0))]
+    steps = [
+        m.get("step_time_s", 0.0) + (m.get("eval_s") if _number(m.get("eval_s")) else 0.0)
+        for d in run_dirs
+        for m in read_metrics(d)
+        if _number(m.get("step_time_s", 0.0))
+    ]
     steps += [e.get("step_time_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "first_step"]
     saves, steps = [x for x in saves if _number(x)], [x for x in steps if _number(x)]
     if not saves:
@@ -83,6 +92,8 @@ def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
     needed = max(saves) + max(steps, default=0.0) + SLURM_SIGNAL_SLACK_S
     if signal_lead_s >= needed:
         return ""
-    return (f"cluster.signal_lead_s={signal_lead_s} is shorter than measured: the slowest save took "
-            f"{max(saves):.1f} s and the slowest step {max(steps, default=0.0):.1f} s, and Slurm may signal up to "
-            f"{SLURM_SIGNAL_SLACK_S} s early; use cluster.signal_lead_s>={int(needed) + 1}")
+    return (
+        f"cluster.signal_lead_s={signal_lead_s} is shorter than measured: the slowest save took "
+        f"{max(saves):.1f} s and the slowest step {max(steps, default=0.0):.1f} s, and Slurm may signal up to "
+        f"{SLURM_SIGNAL_SLACK_S} s early; use cluster.signal_lead_s>={int(needed) + 1}"
+    )

@@ -44,7 +44,7 @@ class GPT(nn.Module):
         # Recompute each block in backward: it then keeps only its input, 2*s*b*d bytes in bf16 instead
         # of ~34*s*b*d (Korthikanti et al. 2022), for one more forward (+1/3 of the step's FLOPs).
         self.activation_checkpointing = False
-        for name, p in self.named_parameters():  # GPT-2's init: std 0.02 keeps the first loss near ln(vocab)
+        for _name, p in self.named_parameters():  # GPT-2's init: std 0.02 keeps the first loss near ln(vocab)
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
 

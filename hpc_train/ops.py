@@ -14,9 +14,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hpc_train.metrics import lead_warning, log_event, read_events, read_metrics
 from hpc_train.preempt import budget_changes, excluded_nodes, failures_in_a_row
@@ -41,8 +42,10 @@ def denied(path: Path) -> str:
         owner = pwd.getpwuid(path.stat().st_uid).pw_name
     except (OSError, KeyError):
         owner = "its owner"
-    return (f"cannot read {path}: permission denied (owner-only, as the run's cluster.env holds values); "
-            f"run this as {owner}")
+    return (
+        f"cannot read {path}: permission denied (owner-only, as the run's cluster.env holds values); "
+        f"run this as {owner}"
+    )
 
 
 def find_runs(path: Path) -> list[Run]:
@@ -52,14 +55,31 @@ def find_runs(path: Path) -> list[Run]:
         if (path / "sweep.json").exists():
             manifest = json.loads((path / "sweep.json").read_text())
             executor = _executor([Path(t["run_dir"]) for t in manifest["trials"]])
-            return [Run(Path(t["run_dir"]), f"{path.name}/{Path(t['run_dir']).name}", t["job_id"] or "", executor,
-                        path / "submitit", process=t.get("process")) for t in manifest["trials"]]
+            return [
+                Run(
+                    Path(t["run_dir"]),
+                    f"{path.name}/{Path(t['run_dir']).name}",
+                    t["job_id"] or "",
+                    executor,
+                    path / "submitit",
+                    process=t.get("process"),
+                )
+                for t in manifest["trials"]
+            ]
         if (path / "config.yaml").exists():
             if (path.parent / "sweep.json").exists():  # a trial: its sweep, or the sweep's unreadable row
                 return [r for r in find_runs(path.parent) if r.run_dir == path or r.unreadable]
             sub = json.loads((path / "submission.json").read_text()) if (path / "submission.json").exists() else {}
-            return [Run(path, path.name, sub.get("job_id", ""), sub.get("executor", "slurm"), path / "submitit",
-                        process=sub.get("process"))]
+            return [
+                Run(
+                    path,
+                    path.name,
+                    sub.get("job_id", ""),
+                    sub.get("executor", "slurm"),
+                    path / "submitit",
+                    process=sub.get("process"),
+                )
+            ]
     except PermissionError as e:
         return [Run(path, path.name, "", "?", path / "submitit", unreadable=denied(Path(e.filename or path)))]
     if path.is_dir():
@@ -127,7 +147,7 @@ def since_resume(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The events after the last `hpc-train resume` (all of them if never resumed): how it ended before no
     longer says how it is now."""
     last = max((i for i, e in enumerate(events) if e["event"] == "resume"), default=-1)
-    return events[last + 1:]
+    return events[last + 1 :]
 
 
 def local_state(run: Run, events: list[dict[str, Any]]) -> str:
@@ -154,22 +174,38 @@ def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         launched = start.get("launched_at", start["time"]) if start else min(e["time"] for e in evs)
         first = next((e for e in evs if e["event"] == "first_step"), None)
         commits = [e for e in evs if e["event"] == "checkpoint_committed"]
-        ended = next((e["event"] for e in reversed(evs) if e["event"] in ("finish", "requeue", "stopped", "fail")), "running")
-        out.append({
-            "restart": restart, "launched": launched,
-            "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None),  # a `resume` event has none yet
-            "start": start["time"] if start else None, "start_step": start["step"] if start else None,
-            "first_step": first["time"] if first else None, "end": max(e["time"] for e in evs), "ended_by": ended,
-            "reached_step": max([e["step"] for e in evs] + [start["step"] if start else 0]),
-            "committed_step": max((e["step"] for e in commits), default=None),
-            "stall_s": sum(e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits),
-            "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
-            "nodes_next": next((e.get("nodes_next") for e in evs if e["event"] == "requeue"), None),  # elastic
-            **{k: start.get(k) if start else None for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")},
-            # start-up, phase by phase (job.py): python, imports, rendezvous, preflight, setup, verify, load, first step
-            "phases_s": {**(start.get("phases_s", {}) if start else {}),
-                         **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {})},
-        })
+        ended = next(
+            (e["event"] for e in reversed(evs) if e["event"] in ("finish", "requeue", "stopped", "fail")), "running"
+        )
+        out.append(
+            {
+                "restart": restart,
+                "launched": launched,
+                "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None),  # a `resume` event has none yet
+                "start": start["time"] if start else None,
+                "start_step": start["step"] if start else None,
+                "first_step": first["time"] if first else None,
+                "end": max(e["time"] for e in evs),
+                "ended_by": ended,
+                "reached_step": max([e["step"] for e in evs] + [start["step"] if start else 0]),
+                "committed_step": max((e["step"] for e in commits), default=None),
+                "stall_s": sum(
+                    e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits
+                ),
+                "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
+                "nodes_next": next((e.get("nodes_next") for e in evs if e["event"] == "requeue"), None),  # elastic
+                **{
+                    k: start.get(k) if start else None
+                    for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")
+                },
+                # start-up, phase by phase (job.py): python, imports, rendezvous, preflight, setup, verify, load,
+                # first step
+                "phases_s": {
+                    **(start.get("phases_s", {}) if start else {}),
+                    **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {}),
+                },
+            }
+        )
     return out
 
 
@@ -187,7 +223,9 @@ def batch_text(atts: list[dict[str, Any]]) -> list[str] | None:
     seen = {(a.get("global_batch_seqs"), a.get("grad_accum_steps")) for a in atts if a.get("world_size")}
     if len(seen) < 2:
         return None
-    return [f"{a['global_batch_seqs']} seqs x{a['grad_accum_steps']}" if a.get("global_batch_seqs") else "-" for a in atts]
+    return [
+        f"{a['global_batch_seqs']} seqs x{a['grad_accum_steps']}" if a.get("global_batch_seqs") else "-" for a in atts
+    ]
 
 
 def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
@@ -205,9 +243,19 @@ def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], live: b
     """
     atts = attempts(events)
     last_row = metrics[-1] if metrics else {}
-    if live and atts and atts[-1]["ended_by"] == "running" and isinstance(last_row.get("time"), (int, float)) \
-            and last_row["time"] > atts[-1]["end"] and isinstance(last_row.get("step"), int):
-        atts[-1] = {**atts[-1], "end": last_row["time"], "reached_step": max(atts[-1]["reached_step"], last_row["step"])}
+    if (
+        live
+        and atts
+        and atts[-1]["ended_by"] == "running"
+        and isinstance(last_row.get("time"), (int, float))
+        and last_row["time"] > atts[-1]["end"]
+        and isinstance(last_row.get("step"), int)
+    ):
+        atts[-1] = {
+            **atts[-1],
+            "end": last_row["time"],
+            "reached_step": max(atts[-1]["reached_step"], last_row["step"]),
+        }
     step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
     step_s = step_times[len(step_times) // 2] if step_times else 0.0
     parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
@@ -245,8 +293,24 @@ def slurm_states_or_error(job_ids: list[str], retry_after_s: float = 1.0) -> tup
     return {}, error
 
 
-COLUMNS = ("run", "job_id", "state", "attempts", "restarts", "world_size", "committed_step", "total_steps", "tokens_per_s", "mfu",
-           "val_loss", "goodput", "since_last_event_s", "warnings", "stragglers", "last_straggler")
+COLUMNS = (
+    "run",
+    "job_id",
+    "state",
+    "attempts",
+    "restarts",
+    "world_size",
+    "committed_step",
+    "total_steps",
+    "tokens_per_s",
+    "mfu",
+    "val_loss",
+    "goodput",
+    "since_last_event_s",
+    "warnings",
+    "stragglers",
+    "last_straggler",
+)
 
 
 def stragglers(events: list[dict[str, Any]]) -> tuple[int, str]:
@@ -274,15 +338,33 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
         except PermissionError as e:
             r.unreadable = denied(Path(e.filename or r.run_dir))
         except FileNotFoundError:  # a trial folder someone deleted: a row that says so, not a traceback
-            rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id, "state": "missing",
-                         "warnings": [f"{r.run_dir / 'config.yaml'} does not exist (deleted?)"]})
+            rows.append(
+                {
+                    **dict.fromkeys(COLUMNS),
+                    "run": r.label,
+                    "job_id": r.job_id,
+                    "state": "missing",
+                    "warnings": [f"{r.run_dir / 'config.yaml'} does not exist (deleted?)"],
+                }
+            )
             continue
         if r.unreadable:
-            rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id,
-                         "state": "unreadable: permission denied", "warnings": [r.unreadable]})
+            rows.append(
+                {
+                    **dict.fromkeys(COLUMNS),
+                    "run": r.label,
+                    "job_id": r.job_id,
+                    "state": "unreadable: permission denied",
+                    "warnings": [r.unreadable],
+                }
+            )
             continue
         events, metrics = read_events(r.run_dir), read_metrics(r.run_dir)
-        state = states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED") if r.executor == "slurm" else local_state(r, events)
+        state = (
+            states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED")
+            if r.executor == "slurm"
+            else local_state(r, events)
+        )
         commits = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
         last = max((e["time"] for e in events), default=None)
         atts = attempts(events)
@@ -299,20 +381,30 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             warnings.append(f"no event for {(time.time() - last) / 60:.0f} min")
         if any(e["event"] == "stopped" for e in since_resume(events)):
             warnings.append(next(e["reason"] for e in since_resume(events) if e["event"] == "stopped"))
-        rows.append({
-            "run": r.label, "job_id": r.job_id, "state": state, "attempts": len(atts),
-            "restarts": max((a["restart"] for a in atts), default=0),
-            "world_size": next((a["world_size"] for a in reversed(atts) if a["world_size"]), None),  # cluster.min_nodes
-            "committed_step": max(commits, default=None), "total_steps": cfg["train"]["steps"],
-            "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
-            "mfu": metrics[-1].get("mfu") if metrics else None,
-            "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),  # eval_every_steps
-            "goodput": round(goodput(events, metrics)["goodput"], 3) if atts else None,
-            "since_last_event_s": round(time.time() - last, 1) if last else None,
-            "warnings": warnings,
-            "excluded_nodes": excluded_nodes(events),  # node -> why (preflight, hardware error)
-            **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
-        })
+        rows.append(
+            {
+                "run": r.label,
+                "job_id": r.job_id,
+                "state": state,
+                "attempts": len(atts),
+                "restarts": max((a["restart"] for a in atts), default=0),
+                "world_size": next(
+                    (a["world_size"] for a in reversed(atts) if a["world_size"]), None
+                ),  # cluster.min_nodes
+                "committed_step": max(commits, default=None),
+                "total_steps": cfg["train"]["steps"],
+                "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
+                "mfu": metrics[-1].get("mfu") if metrics else None,
+                "val_loss": next(
+                    (m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None
+                ),  # eval_every_steps
+                "goodput": round(goodput(events, metrics)["goodput"], 3) if atts else None,
+                "since_last_event_s": round(time.time() - last, 1) if last else None,
+                "warnings": warnings,
+                "excluded_nodes": excluded_nodes(events),  # node -> why (preflight, hardware error)
+                **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
+            }
+        )
         if state_error and r.executor == "slurm":  # shown once below the table, in full
             rows[-1].update(state="unknown", state_error=state_error)
     return rows
@@ -323,19 +415,43 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table()
-    for col in ("run", "job", "state", "attempts", "restarts", "ranks", "step", "tokens/s", "MFU", "val loss", "goodput",
-                "last event", "stragglers", "warnings"):
+    for col in (
+        "run",
+        "job",
+        "state",
+        "attempts",
+        "restarts",
+        "ranks",
+        "step",
+        "tokens/s",
+        "MFU",
+        "val loss",
+        "goodput",
+        "last event",
+        "stragglers",
+        "warnings",
+    ):
         table.add_column(col)
     for r in rows:
         step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps'] or '-'}"
         since = f"{r['since_last_event_s']:.0f} s ago" if r["since_last_event_s"] is not None else "-"
-        counts = ["-" if r.get(k) is None else str(r[k]) for k in ("attempts", "restarts", "world_size")]  # None: unreadable
-        table.add_row(r["run"], r["job_id"], r["state"], *counts, step,
-                      f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
-                      f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
-                      f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], (int, float)) else "-",
-                      f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", since,
-                      f"{r['stragglers']}: {r['last_straggler']}" if r.get("stragglers") else "-", "; ".join(r["warnings"]))
+        counts = [
+            "-" if r.get(k) is None else str(r[k]) for k in ("attempts", "restarts", "world_size")
+        ]  # None: unreadable
+        table.add_row(
+            r["run"],
+            r["job_id"],
+            r["state"],
+            *counts,
+            step,
+            f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
+            f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
+            f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], (int, float)) else "-",
+            f"{r['goodput']:.1%}" if r["goodput"] is not None else "-",
+            since,
+            f"{r['stragglers']}: {r['last_straggler']}" if r.get("stragglers") else "-",
+            "; ".join(r["warnings"]),
+        )
     console = Console(width=220)
     console.print(table)
     for r in rows:  # a line per excluded node, below the table: the reasons are sentences
@@ -353,8 +469,10 @@ def results_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     state and goodput of its status row, the last step and loss logged (summary.json's final_loss once
     it finished), and the last val_loss in metrics.jsonl, if the run evaluates."""
     if not (sweep_dir / "sweep.json").exists():
-        raise ValueError(f"{sweep_dir} is not a sweep directory (no sweep.json); give the folder "
-                         f"`hpc-train submit -m ...` printed, e.g. runs/mix-1")
+        raise ValueError(
+            f"{sweep_dir} is not a sweep directory (no sweep.json); give the folder "
+            f"`hpc-train submit -m ...` printed, e.g. runs/mix-1"
+        )
     runs = find_runs(sweep_dir)
     if any(r.unreadable for r in runs):
         raise ValueError(next(r.unreadable for r in runs if r.unreadable))
@@ -366,16 +484,18 @@ def results_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         losses = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
         vals = [m["val_loss"] for m in metrics if isinstance(m.get("val_loss"), (int, float))]
-        rows.append({
-            "trial": run.run_dir.name,
-            "overrides": {k: v for k, _, v in (o.partition("=") for o in trial["overrides"])},
-            "state": status["state"],
-            "step": summary.get("final_step", losses[-1]["step"] if losses else None),
-            "final_loss": summary.get("final_loss", losses[-1]["loss"] if losses else None),
-            "val_loss": vals[-1] if vals else None,
-            "goodput": status["goodput"],
-            "run_dir": str(run.run_dir),
-        })
+        rows.append(
+            {
+                "trial": run.run_dir.name,
+                "overrides": {k: v for k, _, v in (o.partition("=") for o in trial["overrides"])},
+                "state": status["state"],
+                "step": summary.get("final_step", losses[-1]["step"] if losses else None),
+                "final_loss": summary.get("final_loss", losses[-1]["loss"] if losses else None),
+                "val_loss": vals[-1] if vals else None,
+                "goodput": status["goodput"],
+                "run_dir": str(run.run_dir),
+            }
+        )
     return rows
 
 
@@ -411,8 +531,13 @@ def print_results(rows: list[dict[str, Any]], title: str, fmt: str) -> None:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(["trial", *overrides, *RESULT_COLUMNS[1:]])
         for r in rows:
-            writer.writerow([r["trial"], *(r["overrides"].get(k, "") for k in overrides),
-                             *("" if r[c] is None else r[c] for c in RESULT_COLUMNS[1:])])
+            writer.writerow(
+                [
+                    r["trial"],
+                    *(r["overrides"].get(k, "") for k in overrides),
+                    *("" if r[c] is None else r[c] for c in RESULT_COLUMNS[1:]),
+                ]
+            )
         return
     from rich.console import Console
     from rich.table import Table
@@ -423,10 +548,14 @@ def print_results(rows: list[dict[str, Any]], title: str, fmt: str) -> None:
     for col in ("trial", *varying, "state", "step", "final loss", "val loss", "goodput"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["trial"], *(r["overrides"].get(k, "-") for k in varying), r["state"],
-                      "-" if r["step"] is None else str(r["step"]),
-                      *("-" if r[k] is None else f"{r[k]:.4f}" for k in ("final_loss", "val_loss")),
-                      "-" if r["goodput"] is None else f"{r['goodput']:.1%}")
+        table.add_row(
+            r["trial"],
+            *(r["overrides"].get(k, "-") for k in varying),
+            r["state"],
+            "-" if r["step"] is None else str(r["step"]),
+            *("-" if r[k] is None else f"{r[k]:.4f}" for k in ("final_loss", "val_loss")),
+            "-" if r["goodput"] is None else f"{r['goodput']:.1%}",
+        )
     console = Console(width=220)
     console.print(table)
     if common:
@@ -439,8 +568,10 @@ def log_path(run: Run, rank: int) -> Path:
     if run.log_dir.exists() and not os.access(run.log_dir, os.R_OK | os.X_OK):  # else exists() says False
         raise ValueError(denied(run.log_dir))
     if not path.exists():
-        raise ValueError(f"no log for rank {rank} of {run.label} at {path}; has the job started? "
-                         f"(ranks: {sorted(p.name for p in run.log_dir.glob(f'{run.job_id}_*_log.out'))})")
+        raise ValueError(
+            f"no log for rank {rank} of {run.label} at {path}; has the job started? "
+            f"(ranks: {sorted(p.name for p in run.log_dir.glob(f'{run.job_id}_*_log.out'))})"
+        )
     return path
 
 
@@ -497,7 +628,13 @@ CHAOS = {  # action -> what it injects; recorded as a `chaos` event
     "sick-node": "--node (else rank --rank's node) fails every later preflight until RUN/drills/sick_node.NODE goes",
     "slow-rank": "rank --rank works --seconds longer each step, as a slow GPU or core (0: back to normal)",
 }
-DRILLS = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "sick-node", "slow-rank")  # files in the run dir: local runs too
+DRILLS = (
+    "kill-rank-during-save",
+    "slow-storage",
+    "corrupt-checkpoint",
+    "sick-node",
+    "slow-rank",
+)  # files in the run dir: local runs too
 
 
 def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, node: str = "") -> str:
@@ -508,8 +645,10 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
     if action not in CHAOS:
         raise ValueError(f"chaos action {action!r}: use one of {list(CHAOS)}")
     if run.executor != "slurm" and action not in DRILLS:
-        raise ValueError(f"{run.label} runs on the local executor; chaos {action} needs Slurm (cluster=dev); "
-                         f"local runs take {', '.join(DRILLS)}")
+        raise ValueError(
+            f"{run.label} runs on the local executor; chaos {action} needs Slurm (cluster=dev); "
+            f"local runs take {', '.join(DRILLS)}"
+        )
     paths = RunPaths(run.run_dir)
     events = read_events(run.run_dir)
     start = next((e for e in reversed(events) if e["event"] == "start"), None)
@@ -538,8 +677,9 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
         if not node and not 0 <= rank < len(ranks):
             raise ValueError(f"--rank {rank}: {run.label}'s last attempt has ranks 0..{len(ranks) - 1}")
         if node and ranks and node not in ranks:  # a typo would arm a drill that never fires
-            raise ValueError(f"--node {node}: {run.label}'s last attempt ran on {', '.join(dict.fromkeys(ranks))}; "
-                             f"name one of them")
+            raise ValueError(
+                f"--node {node}: {run.label}'s last attempt ran on {', '.join(dict.fromkeys(ranks))}; name one of them"
+            )
         node = node or ranks[rank]
         paths.drills.mkdir(exist_ok=True)
         (paths.drills / f"sick_node.{node}").write_text("armed\n")
@@ -550,12 +690,20 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
         world = start.get("world_size") if start else None
         if seconds is None or not 0 <= seconds <= MAX_SLOW_RANK_S:  # NaN and inf fail this too
             given = "needs --seconds" if seconds is None else f"--seconds {seconds:g}"
-            raise ValueError(f"chaos slow-rank {given}: give the extra seconds per step, 0 to "
-                             f"{MAX_SLOW_RANK_S:g} (0: back to normal), e.g. --seconds 0.02")
+            raise ValueError(
+                f"chaos slow-rank {given}: give the extra seconds per step, 0 to "
+                f"{MAX_SLOW_RANK_S:g} (0: back to normal), e.g. --seconds 0.02"
+            )
         if not isinstance(world, int) or not 0 <= rank < world:
-            raise ValueError(f"chaos slow-rank --rank {rank}: " + (f"{run.label} has {world} ranks; give 0 to {world - 1}"
-                             if isinstance(world, int) else f"{run.label} has not started yet, so its ranks are "
-                             f"unknown; try again once `hpc-train status` shows it running"))
+            raise ValueError(
+                f"chaos slow-rank --rank {rank}: "
+                + (
+                    f"{run.label} has {world} ranks; give 0 to {world - 1}"
+                    if isinstance(world, int)
+                    else f"{run.label} has not started yet, so its ranks are "
+                    f"unknown; try again once `hpc-train status` shows it running"
+                )
+            )
         paths.drills.mkdir(exist_ok=True)
         drill = paths.drills / f"slow_rank_{rank}"
         if seconds <= 0:
@@ -580,18 +728,34 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
         if start is None or "pids" not in start:
             raise ValueError(f"{run.label} has not started yet (no start event with rank pids); try again shortly")
         nodes, pids = start["rank_nodes"], start["pids"]
-        targets = [(nodes[rank], pids[rank])] if action == "kill-rank" else \
-            [(n, p) for n, p in zip(nodes, pids) if n == nodes[rank]]
+        targets = (
+            [(nodes[rank], pids[rank])]
+            if action == "kill-rank"
+            else [(n, p) for n, p in zip(nodes, pids) if n == nodes[rank]]
+        )
         numeric = slurm.call(["squeue", "-h", "-j", run.job_id, "-o", "%A"]).split()  # array task -> its own id
         if not numeric:
             raise ValueError(f"job {run.job_id} is not running; nothing to kill")
         for node, pid in targets:  # through Slurm, so it works on a real cluster's compute node too
-            slurm.call(["srun", "--overlap", f"--jobid={numeric[0]}", "-w", node, "-N1", "-n1", "kill", "-KILL",
-                        str(pid)], timeout_s=60, retries=0)
-        what = f"SIGKILL to rank {rank} (pid {pids[rank]} on {nodes[rank]})" if action == "kill-rank" else \
-            f"SIGKILL to every rank on {nodes[rank]} ({len(targets)} processes), as a lost node"
-    log_event(run.run_dir, "chaos", start["step"] if start else -1, run.job_id, current_attempt(run.run_dir),
-              action=action, injected=what)
+            slurm.call(
+                ["srun", "--overlap", f"--jobid={numeric[0]}", "-w", node, "-N1", "-n1", "kill", "-KILL", str(pid)],
+                timeout_s=60,
+                retries=0,
+            )
+        what = (
+            f"SIGKILL to rank {rank} (pid {pids[rank]} on {nodes[rank]})"
+            if action == "kill-rank"
+            else f"SIGKILL to every rank on {nodes[rank]} ({len(targets)} processes), as a lost node"
+        )
+    log_event(
+        run.run_dir,
+        "chaos",
+        start["step"] if start else -1,
+        run.job_id,
+        current_attempt(run.run_dir),
+        action=action,
+        injected=what,
+    )
     return what
 
 
@@ -601,11 +765,28 @@ def straggler_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for i, e in enumerate(events):
         if e["event"] == "straggler":
-            cleared = next((c["step"] for c in events[i + 1:] if c["event"] == "straggler_cleared"
-                            and c["rank"] == e["rank"] and c.get("restart") == e.get("restart")), None)
-            rows.append({"attempt": e.get("restart", 0), "step": e["step"], "rank": e["rank"], "node": e["node"],
-                         "own_ms": e["own_s"] * 1e3, "median_ms": e["median_own_s"] * 1e3,
-                         "comm_ms": e.get("comm_s", 0.0) * 1e3, "cleared_step": cleared})
+            cleared = next(
+                (
+                    c["step"]
+                    for c in events[i + 1 :]
+                    if c["event"] == "straggler_cleared"
+                    and c["rank"] == e["rank"]
+                    and c.get("restart") == e.get("restart")
+                ),
+                None,
+            )
+            rows.append(
+                {
+                    "attempt": e.get("restart", 0),
+                    "step": e["step"],
+                    "rank": e["rank"],
+                    "node": e["node"],
+                    "own_ms": e["own_s"] * 1e3,
+                    "median_ms": e["median_own_s"] * 1e3,
+                    "comm_ms": e.get("comm_s", 0.0) * 1e3,
+                    "cleared_step": cleared,
+                }
+            )
     return rows
 
 
@@ -642,28 +823,55 @@ def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str,
     t0 = marks["t0"]
     fig, (ax_t, ax_l, ax_s) = plt.subplots(3, 1, figsize=(10, 8), height_ratios=[1.2, 1, 1])
     for k, a in enumerate(atts):
-        ax_t.barh(a["restart"], a["end"] - a["launched"], left=a["launched"] - t0, color="#9ecae1",
-                  label="training" if k == 0 else None)
+        ax_t.barh(
+            a["restart"],
+            a["end"] - a["launched"],
+            left=a["launched"] - t0,
+            color="#9ecae1",
+            label="training" if k == 0 else None,
+        )
         if a["start"]:
-            ax_t.barh(a["restart"], a["start"] - a["launched"], left=a["launched"] - t0, color="#fdae6b",
-                      label="start-up" if k == 0 else None)
+            ax_t.barh(
+                a["restart"],
+                a["start"] - a["launched"],
+                left=a["launched"] - t0,
+                color="#fdae6b",
+                label="start-up" if k == 0 else None,
+            )
     commits = [e for e in events if e["event"] == "checkpoint_committed"]
-    ax_t.scatter([e["time"] - t0 for e in commits], [e["restart"] for e in commits], marker="|", s=200,
-                 color="green", label="checkpoint committed")
+    ax_t.scatter(
+        [e["time"] - t0 for e in commits],
+        [e["restart"] for e in commits],
+        marker="|",
+        s=200,
+        color="green",
+        label="checkpoint committed",
+    )
     sig = [e for e in events if e["event"] in ("signal", "chaos", "fail")]
-    ax_t.scatter([e["time"] - t0 for e in sig], [e["restart"] for e in sig], marker="x", s=80, color="red",
-                 label="signal / injected / failure")
+    ax_t.scatter(
+        [e["time"] - t0 for e in sig],
+        [e["restart"] for e in sig],
+        marker="x",
+        s=80,
+        color="red",
+        label="signal / injected / failure",
+    )
     ax_t.set_yticks(marks["attempt_ticks"])
-    ax_t.set(xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput {parts['goodput']:.1%}")
+    ax_t.set(
+        xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput {parts['goodput']:.1%}"
+    )
     ax_t.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, never over them
     ax_l.plot([m["step"] for m in metrics], [m.get("loss", float("nan")) for m in metrics], ".-")
     ax_l.set(xlabel="step", ylabel="loss")
     ax_s.plot([m["time"] - t0 for m in metrics], [m.get("tokens_per_s", 0) for m in metrics], ".-")
-    ax_s.set(xlabel="seconds since first launch", ylabel="tokens/s", ylim=marks["tokens_per_s_ylim"],
-             xlim=ax_t.get_xlim())  # the same clock as the timeline above, boundaries aligned
+    ax_s.set(
+        xlabel="seconds since first launch", ylabel="tokens/s", ylim=marks["tokens_per_s_ylim"], xlim=ax_t.get_xlim()
+    )  # the same clock as the timeline above, boundaries aligned
     for ax, xs in ((ax_t, marks["boundaries_s"]), (ax_s, marks["boundaries_s"]), (ax_l, marks["boundary_steps"])):
         for k, x in enumerate(xs):
-            ax.axvline(x, color="gray", linestyle="--", linewidth=1, label="next attempt" if k == 0 and ax is ax_l else None)
+            ax.axvline(
+                x, color="gray", linestyle="--", linewidth=1, label="next attempt" if k == 0 and ax is ax_l else None
+            )
     if marks["boundary_steps"]:
         ax_l.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
@@ -711,14 +919,23 @@ def run_ended(run: Run, unknown_since: list[float] | None = None) -> bool:
     unknown_since[:] = unknown_since or [time.monotonic()]
     if time.monotonic() - unknown_since[0] < UNKNOWN_GIVE_UP_S:
         return False
-    print(f"hpc-train logs: stopped following: neither squeue nor sacct has known job "
-          f"{run.job_id or '(none recorded)'} for {UNKNOWN_GIVE_UP_S:.0f} s (never queued, or gone from "
-          f"accounting); see `hpc-train status {run.run_dir}`", file=sys.stderr, flush=True)
+    print(
+        f"hpc-train logs: stopped following: neither squeue nor sacct has known job "
+        f"{run.job_id or '(none recorded)'} for {UNKNOWN_GIVE_UP_S:.0f} s (never queued, or gone from "
+        f"accounting); see `hpc-train status {run.run_dir}`",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 
-def follow(streams: list[tuple[Path, int, str]], last_label: str, ended: Callable[[], bool], check_every_s: float,
-           every_s: float = 0.5) -> None:
+def follow(
+    streams: list[tuple[Path, int, str]],
+    last_label: str,
+    ended: Callable[[], bool],
+    check_every_s: float,
+    every_s: float = 0.5,
+) -> None:
     """`tail -f` of several files (path, bytes already shown, label), each chunk under its label whenever
     the stream changes; returns on Ctrl-C, or once ended() says nothing more will be written and what
     was written before that is shown."""

@@ -102,9 +102,20 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         return None
     files, world = marker["files"], marker.get("world_size")
-    shaped = all(isinstance(n, str) and Path(n).name == n and n not in (".", "..") and isinstance(e, dict)
-                 and type(e.get("bytes")) is int and e["bytes"] >= 0 and isinstance(e.get("sha256"), str)
-                 for n, e in files.items())
-    complete = type(world) is int and world >= 1 and ".metadata" in files and all(
-        f"rank_{r:05d}.pt" in files for r in range(world))
+    shaped = all(
+        isinstance(n, str)
+        and Path(n).name == n
+        and n not in (".", "..")
+        and isinstance(e, dict)
+        and type(e.get("bytes")) is int
+        and e["bytes"] >= 0
+        and isinstance(e.get("sha256"), str)
+        for n, e in files.items()
+    )
+    complete = (
+        type(world) is int
+        and world >= 1
+        and ".metadata" in files
+        and all(f"rank_{r:05d}.pt" in files for r in range(world))
+    )
     return marker if shaped and complete else None

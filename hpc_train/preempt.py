@@ -24,6 +24,7 @@ STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 # Slurm may deliver the time-limit warning up to 60 s before the requested lead; 60 s more of margin.
 TIME_LIMIT_SLACK_S = 120
 
+
 class Unrecoverable(RuntimeError):
     """A failure no requeue can fix (e.g. the checkpoint needs another world size): the run stops at once."""
 
@@ -61,7 +62,7 @@ def install_handlers() -> None:
 
 
 def stop_reason(signals: list[str], elapsed_s: float, timeout_min: int, signal_lead_s: int) -> str:
-    """"time_limit" for a USR2 near the end of the allocation, else "preempt" (SIGTERM, or USR2 sent
+    """ "time_limit" for a USR2 near the end of the allocation, else "preempt" (SIGTERM, or USR2 sent
     early by preempt_send_user_signal, scancel --signal, the batch-shell relay or `hpc-train chaos`)."""
     near_end = elapsed_s >= timeout_min * 60 - signal_lead_s - TIME_LIMIT_SLACK_S
     return "time_limit" if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end else "preempt"
@@ -74,6 +75,7 @@ def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:
 
 
 # ---- fault drills ------------------------------------------------------------------------------------
+
 
 def injected(fault: str) -> bool:
     """Drills set at submit: HPC_TRAIN_FAULT=raise_at_start,ecc_at_start,kill_rank_during_save,hang (with
@@ -131,8 +133,13 @@ def requeues_counted(events: list[dict[str, Any]], reason: str) -> int:
 def budget_changes(events: list[dict[str, Any]]) -> dict[str, int]:
     """requeue.* values set by `hpc-train resume --max-...` (its `resume` events' budgets, later over
     earlier): they apply over the frozen config.yaml, which is never rewritten."""
-    return {k: v for e in events if e["event"] == "resume" for k, v in (e.get("budgets") or {}).items()
-            if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int}
+    return {
+        k: v
+        for e in events
+        if e["event"] == "resume"
+        for k, v in (e.get("budgets") or {}).items()
+        if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int
+    }
 
 
 def local_fate(events: list[dict[str, Any]]) -> str:
@@ -148,7 +155,8 @@ def local_fate(events: list[dict[str, Any]]) -> str:
 def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -> tuple[str, str]:
     """The one requeue decision, for a clean stop and a failure alike (pure).
 
-    reason: "preempt" | "time_limit" | "failure" | "node_health" (the preflight found a sick node); events: the run's events.jsonl; budgets: RequeueConfig;
+    reason: "preempt" | "time_limit" | "failure" | "node_health" (the preflight found a sick node);
+    events: the run's events.jsonl; budgets: RequeueConfig;
     fate: what Slurm is doing with the job (slurm.job_fate / local_fate): "running", "requeued",
     "cancelled" or "unknown" (scontrol did not answer: treated as running, since requeueing a live run
     beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
@@ -165,8 +173,10 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
     if reason == "failure":
         used = failures_in_a_row(events)
         if limit != -1 and used >= limit:
-            return "stop", (f"failure budget spent: {used} failure requeues in a row without a newer checkpoint "
-                            f"(requeue.{key}={limit})")
+            return "stop", (
+                f"failure budget spent: {used} failure requeues in a row without a newer checkpoint "
+                f"(requeue.{key}={limit})"
+            )
     else:
         used = requeues_counted(events, reason)
         if limit != -1 and used >= limit:
@@ -195,8 +205,13 @@ def hung_ranks(counts: dict[int, int], world_size: int) -> list[int]:
 # Whole words, case-insensitive: "Xid" alone matched '/data/oxide-corpus/meta.json'. Not "Input/output
 # error" (a Lustre EIO on shared storage blames no node), not "all CUDA-capable devices are busy or
 # unavailable" (exclusive-process mode or CUDA_VISIBLE_DEVICES: a config).
-HARDWARE_ERRORS = (r"\buncorrectable ECC error", r"\bXid\b", r"\bfallen off the bus\b", r"\bunhandled cuda error\b",
-                   r"\bno CUDA-capable device is detected\b")
+HARDWARE_ERRORS = (
+    r"\buncorrectable ECC error",
+    r"\bXid\b",
+    r"\bfallen off the bus\b",
+    r"\bunhandled cuda error\b",
+    r"\bno CUDA-capable device is detected\b",
+)
 
 
 def hardware_error(text: str) -> str:
@@ -231,8 +246,13 @@ def _exclusion_took(events: list[dict[str, Any]], node: str) -> tuple[bool, int]
     return took, times
 
 
-def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_nodes: int,
-              spare_nodes: int | None, local: bool = False) -> tuple[list[str], str, str]:
+def exclusion(
+    events: list[dict[str, Any]],
+    sick: dict[str, str],
+    max_excluded_nodes: int,
+    spare_nodes: int | None,
+    local: bool = False,
+) -> tuple[list[str], str, str]:
     """Leave the sick nodes out of the next attempt? (pure) Returns (every node the next attempt leaves out,
     sorted; why the sick nodes are NOT left out, or ""; why the run stops, or "").
 
@@ -245,26 +265,49 @@ def exclusion(events: list[dict[str, Any]], sick: dict[str, str], max_excluded_n
     for node in (n for n in sick if n in before):
         took, times = _exclusion_took(events, node)
         if took or times >= 2:
-            how = "ExcNodeList took (an exclude_nodes event with ok=true)" if took else \
-                f"ExcNodeList was set {times} times without an exclude_nodes event with ok=true"
-            return [], "", (f"{node} failed again ({sick[node]}) though left out since an earlier attempt: {how}; "
-                            f"fix the node or add it to cluster.exclude, then `hpc-train resume RUN`")
+            how = (
+                "ExcNodeList took (an exclude_nodes event with ok=true)"
+                if took
+                else f"ExcNodeList was set {times} times without an exclude_nodes event with ok=true"
+            )
+            return (
+                [],
+                "",
+                (
+                    f"{node} failed again ({sick[node]}) though left out since an earlier attempt: {how}; "
+                    f"fix the node or add it to cluster.exclude, then `hpc-train resume RUN`"
+                ),
+            )
     after = {**before, **sick}
     new = {n: why for n, why in sick.items() if n not in before}
     named, it = "; ".join(f"{n}: {why}" for n, why in new.items()), "it" if len(new) == 1 else "them"
-    fix = (f"requeued without leaving {it} out, as after any failure (requeue.max_failures); have the admins check "
-           f"{it}, or leave {it} out for good with cluster.exclude")
+    fix = (
+        f"requeued without leaving {it} out, as after any failure (requeue.max_failures); have the admins check "
+        f"{it}, or leave {it} out for good with cluster.exclude"
+    )
     if local:
         return sorted(before), f"a local run has one machine: nowhere to leave it out ({named}); {fix}", ""
     if not new:  # only nodes already left out, sick again: set the same ExcNodeList once more, no budget spent
         return sorted(before), "", ""
     if len(after) > max_excluded_nodes:
-        return sorted(before), (f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
-                                f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise the "
-                                f"budget with `hpc-train resume RUN --max-excluded-nodes {len(after) + 1}`"), ""
+        return (
+            sorted(before),
+            (
+                f"node-exclusion budget spent: {len(after)} sick nodes would be left out, more than "
+                f"requeue.max_excluded_nodes={max_excluded_nodes} ({named}); {fix}, or raise the "
+                f"budget with `hpc-train resume RUN --max-excluded-nodes {len(after) + 1}`"
+            ),
+            "",
+        )
     if spare_nodes is not None and len(after) > spare_nodes:
-        return sorted(before), (f"leaving out {len(after)} sick nodes would leave too few for the run: the partition "
-                                f"has {max(spare_nodes, 0)} usable nodes beyond those it needs ({named}); {fix}"), ""
+        return (
+            sorted(before),
+            (
+                f"leaving out {len(after)} sick nodes would leave too few for the run: the partition "
+                f"has {max(spare_nodes, 0)} usable nodes beyond those it needs ({named}); {fix}"
+            ),
+            "",
+        )
     return sorted(after), "", ""
 
 
@@ -292,8 +335,11 @@ def not_free(job_id: str, states: dict[str, str], free: set[str], jobs: list[dic
     the estimate left out and why (drng, down*, idle* just resumed, "idle excluded"), for the requeue event."""
     held = {n for j in jobs if j["state"] == "RUNNING" and j["id"] != job_id for n in j["nodes"]}
     excluded = job_excluded(job_id, jobs)
-    return {n: f"{st} excluded" if n in excluded else st for n, st in sorted(states.items())
-            if n not in free and n not in held}
+    return {
+        n: f"{st} excluded" if n in excluded else st
+        for n, st in sorted(states.items())
+        if n not in free and n not in held
+    }
 
 
 def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:
@@ -303,8 +349,9 @@ def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:
     return len(usable_nodes(states) - set(exclude)) - need
 
 
-def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[str, str], jobs: list[dict[str, Any]],
-                     now: float) -> float | None:
+def full_size_wait_s(
+    need: int, job_id: str, own_nodes: list[str], states: dict[str, str], jobs: list[dict[str, Any]], now: float
+) -> float | None:
     """Seconds until `need` nodes could be free for job `job_id` (pure), from one snapshot: free_now, and if
     short, running jobs' nodes as their end times come, soonest first. None when unknown (a job with no end
     time, or too few nodes even then). states: node -> sinfo's short state; jobs: {"id", "state", "end"
@@ -314,8 +361,10 @@ def full_size_wait_s(need: int, job_id: str, own_nodes: list[str], states: dict[
     free = free_now(own_nodes, states, excluded)
     if len(free) >= need:
         return 0.0
-    running = sorted((j for j in jobs if j["id"] != job_id and j["state"] == "RUNNING"),
-                     key=lambda j: float("inf") if j["end"] is None else j["end"])
+    running = sorted(
+        (j for j in jobs if j["id"] != job_id and j["state"] == "RUNNING"),
+        key=lambda j: float("inf") if j["end"] is None else j["end"],
+    )
     for j in running:
         if j["end"] is None:
             return None
@@ -330,8 +379,14 @@ def job_excluded(job_id: str, jobs: list[dict[str, Any]]) -> list[str]:
     return next((j["excluded"] for j in jobs if j["id"] == job_id), [])
 
 
-def next_size(min_nodes: int, max_nodes: int, tasks_per_node: int, wait_s: float | None,
-              shrink_after_s: float, free_now: int | None = None) -> dict[str, str]:
+def next_size(
+    min_nodes: int,
+    max_nodes: int,
+    tasks_per_node: int,
+    wait_s: float | None,
+    shrink_after_s: float,
+    free_now: int | None = None,
+) -> dict[str, str]:
     """The `scontrol update` fields for a requeued elastic job's next attempt (pure): wait for all nodes
     (grow back) when they are free within shrink_after_s, else go on with the nodes free now (free_now,
     at least min_nodes; min_nodes when unknown). An exact count, not a range, and NumTasks to match:

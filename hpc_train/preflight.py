@@ -13,8 +13,8 @@ What each node checks (local rank 0 for the per-node facts, every rank for its o
     clock      time.time() against the median node's, beyond the all-gather's own round trip
 
 `judge` (pure) turns the gathered results into {node: why it is sick}, warnings and a run-level reason to
-stop; rank 0 writes one `preflight` event. A sick node is left out of the next attempt (job.py, preempt.exclusion). The module imports
-torch only inside `check`: config.py imports PreflightConfig on the login node.
+stop; rank 0 writes one `preflight` event. A sick node is left out of the next attempt (job.py, preempt.exclusion).
+The module imports torch only inside `check`: config.py imports PreflightConfig on the login node.
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ class PreflightConfig:  # preflight.py; a figure of 0 = record only
 
 
 # nvidia-smi --query-gpu fields; an older driver that lacks one refuses the whole query, then only BASIC.
-GPU_FIELDS = ("index", "name", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending",
-              "remapped_rows.pending", "remapped_rows.failure")
+GPU_FIELDS = (
+    "index",
+    "name",
+    "ecc.errors.uncorrected.volatile.total",
+    "retired_pages.pending",
+    "remapped_rows.pending",
+    "remapped_rows.failure",
+)
 BASIC_GPU_FIELDS = ("index", "name")
 NVIDIA_SMI_TIMEOUT_S = 10  # a GPU that fell off the bus can hold nvidia-smi for minutes: that is an answer too
 ALLREDUCE_BYTES = 4 * 2**20
@@ -96,8 +102,9 @@ def query_gpus() -> tuple[list[dict[str, str]], list[str], str]:
     if shutil.which("nvidia-smi") is None:
         return [], [], "no nvidia-smi on PATH: GPU counters not read"
     for fields in (GPU_FIELDS, BASIC_GPU_FIELDS):
-        answer = _ask(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                      NVIDIA_SMI_TIMEOUT_S)
+        answer = _ask(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"], NVIDIA_SMI_TIMEOUT_S
+        )
         if answer is None:
             return [], [f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s"], ""
         rc, out, err = answer
@@ -138,44 +145,68 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
     mid_s = statistics.median(n["skew_s"] for n in nodes.values())
     for n in nodes.values():
         n["skew_s"] = round(n["skew_s"] - mid_s, 4)
-    skewed = [name for name, n in nodes.items() if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s]
+    skewed = [
+        name for name, n in nodes.items() if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s
+    ]
     spread_s = max(n["skew_s"] for n in nodes.values()) - min(n["skew_s"] for n in nodes.values())
     warnings = []
-    if cfg.max_clock_skew_s and (not skewed or 2 * len(skewed) >= len(nodes)) and spread_s - rtt_s > cfg.max_clock_skew_s:
-        warnings.append(f"clocks differ by {spread_s:.2f} s (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
-                        f"{cfg.max_clock_skew_s:g} across {', '.join(nodes)}, and no majority of nodes agrees on the "
-                        f"time to say which is wrong: no node left out; check NTP/chrony on them")
+    if (
+        cfg.max_clock_skew_s
+        and (not skewed or 2 * len(skewed) >= len(nodes))
+        and spread_s - rtt_s > cfg.max_clock_skew_s
+    ):
+        warnings.append(
+            f"clocks differ by {spread_s:.2f} s (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
+            f"{cfg.max_clock_skew_s:g} across {', '.join(nodes)}, and no majority of nodes agrees on the "
+            f"time to say which is wrong: no node left out; check NTP/chrony on them"
+        )
         skewed = []
     # The checkpoint folder is usually shared: short on every node, no node is to blame and leaving nodes out
     # frees nothing. The run stops (a requeue would find the same folder as full); a person frees space.
-    short = [n for n in nodes.values() if cfg.min_free_disk_gb and n.get("disk_free_gb", float("inf")) < n.get("disk_needed_gb", 0.0)]
+    short = [
+        n
+        for n in nodes.values()
+        if cfg.min_free_disk_gb and n.get("disk_free_gb", float("inf")) < n.get("disk_needed_gb", 0.0)
+    ]
     stop = ""
     if short and len(short) == len(nodes):
         f = min(short, key=lambda n: n["disk_free_gb"])
-        stop = (f"{f['disk_free_gb']:.1f} GB free in the checkpoint folder {f.get('disk_folder', '')} on every node "
-                f"< {f['disk_needed_gb']:.1f} GB needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the "
-                f"newest checkpoint): no node is to blame, and a requeue would find the folder as full, so the run "
-                f"stops; free space there (or keep fewer checkpoints with checkpoint.keep_last, or lower "
-                f"preflight.min_free_disk_gb), then `hpc-train resume RUN`")
+        stop = (
+            f"{f['disk_free_gb']:.1f} GB free in the checkpoint folder {f.get('disk_folder', '')} on every node "
+            f"< {f['disk_needed_gb']:.1f} GB needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the "
+            f"newest checkpoint): no node is to blame, and a requeue would find the folder as full, so the run "
+            f"stops; free space there (or keep fewer checkpoints with checkpoint.keep_last, or lower "
+            f"preflight.min_free_disk_gb), then `hpc-train resume RUN`"
+        )
         short = []
     for name, n in nodes.items():
         why = list(dict.fromkeys(n.pop("problems")))
         if any(n is s for s in short):  # node-local folders: this node's is short, others' are not
-            why.append(f"{n['disk_free_gb']:.1f} GB free in the checkpoint folder < {n['disk_needed_gb']:.1f} GB "
-                       f"needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the newest checkpoint)")
+            why.append(
+                f"{n['disk_free_gb']:.1f} GB free in the checkpoint folder < {n['disk_needed_gb']:.1f} GB "
+                f"needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the newest checkpoint)"
+            )
         if name in skewed:
-            why.append(f"clock {n['skew_s']:+.2f} s from the median node's (+-{rtt_s:.3f} s) > "
-                       f"preflight.max_clock_skew_s={cfg.max_clock_skew_s:g}")
+            why.append(
+                f"clock {n['skew_s']:+.2f} s from the median node's (+-{rtt_s:.3f} s) > "
+                f"preflight.max_clock_skew_s={cfg.max_clock_skew_s:g}"
+            )
         if cfg.min_matmul_tflops and n["matmul_tflops"] < cfg.min_matmul_tflops:
-            why.append(f"matmul {n['matmul_tflops']:.2f} TFLOP/s < preflight.min_matmul_tflops={cfg.min_matmul_tflops:g}")
+            why.append(
+                f"matmul {n['matmul_tflops']:.2f} TFLOP/s < preflight.min_matmul_tflops={cfg.min_matmul_tflops:g}"
+            )
         elif n["device"] == "cuda" and cfg.slow_fraction and n["matmul_tflops"] < cfg.slow_fraction * median:
-            why.append(f"matmul {n['matmul_tflops']:.1f} TFLOP/s < {cfg.slow_fraction:g} x the median node's "
-                       f"{median:.1f} (preflight.slow_fraction)")
+            why.append(
+                f"matmul {n['matmul_tflops']:.1f} TFLOP/s < {cfg.slow_fraction:g} x the median node's "
+                f"{median:.1f} (preflight.slow_fraction)"
+            )
         n["sick"] = "; ".join(why)
     gbps = min(r["allreduce_gbps"] for r in results)
     if cfg.min_allreduce_gbps and 0 < gbps < cfg.min_allreduce_gbps:
-        warnings.append(f"all-reduce {gbps:.2f} GB/s < preflight.min_allreduce_gbps={cfg.min_allreduce_gbps:g} "
-                        f"(one all-reduce over the group cannot say which node is slow: no node left out)")
+        warnings.append(
+            f"all-reduce {gbps:.2f} GB/s < preflight.min_allreduce_gbps={cfg.min_allreduce_gbps:g} "
+            f"(one all-reduce over the group cannot say which node is slow: no node left out)"
+        )
     return nodes, warnings, stop
 
 
@@ -259,9 +290,19 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
     nodes, warnings, stop = judge(results, cfg)
     sick = {n: f["sick"] for n, f in nodes.items() if f["sick"]}
     if env.rank == 0:
-        log_event(paths.run_dir, "preflight", -1, env.job_id, env.restart_count, nodes=nodes, sick=sick,
-                  warnings=warnings, **({"stop": stop} if stop else {}), allreduce_gbps=min(r["allreduce_gbps"] for r in results),
-                  wall_s=round(time.perf_counter() - t0, 3))
+        log_event(
+            paths.run_dir,
+            "preflight",
+            -1,
+            env.job_id,
+            env.restart_count,
+            nodes=nodes,
+            sick=sick,
+            warnings=warnings,
+            **({"stop": stop} if stop else {}),
+            allreduce_gbps=min(r["allreduce_gbps"] for r in results),
+            wall_s=round(time.perf_counter() - t0, 3),
+        )
         for line in [*(f"node {n} failed the preflight: {why}" for n, why in sick.items()), *warnings]:
             print(f"[hpc_train] preflight: {line}", flush=True)
     if stop:

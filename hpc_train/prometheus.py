@@ -17,10 +17,11 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hpc_train.metrics import is_event
 from hpc_train.paths import RunPaths
@@ -73,6 +74,7 @@ def tail_rows(path: Path, tail_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
 class Journal:
     """What events_of() has parsed of one events.jsonl: the file (device, inode), the bytes through the last
     complete line, its events, and how many bytes the last call parsed."""
+
     file: tuple[int, int]
     offset: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -103,7 +105,7 @@ def events_of(run_dir: Path) -> list[dict[str, Any]]:
             return []
         j.read_bytes = chunk.rfind(b"\n") + 1
         new = []
-        for line in chunk[:j.read_bytes].splitlines():
+        for line in chunk[: j.read_bytes].splitlines():
             try:
                 e = json.loads(line)
             except ValueError:
@@ -190,6 +192,7 @@ def write_atomic(path: Path, text: str) -> None:
 @dataclass
 class Exporter:
     """Rank 0's endpoint and textfile: tick() after each metrics row, close() at the end."""
+
     text: Callable[[], str]
     textfile: str = ""
     server: ThreadingHTTPServer | None = None
@@ -202,9 +205,11 @@ class Exporter:
         line = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         if not self.warned:
             self.warned = True
-            print(f"[hpc_train] warning: the Prometheus metrics could not be rendered ({line}); training goes "
-                  f"on, the endpoint answers 500 and the textfile keeps its last values until it renders again",
-                  flush=True)
+            print(
+                f"[hpc_train] warning: the Prometheus metrics could not be rendered ({line}); training goes "
+                f"on, the endpoint answers 500 and the textfile keeps its last values until it renders again",
+                flush=True,
+            )
         return line
 
     def tick(self, force: bool = False) -> None:
@@ -212,8 +217,11 @@ class Exporter:
             try:
                 write_atomic(Path(self.textfile), self.text())
             except OSError as e:  # the folder is gone or read-only: not tried again
-                print(f"[hpc_train] warning: metrics.prometheus_textfile={self.textfile}: {e}; not written again "
-                      f"in this attempt", flush=True)
+                print(
+                    f"[hpc_train] warning: metrics.prometheus_textfile={self.textfile}: {e}; not written again "
+                    f"in this attempt",
+                    flush=True,
+                )
                 self.textfile = ""
             except Exception as e:  # noqa: BLE001  (the run's files: tried again at the next tick)
                 self.warn_once(e)
@@ -231,8 +239,9 @@ class Exporter:
             self.server.server_close()
 
 
-def start(addr: str, port: int, textfile: str, job: str, text: Callable[[], str],
-          event: Callable[..., None]) -> Exporter:
+def start(
+    addr: str, port: int, textfile: str, job: str, text: Callable[[], str], event: Callable[..., None]
+) -> Exporter:
     """The endpoint (a daemon thread; any path answers) when port > 0, the textfile when set ({job} in its
     path: this Slurm job's id, so the jobs that share a node, sweep trials among them, write one file each).
     A port already in use logs a `prometheus_failed` event and training goes on without the endpoint."""
@@ -246,7 +255,10 @@ def start(addr: str, port: int, textfile: str, job: str, text: Callable[[], str]
                 try:
                     body, code = text().encode(), 200
                 except Exception as e:  # noqa: BLE001  one line to the scraper, not a traceback per scrape
-                    body, code = f"hpc_train: the metrics could not be rendered: {exporter.warn_once(e)}\n".encode(), 500
+                    body, code = (
+                        f"hpc_train: the metrics could not be rendered: {exporter.warn_once(e)}\n".encode(),
+                        500,
+                    )
                 self.send_response(code)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
@@ -261,8 +273,11 @@ def start(addr: str, port: int, textfile: str, job: str, text: Callable[[], str]
             exporter.server.daemon_threads = True  # one thread per scrape; a stuck one never holds the exit
         except OSError as e:
             event("prometheus_failed", -1, address=f"{addr}:{port}", error=str(e))
-            print(f"[hpc_train] warning: metrics.prometheus_port={port} on {addr}: {e}; training goes on without "
-                  f"the endpoint (pick a free port, or metrics.prometheus_textfile=PATH)", flush=True)
+            print(
+                f"[hpc_train] warning: metrics.prometheus_port={port} on {addr}: {e}; training goes on without "
+                f"the endpoint (pick a free port, or metrics.prometheus_textfile=PATH)",
+                flush=True,
+            )
         else:
             threading.Thread(target=exporter.server.serve_forever, name="prometheus", daemon=True).start()
             event("prometheus", -1, address=f"http://{addr}:{port}/metrics")

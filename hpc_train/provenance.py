@@ -38,8 +38,14 @@ def _git(*args: str) -> bytes | None:
 def identity() -> tuple[dict[str, Any], bytes]:
     """(code.json's record, the diff of the package's tracked files against HEAD: b"" when clean or not a
     checkout)."""
-    record: dict[str, Any] = {"version": hpc_train.__version__, "path": str(PACKAGE_DIR), "python": sys.executable,
-                              "git_commit": None, "git_dirty": None, "git_diff_sha256": None}
+    record: dict[str, Any] = {
+        "version": hpc_train.__version__,
+        "path": str(PACKAGE_DIR),
+        "python": sys.executable,
+        "git_commit": None,
+        "git_dirty": None,
+        "git_diff_sha256": None,
+    }
     # A wheel inside a venv inside some repository is not that repository's code: ask for our own file.
     if _git("ls-files", "--error-unmatch", "__init__.py") is None:
         return record, ""
@@ -48,8 +54,11 @@ def identity() -> tuple[dict[str, Any], bytes]:
     diff = _git("diff", "HEAD", "--no-color", "--no-ext-diff", "--relative", "--", ".")
     if commit is None or diff is None:
         return record, b""
-    record.update(git_commit=commit.decode("ascii", "replace").strip(), git_dirty=bool(diff),
-                  git_diff_sha256=hashlib.sha256(diff).hexdigest())
+    record.update(
+        git_commit=commit.decode("ascii", "replace").strip(),
+        git_dirty=bool(diff),
+        git_diff_sha256=hashlib.sha256(diff).hexdigest(),
+    )
     return record, diff
 
 
@@ -57,8 +66,13 @@ def capped(diff: bytes) -> bytes:
     """code.diff's content: the diff, or its first DIFF_CAP_BYTES and a line saying it was cut."""
     if len(diff) <= DIFF_CAP_BYTES:
         return diff
-    return diff[:DIFF_CAP_BYTES] + (f"\n# hpc-train: code.diff capped at {DIFF_CAP_BYTES} of {len(diff)} bytes; "
-                                    f"code.json's git_diff_sha256 is the hash of the whole diff\n").encode()
+    return (
+        diff[:DIFF_CAP_BYTES]
+        + (
+            f"\n# hpc-train: code.diff capped at {DIFF_CAP_BYTES} of {len(diff)} bytes; "
+            f"code.json's git_diff_sha256 is the hash of the whole diff\n"
+        ).encode()
+    )
 
 
 def describe() -> str:
@@ -69,12 +83,17 @@ def describe() -> str:
 
 
 def differences(recorded: dict[str, Any]) -> str:
-    """"" when this process runs the code the run was validated with; else what changed, as a sentence.
+    """ "" when this process runs the code the run was validated with; else what changed, as a sentence.
     Git fields are compared only where git can answer here (a compute node may have no git)."""
     now, _ = identity()
-    changed = [f"{key} {recorded.get(key)!r} -> {now[key]!r}" for key in COMPARED
-               if recorded.get(key) != now[key] and not (key.startswith("git") and now["git_commit"] is None)]
+    changed = [
+        f"{key} {recorded.get(key)!r} -> {now[key]!r}"
+        for key in COMPARED
+        if recorded.get(key) != now[key] and not (key.startswith("git") and now["git_commit"] is None)
+    ]
     if not changed:
         return ""
-    return (f"this task runs other code than the code that validated the run at submit (code.json): "
-            f"{'; '.join(changed)}. Resubmit to train with the new code under a new run, or put the old code back")
+    return (
+        f"this task runs other code than the code that validated the run at submit (code.json): "
+        f"{'; '.join(changed)}. Resubmit to train with the new code under a new run, or put the old code back"
+    )

@@ -75,87 +75,119 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
-            raise ValueError(f"cluster.executor={self.executor!r} is not one of {EXECUTORS}; "
-                             f"use cluster=local or cluster=slurm")
+            raise ValueError(
+                f"cluster.executor={self.executor!r} is not one of {EXECUTORS}; use cluster=local or cluster=slurm"
+            )
         for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min", "signal_lead_s"):
             if getattr(self, key) < 1:
                 raise ValueError(f"cluster.{key}={getattr(self, key)} must be >= 1")
         if self.gpus_per_node < 0:
             raise ValueError(f"cluster.gpus_per_node={self.gpus_per_node} must be >= 0")
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
-            raise ValueError(f"cluster.min_nodes={self.min_nodes} must be between 1 and cluster.nodes={self.nodes}; "
-                             f"use null for a fixed size")
+            raise ValueError(
+                f"cluster.min_nodes={self.min_nodes} must be between 1 and cluster.nodes={self.nodes}; "
+                f"use null for a fixed size"
+            )
         mincpus, extra = self.tasks_per_node * self.cpus_per_task, str(self.sbatch_extra.get("mincpus", ""))
         if (self.min_nodes or self.nodes) < self.nodes and extra.isdigit() and int(extra) < mincpus:
-            raise ValueError(f"cluster.sbatch_extra.mincpus={self.sbatch_extra['mincpus']} is below the "
-                             f"{self.tasks_per_node} x {self.cpus_per_task} CPUs an elastic run's ranks need on each "
-                             f"node (it sets --mincpus={mincpus}); raise it or leave it out")
+            raise ValueError(
+                f"cluster.sbatch_extra.mincpus={self.sbatch_extra['mincpus']} is below the "
+                f"{self.tasks_per_node} x {self.cpus_per_task} CPUs an elastic run's ranks need on each "
+                f"node (it sets --mincpus={mincpus}); raise it or leave it out"
+            )
         if self.executor == "local" and self.nodes != 1:
-            raise ValueError(f"cluster.nodes={self.nodes} but the local executor runs on this one machine; "
-                             f"use cluster.nodes=1, or cluster=slurm for several nodes")
+            raise ValueError(
+                f"cluster.nodes={self.nodes} but the local executor runs on this one machine; "
+                f"use cluster.nodes=1, or cluster=slurm for several nodes"
+            )
         if self.signal_lead_s >= self.timeout_min * 60:
-            raise ValueError(f"cluster.signal_lead_s={self.signal_lead_s} must be shorter than "
-                             f"cluster.timeout_min={self.timeout_min} minutes; lower signal_lead_s")
+            raise ValueError(
+                f"cluster.signal_lead_s={self.signal_lead_s} must be shorter than "
+                f"cluster.timeout_min={self.timeout_min} minutes; lower signal_lead_s"
+            )
         if self.partition is not None and not re.fullmatch(r"[\w.-]+", self.partition):
-            raise ValueError(f"cluster.partition={self.partition!r} is not a partition name; "
-                             f"use letters, digits, '.', '_' or '-'")
+            raise ValueError(
+                f"cluster.partition={self.partition!r} is not a partition name; use letters, digits, '.', '_' or '-'"
+            )
         for what, mapping in (("env", self.env), ("template_vars", self.template_vars)):
             for key in mapping:
                 if not SHELL_NAME.fullmatch(key):
-                    raise ValueError(f"cluster.{what} key {key!r} is not a shell variable name; "
-                                     f"use [A-Za-z_][A-Za-z0-9_]*")
+                    raise ValueError(
+                        f"cluster.{what} key {key!r} is not a shell variable name; use [A-Za-z_][A-Za-z0-9_]*"
+                    )
         for i, line in enumerate(self.setup):
             if any(c in line for c in "\n\r\0"):
-                raise ValueError(f"cluster.setup[{i}]={line!r} spans several lines; give each command as "
-                                 f"its own list item")
+                raise ValueError(
+                    f"cluster.setup[{i}]={line!r} spans several lines; give each command as its own list item"
+                )
         if self.switches is not None and not re.fullmatch(r"\d+(@[\d:-]+)?", self.switches):
-            raise ValueError(f"cluster.switches={self.switches!r} is not sbatch's <count>[@<max wait>]; "
-                             f"e.g. cluster.switches='1@30:00'")
+            raise ValueError(
+                f"cluster.switches={self.switches!r} is not sbatch's <count>[@<max wait>]; "
+                f"e.g. cluster.switches='1@30:00'"
+            )
         self._check_site_options()
         if self.template is not None and not (TEMPLATES_DIR / f"{self.template}.sh").is_file():
             known = sorted(p.stem for p in TEMPLATES_DIR.glob("*.sh") if p.stem != "signal_relay")
-            raise ValueError(f"cluster.template={self.template!r}: no {TEMPLATES_DIR}/{self.template}.sh; "
-                             f"use one of {known} or add the file")
+            raise ValueError(
+                f"cluster.template={self.template!r}: no {TEMPLATES_DIR}/{self.template}.sh; "
+                f"use one of {known} or add the file"
+            )
 
     def _check_site_options(self) -> None:
         for key in ("account", "qos", "reservation"):
             value = getattr(self, key)
             if value is not None and not re.fullmatch(r"[\w.-]+", value):
-                raise ValueError(f"cluster.{key}={value!r} is not a Slurm {key} name; use letters, digits, '.', "
-                                 f"'_' or '-' (`sacctmgr show assoc user=$USER` lists yours)")
+                raise ValueError(
+                    f"cluster.{key}={value!r} is not a Slurm {key} name; use letters, digits, '.', "
+                    f"'_' or '-' (`sacctmgr show assoc user=$USER` lists yours)"
+                )
         for key in ("constraint", "gres", "mail_type", "mail_user", "nodelist", "exclude"):
             value = getattr(self, key)
             if value is not None and (not value or re.search(r"[\s'\"\\]", value)):
-                raise ValueError(f"cluster.{key}={value!r} must be one word without spaces, quotes or "
-                                 f"backslashes (sbatch --{key.replace('_', '-')} syntax), or null")
+                raise ValueError(
+                    f"cluster.{key}={value!r} must be one word without spaces, quotes or "
+                    f"backslashes (sbatch --{key.replace('_', '-')} syntax), or null"
+                )
         both = _expand(self.nodelist or "") & _expand(self.exclude or "")
         if both:  # sbatch would say only "Invalid node name specified"
-            raise ValueError(f"cluster.nodelist={self.nodelist!r} and cluster.exclude={self.exclude!r} both name "
-                             f"{', '.join(sorted(both))}; drop it from one of them")
+            raise ValueError(
+                f"cluster.nodelist={self.nodelist!r} and cluster.exclude={self.exclude!r} both name "
+                f"{', '.join(sorted(both))}; drop it from one of them"
+            )
         if self.mem_gb is not None and self.mem_per_cpu_gb is not None:
-            raise ValueError(f"cluster.mem_gb={self.mem_gb} and cluster.mem_per_cpu_gb={self.mem_per_cpu_gb} are "
-                             f"both set, but sbatch takes one of --mem and --mem-per-cpu; set the other to null")
+            raise ValueError(
+                f"cluster.mem_gb={self.mem_gb} and cluster.mem_per_cpu_gb={self.mem_per_cpu_gb} are "
+                f"both set, but sbatch takes one of --mem and --mem-per-cpu; set the other to null"
+            )
         for key in ("mem_gb", "mem_per_cpu_gb"):
             value = getattr(self, key)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"cluster.{key}={value} must be > 0 and finite, or null for the partition's default")
         if self.gres is not None:
             if not re.fullmatch(r"[A-Za-z][\w/.-]*(:[\w.-]+)*(,[A-Za-z][\w/.-]*(:[\w.-]+)*)*", self.gres):
-                raise ValueError(f"cluster.gres={self.gres!r} is not sbatch's name[:type][:count][,...]; "
-                                 f"e.g. cluster.gres=gpu:a100:8")
+                raise ValueError(
+                    f"cluster.gres={self.gres!r} is not sbatch's name[:type][:count][,...]; "
+                    f"e.g. cluster.gres=gpu:a100:8"
+                )
             gpus = gres_gpus(self.gres)
             if gpus is not None and gpus != self.gpus_per_node:
-                raise ValueError(f"cluster.gres={self.gres!r} asks for {gpus} GPUs per node but "
-                                 f"cluster.gpus_per_node={self.gpus_per_node}; set cluster.gpus_per_node={gpus} "
-                                 f"(one rank per GPU: tasks_per_node follows it)")
+                raise ValueError(
+                    f"cluster.gres={self.gres!r} asks for {gpus} GPUs per node but "
+                    f"cluster.gpus_per_node={self.gpus_per_node}; set cluster.gpus_per_node={gpus} "
+                    f"(one rank per GPU: tasks_per_node follows it)"
+                )
         if self.mail_type is not None:
             bad = [t for t in self.mail_type.upper().split(",") if t not in MAIL_TYPES]
             if bad:
-                raise ValueError(f"cluster.mail_type={self.mail_type!r}: {bad} not among sbatch's mail types; "
-                                 f"use a comma list of {', '.join(MAIL_TYPES)}")
+                raise ValueError(
+                    f"cluster.mail_type={self.mail_type!r}: {bad} not among sbatch's mail types; "
+                    f"use a comma list of {', '.join(MAIL_TYPES)}"
+                )
         if self.mail_user is not None and self.mail_type is None:
-            raise ValueError(f"cluster.mail_user={self.mail_user!r} without cluster.mail_type sends no mail; "
-                             f"set cluster.mail_type, e.g. END,FAIL")
+            raise ValueError(
+                f"cluster.mail_user={self.mail_user!r} without cluster.mail_type sends no mail; "
+                f"set cluster.mail_type, e.g. END,FAIL"
+            )
         for key, value in self.sbatch_extra.items():
             check_sbatch_extra(key, value)
 
@@ -163,54 +195,207 @@ class ClusterConfig:
 # sbatch 22.05's long options (its man page; `sbatch --help` lists most). A name outside this list would
 # make sbatch fail at submit time, after the run directory exists.
 SBATCH_OPTIONS = (
-    "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir", "cluster-constraint", "clusters",
-    "comment", "constraint", "container", "contiguous", "core-spec", "cores-per-socket", "cpu-freq",
-    "cpus-per-gpu", "cpus-per-task", "deadline", "delay-boot", "dependency", "distribution", "error", "exclude",
-    "exclusive", "export", "export-file", "extra-node-info", "get-user-env", "gid", "gpu-bind", "gpu-freq", "gpus",
-    "gpus-per-node", "gpus-per-socket", "gpus-per-task", "gres", "gres-flags", "help", "hint", "hold",
-    "ignore-pbs", "input", "job-name", "kill-on-invalid-dep", "licenses", "mail-type", "mail-user", "mcs-label",
-    "mem", "mem-bind", "mem-per-cpu", "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "no-requeue",
-    "nodefile", "nodelist", "nodes", "ntasks", "ntasks-per-core", "ntasks-per-gpu", "ntasks-per-node",
-    "ntasks-per-socket", "open-mode", "output", "overcommit", "oversubscribe", "parsable", "partition", "power",
-    "prefer", "priority", "profile", "propagate", "qos", "quiet", "reboot", "requeue", "reservation", "signal",
-    "sockets-per-node", "spread-job", "switches", "test-only", "thread-spec", "threads-per-core", "time",
-    "time-min", "tmp", "uid", "usage", "use-min-nodes", "verbose", "version", "wait", "wait-all-nodes", "wckey",
+    "account",
+    "acctg-freq",
+    "array",
+    "batch",
+    "bb",
+    "bbf",
+    "begin",
+    "chdir",
+    "cluster-constraint",
+    "clusters",
+    "comment",
+    "constraint",
+    "container",
+    "contiguous",
+    "core-spec",
+    "cores-per-socket",
+    "cpu-freq",
+    "cpus-per-gpu",
+    "cpus-per-task",
+    "deadline",
+    "delay-boot",
+    "dependency",
+    "distribution",
+    "error",
+    "exclude",
+    "exclusive",
+    "export",
+    "export-file",
+    "extra-node-info",
+    "get-user-env",
+    "gid",
+    "gpu-bind",
+    "gpu-freq",
+    "gpus",
+    "gpus-per-node",
+    "gpus-per-socket",
+    "gpus-per-task",
+    "gres",
+    "gres-flags",
+    "help",
+    "hint",
+    "hold",
+    "ignore-pbs",
+    "input",
+    "job-name",
+    "kill-on-invalid-dep",
+    "licenses",
+    "mail-type",
+    "mail-user",
+    "mcs-label",
+    "mem",
+    "mem-bind",
+    "mem-per-cpu",
+    "mem-per-gpu",
+    "mincpus",
+    "network",
+    "nice",
+    "no-kill",
+    "no-requeue",
+    "nodefile",
+    "nodelist",
+    "nodes",
+    "ntasks",
+    "ntasks-per-core",
+    "ntasks-per-gpu",
+    "ntasks-per-node",
+    "ntasks-per-socket",
+    "open-mode",
+    "output",
+    "overcommit",
+    "oversubscribe",
+    "parsable",
+    "partition",
+    "power",
+    "prefer",
+    "priority",
+    "profile",
+    "propagate",
+    "qos",
+    "quiet",
+    "reboot",
+    "requeue",
+    "reservation",
+    "signal",
+    "sockets-per-node",
+    "spread-job",
+    "switches",
+    "test-only",
+    "thread-spec",
+    "threads-per-core",
+    "time",
+    "time-min",
+    "tmp",
+    "uid",
+    "usage",
+    "use-min-nodes",
+    "verbose",
+    "version",
+    "wait",
+    "wait-all-nodes",
+    "wckey",
     "wrap",
 )
 # Options that take no value: sbatch refuses "--contiguous=x".
-SBATCH_FLAGS = ("batch", "contiguous", "help", "hold", "ignore-pbs", "no-kill", "no-requeue", "overcommit",
-                "oversubscribe", "parsable", "quiet", "reboot", "requeue", "spread-job", "test-only", "usage",
-                "use-min-nodes", "verbose", "version", "wait")
+SBATCH_FLAGS = (
+    "batch",
+    "contiguous",
+    "help",
+    "hold",
+    "ignore-pbs",
+    "no-kill",
+    "no-requeue",
+    "overcommit",
+    "oversubscribe",
+    "parsable",
+    "quiet",
+    "reboot",
+    "requeue",
+    "spread-job",
+    "test-only",
+    "usage",
+    "use-min-nodes",
+    "verbose",
+    "version",
+    "wait",
+)
 # Options hpc_train renders itself, or that would break how it submits, and what to do instead.
 SBATCH_OWNED = {
-    **{o: f"use cluster.{o.replace('-', '_')}" for o in (
-        "account", "qos", "constraint", "reservation", "exclusive", "gres", "mail-type", "mail-user", "nodelist",
-        "exclude", "switches", "partition", "nodes", "cpus-per-task")},
-    "mem": "use cluster.mem_gb", "mem-per-cpu": "use cluster.mem_per_cpu_gb",
-    "gpus-per-node": "use cluster.gpus_per_node", "ntasks-per-node": "use cluster.tasks_per_node",
-    "ntasks": "use cluster.tasks_per_node", "time": "use cluster.timeout_min",
+    **{
+        o: f"use cluster.{o.replace('-', '_')}"
+        for o in (
+            "account",
+            "qos",
+            "constraint",
+            "reservation",
+            "exclusive",
+            "gres",
+            "mail-type",
+            "mail-user",
+            "nodelist",
+            "exclude",
+            "switches",
+            "partition",
+            "nodes",
+            "cpus-per-task",
+        )
+    },
+    "mem": "use cluster.mem_gb",
+    "mem-per-cpu": "use cluster.mem_per_cpu_gb",
+    "gpus-per-node": "use cluster.gpus_per_node",
+    "ntasks-per-node": "use cluster.tasks_per_node",
+    "ntasks": "use cluster.tasks_per_node",
+    "time": "use cluster.timeout_min",
     "use-min-nodes": "an elastic run (cluster.min_nodes) starts on as many nodes as are free; for a fixed size "
-                     "leave cluster.min_nodes unset",
+    "leave cluster.min_nodes unset",
     "signal": "use cluster.signal_lead_s (USR2 that long before the time limit)",
-    "requeue": "every run may be requeued already", "no-requeue": "a run must requeue to survive preemption",
-    "array": "a sweep (-m) renders it; --max-parallel throttles it", "job-name": "use name=...",
-    "output": "logs go to the run directory's submitit/", "error": "logs go to the run directory's submitit/",
-    "open-mode": "logs are appended across requeues", "parsable": "submitit reads sbatch's usual answer",
-    "wait": "submit returns once queued", "wrap": "the batch script is rendered", "test-only": "use --dry-run",
-    "help": "run sbatch --help", "usage": "run sbatch --usage", "version": "run sbatch --version",
-    **dict.fromkeys(("clusters", "M", "cluster-constraint"),
-                    "status, logs, resume and cancel ask the one cluster SLURM_CONF names; use cluster.slurm_conf "
-                    "for another cluster"),
-    **dict.fromkeys(("export", "export-file", "get-user-env"),
-                    "the job must inherit the submitting environment (its Python, SLURM_CONF); use cluster.env"),
-    **dict.fromkeys(("gpus", "gpus-per-task", "gpus-per-socket"),
-                    "one rank per GPU, counted per node; use cluster.gpus_per_node"),
+    "requeue": "every run may be requeued already",
+    "no-requeue": "a run must requeue to survive preemption",
+    "array": "a sweep (-m) renders it; --max-parallel throttles it",
+    "job-name": "use name=...",
+    "output": "logs go to the run directory's submitit/",
+    "error": "logs go to the run directory's submitit/",
+    "open-mode": "logs are appended across requeues",
+    "parsable": "submitit reads sbatch's usual answer",
+    "wait": "submit returns once queued",
+    "wrap": "the batch script is rendered",
+    "test-only": "use --dry-run",
+    "help": "run sbatch --help",
+    "usage": "run sbatch --usage",
+    "version": "run sbatch --version",
+    **dict.fromkeys(
+        ("clusters", "M", "cluster-constraint"),
+        "status, logs, resume and cancel ask the one cluster SLURM_CONF names; use cluster.slurm_conf "
+        "for another cluster",
+    ),
+    **dict.fromkeys(
+        ("export", "export-file", "get-user-env"),
+        "the job must inherit the submitting environment (its Python, SLURM_CONF); use cluster.env",
+    ),
+    **dict.fromkeys(
+        ("gpus", "gpus-per-task", "gpus-per-socket"), "one rank per GPU, counted per node; use cluster.gpus_per_node"
+    ),
     "no-kill": "a lost node must end the attempt so it requeues; the surviving ranks would hang in a collective",
     **dict.fromkeys(("uid", "gid"), "the run directory and its requeues belong to the submitting user"),
     **dict.fromkeys(("chdir", "D"), "the frozen config's relative paths are read from the submit directory"),
 }
-MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
-              "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
+MAIL_TYPES = (
+    "NONE",
+    "BEGIN",
+    "END",
+    "FAIL",
+    "REQUEUE",
+    "ALL",
+    "INVALID_DEPEND",
+    "STAGE_OUT",
+    "TIME_LIMIT",
+    "TIME_LIMIT_90",
+    "TIME_LIMIT_80",
+    "TIME_LIMIT_50",
+    "ARRAY_TASKS",
+)
 
 
 def check_sbatch_extra(key: str, value: str) -> None:
@@ -226,14 +411,19 @@ def check_sbatch_extra(key: str, value: str) -> None:
             hint = f"did you mean {close!r}?" + (f" ({SBATCH_OWNED[close]})" if close in SBATCH_OWNED else "")
         raise ValueError(f"cluster.sbatch_extra.{key}: --{name} is not an sbatch option (sbatch 22.05); {hint}")
     if any(ord(c) < 32 or c == "\x7f" for c in value):
-        raise ValueError(f"cluster.sbatch_extra.{key}={value!r} contains a control character (newline?); "
-                         f"give a one-line value")
+        raise ValueError(
+            f"cluster.sbatch_extra.{key}={value!r} contains a control character (newline?); give a one-line value"
+        )
     if "\\" in value:
-        raise ValueError(f"cluster.sbatch_extra.{key}={value!r} contains a backslash, which sbatch's #SBATCH "
-                         f"parser reads as an escape; give the value without one")
+        raise ValueError(
+            f"cluster.sbatch_extra.{key}={value!r} contains a backslash, which sbatch's #SBATCH "
+            f"parser reads as an escape; give the value without one"
+        )
     if name in SBATCH_FLAGS and value:
-        raise ValueError(f"cluster.sbatch_extra.{key}={value!r}: --{name} takes no value; set it to '' "
-                         f"(+cluster.sbatch_extra.{key}='')")
+        raise ValueError(
+            f"cluster.sbatch_extra.{key}={value!r}: --{name} takes no value; set it to '' "
+            f"(+cluster.sbatch_extra.{key}='')"
+        )
 
 
 def gres_gpus(gres: str) -> int | None:
@@ -254,8 +444,10 @@ def setup_lines(cluster: ClusterConfig) -> list[str]:
         try:
             text = string.Template(text).substitute({k: shlex.quote(v) for k, v in cluster.template_vars.items()})
         except KeyError as e:
-            raise ValueError(f"sbatch_templates/{cluster.template}.sh needs cluster.template_vars.{e.args[0]}; "
-                             f"set it, e.g. +cluster.template_vars.{e.args[0]}=...") from None
+            raise ValueError(
+                f"sbatch_templates/{cluster.template}.sh needs cluster.template_vars.{e.args[0]}; "
+                f"set it, e.g. +cluster.template_vars.{e.args[0]}=..."
+            ) from None
         lines += text.rstrip("\n").split("\n")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in cluster.env.items()]
     lines += cluster.setup
@@ -266,8 +458,11 @@ def setup_lines(cluster: ClusterConfig) -> list[str]:
 def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int | None = None) -> dict[str, Any]:
     """submitit parameters for this cluster config (pure)."""
     if cluster.executor == "local":
-        return {"tasks_per_node": cluster.tasks_per_node, "timeout_min": cluster.timeout_min,
-                "signal_delay_s": cluster.signal_lead_s}
+        return {
+            "tasks_per_node": cluster.tasks_per_node,
+            "timeout_min": cluster.timeout_min,
+            "signal_delay_s": cluster.signal_lead_s,
+        }
     params: dict[str, Any] = {
         "job_name": job_name,
         "nodes": cluster.nodes,
@@ -332,8 +527,9 @@ def entry_command(python: str, folder: Path) -> str:
     return f"{python} -u {shlex.quote(str(start))} {shlex.quote(str(folder))}"
 
 
-def render(cluster: ClusterConfig, job_name: str, folder: Path, array_size: int | None = None,
-           max_parallel: int | None = None) -> str:
+def render(
+    cluster: ClusterConfig, job_name: str, folder: Path, array_size: int | None = None, max_parallel: int | None = None
+) -> str:
     """The batch script exactly as submitit submits it (pure, but for reading the template files)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
@@ -346,8 +542,10 @@ def check_syntax(script: str) -> None:
     """`bash -n`: a setup line with an unbalanced quote fails here, not on the compute node."""
     proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=10)
     if proc.returncode != 0:
-        raise ValueError(f"the batch script would not parse: {proc.stderr.strip()}; check cluster.setup "
-                         f"and cluster.template for unbalanced quotes")
+        raise ValueError(
+            f"the batch script would not parse: {proc.stderr.strip()}; check cluster.setup "
+            f"and cluster.template for unbalanced quotes"
+        )
 
 
 def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_parallel: int | None) -> list[str]:
@@ -358,37 +556,48 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
     parts = slurm.partitions()
     name = cluster.partition or next((p for p, f in parts.items() if f.get("Default") == "YES"), None)
     if name not in parts:
-        raise ValueError(f"cluster.partition={cluster.partition!r} does not exist on this cluster; "
-                         f"use one of {sorted(parts)}")
+        raise ValueError(
+            f"cluster.partition={cluster.partition!r} does not exist on this cluster; use one of {sorted(parts)}"
+        )
     part = parts[name]
     if part.get("State") not in ("UP", None):
-        raise ValueError(f"partition {name} is {part['State']}; jobs will not start; use one of "
-                         f"{sorted(p for p, f in parts.items() if f.get('State') == 'UP')}")
+        raise ValueError(
+            f"partition {name} is {part['State']}; jobs will not start; use one of "
+            f"{sorted(p for p, f in parts.items() if f.get('State') == 'UP')}"
+        )
     total_nodes = int(part.get("TotalNodes", "0"))
     max_nodes = part.get("MaxNodes", "UNLIMITED")
     limit = total_nodes if max_nodes == "UNLIMITED" else min(total_nodes, int(max_nodes))
     if cluster.nodes > limit:
-        raise ValueError(f"cluster.nodes={cluster.nodes} exceeds partition {name}'s limit of {limit} nodes; "
-                         f"use cluster.nodes<={limit} or another partition")
+        raise ValueError(
+            f"cluster.nodes={cluster.nodes} exceeds partition {name}'s limit of {limit} nodes; "
+            f"use cluster.nodes<={limit} or another partition"
+        )
     max_time = slurm.time_limit_min(part.get("MaxTime", "UNLIMITED"))
     if cluster.timeout_min > max_time:
-        raise ValueError(f"cluster.timeout_min={cluster.timeout_min} exceeds partition {name}'s MaxTime of "
-                         f"{max_time:.0f} min; use cluster.timeout_min<={max_time:.0f} (the run requeues "
-                         f"itself at the limit and resumes)")
+        raise ValueError(
+            f"cluster.timeout_min={cluster.timeout_min} exceeds partition {name}'s MaxTime of "
+            f"{max_time:.0f} min; use cluster.timeout_min<={max_time:.0f} (the run requeues "
+            f"itself at the limit and resumes)"
+        )
     node_info = slurm.nodes()
     in_partition = _expand(part.get("Nodes", ""))
     members = [n for n in node_info if n in in_partition]
     cpus = max((int(node_info[n].get("CPUTot", "0")) for n in members), default=0)
     want_cpus = cluster.tasks_per_node * cluster.cpus_per_task
     if want_cpus > cpus:
-        raise ValueError(f"cluster.tasks_per_node={cluster.tasks_per_node} x cluster.cpus_per_task="
-                         f"{cluster.cpus_per_task} = {want_cpus} CPUs per node, but partition {name}'s nodes have "
-                         f"at most {cpus}; lower one of them")
+        raise ValueError(
+            f"cluster.tasks_per_node={cluster.tasks_per_node} x cluster.cpus_per_task="
+            f"{cluster.cpus_per_task} = {want_cpus} CPUs per node, but partition {name}'s nodes have "
+            f"at most {cpus}; lower one of them"
+        )
     if cluster.gpus_per_node:
         gpus = max((_gpu_count(node_info[n].get("Gres", "")) for n in members), default=0)
         if cluster.gpus_per_node > gpus:
-            raise ValueError(f"cluster.gpus_per_node={cluster.gpus_per_node} but partition {name}'s nodes have "
-                             f"at most {gpus} GPUs (Gres); use cluster.gpus_per_node<={gpus} or a GPU partition")
+            raise ValueError(
+                f"cluster.gpus_per_node={cluster.gpus_per_node} but partition {name}'s nodes have "
+                f"at most {gpus} GPUs (Gres); use cluster.gpus_per_node<={gpus} or a GPU partition"
+            )
     if max_parallel is not None and max_parallel < 1:
         raise ValueError(f"--max-parallel={max_parallel} must be >= 1")
     unchecked = _validate_site(cluster, name, part, {n: node_info[n] for n in members})
@@ -410,8 +619,9 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
     return unchecked
 
 
-def _validate_site(cluster: ClusterConfig, partition: str, part: dict[str, str],
-                   node_info: dict[str, dict[str, str]]) -> list[str]:
+def _validate_site(
+    cluster: ClusterConfig, partition: str, part: dict[str, str], node_info: dict[str, dict[str, str]]
+) -> list[str]:
     """The site options against what Slurm holds: associations (slurmdbd), node features, reservations,
     node names. sbatch --test-only would refuse most of these too, but without saying what is valid."""
     from hpc_train import slurm
@@ -420,26 +630,37 @@ def _validate_site(cluster: ClusterConfig, partition: str, part: dict[str, str],
     if cluster.account is not None or cluster.qos is not None:
         unchecked += _validate_association(cluster, partition)
     if cluster.constraint is not None:
-        features = sorted({f for info in node_info.values() for f in info.get("AvailableFeatures", "").split(",")
-                           if f and f != "(null)"})
+        features = sorted(
+            {
+                f
+                for info in node_info.values()
+                for f in info.get("AvailableFeatures", "").split(",")
+                if f and f != "(null)"
+            }
+        )
         # sbatch's syntax: "a&b", "a|b", "[a|b]", "a*2" (a count), "a,b"
         for word in re.split(r"[&|,\[\]()!*\s]+", cluster.constraint):
             if word and not word.isdigit() and word not in features:
-                raise ValueError(f"cluster.constraint={cluster.constraint!r}: no node of partition {partition} has "
-                                 f"the feature {word!r}; features there: {features or 'none'} "
-                                 f"(`sinfo -p {partition} -o '%N %f'`)")
+                raise ValueError(
+                    f"cluster.constraint={cluster.constraint!r}: no node of partition {partition} has "
+                    f"the feature {word!r}; features there: {features or 'none'} "
+                    f"(`sinfo -p {partition} -o '%N %f'`)"
+                )
     if cluster.reservation is not None:
         known = slurm.reservations()
         if cluster.reservation not in known:
             there = f"use one of {sorted(known)}" if known else "this cluster has none now"
-            raise ValueError(f"cluster.reservation={cluster.reservation!r} does not exist; {there} "
-                             f"(`scontrol show reservation`)")
+            raise ValueError(
+                f"cluster.reservation={cluster.reservation!r} does not exist; {there} (`scontrol show reservation`)"
+            )
     for key in ("nodelist", "exclude"):
         value = getattr(cluster, key)
         unknown = sorted(_expand(value) - set(node_info)) if value else []
         if unknown:
-            raise ValueError(f"cluster.{key}={value!r}: {', '.join(unknown)} not in partition {partition}; its nodes "
-                             f"are {part.get('Nodes', '')} (`sinfo -p {partition} -N`)")
+            raise ValueError(
+                f"cluster.{key}={value!r}: {', '.join(unknown)} not in partition {partition}; its nodes "
+                f"are {part.get('Nodes', '')} (`sinfo -p {partition} -N`)"
+            )
     return unchecked
 
 
@@ -455,33 +676,39 @@ def _validate_association(cluster: ClusterConfig, partition: str) -> list[str]:
     config = slurm.show_config()
     enforce = config.get("AccountingStorageEnforce", "none")
     if config.get("AccountingStorageType") != "accounting_storage/slurmdbd" or not re.search(
-            r"associations|limits|qos|safe", enforce):
+        r"associations|limits|qos|safe", enforce
+    ):
         return []  # Slurm then takes any account and QoS name: nothing to check them against
     user, cluster_name = pwd.getpwuid(os.getuid()).pw_name, config.get("ClusterName", "")
     try:
         default, rows = slurm.associations(user, cluster_name)
     except slurm.SlurmError as e:
-        reason = ("`sacctmgr` is not installed here" if shutil.which("sacctmgr") is None
-                  else str(e).splitlines()[0])
+        reason = "`sacctmgr` is not installed here" if shutil.which("sacctmgr") is None else str(e).splitlines()[0]
         note = f"account/qos not checked: {reason}; sbatch --test-only judges them"
         print(f"hpc-train: warning: {note}", file=sys.stderr, flush=True)
         return [note]
     rows = [r for r in rows if r[1] in ("", partition)]  # an association may be for one partition only
     accounts = sorted({account for account, _, _ in rows})
     if not accounts:
-        raise ValueError(f"user {user} has no Slurm account on cluster {cluster_name} for partition {partition}; "
-                         f"ask your Slurm administrator to add one (sacctmgr add user {user} account=...)")
+        raise ValueError(
+            f"user {user} has no Slurm account on cluster {cluster_name} for partition {partition}; "
+            f"ask your Slurm administrator to add one (sacctmgr add user {user} account=...)"
+        )
     account = cluster.account or default
     if account not in accounts:
         what = f"cluster.account={cluster.account!r} is" if cluster.account else f"your default account {default!r} is"
-        raise ValueError(f"{what} not an account of user {user} on cluster {cluster_name} (partition {partition}); "
-                         f"use cluster.account= one of {accounts} (`sacctmgr show assoc user={user}`)")
+        raise ValueError(
+            f"{what} not an account of user {user} on cluster {cluster_name} (partition {partition}); "
+            f"use cluster.account= one of {accounts} (`sacctmgr show assoc user={user}`)"
+        )
     if cluster.qos is not None:
         allowed = sorted({q for a, _, qos in rows if a == account for q in qos})
         if cluster.qos not in allowed:
             whose = f"account {account}" + ("" if cluster.account else " (your default)")
-            raise ValueError(f"cluster.qos={cluster.qos!r} is not allowed for {whose} of user {user}; use "
-                             f"cluster.qos= one of {allowed} (`sacctmgr show assoc user={user} format=account,qos`)")
+            raise ValueError(
+                f"cluster.qos={cluster.qos!r} is not allowed for {whose} of user {user}; use "
+                f"cluster.qos= one of {allowed} (`sacctmgr show assoc user={user} format=account,qos`)"
+            )
     return []
 
 
@@ -492,7 +719,7 @@ def _expand(nodelist: str) -> set[str]:
 
 
 def _gpu_count(gres: str) -> int:
-    """"gpu:a100:8(S:0-1),shard:4" -> 8."""
+    """ "gpu:a100:8(S:0-1),shard:4" -> 8."""
     return sum(int(m.group(1)) for m in re.finditer(r"gpu(?::[\w-]+)?:(\d+)", gres))
 
 

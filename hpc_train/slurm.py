@@ -26,13 +26,16 @@ class SlurmError(RuntimeError):
     pass
 
 
-def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: str | None = None,
-         ignore_term: bool = False) -> str:
+def call(
+    args: list[str], timeout_s: float = 30, retries: int = 3, input_text: str | None = None, ignore_term: bool = False
+) -> str:
     """Run a Slurm client; retry transient controller errors with 1, 2, 4 s backoff; stdout on success."""
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):  # the clients would retry reading it for 60 s, then fail
-        raise SlurmError(f"SLURM_CONF={conf} does not exist; set cluster.slurm_conf to your cluster's slurm.conf "
-                         f"(`scontrol show config | grep SLURM_CONF` on its login node)")
+        raise SlurmError(
+            f"SLURM_CONF={conf} does not exist; set cluster.slurm_conf to your cluster's slurm.conf "
+            f"(`scontrol show config | grep SLURM_CONF` on its login node)"
+        )
     err = ""
     for attempt in range(retries + 1):
         try:
@@ -51,10 +54,11 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
         except subprocess.TimeoutExpired:
             err = f"`{' '.join(args)}` did not answer within {timeout_s:.0f} s"
         except FileNotFoundError:
-            raise SlurmError(f"`{args[0]}` is not installed here (not on PATH); use cluster=local, or run on a "
-                             f"Slurm login node")
+            raise SlurmError(
+                f"`{args[0]}` is not installed here (not on PATH); use cluster=local, or run on a Slurm login node"
+            ) from None
         except OSError as e:  # on PATH but not runnable: no exec bit, a noexec mount, another architecture
-            raise SlurmError(f"`{args[0]}` cannot run here: {e}")
+            raise SlurmError(f"`{args[0]}` cannot run here: {e}") from None
         else:
             if proc.returncode == 0:
                 return proc.stdout + proc.stderr if args[:2] == ["sbatch", "--test-only"] else proc.stdout
@@ -62,12 +66,18 @@ def call(args: list[str], timeout_s: float = 30, retries: int = 3, input_text: s
             if not any(word in err.lower() for word in TRANSIENT):
                 break
         if attempt < retries:
-            print(f"hpc-train: `{' '.join(args[:3])}`: {err.splitlines()[-1] if err else 'no answer'}; retrying in "
-                  f"{2**attempt} s", file=sys.stderr, flush=True)
+            print(
+                f"hpc-train: `{' '.join(args[:3])}`: {err.splitlines()[-1] if err else 'no answer'}; retrying in "
+                f"{2**attempt} s",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(2**attempt)
     if "configuration source" in err or "DNS SRV" in err:
-        err += ("\nno Slurm configuration was found: set cluster.slurm_conf=/path/to/slurm.conf (or export "
-                "SLURM_CONF), or run on the cluster's login node")
+        err += (
+            "\nno Slurm configuration was found: set cluster.slurm_conf=/path/to/slurm.conf (or export "
+            "SLURM_CONF), or run on the cluster's login node"
+        )
     raise SlurmError(f"`{' '.join(args)}` failed: {err}")
 
 
@@ -136,9 +146,24 @@ def parse_associations(text: str) -> tuple[str, list[tuple[str, str, list[str]]]
 def associations(user: str, cluster_name: str) -> tuple[str, list[tuple[str, str, list[str]]]]:
     """parse_associations of what slurmdbd holds for this user on this cluster. One try of 5 s: with
     slurmdbd down, sacctmgr waits and the default retries made a submit hang for minutes."""
-    return parse_associations(call(["sacctmgr", "-n", "-P", "show", "user", user, "withassoc", "where",
-                                    f"cluster={cluster_name}", "format=DefaultAccount,Account,Partition,QOS"],
-                                   timeout_s=5, retries=0))
+    return parse_associations(
+        call(
+            [
+                "sacctmgr",
+                "-n",
+                "-P",
+                "show",
+                "user",
+                user,
+                "withassoc",
+                "where",
+                f"cluster={cluster_name}",
+                "format=DefaultAccount,Account,Partition,QOS",
+            ],
+            timeout_s=5,
+            retries=0,
+        )
+    )
 
 
 def time_limit_min(text: str) -> float:
@@ -207,8 +232,12 @@ def update_job(job_id: str, fields: dict[str, str]) -> str:
     # ("slurm_allocation_lookup: Job is pending execution", the update fails): ask as from outside.
     inside = {k: os.environ.pop(k) for k in ("SLURM_JOB_ID", "SLURM_JOBID") if k in os.environ}
     try:
-        call(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())], timeout_s=10,
-             retries=2, ignore_term=True)
+        call(
+            ["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())],
+            timeout_s=10,
+            retries=2,
+            ignore_term=True,
+        )
         return ""
     except SlurmError as e:
         return str(e)
@@ -271,21 +300,40 @@ def parse_queue(text: str) -> list[dict[str, Any]]:
             end_s: float | None = datetime.fromisoformat(end).timestamp()
         except ValueError:
             end_s = None
-        jobs.append({"id": job, "state": state, "end": end_s,
-                     "nodes": parse_nodelist(nodes) if nodes and nodes != "(null)" else [],
-                     "excluded": parse_nodelist(excluded) if excluded and excluded != "(null)" else []})
+        jobs.append(
+            {
+                "id": job,
+                "state": state,
+                "end": end_s,
+                "nodes": parse_nodelist(nodes) if nodes and nodes != "(null)" else [],
+                "excluded": parse_nodelist(excluded) if excluded and excluded != "(null)" else [],
+            }
+        )
     return jobs
 
 
 def node_states(partition: str) -> dict[str, str]:
     """The partition's nodes -> sinfo's short state ("idle", "mix", "drain", "down*", ...), from inside the job."""
-    return dict(line.split("|", 1) for line in call(
-        ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True).split() if "|" in line)
+    return dict(
+        line.split("|", 1)
+        for line in call(
+            ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True
+        ).split()
+        if "|" in line
+    )
 
 
 # scontrol's node State flags as sinfo's short states (preempt.UNUSABLE); the first that applies wins.
-SHORT_FLAGS = (("DRAIN", "drain"), ("COMPLETING", "comp"), ("MAINTENANCE", "maint"), ("RESERVED", "resv"),
-               ("REBOOT", "boot"), ("POWER", "pow"), ("INVALID_REG", "inval"), ("PLANNED", "plnd"))
+SHORT_FLAGS = (
+    ("DRAIN", "drain"),
+    ("COMPLETING", "comp"),
+    ("MAINTENANCE", "maint"),
+    ("RESERVED", "resv"),
+    ("REBOOT", "boot"),
+    ("POWER", "pow"),
+    ("INVALID_REG", "inval"),
+    ("PLANNED", "plnd"),
+)
 
 
 def short_state(state: str) -> str:
@@ -311,8 +359,10 @@ def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[di
         if "NodeName" in node and partition in node.get("Partitions", "").split(","):
             states[node["NodeName"]] = short_state(node.get("State", ""))
     form = ["-o", "%i|%T|%e|%N|%x"]
-    jobs = parse_queue(call(["squeue", "-h", "-t", "R", *form], timeout_s=10, retries=1, ignore_term=True) +
-                       call(["squeue", "-h", "-j", job_id, *form], timeout_s=10, retries=1, ignore_term=True))
+    jobs = parse_queue(
+        call(["squeue", "-h", "-t", "R", *form], timeout_s=10, retries=1, ignore_term=True)
+        + call(["squeue", "-h", "-j", job_id, *form], timeout_s=10, retries=1, ignore_term=True)
+    )
     for j in jobs:
         j["nodes"] = [n for n in j["nodes"] if n in states]
     return states, jobs

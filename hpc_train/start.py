@@ -23,8 +23,9 @@ if __spec__ is None:  # run by its path (sbatch.entry_command), not by -m: impor
     if sys.path and os.path.realpath(sys.path[0] or ".") == here:  # not with -P / PYTHONSAFEPATH
         del sys.path[0]
     sys.path.append(os.getcwd())
-    spec = importlib.util.spec_from_file_location("hpc_train", os.path.join(here, "__init__.py"),
-                                                  submodule_search_locations=[here])
+    spec = importlib.util.spec_from_file_location(
+        "hpc_train", os.path.join(here, "__init__.py"), submodule_search_locations=[here]
+    )
     sys.modules["hpc_train"] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(sys.modules["hpc_train"])  # type: ignore[union-attr]
 
@@ -47,8 +48,10 @@ def main(folder: str) -> None:
             break
         time.sleep(1)
     else:
-        raise RuntimeError(f"waited 60 s for {paths.submitted_pickle}, which submit should have written; "
-                           f"resubmit the run (hpc-train submit ... --sweep-dir for a sweep)")
+        raise RuntimeError(
+            f"waited 60 s for {paths.submitted_pickle}, which submit should have written; "
+            f"resubmit the run (hpc-train submit ... --sweep-dir for a sweep)"
+        )
     delayed = utils.DelayedSubmission.load(paths.submitted_pickle)
     try:
         result = delayed.result()

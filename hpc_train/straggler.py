@@ -43,15 +43,18 @@ class StragglerConfig:  # straggler.py, the `straggler` section of the root conf
 
     def __post_init__(self) -> None:
         if self.every_steps < 0 or self.windows < 1 or not self.factor > 1.0 or not self.floor_s >= 0:
-            raise ValueError(f"straggler.every_steps={self.every_steps} (>= 0, 0 = off), straggler.windows="
-                             f"{self.windows} (>= 1), straggler.factor={self.factor} (> 1) and straggler.floor_s="
-                             f"{self.floor_s} (>= 0) are out of range; e.g. every_steps=20 windows=3 factor=1.5 "
-                             f"floor_s=0.002")
+            raise ValueError(
+                f"straggler.every_steps={self.every_steps} (>= 0, 0 = off), straggler.windows="
+                f"{self.windows} (>= 1), straggler.factor={self.factor} (> 1) and straggler.floor_s="
+                f"{self.floor_s} (>= 0) are out of range; e.g. every_steps=20 windows=3 factor=1.5 "
+                f"floor_s=0.002"
+            )
 
 
 @dataclass
 class Judge:
     """Rank 0's memory between windows: slow and normal windows in a row per rank, who is named."""
+
     slow_in_a_row: dict[int, int] = field(default_factory=dict)
     normal_in_a_row: dict[int, int] = field(default_factory=dict)
     named: set[int] = field(default_factory=set)

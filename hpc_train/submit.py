@@ -31,9 +31,10 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from hpc_train.config import ConfigSource, RunConfig, compose_trials, expand_sweep
 from hpc_train.metrics import read_events
@@ -55,6 +56,7 @@ class Trial:
 @dataclass
 class Array:
     """Trials with one resource request, submitted by one sbatch call (one array, or one plain job)."""
+
     trials: list[int]
     job_id: str | None = None
     submitting: bool = False  # set before sbatch, cleared after: a crash in between is recoverable
@@ -192,16 +194,20 @@ def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
     p = Path(path).expanduser().resolve()
     if STEP_DIR.fullmatch(p.name):
         if read_marker(p) is None:
-            raise ValueError(f"checkpoint.init_from={path}: {p} has no valid {MARKER} manifest (a save that never "
-                             f"finished, or not a checkpoint); give a committed step folder, or the run directory "
-                             f"for its newest")
+            raise ValueError(
+                f"checkpoint.init_from={path}: {p} has no valid {MARKER} manifest (a save that never "
+                f"finished, or not a checkpoint); give a committed step folder, or the run directory "
+                f"for its newest"
+            )
         folder = p
     else:
         root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
         committed = [f for f in step_folders(root).values() if read_marker(f) is not None]
         if not committed:
-            raise ValueError(f"checkpoint.init_from={path}: no committed checkpoint under {root} (no step_*/{MARKER}); "
-                             f"give a run directory that saved one, or one of its step folders")
+            raise ValueError(
+                f"checkpoint.init_from={path}: no committed checkpoint under {root} (no step_*/{MARKER}); "
+                f"give a run directory that saved one, or one of its step folders"
+            )
         folder = committed[-1]
     source_config = folder.parent.parent / "config.yaml"
     theirs = yaml.safe_load(source_config.read_text()) if source_config.is_file() else None
@@ -210,9 +216,11 @@ def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
         differ = [k for k in SHAPE_FIELDS if k in model and model[k] != config["model"][k]]
         if differ:
             wrong = "; ".join(f"model.{k}={config['model'][k]} but the checkpoint has {model[k]}" for k in differ)
-            raise ValueError(f"checkpoint.init_from={path}: {wrong} (its run's {source_config}); set "
-                             f"{' '.join(f'model.{k}={model[k]}' for k in differ)}, or drop checkpoint.init_from to "
-                             f"train from scratch")
+            raise ValueError(
+                f"checkpoint.init_from={path}: {wrong} (its run's {source_config}); set "
+                f"{' '.join(f'model.{k}={model[k]}' for k in differ)}, or drop checkpoint.init_from to "
+                f"train from scratch"
+            )
     return folder
 
 
@@ -249,11 +257,12 @@ def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
     groups: dict[str, list[int]] = {}
     for i, run in enumerate(runs):
         groups.setdefault(json.dumps(asdict(run.cluster), sort_keys=True), []).append(i)
-    return [Array(trials=idx[k: k + max_array_size]) for idx in groups.values()
-            for k in range(0, len(idx), max_array_size)]
+    return [
+        Array(trials=idx[k : k + max_array_size]) for idx in groups.values() for k in range(0, len(idx), max_array_size)
+    ]
 
 
-def previous_runs(p: "Plan") -> list[Path]:
+def previous_runs(p: Plan) -> list[Path]:
     """The runs whose measurements predict this one: the sweep's trials on a resubmit, else the newest
     earlier run directory of the same name."""
     if (p.target / MANIFEST).exists():
@@ -262,8 +271,15 @@ def previous_runs(p: "Plan") -> list[Path]:
     return [max(earlier, key=lambda d: d.stat().st_mtime)] if earlier else []
 
 
-def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, max_parallel: int | None = None,
-         source: ConfigSource = ConfigSource(), validate: bool = True, dry_run: bool = False) -> Plan:
+def plan(
+    overrides: list[str],
+    multirun: bool,
+    sweep_dir: Path | None = None,
+    max_parallel: int | None = None,
+    source: ConfigSource = ConfigSource(),
+    validate: bool = True,
+    dry_run: bool = False,
+) -> Plan:
     """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""
     from hpc_train import slurm
 
@@ -289,8 +305,15 @@ def plan(overrides: list[str], multirun: bool, sweep_dir: Path | None = None, ma
     if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s)
         result.unvalidated = slurm.unreachable()
         validate = validate and not result.unvalidated
-    max_array = 1 if not multirun else (1001 if result.unvalidated  # Slurm's default
-                                        else int(slurm.show_config().get("MaxArraySize", "1001")))
+    max_array = (
+        1
+        if not multirun
+        else (
+            1001
+            if result.unvalidated  # Slurm's default
+            else int(slurm.show_config().get("MaxArraySize", "1001"))
+        )
+    )
     result.arrays = group_arrays(runs, max_array)
     for array in result.arrays:
         cluster = runs[array.trials[0]].cluster
@@ -309,8 +332,10 @@ def _load_manifest(sweep_dir: Path, overrides: list[str], trials: list[Trial]) -
         return None
     old = json.loads(path.read_text())
     if old["overrides"] != overrides or [t["overrides"] for t in old["trials"]] != [t.overrides for t in trials]:
-        raise ValueError(f"{sweep_dir} holds a sweep of {old['overrides']}, not {overrides}; resubmit it with "
-                         f"the same overrides, or drop --sweep-dir to start a new sweep")
+        raise ValueError(
+            f"{sweep_dir} holds a sweep of {old['overrides']}, not {overrides}; resubmit it with "
+            f"the same overrides, or drop --sweep-dir to start a new sweep"
+        )
     for t, saved in zip(trials, old["trials"]):
         t.job_id, t.process = saved["job_id"], saved.get("process")
     return [Array(**a) for a in old["arrays"]]
@@ -328,8 +353,14 @@ def _save_manifest(p: Plan, overrides: list[str]) -> None:
             if saved.get("previous_job_ids"):  # resumed: its record wins, and this submit learns it
                 t.job_id, t.process = saved["job_id"], saved.get("process")
             trials.append({**saved, **asdict(t)})
-        record = {"sweep_dir": str(p.target), "job_name": job_name(p.target), "overrides": overrides,
-                  "updated_at": time.time(), "trials": trials, "arrays": [asdict(a) for a in p.arrays]}
+        record = {
+            "sweep_dir": str(p.target),
+            "job_name": job_name(p.target),
+            "overrides": overrides,
+            "updated_at": time.time(),
+            "trials": trials,
+            "arrays": [asdict(a) for a in p.arrays],
+        }
         _write_atomic(path, json.dumps(record, indent=1) + "\n", p.private)
 
 
@@ -342,7 +373,6 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
     the task pickles: find that array by its job name and give every task its pickle. Trials whose task
     already ended without starting (it waited 60 s for a pickle, or was cancelled) go into a new array
     appended to p.arrays, so every trial runs, or is queued again, exactly once."""
-    from hpc_train import slurm
 
     known = {a.job_id for a in p.arrays if a.job_id} | _manifest_ids(p.target)  # incl. trials' resumed jobs
     found = _jobs_named(job_name) - known  # a cancelled array was given up on: resubmit instead
@@ -351,16 +381,17 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
     array.job_id, array.submitting = found.pop(), False
     for k, i in enumerate(array.trials):  # submitit queues a lone trial as a plain job
         p.trials[i].job_id = f"{array.job_id}_{k}" if len(array.trials) > 1 else array.job_id
-        _write_task_pickle(p.target / "submitit" / f"{p.trials[i].job_id}_submitted.pkl", p.trials[i].run_dir,
-                           executor)
+        _write_task_pickle(p.target / "submitit" / f"{p.trials[i].job_id}_submitted.pkl", p.trials[i].run_dir, executor)
     written = time.time()
     queued = _queued_tasks(job_name)
-    started = {i for i in array.trials
-               if any(e["event"] == "start" for e in read_events(Path(p.trials[i].run_dir)))}
+    started = {i for i in array.trials if any(e["event"] == "start" for e in read_events(Path(p.trials[i].run_dir)))}
     # A task that gave up on its pickle just before it was written dies within seconds: look again 10 s
     # after writing when a task still waiting may have been queued that long (Slurm's start <= python's).
-    if any(queued.get(p.trials[i].job_id, written) <= written - SUBMITIT_PICKLE_WAIT_S + 10
-           for i in array.trials if i not in started):
+    if any(
+        queued.get(p.trials[i].job_id, written) <= written - SUBMITIT_PICKLE_WAIT_S + 10
+        for i in array.trials
+        if i not in started
+    ):
         time.sleep(max(0.0, written + 10 - time.time()))
         queued = _queued_tasks(job_name)
     ended = [i for i in array.trials if i not in started and p.trials[i].job_id not in queued]
@@ -484,14 +515,22 @@ def _sbatch_with_retry(submit_once: Callable[[], Any], what: str, attempts: int 
             reason = " ".join(str(e).split())[:300]
             if attempt == attempts - 1:
                 raise SlurmError(f"sbatch failed {attempts} times for {what}: {reason}") from e
-            print(f"hpc-train submit: sbatch failed for {what} ({reason}); retrying in "
-                  f"{backoff_s * 2**attempt:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"hpc-train submit: sbatch failed for {what} ({reason}); retrying in {backoff_s * 2**attempt:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(backoff_s * 2**attempt)
 
 
-def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Path | None = None,
-           max_parallel: int | None = None,
-           progress: Callable[[int, int], None] | None = None) -> tuple[Plan, list[Any]]:
+def submit(
+    p: Plan,
+    overrides: list[str],
+    multirun: bool = False,
+    sweep_dir: Path | None = None,
+    max_parallel: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Plan, list[Any]]:
     """Write and queue what plan() validated. Returns (the plan with job ids, submitit jobs submitted now)."""
     from hpc_train.job import run_job
 
@@ -506,9 +545,13 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
             with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
                 job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
             p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
-            record = {"executor": first.cluster.executor, "job_id": str(job.job_id), "job_name": job_name(run_dir),
-                      "submitted_at": time.time(),
-                      "overrides": overrides}
+            record = {
+                "executor": first.cluster.executor,
+                "job_id": str(job.job_id),
+                "job_name": job_name(run_dir),
+                "submitted_at": time.time(),
+                "overrides": overrides,
+            }
             if first.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
                 from hpc_train.ops import process_identity
 
@@ -540,8 +583,9 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
             array.submitting = False
             continue
         cluster = p.runs[todo[0]].cluster
-        executor = make_executor(cluster, _submitit_dir(p.target / "submitit", p.private), job_name(p.target),
-                                 max_parallel)
+        executor = make_executor(
+            cluster, _submitit_dir(p.target / "submitit", p.private), job_name(p.target), max_parallel
+        )
         lost = array.submitting and cluster.executor == "slurm"  # queued, but its id never reached the manifest
         if lost and _adopt_lost_array(p, array, job_name(p.target), executor):
             _save_manifest(p, overrides)
@@ -561,8 +605,10 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
             with contextlib.suppress(Exception):  # a failed trial is in its events.jsonl; go on
                 new[0].results()
         else:
-            what = (f"trials {todo[0]}..{todo[-1]} of {p.target} (the manifest has what is queued: rerun the same "
-                    f"command with --sweep-dir {p.target} to submit the rest)")
+            what = (
+                f"trials {todo[0]}..{todo[-1]} of {p.target} (the manifest has what is queued: rerun the same "
+                f"command with --sweep-dir {p.target} to submit the rest)"
+            )
             tried: list[int] = []
 
             def queue_array() -> list[Any]:
@@ -594,8 +640,21 @@ def submit(p: Plan, overrides: list[str], multirun: bool = False, sweep_dir: Pat
 # ---- hpc-train resume --------------------------------------------------------------------------------
 
 # Slurm states of a job that is queued, running or coming back: a run in one of them is not resumed.
-ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "CONFIGURING",
-                 "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED")
+ACTIVE_STATES = (
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+)
 
 
 def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, list[str]]:
@@ -609,8 +668,10 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
 
     runs = ops.find_runs(path)
     if not runs:
-        raise ValueError(f"{path} is not a run directory: it holds no run (no config.yaml, no sweep.json); see what "
-                         f"it holds with hpc-train status {path}")
+        raise ValueError(
+            f"{path} is not a run directory: it holds no run (no config.yaml, no sweep.json); see what "
+            f"it holds with hpc-train status {path}"
+        )
     if len(runs) != 1:
         raise ValueError(f"{path} holds {len(runs)} runs; resume one of them, e.g. hpc-train resume {runs[0].run_dir}")
     run = runs[0]
@@ -619,10 +680,14 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     # Held from the state check until the new job id is recorded: a second resume of this run is refused
     # (it would queue a second copy), and a sweep's submit driver waits to write sweep.json.
     target = run.log_dir.parent  # the run directory, or the sweep directory of a trial (its submitit/ and job name)
-    busy = (f"{run.label} is already being resumed by another hpc-train resume; follow it with hpc-train status "
-            f"{run.run_dir}")
-    with locked(run.run_dir / LOCK, wait=False, busy=busy), \
-            locked(target / (MANIFEST + ".lock")) if (target / MANIFEST).exists() else contextlib.nullcontext():
+    busy = (
+        f"{run.label} is already being resumed by another hpc-train resume; follow it with hpc-train status "
+        f"{run.run_dir}"
+    )
+    with (
+        locked(run.run_dir / LOCK, wait=False, busy=busy),
+        locked(target / (MANIFEST + ".lock")) if (target / MANIFEST).exists() else contextlib.nullcontext(),
+    ):
         return _resume(ops.find_runs(run.run_dir)[0], budgets, reason)
 
 
@@ -639,8 +704,10 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     events = read_events(run.run_dir)
     finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
     if finish is not None:
-        raise ValueError(f"{run.label} finished at step {finish['step']}: there is nothing to resume. To train on from "
-                         f"its weights, start a new run: hpc-train submit checkpoint.init_from={run.run_dir} ...")
+        raise ValueError(
+            f"{run.label} finished at step {finish['step']}: there is nothing to resume. To train on from "
+            f"its weights, start a new run: hpc-train submit checkpoint.init_from={run.run_dir} ..."
+        )
     cfg = load_frozen(run.run_dir)  # checks it still validates here: data path, fn._target_
     slurm.slurm_env(cfg.cluster.slurm_conf)
     state = ""
@@ -648,14 +715,19 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         try:
             state = slurm.live_states([run.job_id]).get(run.job_id, "")
         except slurm.SlurmError as e:
-            raise slurm.SlurmError(f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
-                                   f"({e}); try again once Slurm answers") from None
+            raise slurm.SlurmError(
+                f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
+                f"({e}); try again once Slurm answers"
+            ) from None
         # A job cancelled a moment ago stays COMPLETING while its ranks are killed (KillWait, 30 s by default,
         # plus the epilog): wait that out rather than send a user who just typed cancel; resume away.
         waited_until = time.monotonic() + 120
         if state == "COMPLETING":
-            print(f"hpc-train resume: job {run.job_id} is COMPLETING (its ranks are being stopped); waiting up to "
-                  f"2 minutes for it to end", file=sys.stderr)
+            print(
+                f"hpc-train resume: job {run.job_id} is COMPLETING (its ranks are being stopped); waiting up to "
+                f"2 minutes for it to end",
+                file=sys.stderr,
+            )
         while state == "COMPLETING" and time.monotonic() < waited_until:
             time.sleep(2)
             try:
@@ -663,54 +735,85 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             except slurm.SlurmError:
                 break  # the state is known to be COMPLETING: refused below
         if state in ACTIVE_STATES:
-            raise ValueError(f"{run.label} is still {state} (job {run.job_id}): there is nothing to resume; follow it "
-                             f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel "
-                             f"{run.run_dir}")
-    elif run.executor == "local" and run.process and run.process.get("host", socket.gethostname()) != socket.gethostname():
-        raise ValueError(f"{run.label} ran on host {run.process['host']}, not here ({socket.gethostname()}): its local "
-                         f"controller can only be seen there; run hpc-train resume {run.run_dir} on "
-                         f"{run.process['host']}")
+            raise ValueError(
+                f"{run.label} is still {state} (job {run.job_id}): there is nothing to resume; follow it "
+                f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel "
+                f"{run.run_dir}"
+            )
+    elif (
+        run.executor == "local"
+        and run.process
+        and run.process.get("host", socket.gethostname()) != socket.gethostname()
+    ):
+        raise ValueError(
+            f"{run.label} ran on host {run.process['host']}, not here ({socket.gethostname()}): its local "
+            f"controller can only be seen there; run hpc-train resume {run.run_dir} on "
+            f"{run.process['host']}"
+        )
     elif run.executor == "local" and (pid := ops.local_pid(run)):
-        raise ValueError(f"{run.label} is still running (local controller pid {pid}): there is nothing to resume; "
-                         f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
-                         f"{run.run_dir}")
+        raise ValueError(
+            f"{run.label} is still running (local controller pid {pid}): there is nothing to resume; "
+            f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
+            f"{run.run_dir}"
+        )
 
     events = read_events(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
     since = ops.since_resume(events)
     stopped = next((e for e in reversed(since) if e["event"] == "stopped"), None)
     failed = next((e for e in reversed(since) if e["event"] == "fail"), None)
-    why = (stopped["reason"] if stopped else f"its last attempt failed: {failed['error']}" if failed else
-           f"Slurm ended job {run.job_id} as {state} without a word in events.jsonl" if state else
-           "it ended without a word in events.jsonl (killed?)")
+    why = (
+        stopped["reason"]
+        if stopped
+        else f"its last attempt failed: {failed['error']}"
+        if failed
+        else f"Slurm ended job {run.job_id} as {state} without a word in events.jsonl"
+        if state
+        else "it ended without a word in events.jsonl (killed?)"
+    )
     for k, v in budgets.items():
         if v < (-1 if k == "max_preemptions" else 0):
             flag, unlimited = f"--{k.replace('_', '-')}", " (or -1: unlimited)" if k == "max_preemptions" else ""
             raise ValueError(f"{flag} {v}: a budget is a count >= 0{unlimited}; e.g. {flag} 4")
     limits = replace(cfg.requeue, **{**preempt.budget_changes(events), **budgets})
-    used = {"max_preemptions": preempt.requeues_counted(events, "preempt"),
-            "max_time_limit_requeues": preempt.requeues_counted(events, "time_limit"),
-            "max_failures": 0}  # a resume resets failures in a row: a person decided the cause is fixed
-    what = {"max_preemptions": "preemptions", "max_time_limit_requeues": "time-limit requeues",
-            "max_failures": "failures in a row"}
+    used = {
+        "max_preemptions": preempt.requeues_counted(events, "preempt"),
+        "max_time_limit_requeues": preempt.requeues_counted(events, "time_limit"),
+        "max_failures": 0,
+    }  # a resume resets failures in a row: a person decided the cause is fixed
+    what = {
+        "max_preemptions": "preemptions",
+        "max_time_limit_requeues": "time-limit requeues",
+        "max_failures": "failures in a row",
+    }
     spent = [k for k in used if getattr(limits, k) != -1 and used[k] >= getattr(limits, k)]
     budget_line = "budgets: " + ", ".join(
         f"{what[k]} {used[k]}/{'unlimited' if getattr(limits, k) == -1 else getattr(limits, k)}"
-        f"{' (raised now)' if k in budgets else ''}" for k in used)
+        f"{' (raised now)' if k in budgets else ''}"
+        for k in used
+    )
     if failures := preempt.failures_in_a_row(events):
         budget_line += f" (was {failures}: reset by this resume)"
     lines = [f"{run.label} stopped because {why}", budget_line]
-    lines += [f"the {what[k]} budget is still spent: the next such stop ends the run; raise it with "
-              f"--{k.replace('_', '-')} {used[k] + 2}" for k in spent]
+    lines += [
+        f"the {what[k]} budget is still spent: the next such stop ends the run; raise it with "
+        f"--{k.replace('_', '-')} {used[k] + 2}"
+        for k in spent
+    ]
     committed = [(s, f) for s, f in step_folders(RunPaths(run.run_dir).checkpoints).items() if read_marker(f)]
     if committed:
-        lines.append(f"resuming from {committed[-1][1]}, its newest committed checkpoint (verified when the job "
-                     f"starts; an older one if it does not verify)")
+        lines.append(
+            f"resuming from {committed[-1][1]}, its newest committed checkpoint (verified when the job "
+            f"starts; an older one if it does not verify)"
+        )
     elif cfg.checkpoint.init_from:
         if read_marker(Path(cfg.checkpoint.init_from)) is None:
-            raise ValueError(f"{run.label} has no committed checkpoint of its own and its checkpoint.init_from="
-                             f"{cfg.checkpoint.init_from} is no longer committed (deleted?); submit a new run instead")
-        lines.append(f"no committed checkpoint of its own: starting again from checkpoint.init_from="
-                     f"{cfg.checkpoint.init_from}")
+            raise ValueError(
+                f"{run.label} has no committed checkpoint of its own and its checkpoint.init_from="
+                f"{cfg.checkpoint.init_from} is no longer committed (deleted?); submit a new run instead"
+            )
+        lines.append(
+            f"no committed checkpoint of its own: starting again from checkpoint.init_from={cfg.checkpoint.init_from}"
+        )
     else:
         lines.append("no committed checkpoint: starting again from step 0")
 
@@ -719,8 +822,10 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         from hpc_train.provenance import differences
 
         if differences(json.loads(code.read_text())):
-            lines.append(f"warning: this is not the code that validated the run ({code}); the job will train with "
-                         f"it and record a code_changed event")
+            lines.append(
+                f"warning: this is not the code that validated the run ({code}); the job will train with "
+                f"it and record a code_changed event"
+            )
     target = run.log_dir.parent
     private = bool(cfg.cluster.env)
     if cfg.cluster.executor == "slurm":
@@ -746,9 +851,18 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         job_id = str(job.job_id)
         # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
         # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
-        log_event(run.run_dir, "resume", committed[-1][0] if committed else 0, job_id, attempt,
-                  by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason or "hpc-train resume",
-                  budgets=budgets, previous_job_id=run.job_id, stopped_because=why)
+        log_event(
+            run.run_dir,
+            "resume",
+            committed[-1][0] if committed else 0,
+            job_id,
+            attempt,
+            by=f"{getpass.getuser()}@{socket.gethostname()}",
+            reason=reason or "hpc-train resume",
+            budgets=budgets,
+            previous_job_id=run.job_id,
+            stopped_because=why,
+        )
         process = ops.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
         if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
             manifest = json.loads((target / MANIFEST).read_text())

@@ -30,6 +30,7 @@ BLOCK_BYTES = 1 << 20  # encode ~1 MiB of lines at a time: a many-GB file never 
 @dataclass
 class Encoder:
     """What prepare() writes with: token bytes per file, the separator's bytes, and meta.json's fields."""
+
     meta: dict[str, Any]  # tokenizer, vocab_size, dtype (+ separator for a tokenizer.json)
     separator: bytes  # one document boundary, already in the shard dtype
     hf: Any = None  # tokenizers.Tokenizer; None: bytes
@@ -59,8 +60,10 @@ class Encoder:
                     ids = [i for e in self.hf.encode_batch_fast(lines, add_special_tokens=False) for i in e.ids]
                     yield np.asarray(ids, dtype=self.meta["dtype"]).tobytes()
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); a BPE tokenizer reads "
-                                 f"text: convert the file, leave it out, or use the default byte tokens") from None
+                raise ValueError(
+                    f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); a BPE tokenizer reads "
+                    f"text: convert the file, leave it out, or use the default byte tokens"
+                ) from None
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -74,14 +77,17 @@ def check(spec: str) -> None:
     if spec.startswith("bpe:"):
         size = spec[4:]
         if not size.isdigit() or int(size) < 257 + 1:
-            raise ValueError(f"--tokenizer {spec}: VOCAB must be a whole number above the 256 byte tokens + "
-                             f"{END_OF_TEXT}, e.g. bpe:8192")
+            raise ValueError(
+                f"--tokenizer {spec}: VOCAB must be a whole number above the 256 byte tokens + "
+                f"{END_OF_TEXT}, e.g. bpe:8192"
+            )
     elif not Path(spec).is_file():
-        raise ValueError(f"--tokenizer {spec}: no such file; give bytes, bpe:VOCAB (e.g. bpe:8192) or a "
-                         f"tokenizer.json")
+        raise ValueError(f"--tokenizer {spec}: no such file; give bytes, bpe:VOCAB (e.g. bpe:8192) or a tokenizer.json")
     if importlib.util.find_spec("tokenizers") is None:
-        raise ValueError(f"--tokenizer {spec} needs Hugging Face tokenizers, which is not installed in this Python; "
-                         f"run: pip install 'hpc_train[tokenizers]' (or use the default byte tokens)")
+        raise ValueError(
+            f"--tokenizer {spec} needs Hugging Face tokenizers, which is not installed in this Python; "
+            f"run: pip install 'hpc_train[tokenizers]' (or use the default byte tokens)"
+        )
 
 
 def open_encoder(spec: str, files: list[Path]) -> Encoder:
@@ -105,8 +111,13 @@ def open_encoder(spec: str, files: list[Path]) -> Encoder:
     vocab = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     dtype = dtype_for(vocab)
     ids = [hf.token_to_id(separator)] if hf.token_to_id(separator) is not None else hf.encode(separator).ids
-    meta = {"tokenizer": name, "tokenizer_file": TOKENIZER_JSON, "vocab_size": vocab, "dtype": dtype,
-            "separator": separator}
+    meta = {
+        "tokenizer": name,
+        "tokenizer_file": TOKENIZER_JSON,
+        "vocab_size": vocab,
+        "dtype": dtype,
+        "separator": separator,
+    }
     return Encoder(meta, np.asarray(ids, dtype=dtype).tobytes(), hf, "" if spec.startswith("bpe:") else spec)
 
 
@@ -118,8 +129,12 @@ def train_bpe(files: list[Path], vocab_size: int) -> Any:
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
 
     def lines() -> Iterator[str]:
         for f in files:
@@ -127,9 +142,11 @@ def train_bpe(files: list[Path], vocab_size: int) -> Any:
                 try:
                     yield from iter(lambda: "".join(src.readlines(BLOCK_BYTES)), "")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); a BPE tokenizer "
-                                     f"reads text: convert the file, leave it out, or use the default byte "
-                                     f"tokens") from None
+                    raise ValueError(
+                        f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); a BPE tokenizer "
+                        f"reads text: convert the file, leave it out, or use the default byte "
+                        f"tokens"
+                    ) from None
 
     hf.train_from_iterator(lines(), trainer=trainer)
     return hf

@@ -12,11 +12,11 @@ ranks node-contiguously in that order. For a ring this is optimal: one crossing 
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 def switch_path(topology_addr: str, node: str) -> tuple[str, ...]:
-    """"root.s2.node3" -> ("root", "s2"): the switches above the node; () without topology."""
+    """ "root.s2.node3" -> ("root", "s2"): the switches above the node; () without topology."""
     parts = [p for p in topology_addr.split(".") if p]
     if parts and parts[-1] == node:
         parts = parts[:-1]
@@ -33,8 +33,13 @@ def plan_nodes(topology_addr: Mapping[str, str]) -> list[str]:
         path = switch_path(topology_addr[n], n)
         for depth in range(len(path) + 1):
             first_seen.setdefault(path[:depth], position[n])
-    key = {n: tuple(first_seen[switch_path(topology_addr[n], n)[:d + 1]]
-                    for d in range(len(switch_path(topology_addr[n], n)))) + (position[n],) for n in nodes}
+    key = {
+        n: tuple(
+            first_seen[switch_path(topology_addr[n], n)[: d + 1]] for d in range(len(switch_path(topology_addr[n], n)))
+        )
+        + (position[n],)
+        for n in nodes
+    }
     return sorted(nodes, key=key.__getitem__)
 
 
@@ -55,8 +60,10 @@ def mesh_shape(world_size: int, ranks_per_node: int, tp: int) -> dict[str, int]:
     """(dp, tp) with tensor parallel innermost: a tp group is tp consecutive ranks, so it stays on a node."""
     if tp < 1 or ranks_per_node % tp:
         divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
-        raise ValueError(f"train.tp={tp} must divide cluster.tasks_per_node={ranks_per_node} so tensor-parallel "
-                         f"groups stay on one node; use tp in {divisors}")
+        raise ValueError(
+            f"train.tp={tp} must divide cluster.tasks_per_node={ranks_per_node} so tensor-parallel "
+            f"groups stay on one node; use tp in {divisors}"
+        )
     return {"dp": world_size // tp, "tp": tp}
 
 
@@ -66,10 +73,15 @@ def placement(topology_addr: Mapping[str, str], ranks_per_node: int, tp: int = 1
     leaf_of = {n: switch_path(topology_addr[n], n) for n in topology_addr}
     return {
         "nodes": order,
-        "ranks": [{"rank": i * ranks_per_node + local, "node": n, "local_rank": local, "switch": ".".join(leaf_of[n])}
-                  for i, n in enumerate(order) for local in range(ranks_per_node)],
+        "ranks": [
+            {"rank": i * ranks_per_node + local, "node": n, "local_rank": local, "switch": ".".join(leaf_of[n])}
+            for i, n in enumerate(order)
+            for local in range(ranks_per_node)
+        ],
         "mesh": mesh_shape(len(order) * ranks_per_node, ranks_per_node, tp),
-        "ring_cross_switch_edges": {"placed": ring_crossings(order, leaf_of),
-                                    "slurm_order": ring_crossings(list(topology_addr), leaf_of),
-                                    "optimum": optimum_crossings(leaf_of)},
+        "ring_cross_switch_edges": {
+            "placed": ring_crossings(order, leaf_of),
+            "slurm_order": ring_crossings(list(topology_addr), leaf_of),
+            "optimum": optimum_crossings(leaf_of),
+        },
     }

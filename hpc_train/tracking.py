@@ -3,8 +3,8 @@
     pip install 'hpc_train[tensorboard]'                  # or [wandb], [mlflow]
     hpc-train submit metrics.tensorboard=true             # -> RUN_DIR/tensorboard/, then:
     tensorboard --logdir runs/
-    hpc-train submit metrics.wandb=true                   # offline into RUN_DIR/wandb/; `wandb sync RUN_DIR/wandb/offline-run-*`
-    hpc-train submit metrics.mlflow=true                  # file store RUN_DIR/mlruns (or metrics.mlflow_tracking_uri=...)
+    hpc-train submit metrics.wandb=true                   # offline into RUN_DIR/wandb/ (then `wandb sync`)
+    hpc-train submit metrics.mlflow=true                  # RUN_DIR/mlruns, or metrics.mlflow_tracking_uri=
 
 Every attempt of a run logs into the same TensorBoard folder, the same W&B run and the same MLflow run:
 the run's tracking id is made once and kept in RUN_DIR/tracking.json. A step already in metrics.jsonl
@@ -21,9 +21,10 @@ import json
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # {"run_id", "mlflow_run_id", "wandb_logged_through"}: the same runs on every requeue
 TRACKING_JSON = "tracking.json"
@@ -53,19 +54,25 @@ class TrackingConfig:  # tracking.py, the `metrics` section of the root config
         import importlib.util
 
         if not 0 <= self.prometheus_port <= 65535:
-            raise ValueError(f"metrics.prometheus_port={self.prometheus_port} must be 0 (off) or a TCP port 1-65535, "
-                             f"e.g. metrics.prometheus_port=9400")
+            raise ValueError(
+                f"metrics.prometheus_port={self.prometheus_port} must be 0 (off) or a TCP port 1-65535, "
+                f"e.g. metrics.prometheus_port=9400"
+            )
         if not self.prometheus_addr.strip():  # http.server binds "" to every interface: only when written as 0.0.0.0
-            raise ValueError(f"metrics.prometheus_addr={self.prometheus_addr!r} is empty, which would serve on every "
-                             f"interface; give 127.0.0.1 (default: a scraper on the node or an SSH tunnel), the "
-                             f"node's address, or 0.0.0.0 to mean every interface")
+            raise ValueError(
+                f"metrics.prometheus_addr={self.prometheus_addr!r} is empty, which would serve on every "
+                f"interface; give 127.0.0.1 (default: a scraper on the node or an SSH tunnel), the "
+                f"node's address, or 0.0.0.0 to mean every interface"
+            )
         if self.wandb_mode not in ("offline", "online"):
             raise ValueError(f"metrics.wandb_mode={self.wandb_mode!r} is not one of ('offline', 'online')")
         for switch, module in PACKAGES.items():
             if getattr(self, switch) and importlib.util.find_spec(module) is None:
-                raise ValueError(f"metrics.{switch}=true needs the {module} package, which is not installed in "
-                                 f"this Python; run: pip install 'hpc_train[{switch}]' (the job uses the same "
-                                 f"environment), or set metrics.{switch}=false")
+                raise ValueError(
+                    f"metrics.{switch}=true needs the {module} package, which is not installed in "
+                    f"this Python; run: pip install 'hpc_train[{switch}]' (the job uses the same "
+                    f"environment), or set metrics.{switch}=false"
+                )
 
 
 def run_id(run_dir: Path) -> dict[str, Any]:
@@ -95,8 +102,9 @@ class Tracker:
     A backend that fails (an MLflow server down, W&B online without a network) is switched off for the
     attempt after one `tracking_failed` event: training goes on, metrics.jsonl stays the record."""
 
-    def __init__(self, cfg: TrackingConfig, run_dir: Path, config: dict[str, Any],
-                 event: Callable[..., None] | None = None) -> None:
+    def __init__(
+        self, cfg: TrackingConfig, run_dir: Path, config: dict[str, Any], event: Callable[..., None] | None = None
+    ) -> None:
         self.cfg, self.run_dir, self.config, self.event = cfg, run_dir, config, event
         self.logged_through = _last_step(run_dir)  # sent by earlier attempts (they log right after metrics.jsonl)
         self.step = max(self.logged_through, 0)  # the step a failure is recorded at
@@ -119,8 +127,12 @@ class Tracker:
             setattr(self, backend, None)
             error = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             name = {"tb": "tensorboard"}.get(backend, backend)
-            print(f"[hpc_train] tracking: {name} failed during {during} ({error}); off for this attempt, "
-                  f"metrics.jsonl has every row", file=sys.stderr, flush=True)
+            print(
+                f"[hpc_train] tracking: {name} failed during {during} ({error}); off for this attempt, "
+                f"metrics.jsonl has every row",
+                file=sys.stderr,
+                flush=True,
+            )
             if self.event is not None:
                 self.event("tracking_failed", self.step, backend=name, during=during, error=error)
 
@@ -133,9 +145,17 @@ class Tracker:
         import wandb
 
         cfg, ids = self.cfg, self.ids
-        self.wandb = wandb.init(id=ids["run_id"], resume="allow", name=self.run_dir.name, project=cfg.wandb_project,
-                                entity=cfg.wandb_entity or None, mode=cfg.wandb_mode, dir=str(self.run_dir),
-                                config=self.config, settings=wandb.Settings(console="off", silent=True))
+        self.wandb = wandb.init(
+            id=ids["run_id"],
+            resume="allow",
+            name=self.run_dir.name,
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity or None,
+            mode=cfg.wandb_mode,
+            dir=str(self.run_dir),
+            config=self.config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     def _open_mlflow(self) -> None:
         uri = self.cfg.mlflow_tracking_uri or f"file:{self.run_dir.resolve() / 'mlruns'}"
@@ -155,16 +175,22 @@ class Tracker:
             name, ids = self.cfg.mlflow_experiment, self.ids
             exp = client.get_experiment_by_name(name)
             exp_id = exp.experiment_id if exp else client.create_experiment(name)
-            run = client.create_run(exp_id, run_name=ids["run_id"], tags={"hpc_train.run_id": ids["run_id"],
-                                                                          "hpc_train.run_dir": str(self.run_dir)})
+            run = client.create_run(
+                exp_id,
+                run_name=ids["run_id"],
+                tags={"hpc_train.run_id": ids["run_id"], "hpc_train.run_dir": str(self.run_dir)},
+            )
             self.mlflow_run = run.info.run_id
             _write(self.run_dir / TRACKING_JSON, {**ids, "mlflow_run_id": self.mlflow_run})  # before any metric
         self.mlflow = client
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         self.step = step
-        values = {k: float(v) for k, v in row.items() if k not in ("time", "step") and isinstance(v, (int, float))
-                  and not isinstance(v, bool)}  # mfu is None on CPU
+        values = {
+            k: float(v)
+            for k, v in row.items()
+            if k not in ("time", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }  # mfu is None on CPU
 
         def wandb_log() -> None:
             self.wandb.log(values, step=step)  # type: ignore[union-attr]
@@ -179,8 +205,10 @@ class Tracker:
             from mlflow.entities import Metric
 
             ms = int(row["time"] * 1000)
-            self.mlflow.log_batch(self.mlflow_run,  # type: ignore[union-attr]
-                                  metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+            self.mlflow.log_batch(
+                self.mlflow_run,  # type: ignore[union-attr]
+                metrics=[Metric(k, v, ms, step) for k, v in values.items()],
+            )
 
         if step > self.wandb_through:
             self._guard("wandb", "log", wandb_log)
@@ -200,8 +228,7 @@ class Tracker:
         self._guard("tb", "close", lambda: self.tb.close())  # type: ignore[union-attr]
         self._guard("wandb", "close", wandb_close)
         if finished:
-            self._guard("mlflow", "close",
-                        lambda: self.mlflow.set_terminated(self.mlflow_run, status="FINISHED"))  # type: ignore[union-attr]
+            self._guard("mlflow", "close", lambda: self.mlflow.set_terminated(self.mlflow_run, status="FINISHED"))  # type: ignore[union-attr]
         self.tb = self.wandb = self.mlflow = None
 
 
@@ -213,8 +240,12 @@ class _Off:
         pass
 
 
-def open(cfg: TrackingConfig, run_dir: Path, rank: int,  # noqa: A001 (tracking.open reads well)
-         event: Callable[..., None] | None = None) -> Tracker | _Off:
+def open(
+    cfg: TrackingConfig,
+    run_dir: Path,
+    rank: int,  # noqa: A001 (tracking.open reads well)
+    event: Callable[..., None] | None = None,
+) -> Tracker | _Off:
     """Rank 0's tracker for this attempt, or one that does nothing (other ranks, or nothing switched on).
     event(name, step, **fields) records a backend's failure (train.py passes the Attempt's)."""
     if rank != 0 or not (cfg.tensorboard or cfg.wandb or cfg.mlflow):

@@ -62,7 +62,7 @@ def grad_accum_for(global_batch_seqs: int, dp_size: int, batch_seqs_per_rank: in
     return max(1, round(global_batch_seqs / (dp_size * batch_seqs_per_rank)))
 
 
-def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Module:
+def parallelize(model: GPT, tc: TrainConfig, mesh: DeviceMesh) -> torch.nn.Module:
     """DDP; or FSDP2 over dp, each block's matmuls first split over tp (Megatron's layout: qkv and
     fc by columns, proj and fc_out by rows, so one all-reduce per attention and per MLP). Embeddings,
     norms and the tied head stay whole on every tp rank. Returns the module to call."""
@@ -70,7 +70,12 @@ def parallelize(model: GPT, tc: TrainConfig, mesh: "DeviceMesh") -> torch.nn.Mod
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if tc.tp > 1:
-        plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}
+        plan = {
+            "qkv": ColwiseParallel(),
+            "proj": RowwiseParallel(),
+            "fc": ColwiseParallel(),
+            "fc_out": RowwiseParallel(),
+        }
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
     if tc.compile:  # each block in place, after TP and before FSDP (torchtitan's order); names stay, so do checkpoints
@@ -144,8 +149,9 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | No
     return None if peak is None else flops_per_token * tokens_per_s_per_device / peak
 
 
-def name_stragglers(at: Attempt, sums: list[float], steps: int, judge: straggler.Judge,
-                    cfg: straggler.StragglerConfig, step: int) -> None:
+def name_stragglers(
+    at: Attempt, sums: list[float], steps: int, judge: straggler.Judge, cfg: straggler.StragglerConfig, step: int
+) -> None:
     """Collective, once per window: every rank's (compute, data, wall) seconds per step, in one all_gather
     of 3 floats; rank 0 judges (straggler.py) and names or clears ranks in events.jsonl and on its console."""
     mine = torch.tensor([s / steps for s in sums], dtype=torch.float64, device=at.device)
@@ -158,18 +164,30 @@ def name_stragglers(at: Attempt, sums: list[float], steps: int, judge: straggler
     for rank in named + cleared:
         (compute_s, data_s, wall_s), node = times[rank], at.env.nodes[rank // at.env.local_world_size]
         median = medians[rank]  # of the other ranks' own times
-        fields = {"rank": rank, "node": node, "own_s": round(compute_s + data_s, 6), "median_own_s": round(median, 6),
-                  "compute_s": round(compute_s, 6), "data_s": round(data_s, 6),
-                  "comm_s": round(max(0.0, wall_s - compute_s - data_s), 6), "wall_s": round(wall_s, 6)}
+        fields = {
+            "rank": rank,
+            "node": node,
+            "own_s": round(compute_s + data_s, 6),
+            "median_own_s": round(median, 6),
+            "compute_s": round(compute_s, 6),
+            "data_s": round(data_s, 6),
+            "comm_s": round(max(0.0, wall_s - compute_s - data_s), 6),
+            "wall_s": round(wall_s, 6),
+        }
         if rank in named:
             at.event("straggler", step, **fields, windows=cfg.windows, every_steps=cfg.every_steps, factor=cfg.factor)
-            at.say(f"[hpc_train] straggler: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step of its own "
-                   f"(compute {compute_s * 1e3:.1f}, data {data_s * 1e3:.1f}) vs the other ranks' median {median * 1e3:.1f} "
-                   f"ms, {cfg.windows} windows of {cfg.every_steps} steps in a row; the others wait for it in collectives")
+            at.say(
+                f"[hpc_train] straggler: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step of its own "
+                f"(compute {compute_s * 1e3:.1f}, data {data_s * 1e3:.1f}) "
+                f"vs the other ranks' median {median * 1e3:.1f} "
+                f"ms, {cfg.windows} windows of {cfg.every_steps} steps in a row; the others wait for it in collectives"
+            )
         else:
             at.event("straggler_cleared", step, **fields)
-            at.say(f"[hpc_train] straggler cleared: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step "
-                   f"vs the others' median {median * 1e3:.1f} ms")
+            at.say(
+                f"[hpc_train] straggler cleared: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step "
+                f"vs the others' median {median * 1e3:.1f} ms"
+            )
 
 
 def params_sha256(model: torch.nn.Module) -> str:
@@ -192,8 +210,13 @@ def main(at: Attempt) -> dict[str, Any] | None:
     model = GPT(cfg.model).to(at.device)
     model.activation_checkpointing = on_gpu if tc.activation_checkpointing is None else tc.activation_checkpointing
     net = parallelize(model, tc, at.mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
-                                  weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=tc.lr,
+        betas=(tc.adam_beta1, tc.adam_beta2),
+        eps=tc.adam_eps,
+        weight_decay=tc.weight_decay,
+    )
     sampler = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
     val = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, "val") if tc.eval_every_steps else None
     state = TrainState(model, optimizer, data=sampler)
@@ -207,8 +230,10 @@ def main(at: Attempt) -> dict[str, Any] | None:
             try:
                 return module(x, y)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # train.compile: a requeue would fail alike
-                raise preempt.Unrecoverable(f"train.compile=true: torch.compile failed on {socket.gethostname()}: "
-                                            f"{str(e).splitlines()[0]}; fix it there or set train.compile=false") from e
+                raise preempt.Unrecoverable(
+                    f"train.compile=true: torch.compile failed on {socket.gethostname()}: "
+                    f"{str(e).splitlines()[0]}; fix it there or set train.compile=false"
+                ) from e
 
     def evaluate() -> float | None:
         """The mean loss of the same train.eval_batches held-out batches per data-parallel rank every time
@@ -244,11 +269,19 @@ def main(at: Attempt) -> dict[str, Any] | None:
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
     resumed = at.resume(state, **batch)
     if batch["global_batch_seqs"] != global_seqs:
-        at.event("batch_changed", state.step, global_batch_seqs=batch["global_batch_seqs"], configured=global_seqs,
-                 dp=dp_size, grad_accum_steps=grad_accum)
-        at.say(f"[hpc_train] warning: global batch {global_seqs} sequences does not divide over dp={dp_size} x "
-               f"{tc.batch_seqs_per_rank}; this attempt steps {batch['global_batch_seqs']} sequences "
-               f"({grad_accum} micro-batches)")
+        at.event(
+            "batch_changed",
+            state.step,
+            global_batch_seqs=batch["global_batch_seqs"],
+            configured=global_seqs,
+            dp=dp_size,
+            grad_accum_steps=grad_accum,
+        )
+        at.say(
+            f"[hpc_train] warning: global batch {global_seqs} sequences does not divide over dp={dp_size} x "
+            f"{tc.batch_seqs_per_rank}; this attempt steps {batch['global_batch_seqs']} sequences "
+            f"({grad_accum} micro-batches)"
+        )
     if resumed and tc.parallelism == "ddp":
         # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
         # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
@@ -257,9 +290,11 @@ def main(at: Attempt) -> dict[str, Any] | None:
         loss_of(*next_batch()).backward()
         optimizer.zero_grad(set_to_none=True)
         sampler.position = position
-    at.say(f"[hpc_train] job {at.env.job_id} attempt {at.env.restart_count}: {at.env.world_size} ranks on "
-           f"{at.env.num_nodes} node(s), mesh dp={dp_size} x tp={tc.tp}, {tc.parallelism}, {at.device.type}"
-           f"{' bf16' if bf16 else ''}, starting at step {state.step}/{tc.steps}")
+    at.say(
+        f"[hpc_train] job {at.env.job_id} attempt {at.env.restart_count}: {at.env.world_size} ranks on "
+        f"{at.env.num_nodes} node(s), mesh dp={dp_size} x tp={tc.tp}, {tc.parallelism}, {at.device.type}"
+        f"{' bf16' if bf16 else ''}, starting at step {state.step}/{tc.steps}"
+    )
 
     flops_per_token = model_flops_per_token(model, cfg)
     peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
@@ -267,9 +302,18 @@ def main(at: Attempt) -> dict[str, Any] | None:
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
     first_step, step_loss, val_loss = state.step, torch.tensor(float("nan")), None
     tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank, at.event)  # metrics.tensorboard/wandb/mlflow
-    exporter = prometheus.start(cfg.metrics.prometheus_addr, cfg.metrics.prometheus_port, cfg.metrics.prometheus_textfile,
-                                at.env.job_id, lambda: prometheus.run_text(at.paths.run_dir, at.env.job_id),
-                                at.event) if at.env.rank == 0 else None
+    exporter = (
+        prometheus.start(
+            cfg.metrics.prometheus_addr,
+            cfg.metrics.prometheus_port,
+            cfg.metrics.prometheus_textfile,
+            at.env.job_id,
+            lambda: prometheus.run_text(at.paths.run_dir, at.env.job_id),
+            at.event,
+        )
+        if at.env.rank == 0
+        else None
+    )
     # Stragglers (straggler.py): this rank's own seconds (compute, data, wall) summed over a window.
     sc, judge, window, window_steps = cfg.straggler, straggler.Judge(), [0.0, 0.0, 0.0], 0
     slow_drill_s = preempt.drill_seconds(at.paths.drills, f"slow_rank_{at.env.rank}")  # re-read once per window
@@ -286,7 +330,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
             group["lr"] = lr_at(state.step, tc)
         optimizer.zero_grad(set_to_none=True)
         data_s, data_cpu_s, step_loss = 0.0, 0.0, torch.zeros((), device=at.device)
-        for micro in range(grad_accum):
+        for _micro in range(grad_accum):
             t_data, cpu_data = time.monotonic(), time.thread_time()
             x, y = next_batch()
             data_s += time.monotonic() - t_data
@@ -327,22 +371,32 @@ def main(at: Attempt) -> dict[str, Any] | None:
             mean_loss = global_mean(step_loss)
             if at.env.rank == 0:
                 tokens_per_s = tokens_per_step / step_time_s
-                row = {"time": time.time(), "step": state.step, "loss": mean_loss, "lr": lr_at(state.step - 1, tc),
-                       "grad_norm": grad_norm.item(), "step_time_s": step_time_s, "eval_s": eval_s,
-                       "data_wait_fraction": data_s / step_time_s,
-                       "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / at.env.world_size,
-                       "peak_memory_mb": peak_memory_mb(at.device),
-                       "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops),
-                       **({} if val_loss is None else {"val_loss": val_loss})}
+                row = {
+                    "time": time.time(),
+                    "step": state.step,
+                    "loss": mean_loss,
+                    "lr": lr_at(state.step - 1, tc),
+                    "grad_norm": grad_norm.item(),
+                    "step_time_s": step_time_s,
+                    "eval_s": eval_s,
+                    "data_wait_fraction": data_s / step_time_s,
+                    "tokens_per_s": tokens_per_s,
+                    "tokens_per_s_per_rank": tokens_per_s / at.env.world_size,
+                    "peak_memory_mb": peak_memory_mb(at.device),
+                    "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops),
+                    **({} if val_loss is None else {"val_loss": val_loss}),
+                }
                 append_jsonl(at.paths.metrics, row)
                 tracker.log(state.step, row)
                 if exporter:
                     exporter.tick()
                 mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
                 val_text = "" if val_loss is None else f"  val {val_loss:.4f}"
-                at.say(f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  gnorm "
-                       f"{row['grad_norm']:.3f}{val_text}  {step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} "
-                       f"tok/s  data {row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}")
+                at.say(
+                    f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  gnorm "
+                    f"{row['grad_norm']:.3f}{val_text}  {step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} "
+                    f"tok/s  data {row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}"
+                )
         if sc.every_steps and state.step % sc.every_steps == 0:  # the same step on every rank
             if forward_events:  # GPU: the window's forwards, read once (one synchronize per window)
                 forward_events[-1][1].synchronize()

@@ -52,7 +52,9 @@ def paths(root: Path = CLUSTER_DIR) -> dict[str, Path]:
 def slurm_conf_text(root: Path, max_array_size: int = 1001, ctld_parameters: str = "") -> str:
     p = paths(root)
     extra = f"SlurmctldParameters={ctld_parameters}\n" if ctld_parameters else ""
-    return extra + f"""\
+    return (
+        extra
+        + f"""\
 ClusterName=hpcdev
 FirstJobId={1 + 10 * PORT_OFFSET}
 SlurmctldHost=localhost(127.0.0.1)
@@ -63,12 +65,12 @@ AuthType=auth/munge
 CryptoType=crypto/munge
 # A requeued job may only restart after cred_expire; the default 120 s makes every resume test slow.
 AuthInfo=cred_expire=10
-StateSaveLocation={p['spool']}/ctld
-SlurmdSpoolDir={p['spool']}/%n
-SlurmctldPidFile={p['run']}/slurmctld.pid
-SlurmdPidFile={p['run']}/slurmd-%n.pid
-SlurmctldLogFile={p['log']}/slurmctld.log
-SlurmdLogFile={p['log']}/slurmd-%n.log
+StateSaveLocation={p["spool"]}/ctld
+SlurmdSpoolDir={p["spool"]}/%n
+SlurmctldPidFile={p["run"]}/slurmctld.pid
+SlurmdPidFile={p["run"]}/slurmd-%n.pid
+SlurmctldLogFile={p["log"]}/slurmctld.log
+SlurmdLogFile={p["log"]}/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -104,6 +106,7 @@ PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=60 State=UP PriorityTier
 PartitionName=low Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={LOW_GRACE_S}
 PartitionName=high Nodes=node[1-4] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
+    )
 
 
 TOPOLOGY_CONF = """\
@@ -121,8 +124,8 @@ DbdHost=localhost
 DbdAddr=127.0.0.1
 DbdPort={DBD_PORT}
 SlurmUser=root
-LogFile={p['log']}/slurmdbd.log
-PidFile={p['run']}/slurmdbd.pid
+LogFile={p["log"]}/slurmdbd.log
+PidFile={p["run"]}/slurmdbd.pid
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
 StoragePort={DB_PORT}
@@ -151,7 +154,7 @@ def _read_pid(pidfile: Path) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError, IndexError):
         return None
-    comm, state = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2]
+    comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
     if state in "ZX":  # a zombie is dead; it waits only for a parent that may never reap it
         return None
     daemon = pidfile.stem.split("-")[0]  # slurmd-node1.pid -> slurmd
@@ -198,22 +201,49 @@ def _start_mariadb(root: Path) -> None:
     p = paths(root)
     sock = p["run"] / "mariadb.sock"
     subprocess.run(
-        ["mariadb-install-db", "--no-defaults", f"--datadir={p['db']}", "--user=root",
-         "--auth-root-authentication-method=socket", "--skip-test-db"],
-        check=True, capture_output=True, timeout=120,
+        [
+            "mariadb-install-db",
+            "--no-defaults",
+            f"--datadir={p['db']}",
+            "--user=root",
+            "--auth-root-authentication-method=socket",
+            "--skip-test-db",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     with open(p["log"] / "mariadb.log", "ab") as log:
         subprocess.Popen(
-            ["mariadbd", "--no-defaults", f"--datadir={p['db']}", f"--socket={sock}", f"--port={DB_PORT}",
-             "--bind-address=127.0.0.1", "--skip-name-resolve", f"--pid-file={p['run']}/mariadb.pid",
-             "--user=root", "--innodb-buffer-pool-size=32M", "--skip-log-bin"],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+            [
+                "mariadbd",
+                "--no-defaults",
+                f"--datadir={p['db']}",
+                f"--socket={sock}",
+                f"--port={DB_PORT}",
+                "--bind-address=127.0.0.1",
+                "--skip-name-resolve",
+                f"--pid-file={p['run']}/mariadb.pid",
+                "--user=root",
+                "--innodb-buffer-pool-size=32M",
+                "--skip-log-bin",
+            ],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     _wait_for("mariadb", lambda: sock.exists() and _port_open(DB_PORT), 60, root)
-    sql = ("CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';"
-           "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;")
-    subprocess.run(["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root", "-e", sql],
-                   check=True, capture_output=True, timeout=30)
+    sql = (
+        "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';"
+        "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
+    )
+    subprocess.run(
+        ["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root", "-e", sql],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def _add_associations(root: Path) -> subprocess.Popen:
@@ -227,8 +257,14 @@ def _add_associations(root: Path) -> subprocess.Popen:
         f"add user {user} account={','.join(ACCOUNTS)} defaultaccount={ACCOUNTS[0]} qos={','.join(QOS)} "
         f"defaultqos={QOS[0]} cluster=hpcdev",
     ]
-    proc = subprocess.Popen(["sacctmgr", "-i"], env=client_env(root), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["sacctmgr", "-i"],
+        env=client_env(root),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     proc.stdin.write("\n".join(commands) + "\n")  # type: ignore[union-attr]
     proc.stdin.close()  # type: ignore[union-attr]
     return proc
@@ -241,8 +277,9 @@ def _associations_added(proc: subprocess.Popen, root: Path) -> None:
     # slurmdbd pushes the changes to slurmctld asynchronously: wait until it accepts every combination.
     for account in ACCOUNTS:
         test = ["sbatch", "--test-only", f"--account={account}", f"--qos={QOS[-1]}", "--wrap=true"]
-        _wait_for(f"slurmctld to know account {account}", lambda: _run(test, root, check=False).returncode == 0,
-                  30, root)
+        _wait_for(
+            f"slurmctld to know account {account}", lambda: _run(test, root, check=False).returncode == 0, 30, root
+        )
 
 
 def _start_slurmd(node: str, root: Path) -> None:
@@ -250,8 +287,13 @@ def _start_slurmd(node: str, root: Path) -> None:
     p = paths(root)
     (p["spool"] / node).mkdir(parents=True, exist_ok=True)
     script = f"hostname {node} && mount --bind {p['etc']}/hosts /etc/hosts && exec slurmd -N {node}"
-    subprocess.run(["unshare", "--uts", "--mount", "sh", "-c", script],
-                   env=client_env(root), check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        ["unshare", "--uts", "--mount", "sh", "-c", script],
+        env=client_env(root),
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def _nodes_idle(root: Path) -> bool:
@@ -299,8 +341,12 @@ def reconfigure(root: Path = CLUSTER_DIR, max_array_size: int = 1001, ctld_param
     (paths(root)["etc"] / "slurm.conf").write_text(slurm_conf_text(root, max_array_size, ctld_parameters))
     _run(["scontrol", "reconfigure"], root)
     want = ctld_parameters or "(null)"
-    _wait_for(f"SlurmctldParameters={want}", lambda: f"SlurmctldParameters     = {want}" in
-              _run(["scontrol", "show", "config"], root).stdout, 30, root)
+    _wait_for(
+        f"SlurmctldParameters={want}",
+        lambda: f"SlurmctldParameters     = {want}" in _run(["scontrol", "show", "config"], root).stdout,
+        30,
+        root,
+    )
 
 
 def restart_controller(down_s: float, root: Path = CLUSTER_DIR) -> None:
@@ -351,8 +397,10 @@ def down(root: Path = CLUSTER_DIR) -> None:
 
 def status(root: Path = CLUSTER_DIR) -> str:
     run = paths(root)["run"]
-    lines = [f"{name:16s} {'up (pid %d)' % pid if (pid := _read_pid(run / f'{name}.pid')) else 'down'}"
-             for name in DAEMON_PIDFILES]
+    lines = [
+        f"{name:16s} {f'up (pid {pid})' if (pid := _read_pid(run / f'{name}.pid')) else 'down'}"
+        for name in DAEMON_PIDFILES
+    ]
     if is_up(root):
         lines.append(_run(["sinfo"], root, check=False).stdout)
     return "\n".join(lines)

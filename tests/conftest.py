@@ -8,8 +8,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,9 @@ def no_node_left_drained(slurm_env: dict[str, str]):
     assert not re.search(r"drain|down|fail", states), states
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None, timeout_s: float = 120, **kw: Any) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout_s: float = 120, **kw: Any
+) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, **kw)
 
 
@@ -95,9 +98,14 @@ def sacct_state(job_id: str, env: dict[str, str]) -> str:
 
 def wait_finished(run_dir: Path, job_id: str, env: dict[str, str], timeout_s: float = 240) -> dict[str, Any]:
     """Wait for summary.json and for Slurm to call the job COMPLETED; return the summary."""
-    wait_until(lambda: (run_dir / "summary.json").exists() or _stopped(run_dir), timeout_s,
-               f"{run_dir}/summary.json (job {job_id})")
-    assert not _stopped(run_dir), f"run stopped: {[e for e in read_events(run_dir) if e['event'] in ('fail', 'stopped')]}"
+    wait_until(
+        lambda: (run_dir / "summary.json").exists() or _stopped(run_dir),
+        timeout_s,
+        f"{run_dir}/summary.json (job {job_id})",
+    )
+    assert not _stopped(run_dir), (
+        f"run stopped: {[e for e in read_events(run_dir) if e['event'] in ('fail', 'stopped')]}"
+    )
     wait_until(lambda: sacct_state(job_id, env) == "COMPLETED", 60, f"job {job_id} COMPLETED in sacct")
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -106,12 +114,17 @@ def _stopped(run_dir: Path) -> bool:
     """A `stopped` event since the last `resume` (hpc-train resume brings a stopped run back)."""
     events = read_events(run_dir)
     last_resume = max((i for i, e in enumerate(events) if e["event"] == "resume"), default=-1)
-    return any(e["event"] == "stopped" for e in events[last_resume + 1:])
+    return any(e["event"] == "stopped" for e in events[last_resume + 1 :])
 
 
 # 4 ranks (2 nodes x 2 tasks); 0.25 s per step keeps the run ~15 s long so a signal lands mid-run.
-RUN_ARGS = ["cluster=dev", "cluster.partition=low", "train.steps=60", "train.min_step_time_s=0.25",
-            "checkpoint.every_steps=20"]
+RUN_ARGS = [
+    "cluster=dev",
+    "cluster.partition=low",
+    "train.steps=60",
+    "train.min_step_time_s=0.25",
+    "checkpoint.every_steps=20",
+]
 
 
 @pytest.fixture(scope="session")
@@ -125,12 +138,16 @@ def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactor
     return summary
 
 
-def interrupted_run(slurm_env: dict[str, str], tmp_path: Path, name: str, interrupt: Callable[[str], None],
-                    extra: list[str] = ()) -> tuple[dict, list[dict]]:
+def interrupted_run(
+    slurm_env: dict[str, str], tmp_path: Path, name: str, interrupt: Callable[[str], None], extra: list[str] = ()
+) -> tuple[dict, list[dict]]:
     """Submit RUN_ARGS, call interrupt(job_id) once the first checkpoint committed, wait for the end."""
     run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={name}", *extra], env=slurm_env)
-    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120,
-               "the first committed checkpoint")
+    wait_until(
+        lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)),
+        120,
+        "the first committed checkpoint",
+    )
     interrupt(job_id)
     summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
     return summary, read_events(run_dir)
@@ -141,8 +158,10 @@ def high_job_preempting(slurm_env: dict[str, str], high_ids: list[str], nodes: s
 
     def preempt(job_id: str) -> None:
         where = ["-w", nodes, "-N", str(len(nodes.split(",")))] if nodes else ["-N", "4"]
-        proc = run(["sbatch", "--parsable", "-p", "high", *where, "--exclusive", "-o", "/dev/null",
-                    "--wrap", "sleep 2"], env=slurm_env)
+        proc = run(
+            ["sbatch", "--parsable", "-p", "high", *where, "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2"],
+            env=slurm_env,
+        )
         assert proc.returncode == 0, proc.stderr
         high_ids.append(proc.stdout.strip())
 

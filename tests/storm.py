@@ -23,25 +23,41 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cluster as test_cluster
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 
 from hpc_train.metrics import log_event
 
-FAULTS = ("time-limit", "preempt", "preempt-user-signal", "requeue", "batch-term", "kill-rank-during-save",
-          "corrupt-checkpoint", "slow-storage", "scontrol-fails-once")
+FAULTS = (
+    "time-limit",
+    "preempt",
+    "preempt-user-signal",
+    "requeue",
+    "batch-term",
+    "kill-rank-during-save",
+    "corrupt-checkpoint",
+    "slow-storage",
+    "scontrol-fails-once",
+)
 ENDS_ATTEMPT = set(FAULTS) - {"slow-storage"}
 FAULT_BIN = Path(__file__).resolve().parent / "fault_bin"
 STEP_S = 0.1  # per step: 10 steps between checkpoints = 1 s, so async writes slowed by 1.5 s overlap
 
 
 def train_args(steps: int) -> list[str]:
-    return ["cluster=dev", "cluster.partition=low", f"train.steps={steps}", f"train.min_step_time_s={STEP_S}",
-            "checkpoint.every_steps=10", "checkpoint.keep_last=2"]
+    return [
+        "cluster=dev",
+        "cluster.partition=low",
+        f"train.steps={steps}",
+        f"train.min_step_time_s={STEP_S}",
+        "checkpoint.every_steps=10",
+        "checkpoint.keep_last=2",
+    ]
 
 
 def sequence(rng: random.Random, n: int) -> list[str]:
@@ -73,13 +89,19 @@ def _ready(run_dir: Path, after: float) -> dict | None:
     if not starts or (run_dir / "summary.json").exists():
         return None
     start = starts[-1]
-    commits = [e for e in events if e["event"] == "checkpoint_committed" and e["restart"] == start["restart"]
-               and e["time"] > max(after, start["time"])]
+    commits = [
+        e
+        for e in events
+        if e["event"] == "checkpoint_committed"
+        and e["restart"] == start["restart"]
+        and e["time"] > max(after, start["time"])
+    ]
     return start if commits else None
 
 
-def run_storm(env: dict[str, str], out: Path, seed: int, n_faults: int, steps: int,
-              say: Callable[[str], None] = print) -> Storm:
+def run_storm(
+    env: dict[str, str], out: Path, seed: int, n_faults: int, steps: int, say: Callable[[str], None] = print
+) -> Storm:
     rng = random.Random(seed)
     faults = sequence(rng, n_faults)
     say(f"storm seed {seed}: {' '.join(faults)}")
@@ -87,9 +109,16 @@ def run_storm(env: dict[str, str], out: Path, seed: int, n_faults: int, steps: i
     ref_dir, _ = submit([*train_args(steps), "cluster.partition=debug", f"out_dir={out}", "name=ref"], env=env)
     wait_until(lambda: (ref_dir / "summary.json").exists(), 600, "the storm's uninterrupted reference")
     trigger = out / "storm-1" / "drills" / "scontrol_fail_once"
-    run_dir, job_id = submit([*train_args(steps), f"out_dir={out}", "name=storm",
-                              f"cluster.setup=['export PATH={FAULT_BIN}:$PATH']",
-                              f"+cluster.env.HPC_TRAIN_SCONTROL_FAIL_ONCE={trigger}"], env=env)
+    run_dir, job_id = submit(
+        [
+            *train_args(steps),
+            f"out_dir={out}",
+            "name=storm",
+            f"cluster.setup=['export PATH={FAULT_BIN}:$PATH']",
+            f"+cluster.env.HPC_TRAIN_SCONTROL_FAIL_ONCE={trigger}",
+        ],
+        env=env,
+    )
     storm = Storm(seed, faults, run_dir, job_id, {})
     chaos = lambda action, *extra: run([HPC_TRAIN, "chaos", str(run_dir), action, *extra], env=env)  # noqa: E731
     last = 0.0
@@ -109,14 +138,44 @@ def run_storm(env: dict[str, str], out: Path, seed: int, n_faults: int, steps: i
             if fault == "preempt-user-signal":
                 test_cluster.reconfigure(ctld_parameters="preempt_send_user_signal")
             nodes = ",".join(sorted(set(start["nodes"])))
-            proc = run(["sbatch", "--parsable", "-p", "high", "-w", nodes, "-N", str(len(start["nodes"])),
-                        "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2"], env=env)
+            proc = run(
+                [
+                    "sbatch",
+                    "--parsable",
+                    "-p",
+                    "high",
+                    "-w",
+                    nodes,
+                    "-N",
+                    str(len(start["nodes"])),
+                    "--exclusive",
+                    "-o",
+                    "/dev/null",
+                    "--wrap",
+                    "sleep 2",
+                ],
+                env=env,
+            )
             assert proc.returncode == 0, proc.stderr
-            log_event(run_dir, "chaos", -1, job_id, restart, action=fault, injected=f"high job {proc.stdout.strip()} on {nodes}")
+            log_event(
+                run_dir,
+                "chaos",
+                -1,
+                job_id,
+                restart,
+                action=fault,
+                injected=f"high job {proc.stdout.strip()} on {nodes}",
+            )
         elif fault == "corrupt-checkpoint":
             assert chaos("time-limit").returncode == 0
-            wait_until(lambda: any(e["event"] in ("requeue", "requeue_failed") and e["restart"] == restart
-                                   for e in read_events(run_dir)), 120, "the stop before the corruption")
+            wait_until(
+                lambda: any(
+                    e["event"] in ("requeue", "requeue_failed") and e["restart"] == restart
+                    for e in read_events(run_dir)
+                ),
+                120,
+                "the stop before the corruption",
+            )
             proc = chaos("corrupt-checkpoint")
             assert proc.returncode == 0, proc.stderr
         elif fault == "scontrol-fails-once":
@@ -130,15 +189,24 @@ def run_storm(env: dict[str, str], out: Path, seed: int, n_faults: int, steps: i
             assert proc.returncode == 0, proc.stderr
         storm.injected.append({"fault": fault, "time": t0, "attempt": restart})
         if fault in ENDS_ATTEMPT:
-            wait_until(lambda: any(e["restart"] > restart for e in _attempts_started(read_events(run_dir))) or
-                       (run_dir / "summary.json").exists(), 240, f"the attempt after fault {i} ({fault})")
+            wait_until(
+                lambda: (
+                    any(e["restart"] > restart for e in _attempts_started(read_events(run_dir)))
+                    or (run_dir / "summary.json").exists()
+                ),
+                240,
+                f"the attempt after fault {i} ({fault})",
+            )
         if fault == "preempt-user-signal":
             test_cluster.reconfigure()
         last = time.time()
     chaos("slow-storage", "--seconds", "0")
     storm.reference = json.loads((ref_dir / "summary.json").read_text())
-    wait_until(lambda: (run_dir / "summary.json").exists() or
-               any(e["event"] == "stopped" for e in read_events(run_dir)), 300, "the storm run to finish")
+    wait_until(
+        lambda: (run_dir / "summary.json").exists() or any(e["event"] == "stopped" for e in read_events(run_dir)),
+        300,
+        "the storm run to finish",
+    )
     storm.summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else None
     return storm
 
@@ -161,7 +229,9 @@ def check(storm: Storm) -> list[str]:
             good.setdefault(r, set()).add(e["step"])
         elif e["event"] == "checkpoint_deleted":
             if not (e["anchor"] > e["step"] and e["anchor"] in good.get(r, set())):
-                bad.append(f"step {e['step']} deleted in attempt {r} with anchor {e['anchor']}, not a newer verified one")
+                bad.append(
+                    f"step {e['step']} deleted in attempt {r} with anchor {e['anchor']}, not a newer verified one"
+                )
     # Every fault shows: its chaos event, then the job's answer
     chaos_events = [e for e in events if e["event"] == "chaos"]
     for inj in storm.injected:
@@ -169,8 +239,11 @@ def check(storm: Storm) -> list[str]:
             bad.append(f"{inj['fault']} at {inj['time']:.0f} has no chaos event")
         after = [e for e in events if e["time"] >= inj["time"] - 1]
         names = {e["event"] for e in after}
-        answer = {"kill-rank-during-save": "fail", "corrupt-checkpoint": "checkpoint_skipped",
-                  "slow-storage": "checkpoint_committed"}.get(inj["fault"], "signal")
+        answer = {
+            "kill-rank-during-save": "fail",
+            "corrupt-checkpoint": "checkpoint_skipped",
+            "slow-storage": "checkpoint_committed",
+        }.get(inj["fault"], "signal")
         if inj["fault"] in ("requeue", "preempt", "preempt-user-signal"):
             answer = "start"  # Slurm ends the attempt itself; the ranks usually save first (a signal event)
         if answer not in names:
@@ -193,13 +266,22 @@ def figures(storm: Storm) -> dict[str, Any]:
     for inj in storm.injected:
         if inj["fault"] not in ENDS_ATTEMPT:
             continue
-        reached = max((e["step"] for e in events if e["restart"] == inj["attempt"]), default=0)  # fail: the step reached
+        reached = max(
+            (e["step"] for e in events if e["restart"] == inj["attempt"]), default=0
+        )  # fail: the step reached
         nxt = next((s for s in starts if s["restart"] > inj["attempt"]), None)
         if nxt is None:
             continue
         lost.append(max(0, reached - nxt["step"]))
-        ends = [e for e in events if e["restart"] == inj["attempt"] and e["event"] in ("requeue", "requeue_failed", "fail")]
+        ends = [
+            e for e in events if e["restart"] == inj["attempt"] and e["event"] in ("requeue", "requeue_failed", "fail")
+        ]
         if ends:
             latency.append(nxt.get("launched_at", nxt["time"]) - ends[-1]["time"])
-    return {"faults": len(storm.injected), "attempts": len(starts), "finished": storm.summary is not None,
-            "steps_lost": lost, "requeue_latency_s": latency}
+    return {
+        "faults": len(storm.injected),
+        "attempts": len(starts),
+        "finished": storm.summary is not None,
+        "steps_lost": lost,
+        "requeue_latency_s": latency,
+    }

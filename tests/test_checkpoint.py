@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import HPC_TRAIN, read_events, run
 
 from hpc_train.checkpoint import MARKER, Saver, TrainState, Writer, apply_retention, step_dir, step_folders
 from hpc_train.config import CheckpointConfig
-
-from conftest import HPC_TRAIN, read_events, run
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,7 +72,12 @@ def test_resume_picks_newest_that_verifies_and_restores_state(tmp_path: Path) ->
     assert folder == step_dir(tmp_path / "checkpoints", 40) and fresh.step == 40
     assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in want.items())
     assert [e for e in events if e["event"] == "checkpoint_skipped"] == [
-        {"event": "checkpoint_skipped", "step": 60, "reason": "step_000060: __0_0.distcp checksum differs from the manifest"}]
+        {
+            "event": "checkpoint_skipped",
+            "step": 60,
+            "reason": "step_000060: __0_0.distcp checksum differs from the manifest",
+        }
+    ]
     assert resumer.bad == {60} and resumer.verified == {40}
 
 
@@ -108,7 +112,10 @@ def test_retention_never_deletes_a_stop_save_because_a_corrupt_newer_one_exists(
     save_at(attempt3, state, 70)  # a newer verified one: now 40 and 50 (a stop save) may go, and 60 (bad)
     assert names(tmp_path) == ["step_000070"]
     assert [(e["step"], e["anchor"]) for e in events[deleted_before:] if e["event"] == "checkpoint_deleted"] == [
-        (40, 70), (50, 70), (60, 70)]
+        (40, 70),
+        (50, 70),
+        (60, 70),
+    ]
 
 
 def test_a_damaged_committed_file_is_skipped_never_fatal(tmp_path: Path) -> None:
@@ -126,8 +133,12 @@ def test_a_damaged_committed_file_is_skipped_never_fatal(tmp_path: Path) -> None
     (step_dir(tmp_path / "checkpoints", 30) / MARKER).write_text("[]")
     assert make_saver(tmp_path, events).resume(make_state())[0].name == "step_000010"
     assert [e["reason"] for e in events if e["event"] == "checkpoint_skipped"] == [
-        "step_000040: unreadable COMMITTED", "step_000030: unreadable COMMITTED"]
-    assert [(e["step"], e["anchor"]) for e in events if e["event"] == "checkpoint_deleted"] == [(20, 30)]  # below a good one
+        "step_000040: unreadable COMMITTED",
+        "step_000030: unreadable COMMITTED",
+    ]
+    assert [(e["step"], e["anchor"]) for e in events if e["event"] == "checkpoint_deleted"] == [
+        (20, 30)
+    ]  # below a good one
 
 
 def test_overlapping_background_saves_all_commit(tmp_path: Path) -> None:
@@ -184,12 +195,20 @@ def test_first_stop_save_of_a_run_is_never_skipped(tmp_path: Path) -> None:
 
 def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    for step, reason in [(10, "periodic"), (20, "periodic"), (23, "stop"), (30, "periodic"), (33, "stop"),
-                         (40, "periodic"), (50, "periodic")]:
+    for step, reason in [
+        (10, "periodic"),
+        (20, "periodic"),
+        (23, "stop"),
+        (30, "periodic"),
+        (33, "stop"),
+        (40, "periodic"),
+        (50, "periodic"),
+    ]:
         step_dir(root, step).mkdir(parents=True)
         files = {n: {"bytes": 0, "sha256": ""} for n in (".metadata", "rank_00000.pt")}
-        (step_dir(root, step) / MARKER).write_text(json.dumps({"step": step, "reason": reason, "world_size": 1,
-                                                               "files": files}))
+        (step_dir(root, step) / MARKER).write_text(
+            json.dumps({"step": step, "reason": reason, "world_size": 1, "files": files})
+        )
     step_dir(root, 45).mkdir()  # torn, older than the anchor
     step_dir(root, 55).mkdir()  # maybe still being written: left alone
     cfg = CheckpointConfig(keep_last=2, keep_every_steps=20)
@@ -199,13 +218,22 @@ def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path
 
 
 def test_local_crash_loop_stops_after_failure_budget(tmp_path: Path) -> None:
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "requeue.max_failures=2",
-                "+cluster.env.HPC_TRAIN_FAULT=raise_at_start_always"], timeout_s=240)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            f"out_dir={tmp_path}",
+            "requeue.max_failures=2",
+            "+cluster.env.HPC_TRAIN_FAULT=raise_at_start_always",
+        ],
+        timeout_s=240,
+    )
     assert proc.returncode == 1
     events = read_events(tmp_path / "demo-1")
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure", "failure"]
     assert [e["reason"] for e in events if e["event"] == "stopped"] == [
-        "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)"]
+        "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)"
+    ]
 
 
 @pytest.fixture()
@@ -246,7 +274,10 @@ def test_a_signal_at_the_last_step_finishes_instead_of_requeueing(tmp_path: Path
     assert summary == {"final_step": 60, "final_loss": 1.0}
     events = read_events(tmp_path)
     assert [(e["event"], e["step"]) for e in events if e["event"] in ("signal", "checkpoint_committed", "finish")] == [
-        ("signal", 60), ("checkpoint_committed", 60), ("finish", 60)]
+        ("signal", 60),
+        ("checkpoint_committed", 60),
+        ("finish", 60),
+    ]
     assert next(e for e in events if e["event"] == "signal")["finishing"] is True
 
 
@@ -262,7 +293,9 @@ def test_an_early_usr2_leaves_the_grace_time_not_the_signal_lead(tmp_path: Path,
     assert at.step_end(state, last_step=60) is True and at.stopped and at.stop_step == 7
     sig = next(e for e in read_events(tmp_path) if e["event"] == "signal")
     assert 29 <= sig["left_s"] <= 30
-    assert [(e["step"], e["reason"]) for e in read_events(tmp_path) if e["event"] == "checkpoint_committed"] == [(7, "stop")]
+    assert [(e["step"], e["reason"]) for e in read_events(tmp_path) if e["event"] == "checkpoint_committed"] == [
+        (7, "stop")
+    ]
 
 
 def test_first_stop_of_an_attempt_is_judged_by_earlier_attempts_writes(tmp_path: Path, our_handlers: Any) -> None:
@@ -288,15 +321,26 @@ def test_first_stop_of_an_attempt_is_judged_by_earlier_attempts_writes(tmp_path:
     assert [(e["step"], e["expected_save_s"]) for e in skipped] == [(6, 100.0)] and skipped[0]["left_s"] <= 30
 
 
-@pytest.mark.parametrize("damage", [
-    {"files": {"x": 5}},  # entries of another shape
-    {"files": {"../outside": {"bytes": 1, "sha256": "0"}, ".metadata": {"bytes": 1, "sha256": "0"},
-               "rank_00000.pt": {"bytes": 1, "sha256": "0"}}, "world_size": 1},  # a file outside the folder
-    {"files": {".metadata": {"bytes": 1, "sha256": "0"}, "rank_00000.pt": {"bytes": 1, "sha256": "0"}},
-     "world_size": "1"},  # world size as a string
-    {"files": {}, "world_size": 1},  # nothing listed: would "verify" and then fail to load
-    {"files": {".": {"bytes": 1, "sha256": "0"}, "rank_00000.pt": {"bytes": 1, "sha256": "0"}}, "world_size": 1},
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"files": {"x": 5}},  # entries of another shape
+        {
+            "files": {
+                "../outside": {"bytes": 1, "sha256": "0"},
+                ".metadata": {"bytes": 1, "sha256": "0"},
+                "rank_00000.pt": {"bytes": 1, "sha256": "0"},
+            },
+            "world_size": 1,
+        },  # a file outside the folder
+        {
+            "files": {".metadata": {"bytes": 1, "sha256": "0"}, "rank_00000.pt": {"bytes": 1, "sha256": "0"}},
+            "world_size": "1",
+        },  # world size as a string
+        {"files": {}, "world_size": 1},  # nothing listed: would "verify" and then fail to load
+        {"files": {".": {"bytes": 1, "sha256": "0"}, "rank_00000.pt": {"bytes": 1, "sha256": "0"}}, "world_size": 1},
+    ],
+)
 def test_a_valid_json_manifest_of_the_wrong_shape_is_skipped(tmp_path: Path, damage: dict) -> None:
     events: list = []
     saver, state = make_saver(tmp_path, events, keep_last=3), make_state()
@@ -343,7 +387,11 @@ def test_failed_writes_are_abandoned_and_training_goes_on(tmp_path: Path) -> Non
     saver.periodic(state)
     saver.final(TrainState(state.model, state.optimizer, step=4))
     kinds = [(e["event"], e["step"]) for e in events if e["event"] != "checkpoint_deleted"]
-    assert kinds == [("checkpoint_abandoned", 1), ("checkpoint_abandoned", 2), ("checkpoint_committed", 3),
-                     ("checkpoint_committed", 4)]
+    assert kinds == [
+        ("checkpoint_abandoned", 1),
+        ("checkpoint_abandoned", 2),
+        ("checkpoint_committed", 3),
+        ("checkpoint_committed", 4),
+    ]
     assert "File too large" in next(e["error"] for e in events if e["event"] == "checkpoint_abandoned")
     assert make_saver(tmp_path, []).resume(make_state())[0].name == "step_000004"

@@ -10,32 +10,46 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import HPC_TRAIN, fake_clients, run
 
 
-@pytest.mark.parametrize("override, message", [
-    ("cluster.nodes=0", r"cluster.nodes=0 must be >= 1"),
-    ("cluster.nodes=2", r"cluster.nodes=2 but the local executor runs on this one machine; use cluster.nodes=1"),
-    ("cluster.executor=pbs", r"cluster.executor='pbs' is not one of \('local', 'slurm'\)"),
-    ("model.n_heads=5", r"model.d_model=64 must be divisible by model.n_heads=5; use n_heads in \[1, 2, 4, 8, 16\]"),
-    ("train.stepz=3", r"Could not override 'train.stepz'.*valid keys under train: steps, batch_seqs_per_rank"),
-    ("train.steps=many", r"train.steps='many' is a str, but train.steps takes int"),
-    ("name='a;b'", r"name='a;b' must be 1-64 letters, digits, '.', '_' or '-'"),
-    ("cluster=dev|cluster.setup=['echo \"unterminated']", r"the batch script would not parse: .*unexpected EOF"),
-    ("cluster=nope", r"Could not find 'cluster/nope'"),
-    ("train.parallelism=fsdp|train.tp=3", r"train.tp=3 must divide cluster.tasks_per_node=2 so tensor-parallel "
-                                          r"groups stay on one node; use tp in \[1, 2\]"),
-    ("train.tp=2", r"train.tp=2 needs train.parallelism=fsdp"),
-    ("data=tokens|data.path=/nonexistent", r"data.path='/nonexistent' has no readable meta.json .*; write one with "
-                                           r"`hpc-train prepare-data FILES... --out /nonexistent`"),
-    ("fn._target_=not a path", r"fn._target_='not a path' is not a dotted path; write package.module.function"),
-    ("trian.steps=5", r"Could not override 'trian.steps'.*\ndid you mean train.steps\?"),
-    ("train.step=5", r"no key 'step'.*\ndid you mean train.steps\?"),
-    ("cluster=devv", r"Could not find 'cluster/devv'.*\ndid you mean cluster=dev\?"),
-    ("+trian.x=1", r"Key 'trian' is not in RunConfig.*\ndid you mean train\?"),
-    ("train.lr=1e-3,3e-3", r"'train.lr=1e-3,3e-3' gives several values, a sweep: add -m to run one trial per value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cluster.nodes=0", r"cluster.nodes=0 must be >= 1"),
+        ("cluster.nodes=2", r"cluster.nodes=2 but the local executor runs on this one machine; use cluster.nodes=1"),
+        ("cluster.executor=pbs", r"cluster.executor='pbs' is not one of \('local', 'slurm'\)"),
+        (
+            "model.n_heads=5",
+            r"model.d_model=64 must be divisible by model.n_heads=5; use n_heads in \[1, 2, 4, 8, 16\]",
+        ),
+        ("train.stepz=3", r"Could not override 'train.stepz'.*valid keys under train: steps, batch_seqs_per_rank"),
+        ("train.steps=many", r"train.steps='many' is a str, but train.steps takes int"),
+        ("name='a;b'", r"name='a;b' must be 1-64 letters, digits, '.', '_' or '-'"),
+        ("cluster=dev|cluster.setup=['echo \"unterminated']", r"the batch script would not parse: .*unexpected EOF"),
+        ("cluster=nope", r"Could not find 'cluster/nope'"),
+        (
+            "train.parallelism=fsdp|train.tp=3",
+            r"train.tp=3 must divide cluster.tasks_per_node=2 so tensor-parallel "
+            r"groups stay on one node; use tp in \[1, 2\]",
+        ),
+        ("train.tp=2", r"train.tp=2 needs train.parallelism=fsdp"),
+        (
+            "data=tokens|data.path=/nonexistent",
+            r"data.path='/nonexistent' has no readable meta.json .*; write one with "
+            r"`hpc-train prepare-data FILES... --out /nonexistent`",
+        ),
+        ("fn._target_=not a path", r"fn._target_='not a path' is not a dotted path; write package.module.function"),
+        ("trian.steps=5", r"Could not override 'trian.steps'.*\ndid you mean train.steps\?"),
+        ("train.step=5", r"no key 'step'.*\ndid you mean train.steps\?"),
+        ("cluster=devv", r"Could not find 'cluster/devv'.*\ndid you mean cluster=dev\?"),
+        ("+trian.x=1", r"Key 'trian' is not in RunConfig.*\ndid you mean train\?"),
+        (
+            "train.lr=1e-3,3e-3",
+            r"'train.lr=1e-3,3e-3' gives several values, a sweep: add -m to run one trial per value",
+        ),
+    ],
+)
 def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, message: str) -> None:
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *override.split("|")])
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -44,23 +58,29 @@ def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, mes
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trian.steps=5", r"Key 'trian' not in 'RunConfig'.*\ndid you mean train.steps\?"),
-    ("model=tinny", r"Could not find 'model/tinny'.*\ndid you mean model=tiny\?"),
-    ("train.lr=1e-3,3e-3", r"'train.lr=1e-3,3e-3' gives several values, a sweep: add -m"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trian.steps=5", r"Key 'trian' not in 'RunConfig'.*\ndid you mean train.steps\?"),
+        ("model=tinny", r"Could not find 'model/tinny'.*\ndid you mean model=tiny\?"),
+        ("train.lr=1e-3,3e-3", r"'train.lr=1e-3,3e-3' gives several values, a sweep: add -m"),
+    ],
+)
 def test_cfg_job_suggests_the_nearest_key(override: str, message: str) -> None:
     """--cfg composes through Hydra itself, whose errors explain() completes."""
     proc = run([HPC_TRAIN, "submit", "--cfg", "job", override])
     assert proc.returncode == 2 and re.search(message, proc.stderr, re.S), proc.stderr
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.lr=nan", r"train.lr=nan and train.grad_clip=1.0 must be > 0 and finite"),
-    ("train.weight_decay=nan", r"train.weight_decay=nan must be finite and >= 0: AdamW's decoupled decay"),
-    ("train.min_step_time_s=inf", r"train.min_step_time_s=inf must be finite and >= 0: 0 = off"),
-    ("train.adam_eps=nan", r"train.adam_eps=nan must be > 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=nan", r"train.lr=nan and train.grad_clip=1.0 must be > 0 and finite"),
+        ("train.weight_decay=nan", r"train.weight_decay=nan must be finite and >= 0: AdamW's decoupled decay"),
+        ("train.min_step_time_s=inf", r"train.min_step_time_s=inf must be finite and >= 0: 0 = off"),
+        ("train.adam_eps=nan", r"train.adam_eps=nan must be > 0"),
+    ],
+)
 def test_nan_and_inf_are_refused(override: str, message: str) -> None:
     """nan compares False with everything: `value < low` let it through to the job."""
     proc = run([HPC_TRAIN, "submit", "--cfg", "job", override])
@@ -115,13 +135,22 @@ def test_cfg_job_prints_the_composed_config() -> None:
     assert "slurm_conf: /" in proc.stdout  # ${oc.env:...} resolved
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["submit", "--cfg", "job"], ["submit", "--dry-run", "-m", "train.seed=1,2"],
-                                  ["submit", "--no-wait", "train.steps=2"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["--version"],
+        ["submit", "--cfg", "job"],
+        ["submit", "--dry-run", "-m", "train.seed=1,2"],
+        ["submit", "--no-wait", "train.steps=2"],
+    ],
+)
 def test_login_node_path_never_imports_torch(argv: list[str], tmp_path: Path) -> None:
     """`submit` itself too: it pickles run_job by reference; only the job's own processes import torch."""
     argv = [*argv, f"out_dir={tmp_path}"] if argv[0] == "submit" else argv
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", *argv],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hpc_train.cli", *argv], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "hydra" in imported or argv[0].startswith("--")
@@ -130,15 +159,23 @@ def test_login_node_path_never_imports_torch(argv: list[str], tmp_path: Path) ->
         import hpc_train
 
         code = json.loads(next(tmp_path.glob("*/code.json")).read_text())
-        assert code["version"] == hpc_train.__version__ and code["path"] == str(Path(hpc_train.__file__).resolve().parent)
+        assert code["version"] == hpc_train.__version__ and code["path"] == str(
+            Path(hpc_train.__file__).resolve().parent
+        )
 
 
 def test_dry_run_prints_scripts_and_configs_and_writes_nothing(tmp_path: Path) -> None:
-    proc = run([HPC_TRAIN, "submit", "--dry-run", "-m", f"out_dir={tmp_path}", "train.seed=choice(1,2)", "model=tiny,small"])
+    proc = run(
+        [HPC_TRAIN, "submit", "--dry-run", "-m", f"out_dir={tmp_path}", "train.seed=choice(1,2)", "model=tiny,small"]
+    )
     assert proc.returncode == 0, proc.stderr
     trials = re.findall(r"# ---- trial (\d): (.*) -> (\S+) ----", proc.stdout)
-    assert [t[1].split()[1:] for t in trials] == [["train.seed=1", "model=tiny"], ["train.seed=1", "model=small"],
-                                                 ["train.seed=2", "model=tiny"], ["train.seed=2", "model=small"]]
+    assert [t[1].split()[1:] for t in trials] == [
+        ["train.seed=1", "model=tiny"],
+        ["train.seed=1", "model=small"],
+        ["train.seed=2", "model=tiny"],
+        ["train.seed=2", "model=small"],
+    ]
     assert proc.stdout.count("d_model: 256") == 2 and proc.stdout.count("d_model: 64") == 2  # group sweep composed
     assert "dry run: 4 trial(s)" in proc.stdout
     assert list(tmp_path.iterdir()) == []
@@ -161,8 +198,9 @@ def test_status_shows_a_numeric_mfu(tmp_path: Path) -> None:
 
     run_dir = tmp_path / "gpu-1"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("cluster: {executor: local, signal_lead_s: 120}\ntrain: {steps: 60}\n"
-                                         "requeue: {max_failures: 2}\n")
+    (run_dir / "config.yaml").write_text(
+        "cluster: {executor: local, signal_lead_s: 120}\ntrain: {steps: 60}\nrequeue: {max_failures: 2}\n"
+    )
     (run_dir / "submission.json").write_text(json.dumps({"executor": "local", "job_id": ""}))
     log_event(run_dir, "start", 0, "1", 0)
     append_jsonl(run_dir / "metrics.jsonl", {"time": 1.0, "step": 10, "tokens_per_s": 1e6, "mfu": 0.4213})
@@ -176,12 +214,14 @@ def test_init_into_a_file_or_a_dangling_conf_link_says_what_to_fix(tmp_path: Pat
     proc = run([HPC_TRAIN, "init", "afile"], cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr == (
         "hpc-train init: error: afile is a file, not a folder; give the folder to hold conf/ (default: this one), "
-        "e.g. hpc-train init .\n")
+        "e.g. hpc-train init .\n"
+    )
     (tmp_path / "conf").symlink_to(tmp_path / "gone")
     proc = run([HPC_TRAIN, "init"], cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr == (
         f"hpc-train init: error: conf is a symlink to {tmp_path}/gone, which does not exist; remove it (rm conf) or "
-        f"create what it points to, then run hpc-train init again\n")
+        f"create what it points to, then run hpc-train init again\n"
+    )
 
 
 def test_a_conf_folder_without_config_yaml_is_not_the_primary_config(tmp_path: Path) -> None:
@@ -200,7 +240,6 @@ def test_a_conf_folder_without_config_yaml_is_not_the_primary_config(tmp_path: P
     proc = run([HPC_TRAIN, "submit", "--dry-run", "cluster=dev", "train.steps=3"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"hpc-train submit: config {tmp_path}/conf/config.yaml\n" in proc.stderr
-
 
 
 # A Slurm cluster as its client commands answer, for what the real test cluster cannot be made to do
@@ -242,8 +281,13 @@ def test_ctrl_c_during_sbatch_waits_until_the_job_id_is_recorded(tmp_path: Path)
 
     env, state, conf = fake_slurm(tmp_path)
     (state / "sbatch_sleep").write_text("3")
-    proc = subprocess.Popen([HPC_TRAIN, "submit", "cluster=slurm", conf, f"out_dir={tmp_path / 'runs'}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [HPC_TRAIN, "submit", "cluster=slurm", conf, f"out_dir={tmp_path / 'runs'}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not (state / "sbatch_started").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -251,8 +295,10 @@ def test_ctrl_c_during_sbatch_waits_until_the_job_id_is_recorded(tmp_path: Path)
     proc.send_signal(signal.SIGINT)  # as Ctrl-C, mid-sbatch
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
-    assert "Traceback" not in err and "hpc-train submit: interrupted (Ctrl-C); a job queued before it is recorded in " \
-                                      "its run directory" in err, err
+    assert (
+        "Traceback" not in err
+        and "hpc-train submit: interrupted (Ctrl-C); a job queued before it is recorded in its run directory" in err
+    ), err
     assert json.loads((tmp_path / "runs" / "demo-1" / "submission.json").read_text())["job_id"] == "4242"
 
 
@@ -260,14 +306,14 @@ def test_ctrl_c_during_sbatch_waits_until_the_job_id_is_recorded(tmp_path: Path)
 def test_account_and_qos_unchecked_when_slurmdbd_is_down_says_so_and_submits(tmp_path: Path, sacctmgr: str) -> None:
     """Before: sacctmgr's 30 s timeout x 4 tries (a hang: 2 min) then an error, or "use cluster=local" when
     sacctmgr is missing. Now one try of 5 s, a warning, and sbatch --test-only judges the account."""
-    import os
     import shutil
     import time
 
     env, state, conf = fake_slurm(tmp_path)
     if sacctmgr == "down":
-        (state / "sacctmgr").write_text("echo 'sacctmgr: error: Problem talking to the database: Connection "
-                                        "refused' >&2; exit 1\n")
+        (state / "sacctmgr").write_text(
+            "echo 'sacctmgr: error: Problem talking to the database: Connection refused' >&2; exit 1\n"
+        )
     elif sacctmgr == "hangs":
         (state / "sacctmgr").write_text("exec sleep 60\n")
     else:  # a PATH with the fake clients and the few tools they use, and no sacctmgr anywhere on it
@@ -277,18 +323,28 @@ def test_account_and_qos_unchecked_when_slurmdbd_is_down_says_so_and_submits(tmp
         for tool in ("sh", "bash", "sleep", "cat", "touch"):
             (tools / tool).symlink_to(shutil.which(tool))
         env["PATH"] = f"{tmp_path / 'fakebin'}:{tools}"
-    args = [HPC_TRAIN, "submit", "cluster=slurm", "cluster.account=research", "cluster.qos=long", conf,
-            f"out_dir={tmp_path / 'runs'}"]
+    args = [
+        HPC_TRAIN,
+        "submit",
+        "cluster=slurm",
+        "cluster.account=research",
+        "cluster.qos=long",
+        conf,
+        f"out_dir={tmp_path / 'runs'}",
+    ]
     t0 = time.monotonic()
     dry = run([*args, "--dry-run"], env=env)
     took = time.monotonic() - t0
-    reason = {"down": r"`sacctmgr -n -P show user \S+ withassoc .*` failed: sacctmgr: error: Problem talking to the "
-                      r"database: Connection refused",
-              "hangs": r"`sacctmgr -n -P show user \S+ withassoc .*` did not answer within 5 s",
-              "missing": r"`sacctmgr` is not installed here"}[sacctmgr]
+    reason = {
+        "down": r"`sacctmgr -n -P show user \S+ withassoc .*` failed: sacctmgr: error: Problem talking to the "
+        r"database: Connection refused",
+        "hangs": r"`sacctmgr -n -P show user \S+ withassoc .*` did not answer within 5 s",
+        "missing": r"`sacctmgr` is not installed here",
+    }[sacctmgr]
     assert dry.returncode == 0, dry.stderr
-    assert re.search(rf"hpc-train: warning: account/qos not checked: {reason}; sbatch --test-only judges them\n",
-                     dry.stderr), dry.stderr
+    assert re.search(
+        rf"hpc-train: warning: account/qos not checked: {reason}; sbatch --test-only judges them\n", dry.stderr
+    ), dry.stderr
     assert re.search(rf"# NOT validated: account/qos not checked: {reason}", dry.stdout), dry.stdout
     assert "cluster=local" not in dry.stderr and took < 20, (took, dry.stderr)
     proc = run(args, env=env)

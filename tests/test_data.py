@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import HPC_TRAIN, run
+
 from hpc_train.config import DataConfig
 from hpc_train.data import Sampler, open_sampler, prepare
 
@@ -47,7 +47,8 @@ def test_prepare_holds_out_the_last_tokens_as_val_shards(tmp_path: Path) -> None
     assert (meta["tokens"], meta["val_tokens"]) == (len(stream) - n_val, n_val)
     assert [s["file"] for s in meta["val_shards"]] == ["val_00000.bin", "val_00001.bin"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-        ["meta.json"] + [s["file"] for s in meta["shards"] + meta["val_shards"]])
+        ["meta.json"] + [s["file"] for s in meta["shards"] + meta["val_shards"]]
+    )
     assert open_sampler(DataConfig(source="tokens", path=str(tmp_path / "out")), 32, 256, "val").shards[0][0] == val[0]
     with pytest.raises(ValueError, match=r"--val-fraction 1.0 must be in \[0, 1\)"):
         prepare([tmp_path / "in"], tmp_path / "bad", shard_tokens=500, val_fraction=1.0)
@@ -67,7 +68,8 @@ def test_held_out_split_of_bpe_tokens_cuts_whole_tokens(tmp_path: Path) -> None:
         return [int(t) for s in shards for t in np.fromfile(folder / s["file"], dtype=np.uint16)]
 
     assert stream(tmp_path / "split", meta["shards"]) + stream(tmp_path / "split", meta["val_shards"]) == stream(
-        tmp_path / "full", full["shards"])
+        tmp_path / "full", full["shards"]
+    )
     assert meta["val_tokens"] == round(0.25 * full["tokens"]) and (tmp_path / "split" / "tokenizer.json").exists()
 
 
@@ -75,7 +77,7 @@ def test_synthetic_data_has_a_held_out_corpus_of_the_same_words() -> None:
     cfg = DataConfig()
     train, val = (open_sampler(cfg, 32, 256, split).shards[0] for split in ("train", "val"))
     assert 9_000 < len(val) < len(train) // 6  # 2,048 words of 3-8 tokens against 16,384
-    assert not any((train[i: i + len(val[:64])] == val[:64]).all() for i in range(len(train) - 64))  # another string
+    assert not any((train[i : i + len(val[:64])] == val[:64]).all() for i in range(len(train) - 64))  # another string
     assert set(val.tolist()) <= set(train.tolist())  # of the same 64 words' tokens
 
 
@@ -116,21 +118,57 @@ def test_open_sampler_reads_prepared_shards_by_memmap(tmp_path: Path) -> None:
 def test_train_on_prepared_text_from_the_command_line(tmp_path: Path) -> None:
     write_texts(tmp_path / "in")
     prepare([tmp_path / "in"], tmp_path / "no-val", shard_tokens=1000)
-    no_val = run([HPC_TRAIN, "submit", "--cfg", "job", "data=tokens", f"data.path={tmp_path / 'no-val'}",
-                  "train.eval_every_steps=10"])
-    assert no_val.returncode == 2 and (
-        f"train.eval_every_steps=10 needs a held-out split with a window of model.seq_len + 1 = 33 tokens, and "
-        f"data.path='{tmp_path / 'no-val'}' has 0 held-out tokens; prepare it with `hpc-train prepare-data ... "
-        f"--val-fraction 0.01`, or set train.eval_every_steps=0") in no_val.stderr
-    out = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "tok"), "--shard-tokens", "1000",
-               "--val-fraction", "0.2"])
+    no_val = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "--cfg",
+            "job",
+            "data=tokens",
+            f"data.path={tmp_path / 'no-val'}",
+            "train.eval_every_steps=10",
+        ]
+    )
+    assert (
+        no_val.returncode == 2
+        and (
+            f"train.eval_every_steps=10 needs a held-out split with a window of model.seq_len + 1 = 33 tokens, and "
+            f"data.path='{tmp_path / 'no-val'}' has 0 held-out tokens; prepare it with `hpc-train prepare-data ... "
+            f"--val-fraction 0.01`, or set train.eval_every_steps=0"
+        )
+        in no_val.stderr
+    )
+    out = run(
+        [
+            HPC_TRAIN,
+            "prepare-data",
+            str(tmp_path / "in"),
+            "--out",
+            str(tmp_path / "tok"),
+            "--shard-tokens",
+            "1000",
+            "--val-fraction",
+            "0.2",
+        ]
+    )
     assert out.returncode == 0, out.stderr
     assert "tokens + 370 held out for evaluation from 3 file(s) in 2 shard(s)" in out.stdout, out.stdout
     assert "data=tokens data.path=" in out.stdout and "train.eval_every_steps=100" in out.stdout
     again = run([HPC_TRAIN, "prepare-data", str(tmp_path / "in"), "--out", str(tmp_path / "tok")])
     assert again.returncode == 2 and "already exists; give a new directory" in again.stderr
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path / 'runs'}", "data=tokens", f"data.path={tmp_path / 'tok'}",
-                "train.steps=20", "checkpoint.every_steps=10", "train.eval_every_steps=10"], timeout_s=300)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            f"out_dir={tmp_path / 'runs'}",
+            "data=tokens",
+            f"data.path={tmp_path / 'tok'}",
+            "train.steps=20",
+            "checkpoint.every_steps=10",
+            "train.eval_every_steps=10",
+        ],
+        timeout_s=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "runs" / "demo-1"
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -22,8 +22,17 @@ def test_min_nodes_renders_a_node_range() -> None:
     assert "#SBATCH --nodes=4\n" in render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
     # No --ntasks-per-node in the header (sbatch would set ntasks = 2 x 1 and Slurm never gives more nodes
     # than tasks): the tasks' CPUs per node as --mincpus, and srun places the ranks.
-    run = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "cluster.tasks_per_node=2",
-                                 "cluster.cpus_per_task=3"]))
+    run = to_run_config(
+        compose(
+            [
+                "cluster=dev",
+                "cluster.nodes=4",
+                "cluster.min_nodes=2",
+                "cluster.tasks_per_node=2",
+                "cluster.cpus_per_task=3",
+            ]
+        )
+    )
     script = render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
     assert "--ntasks-per-node" not in script.split("# command")[0] and "#SBATCH --mincpus=6\n" in script
     assert "srun --unbuffered --output /runs/e-1/submitit/%j_%t_log.out --ntasks-per-node=2 " in script
@@ -31,20 +40,38 @@ def test_min_nodes_renders_a_node_range() -> None:
     # A fixed-size run may still ask for --mincpus of its own; an elastic one at least its ranks' CPUs.
     run = to_run_config(compose(["cluster=dev", "+cluster.sbatch_extra.mincpus=8"]))
     assert "#SBATCH --mincpus=8\n" in render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
-    run = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "+cluster.sbatch_extra.mincpus=8"]))
+    run = to_run_config(
+        compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "+cluster.sbatch_extra.mincpus=8"])
+    )
     assert "#SBATCH --mincpus=8\n" in render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["cluster=dev", "cluster.nodes=2", "cluster.min_nodes=3"], r"cluster.min_nodes=3 must be between 1 and cluster.nodes=2"),
-    (["cluster=dev", "cluster.min_nodes=0"], r"cluster.min_nodes=0 must be between 1"),
-    (["cluster=local", "cluster.min_nodes=2"], r"cluster.min_nodes=2 must be between 1 and cluster.nodes=1"),
-    (["requeue.shrink_after_s=-1"], r"requeue.shrink_after_s=-1.0 must be >= 0"),
-    (["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "cluster.tasks_per_node=2", "+cluster.sbatch_extra.mincpus=1"],
-     r"cluster.sbatch_extra.mincpus=1 is below the 2 x 1 CPUs an elastic run's ranks need on each node"),
-    (["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "+cluster.sbatch_extra.use_min_nodes=''"],
-     r"--use-min-nodes is hpc_train's own; an elastic run"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["cluster=dev", "cluster.nodes=2", "cluster.min_nodes=3"],
+            r"cluster.min_nodes=3 must be between 1 and cluster.nodes=2",
+        ),
+        (["cluster=dev", "cluster.min_nodes=0"], r"cluster.min_nodes=0 must be between 1"),
+        (["cluster=local", "cluster.min_nodes=2"], r"cluster.min_nodes=2 must be between 1 and cluster.nodes=1"),
+        (["requeue.shrink_after_s=-1"], r"requeue.shrink_after_s=-1.0 must be >= 0"),
+        (
+            [
+                "cluster=dev",
+                "cluster.nodes=4",
+                "cluster.min_nodes=2",
+                "cluster.tasks_per_node=2",
+                "+cluster.sbatch_extra.mincpus=1",
+            ],
+            r"cluster.sbatch_extra.mincpus=1 is below the 2 x 1 CPUs an elastic run's ranks need on each node",
+        ),
+        (
+            ["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "+cluster.sbatch_extra.use_min_nodes=''"],
+            r"--use-min-nodes is hpc_train's own; an elastic run",
+        ),
+    ],
+)
 def test_elastic_config_errors(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         to_run_config(compose(overrides))
@@ -102,8 +129,19 @@ def test_full_size_wait() -> None:
 
 def test_short_state() -> None:
     """scontrol's State as the estimate reads it (sinfo's own %t said "mix" for a resumed idle node)."""
-    got = {s: slurm.short_state(s) for s in ("IDLE", "IDLE+NOT_RESPONDING", "MIXED", "MIXED+DRAIN", "IDLE+DRAIN",
-                                             "ALLOCATED+COMPLETING", "DOWN+NOT_RESPONDING", "IDLE+POWERED_DOWN")}
+    got = {
+        s: slurm.short_state(s)
+        for s in (
+            "IDLE",
+            "IDLE+NOT_RESPONDING",
+            "MIXED",
+            "MIXED+DRAIN",
+            "IDLE+DRAIN",
+            "ALLOCATED+COMPLETING",
+            "DOWN+NOT_RESPONDING",
+            "IDLE+POWERED_DOWN",
+        )
+    }
     assert list(got.values()) == ["idle", "idle*", "mix", "drng", "drain", "comp", "down*", "pow"]
     assert preempt.usable_nodes(dict(zip(got, got.values()))) == {"IDLE", "MIXED", "ALLOCATED+COMPLETING"}
 
@@ -115,8 +153,12 @@ def test_not_free_says_why() -> None:
     assert free == {"node1", "node6"}
     # node2: its own, drained under it and excluded; node3-5: held by running jobs (in the wait, not here).
     assert preempt.not_free("7", states, free, jobs) == {"node2": "drng excluded"}
-    assert preempt.not_free("8", states, free, []) == {"node2": "drng", "node3": "alloc", "node4": "alloc",
-                                                       "node5": "idle*"}
+    assert preempt.not_free("8", states, free, []) == {
+        "node2": "drng",
+        "node3": "alloc",
+        "node4": "alloc",
+        "node5": "idle*",
+    }
 
 
 def test_next_size() -> None:
@@ -129,9 +171,18 @@ def test_next_size() -> None:
 
 # 4 nodes x 1 rank, down to 2 nodes (cluster.min_nodes) and back: 4 -> 2 -> 4 nodes. 0.25 s per step
 # lets a stop signal land mid-run.
-ELASTIC_ARGS = ["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2", "cluster.tasks_per_node=1", "model=tiny",
-                "train.steps=80", "train.min_step_time_s=0.25", "checkpoint.every_steps=20", "train.log_every_steps=1",
-                "requeue.shrink_after_s=30"]
+ELASTIC_ARGS = [
+    "cluster=dev",
+    "cluster.nodes=4",
+    "cluster.min_nodes=2",
+    "cluster.tasks_per_node=1",
+    "model=tiny",
+    "train.steps=80",
+    "train.min_step_time_s=0.25",
+    "checkpoint.every_steps=20",
+    "train.log_every_steps=1",
+    "requeue.shrink_after_s=30",
+]
 LOSS_RTOL = 1e-4  # measured: 6.2e-8 worst step relative to the uninterrupted run (gloo, CPU)
 
 
@@ -146,7 +197,9 @@ def all_idle(env: dict[str, str]) -> bool:
 
 def node_state(node: str, env: dict[str, str]) -> str:
     """As the estimate reads it (slurm.queue_snapshot): the controller's State, in sinfo's short form."""
-    return slurm.short_state(slurm.parse_key_values(run(["scontrol", "show", "node", node, "-o"], env=env).stdout)["State"])
+    return slurm.short_state(
+        slurm.parse_key_values(run(["scontrol", "show", "node", node, "-o"], env=env).stdout)["State"]
+    )
 
 
 @pytest.mark.slurm
@@ -157,8 +210,10 @@ def test_shrink_and_grow_back_across_two_requeues(slurm_env: dict[str, str], tmp
     second preemption grows it back to 4. Loss within LOSS_RTOL of an uninterrupted run; data position exact
     at every start."""
     # The reference without the 0.25 s steps (they only sleep): the same losses, 20 s sooner.
-    ref_dir, ref_job = submit([*ELASTIC_ARGS, "cluster.min_nodes=null", "train.min_step_time_s=0", f"out_dir={tmp_path}",
-                               "name=ref"], env=slurm_env)
+    ref_dir, ref_job = submit(
+        [*ELASTIC_ARGS, "cluster.min_nodes=null", "train.min_step_time_s=0", f"out_dir={tmp_path}", "name=ref"],
+        env=slurm_env,
+    )
     ref = wait_finished(ref_dir, ref_job, slurm_env)
     wait_until(lambda: all_idle(slurm_env), 60, "4 idle nodes")
     lost = ["node3", "node4"]  # lost under the run (a failed switch, say): drained nodes never come back by themselves
@@ -189,8 +244,11 @@ def test_shrink_and_grow_back_across_two_requeues(slurm_env: dict[str, str], tmp
         # Slurm nor the estimate counts it before, and a preemption in that second goes on with 2 nodes again.
         states: list[list[str]] = []
         try:
-            wait_until(lambda: states.append([node_state(n, slurm_env) for n in lost]) or states[-1] == ["idle"] * 2,
-                       30, f"{lost} idle")
+            wait_until(
+                lambda: states.append([node_state(n, slurm_env) for n in lost]) or states[-1] == ["idle"] * 2,
+                30,
+                f"{lost} idle",
+            )
         except AssertionError as e:
             show = run(["scontrol", "show", "node", *lost], env=slurm_env).stdout
             queue = run(["squeue", "-a", "-t", "all", "-o", "%i %T %N %C %e"], env=slurm_env).stdout
@@ -234,9 +292,20 @@ def test_elastic_header_places_two_ranks_of_two_cpus_per_node(slurm_env: dict[st
     """--mincpus=4 instead of --ntasks-per-node: the first attempt gets both idle nodes and srun places
     2 ranks of 2 CPUs on each (a node has 4), with the submitting shell's SLURM_NTASKS=1 (an salloc) unset."""
     wait_until(lambda: all_idle(slurm_env), 60, "4 idle nodes")
-    run_dir, job_id = submit(["cluster=dev", "cluster.nodes=2", "cluster.min_nodes=1", "cluster.tasks_per_node=2",
-                              "cluster.cpus_per_task=2", "model=tiny", "train.steps=5", f"out_dir={tmp_path}",
-                              "name=header"], env={**slurm_env, "SLURM_NTASKS": "1", "SLURM_NPROCS": "1"})
+    run_dir, job_id = submit(
+        [
+            "cluster=dev",
+            "cluster.nodes=2",
+            "cluster.min_nodes=1",
+            "cluster.tasks_per_node=2",
+            "cluster.cpus_per_task=2",
+            "model=tiny",
+            "train.steps=5",
+            f"out_dir={tmp_path}",
+            "name=header",
+        ],
+        env={**slurm_env, "SLURM_NTASKS": "1", "SLURM_NPROCS": "1"},
+    )
     summary = wait_finished(run_dir, job_id, slurm_env)
     assert summary["final_step"] == 5
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
@@ -254,8 +323,10 @@ def test_the_runs_own_exclusions_are_not_counted_free(monkeypatch: pytest.Monkey
     from hpc_train import job
 
     states = {f"node{i}": "idle" for i in range(1, 5)}
-    for snapshot_jobs in ([{"id": "7", "state": "RUNNING", "end": None, "nodes": ["node1", "node2", "node3"],
-                            "excluded": []}], []):  # the job in squeue's answer, or not
+    for snapshot_jobs in (
+        [{"id": "7", "state": "RUNNING", "end": None, "nodes": ["node1", "node2", "node3"], "excluded": []}],
+        [],
+    ):  # the job in squeue's answer, or not
         monkeypatch.setattr(slurm, "queue_snapshot", lambda partition, job_id: (states, snapshot_jobs))
         env = SimpleNamespace(executor="slurm", job_id="7", nodes=("node1", "node2", "node3", "node4"))
         cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
@@ -309,11 +380,26 @@ def random_snapshot(rng: random.Random) -> tuple[str, list[str], dict[str, str],
     rest = list(nodes)
     rng.shuffle(rest)
     own = [rest.pop() for _ in range(rng.randint(1, len(rest)))]
-    jobs = [{"id": "7", "state": "PENDING", "end": None, "nodes": [], "excluded": rng.sample(nodes, rng.randint(0, min(2, len(nodes))))}]
+    jobs = [
+        {
+            "id": "7",
+            "state": "PENDING",
+            "end": None,
+            "nodes": [],
+            "excluded": rng.sample(nodes, rng.randint(0, min(2, len(nodes)))),
+        }
+    ]
     while rest and rng.random() < 0.8:
         held = [rest.pop() for _ in range(rng.randint(1, len(rest)))]
-        jobs.append({"id": str(100 + len(jobs)), "state": rng.choice(["RUNNING", "RUNNING", "RUNNING", "PENDING"]),
-                     "end": None if rng.random() < 0.25 else 1000.0 + rng.randint(0, 3600), "nodes": held, "excluded": []})
+        jobs.append(
+            {
+                "id": str(100 + len(jobs)),
+                "state": rng.choice(["RUNNING", "RUNNING", "RUNNING", "PENDING"]),
+                "end": None if rng.random() < 0.25 else 1000.0 + rng.randint(0, 3600),
+                "nodes": held,
+                "excluded": [],
+            }
+        )
         for n in held:  # mostly busy, sometimes lost under the other job
             states[n] = rng.choice(["alloc", "mix", "alloc", "mix", "comp", rng.choice(STATES)])
     return "7", own, states, jobs
@@ -339,7 +425,9 @@ def test_elastic_decisions_random_snapshots(seed: int) -> None:
     running = [j for j in jobs if j["id"] != job_id and j["state"] == "RUNNING"]
 
     def free_at(t: float) -> set[str]:  # free now plus the usable nodes of jobs ended by t
-        return free | {n for j in running if j["end"] is not None and j["end"] <= t for n in j["nodes"]} & usable - set(excluded)
+        return free | {n for j in running if j["end"] is not None and j["end"] <= t for n in j["nodes"]} & usable - set(
+            excluded
+        )
 
     if wait is None:
         assert len(free_at(float("inf"))) < need

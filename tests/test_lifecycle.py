@@ -24,7 +24,9 @@ def test_job_fate_from_scontrol_captures() -> None:
     assert parse_fate(CANCELLED, restart_count=1) == "cancelled"
     assert parse_fate(RUNNING.replace("RUNNING", "COMPLETING"), restart_count=0) == "cancelled"
     # the time limit struck during the stop save: COMPLETING too, but nobody cancelled (Slurm can requeue it)
-    assert parse_fate(RUNNING.replace("RUNNING", "COMPLETING").replace("Reason=None", "Reason=TimeLimit"), 0) == "running"
+    assert (
+        parse_fate(RUNNING.replace("RUNNING", "COMPLETING").replace("Reason=None", "Reason=TimeLimit"), 0) == "running"
+    )
     assert parse_fate("slurm_load_jobs error: Invalid job id specified", restart_count=0) == "unknown"
 
 
@@ -46,35 +48,58 @@ def test_decide_cases() -> None:
     b = RequeueConfig(max_preemptions=-1, max_time_limit_requeues=2, max_failures=2)
     assert preempt.decide("preempt", [], b, "cancelled")[0] == "stop"
     assert preempt.decide("failure", [], b, "requeued") == (
-        "slurm", "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent")
+        "slurm",
+        "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent",
+    )
     assert preempt.decide("preempt", [ev("requeue", reason="preempt")] * 500, b, "running") == ("requeue", "")
     assert preempt.decide("preempt", [], b, "unknown") == ("requeue", "")  # scontrol silent: keep the run alive
     tl = [ev("requeue", reason="time_limit")] * 2
     assert preempt.decide("time_limit", tl, b, "running") == (
-        "stop", "time_limit budget spent: 2 requeues for time_limit already (requeue.max_time_limit_requeues=2)")
+        "stop",
+        "time_limit budget spent: 2 requeues for time_limit already (requeue.max_time_limit_requeues=2)",
+    )
     # Requeues Slurm did by itself (an operator's, a node failure) cost nothing
-    assert preempt.decide("time_limit", [ev("requeue", reason="time_limit", by="slurm")] * 5, b, "running")[0] == "requeue"
+    assert (
+        preempt.decide("time_limit", [ev("requeue", reason="time_limit", by="slurm")] * 5, b, "running")[0] == "requeue"
+    )
 
 
 def test_failure_budget_counts_failures_in_a_row_not_a_lifetime() -> None:
     """Three node faults a month apart, each after progress, no longer stop a run; a crash loop does."""
     b = RequeueConfig(max_failures=2)
     fault = ev("requeue", reason="failure", by="hpc_train")
-    spaced = [ev("checkpoint_committed", 100), fault, ev("checkpoint_committed", 200), fault,
-              ev("checkpoint_committed", 300), fault, ev("checkpoint_committed", 400)]
+    spaced = [
+        ev("checkpoint_committed", 100),
+        fault,
+        ev("checkpoint_committed", 200),
+        fault,
+        ev("checkpoint_committed", 300),
+        fault,
+        ev("checkpoint_committed", 400),
+    ]
     assert preempt.failures_in_a_row(spaced) == 0 and preempt.decide("failure", spaced, b, "running")[0] == "requeue"
-    loop = [ev("checkpoint_committed", 100), fault, ev("checkpoint_committed", 100), fault]  # same step again: no progress
+    loop = [
+        ev("checkpoint_committed", 100),
+        fault,
+        ev("checkpoint_committed", 100),
+        fault,
+    ]  # same step again: no progress
     assert preempt.failures_in_a_row(loop) == 2
     assert preempt.decide("failure", loop, b, "running") == (
-        "stop", "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)")
+        "stop",
+        "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)",
+    )
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_decide_random_histories(seed: int) -> None:
     """Random event logs, random budgets and fates: the invariants of the one requeue decision."""
     rng = random.Random(seed)
-    budgets = RequeueConfig(max_preemptions=rng.choice([-1, 0, 1, 3]), max_time_limit_requeues=rng.choice([0, 1, 3]),
-                            max_failures=rng.choice([0, 1, 2, 5]))
+    budgets = RequeueConfig(
+        max_preemptions=rng.choice([-1, 0, 1, 3]),
+        max_time_limit_requeues=rng.choice([0, 1, 3]),
+        max_failures=rng.choice([0, 1, 2, 5]),
+    )
     events: list[dict] = []
     step = 0
     for _ in range(rng.randint(0, 60)):
@@ -83,8 +108,13 @@ def test_decide_random_histories(seed: int) -> None:
             step += rng.choice([0, 10, 20])
             events.append(ev("checkpoint_committed", step))
         elif kind.startswith("requeue"):
-            events.append(ev("requeue", reason=rng.choice(list(preempt.BUDGET_KEYS)),
-                             by="slurm" if kind == "requeue_slurm" else "hpc_train"))
+            events.append(
+                ev(
+                    "requeue",
+                    reason=rng.choice(list(preempt.BUDGET_KEYS)),
+                    by="slurm" if kind == "requeue_slurm" else "hpc_train",
+                )
+            )
         else:
             events.append(ev(kind))
     for reason in preempt.BUDGET_KEYS:
@@ -98,7 +128,11 @@ def test_decide_random_histories(seed: int) -> None:
             elif limit == -1:
                 assert action == "requeue"
             else:
-                used = preempt.failures_in_a_row(events) if reason == "failure" else preempt.requeues_counted(events, reason)
+                used = (
+                    preempt.failures_in_a_row(events)
+                    if reason == "failure"
+                    else preempt.requeues_counted(events, reason)
+                )
                 assert (action == "stop") == (used >= limit) and (action == "stop") == (why != "")
         # Requeueing again and again for one reason stops after exactly `limit` more requeues (no progress between)
         limit = getattr(budgets, preempt.BUDGET_KEYS[reason])
@@ -107,7 +141,9 @@ def test_decide_random_histories(seed: int) -> None:
             while preempt.decide(reason, log, budgets, "running")[0] == "requeue":
                 log.append(ev("requeue", reason=reason, by="hpc_train"))
                 more += 1
-            used = preempt.failures_in_a_row(events) if reason == "failure" else preempt.requeues_counted(events, reason)
+            used = (
+                preempt.failures_in_a_row(events) if reason == "failure" else preempt.requeues_counted(events, reason)
+            )
             assert more == max(0, limit - used)
     last = max((e.get("restart", 0) for e in events if e["event"] == "requeue"), default=0)
     assert preempt.local_fate(events + [ev("cancel", restart=last)]) == "cancelled"
@@ -127,7 +163,9 @@ def test_retention_plan_invariants(seed: int) -> None:
     folders = random_folders(rng, rng.randint(0, 30))
     committed = [s for s, r in folders.items() if r]
     verified = set(rng.sample(committed, rng.randint(0, min(3, len(committed)))))
-    bad = set(rng.sample(sorted(set(committed) - verified), rng.randint(0, max(0, len(committed) - len(verified)) // 2)))
+    bad = set(
+        rng.sample(sorted(set(committed) - verified), rng.randint(0, max(0, len(committed) - len(verified)) // 2))
+    )
     keep = set(rng.sample(sorted(folders), rng.randint(0, min(2, len(folders)))))
     cfg = CheckpointConfig(keep_last=rng.randint(1, 4), keep_every_steps=rng.choice([0, 7, 70]))
     doomed = retention_plan(folders, cfg, verified, bad, keep)
@@ -138,7 +176,7 @@ def test_retention_plan_invariants(seed: int) -> None:
     anchor = max(verified)
     assert all(s < anchor for s in doomed)  # a committed checkpoint goes only once a newer one is known good
     good_periodic = sorted(s for s, r in folders.items() if s <= anchor and r and r != "stop" and s not in bad)
-    assert not doomed & set(good_periodic[-cfg.keep_last:])
+    assert not doomed & set(good_periodic[-cfg.keep_last :])
     if cfg.keep_every_steps:
         assert not {s for s in doomed if s % cfg.keep_every_steps == 0 and s in good_periodic}
     torn_or_bad_below = {s for s, r in folders.items() if s < anchor and (not r or s in bad) and s not in keep}
@@ -192,8 +230,11 @@ def test_checkpoint_folder_storm_model(seed: int) -> None:
 
 
 def test_verification_shares_cover_every_file_once_and_balance() -> None:
-    sizes = {".metadata": 25_000, **{f"__{r}_0.distcp": 500_000_000 + r for r in range(8)},
-             **{f"rank_{r:05d}.pt": 6_654 for r in range(8)}}
+    sizes = {
+        ".metadata": 25_000,
+        **{f"__{r}_0.distcp": 500_000_000 + r for r in range(8)},
+        **{f"rank_{r:05d}.pt": 6_654 for r in range(8)},
+    }
     split = shares(sizes, 4)
     assert sorted(n for part in split for n in part) == sorted(sizes)
     loads = [sum(sizes[n] for n in part) for part in split]

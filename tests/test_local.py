@@ -10,9 +10,8 @@ import subprocess
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ARGS = ["train.steps=40", "checkpoint.every_steps=10", "cluster.tasks_per_node=3"]
 
@@ -27,7 +26,8 @@ def test_demo_runs_checkpoints_and_finishes(tmp_path: Path) -> None:
     assert proc.stdout.endswith(
         f"finished demo-1: 60 steps, final loss {summary['final_loss']:.4f}; the run lives in {run_dir}\n"
         f"next: hpc-train report {run_dir}   # where the time went, and {run_dir}/report.png\n"
-        f"      hpc-train logs {run_dir}     # rank 0's log\n")
+        f"      hpc-train logs {run_dir}     # rank 0's log\n"
+    )
     assert [e["event"] for e in read_events(run_dir)][:2] == ["preflight", "start"]  # every node checked first
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000040", "step_000060"]  # keep_last=2
     assert (run_dir / "config.yaml").exists()
@@ -46,8 +46,9 @@ def test_sigterm_resume_is_bit_exact(tmp_path: Path) -> None:
     """SIGTERM to the local job (as a preemption would) -> save, requeue in place, resume, same weights."""
     ref_dir, _ = submit([f"out_dir={tmp_path}", "name=ref", *ARGS])
     run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *ARGS, "train.min_step_time_s=0.2", "--no-wait"])
-    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120,
-               "the first checkpoint")
+    wait_until(
+        lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "the first checkpoint"
+    )
     os.kill(int(job_id), signal.SIGTERM)  # submitit's local controller forwards it to every rank
     wait_until(lambda: (run_dir / "summary.json").exists(), 240, "summary.json after resume")
     wait_until(lambda: (ref_dir / "summary.json").exists(), 240, "the reference summary")
@@ -66,7 +67,8 @@ def test_status_logs_and_report_of_a_local_run(tmp_path: Path) -> None:
     wait_until(lambda: (run_dir / "summary.json").exists(), 240, "summary.json")
     rows = json.loads(run([HPC_TRAIN, "status", str(tmp_path), "--json"]).stdout)
     assert [(r["run"], r["state"], r["attempts"], r["committed_step"], r["total_steps"]) for r in rows] == [
-        ("demo-1", "COMPLETED", 1, 20, 20)]
+        ("demo-1", "COMPLETED", 1, 20, 20)
+    ]
     assert rows[0]["tokens_per_s"] > 0 and rows[0]["mfu"] is None
     log = run([HPC_TRAIN, "logs", str(run_dir), "--rank", "2", "--attempt", "0"]).stdout
     assert log.startswith("==== hpc_train attempt 0 rank 2 ====")
@@ -84,8 +86,13 @@ def test_ctrl_c_while_waiting_detaches_and_the_run_finishes(tmp_path: Path) -> N
     """Ctrl-C at a terminal signals the whole foreground process group: the CLI, submitit's controller
     and every rank. Done here with killpg on the CLI's own group: the CLI says how to follow the run and
     exits at once, the ranks go on, and `logs -f` started meanwhile returns when the run has finished."""
-    proc = subprocess.Popen([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=20", "train.min_step_time_s=0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=20", "train.min_step_time_s=0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     run_dir = tmp_path / "demo-1"
     try:
         wait_until(lambda: any(e["event"] == "start" for e in read_events(run_dir)), 120, "the ranks to start")
@@ -95,10 +102,12 @@ def test_ctrl_c_while_waiting_detaches_and_the_run_finishes(tmp_path: Path) -> N
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, out + err
-    assert out.endswith(f"\ndetached: demo-1 keeps running on this machine\n"
-                        f"  hpc-train logs {run_dir} -f     # follow rank 0's log; returns when the run ends\n"
-                        f"  hpc-train status {run_dir}      # state, step, goodput\n"
-                        f"  hpc-train cancel {run_dir}      # stop it (it saves a checkpoint first)\n")
+    assert out.endswith(
+        f"\ndetached: demo-1 keeps running on this machine\n"
+        f"  hpc-train logs {run_dir} -f     # follow rank 0's log; returns when the run ends\n"
+        f"  hpc-train status {run_dir}      # state, step, goodput\n"
+        f"  hpc-train cancel {run_dir}      # stop it (it saves a checkpoint first)\n"
+    )
     assert not (run_dir / "summary.json").exists()  # it was still training
     follow = run([HPC_TRAIN, "logs", str(run_dir), "-f"], timeout_s=120)
     assert follow.returncode == 0 and (run_dir / "summary.json").exists(), follow.stderr
@@ -109,13 +118,26 @@ def test_ctrl_c_while_waiting_detaches_and_the_run_finishes(tmp_path: Path) -> N
 def test_a_failed_run_names_the_rank_and_logs_shows_its_traceback(tmp_path: Path) -> None:
     """The wait ends with what failed and the command to type (not submitit's `job.stderr(0)`); `logs`
     shows that rank's stderr after its log, labelled; `logs -f` of a run that has ended returns."""
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=10", "requeue.max_failures=0",
-                "+cluster.env.HPC_TRAIN_FAULT=raise_at_start"], timeout_s=240)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            f"out_dir={tmp_path}",
+            "train.steps=10",
+            "requeue.max_failures=0",
+            "+cluster.env.HPC_TRAIN_FAULT=raise_at_start",
+        ],
+        timeout_s=240,
+    )
     run_dir = tmp_path / "demo-1"
     assert proc.returncode == 1 and "job.stderr" not in proc.stderr, proc.stdout + proc.stderr
-    m = re.search(r"^demo-1 failed: RuntimeError: injected fault: raise_at_start \(HPC_TRAIN_FAULT\) "
-                  r"\(rank (\d), attempt 0\)\nnot requeued: failure budget spent: .*\n"
-                  rf"the traceback: hpc-train logs {run_dir} --rank (\d)\n$", proc.stderr, re.M)
+    m = re.search(
+        r"^demo-1 failed: RuntimeError: injected fault: raise_at_start \(HPC_TRAIN_FAULT\) "
+        r"\(rank (\d), attempt 0\)\nnot requeued: failure budget spent: .*\n"
+        rf"the traceback: hpc-train logs {run_dir} --rank (\d)\n$",
+        proc.stderr,
+        re.M,
+    )
     assert m and m.group(1) == m.group(2), proc.stderr
     rank = m.group(1)
     log = run([HPC_TRAIN, "logs", str(run_dir), "--rank", rank])
@@ -143,7 +165,9 @@ def test_ddp_fsdp2_and_fsdp2_tp_reach_the_same_loss_and_resume_exactly(tmp_path:
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(cut_dir)), 120, "a checkpoint")
     os.kill(int(job_id), signal.SIGTERM)
     wait_until(lambda: (cut_dir / "summary.json").exists(), 240, "the resumed FSDP2 x TP run")
-    ddp, fsdp, tp_run, cut = (json.loads((d / "summary.json").read_text()) for d in (ddp_dir, fsdp_dir, tp_dir, cut_dir))
+    ddp, fsdp, tp_run, cut = (
+        json.loads((d / "summary.json").read_text()) for d in (ddp_dir, fsdp_dir, tp_dir, cut_dir)
+    )
     assert abs(ddp["final_loss"] - fsdp["final_loss"]) <= 1e-6 * abs(ddp["final_loss"])
     assert abs(ddp["final_loss"] - tp_run["final_loss"]) <= 1e-6 * abs(ddp["final_loss"])
     assert cut == tp_run  # bit-exact resume under FSDP2 x TP
@@ -160,7 +184,9 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path: Path) -> None:
     bf16, _ = submit([*args, "name=bf16", "train.bf16=true"])
     plain_s, ac_s, bf16_s = (json.loads((d / "summary.json").read_text()) for d in (plain, ac, bf16))
     assert ac_s == plain_s
-    assert bf16_s["params_sha256"] != plain_s["params_sha256"] and abs(bf16_s["final_loss"] - plain_s["final_loss"]) < 0.01
+    assert (
+        bf16_s["params_sha256"] != plain_s["params_sha256"] and abs(bf16_s["final_loss"] - plain_s["final_loss"]) < 0.01
+    )
     rank0, rank1 = (next((bf16 / "submitit").glob(f"*_{r}_log.out")).read_text() for r in (0, 1))
     assert "mesh dp=2 x tp=1, ddp, cpu bf16, starting at step 0/20" in rank0
     assert re.search(r"step +10/20  loss \d\.\d{4}  lr .* ms/step .* tok/s  data .*%  mem .* MB  mfu n/a", rank0)
@@ -170,8 +196,18 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path: Path) -> None:
 def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     """The last rank stops at its 4th step; the others block in the next all-reduce. Within
     train.watchdog_s every rank dumps its stack, the failure requeues, and the next attempt finishes."""
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *ARGS, "train.steps=20", "train.watchdog_s=4",
-                "+cluster.env.HPC_TRAIN_FAULT=hang"], timeout_s=240)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            f"out_dir={tmp_path}",
+            *ARGS,
+            "train.steps=20",
+            "train.watchdog_s=4",
+            "+cluster.env.HPC_TRAIN_FAULT=hang",
+        ],
+        timeout_s=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "demo-1"
     events = read_events(run_dir)
@@ -229,5 +265,7 @@ def test_byo_function_is_stopped_requeued_and_resumed(tmp_path: Path) -> None:
 def test_byo_target_that_does_not_import_is_refused_before_submit(tmp_path: Path) -> None:
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "fn._target_=no_such_pkg.train.main"])
     assert proc.returncode == 2 and list(tmp_path.iterdir()) == []
-    assert ("fn._target_='no_such_pkg.train.main': module 'no_such_pkg.train' is not importable here; install it "
-            "(pip install -e .) or add its folder to PYTHONPATH") in proc.stderr
+    assert (
+        "fn._target_='no_such_pkg.train.main': module 'no_such_pkg.train' is not importable here; install it "
+        "(pip install -e .) or add its folder to PYTHONPATH"
+    ) in proc.stderr

@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 
 from hpc_train.ops import report_marks
@@ -21,8 +20,11 @@ CONFIG = "cluster: {executor: local, signal_lead_s: 120}\nrequeue: {max_failures
 def identity(pid: int) -> dict:
     """Field 22 of /proc/<pid>/stat (start time, clock ticks after boot), this boot's id, this host."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    return {"start_time": int(stat.rsplit(")", 1)[1].split()[19]),
-            "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(), "host": socket.gethostname()}
+    return {
+        "start_time": int(stat.rsplit(")", 1)[1].split()[19]),
+        "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "host": socket.gethostname(),
+    }
 
 
 def alive(pid: int, recorded: dict) -> bool:
@@ -66,16 +68,28 @@ def test_a_reused_pid_is_neither_running_nor_signalled(tmp_path: Path) -> None:
         sleep.kill()
         sleep.wait()
     with (ours / "events.jsonl").open("a") as f:
-        f.write(json.dumps({"time": 2.0, "event": "stopped", "step": 5, "job_id": str(sleep.pid), "restart": 2,
-                            "reason": "cancelled (hpc-train cancel): saved, not requeueing"}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "time": 2.0,
+                    "event": "stopped",
+                    "step": 5,
+                    "job_id": str(sleep.pid),
+                    "restart": 2,
+                    "reason": "cancelled (hpc-train cancel): saved, not requeueing",
+                }
+            )
+            + "\n"
+        )
     assert state(ours) == "CANCELLED"
 
 
 def test_cancel_of_a_local_run_saves_and_stops_without_requeue(tmp_path: Path) -> None:
     """End to end: the cancel event first, then SIGTERM to the controller; the ranks save at the next step
     boundary, see the cancel, and stop (exit 1, so the controller does not restart them)."""
-    run_dir, job_id = submit([f"out_dir={tmp_path}", "train.steps=40", "checkpoint.every_steps=10",
-                              "train.min_step_time_s=0.2", "--no-wait"])
+    run_dir, job_id = submit(
+        [f"out_dir={tmp_path}", "train.steps=40", "checkpoint.every_steps=10", "train.min_step_time_s=0.2", "--no-wait"]
+    )
     sub = json.loads((run_dir / "submission.json").read_text())
     assert sub["process"] == identity(int(job_id))
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
@@ -93,9 +107,11 @@ def test_cancel_of_a_local_run_saves_and_stops_without_requeue(tmp_path: Path) -
     assert state(run_dir) == "CANCELLED"
 
 
-SACCT_ERROR = ("sacct: error: slurm_persist_conn_open: Something happened with the receiving/processing of the "
-               "persistent connection init message to localhost:6819: Unspecified error\n"
-               "sacct: error: Problem talking to the database: Unspecified error")
+SACCT_ERROR = (
+    "sacct: error: slurm_persist_conn_open: Something happened with the receiving/processing of the "
+    "persistent connection init message to localhost:6819: Unspecified error\n"
+    "sacct: error: Problem talking to the database: Unspecified error"
+)
 
 
 def slurm_run(tmp_path: Path, job_id: str, state: str = "RUNNING") -> tuple[Path, dict[str, str]]:
@@ -112,7 +128,8 @@ def slurm_run(tmp_path: Path, job_id: str, state: str = "RUNNING") -> tuple[Path
     (bin_dir / "sacct").write_text(
         f"#!/bin/sh\nif [ -e {fail} ]; then\n  grep -q once {fail} && rm {fail}\n"
         f"  printf '%s\\n' '{SACCT_ERROR.splitlines()[0]}' '{SACCT_ERROR.splitlines()[1]}' >&2\n  exit 1\nfi\n"
-        f"echo '{job_id}|{state}'\n")
+        f"echo '{job_id}|{state}'\n"
+    )
     (bin_dir / "sacct").chmod(0o755)
     return run_dir, {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
@@ -139,8 +156,11 @@ def test_status_says_unknown_and_the_whole_sacct_error_below_the_table(tmp_path:
 
 
 def test_report_marks_integer_attempts_boundaries_and_a_rate_axis_from_zero() -> None:
-    atts = [{"restart": 0, "launched": 100.0, "start_step": 0}, {"restart": 1, "launched": 130.5, "start_step": 20},
-            {"restart": 2, "launched": 171.0, "start_step": 40}]
+    atts = [
+        {"restart": 0, "launched": 100.0, "start_step": 0},
+        {"restart": 1, "launched": 130.5, "start_step": 20},
+        {"restart": 2, "launched": 171.0, "start_step": 40},
+    ]
     metrics = [{"step": s, "time": 100.0 + s, "tokens_per_s": 4000.0 + 0.3 * (s % 20 == 10)} for s in range(0, 60, 10)]
     marks = report_marks(atts, metrics)
     assert marks["attempt_ticks"] == [0, 1, 2]  # one tick per attempt, no 0.5
@@ -157,14 +177,17 @@ def test_logs_follow_of_a_slurm_job_in_a_final_state_prints_both_streams_and_ret
     err.write_text("==== hpc_train attempt 0 rank 0 ====\nUserWarning: something\n")
     proc = run([HPC_TRAIN, "logs", str(run_dir), "-f"], env=env, timeout_s=20)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == ("==== hpc_train attempt 0 rank 0 ====\nstep 10/10\n"
-                           f"---- rank 0 stderr: {err} ----\n==== hpc_train attempt 0 rank 0 ====\n"
-                           "UserWarning: something\n")
+    assert proc.stdout == (
+        "==== hpc_train attempt 0 rank 0 ====\nstep 10/10\n"
+        f"---- rank 0 stderr: {err} ----\n==== hpc_train attempt 0 rank 0 ====\n"
+        "UserWarning: something\n"
+    )
 
 
 @pytest.mark.parametrize("job_id", ["", "4242"])
 def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
-        tmp_path: Path, job_id: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, job_id: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: `logs -f` waited forever for a job id never recorded, or one gone from accounting. The fake
     clients answer as Slurm does for such a job: sacct prints nothing, squeue says "Invalid job id"."""
     import time
@@ -187,44 +210,66 @@ def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
     assert time.monotonic() - t0 < 10
     out, err = capsys.readouterr()
     assert out == "step 1\n"
-    assert (f"hpc-train logs: stopped following: neither squeue nor sacct has known job {job_id or '(none recorded)'} "
-            f"for 1 s (never queued, or gone from accounting); see `hpc-train status {run_dir}`\n") in err
+    assert (
+        f"hpc-train logs: stopped following: neither squeue nor sacct has known job {job_id or '(none recorded)'} "
+        f"for 1 s (never queued, or gone from accounting); see `hpc-train status {run_dir}`\n"
+    ) in err
 
 
 def test_report_and_status_show_each_attempts_size(tmp_path: Path) -> None:
     """An elastic run (cluster.min_nodes) as its events tell it: 4 ranks on 2 nodes, 2 on 1 (two micro-batches
     keep the global batch), 4 again. The report's attempts table names ranks and nodes, the batch (it
     changed), and what each requeue chose; status shows the current world size."""
+
     def attempt(restart: int, t: float, step: int, world: int, nodes: list[str], accum: int) -> list[dict]:
         base = {"job_id": "4242", "restart": restart}
-        return [{**base, "time": t, "event": "start", "step": step, "launched_at": t - 5, "world_size": world,
-                 "nodes": nodes, "grad_accum_steps": accum, "global_batch_seqs": 32},
-                {**base, "time": t + 1, "event": "first_step", "step": step + 1}]
+        return [
+            {
+                **base,
+                "time": t,
+                "event": "start",
+                "step": step,
+                "launched_at": t - 5,
+                "world_size": world,
+                "nodes": nodes,
+                "grad_accum_steps": accum,
+                "global_batch_seqs": 32,
+            },
+            {**base, "time": t + 1, "event": "first_step", "step": step + 1},
+        ]
+
     requeue = {"job_id": "4242", "event": "requeue", "reason": "preempt", "by": "hpc_train"}
-    events = [*attempt(0, 100.0, 0, 4, ["node1", "node3"], 1),
-              {**requeue, "restart": 0, "time": 110.0, "step": 20, "nodes_next": "1-2", "full_size_wait_s": 594.7},
-              *attempt(1, 130.0, 20, 2, ["node1"], 2),
-              {**requeue, "restart": 1, "time": 140.0, "step": 40, "nodes_next": "2-2", "full_size_wait_s": 0.0},
-              *attempt(2, 160.0, 40, 4, ["node1", "node3"], 1)]
+    events = [
+        *attempt(0, 100.0, 0, 4, ["node1", "node3"], 1),
+        {**requeue, "restart": 0, "time": 110.0, "step": 20, "nodes_next": "1-2", "full_size_wait_s": 594.7},
+        *attempt(1, 130.0, 20, 2, ["node1"], 2),
+        {**requeue, "restart": 1, "time": 140.0, "step": 40, "nodes_next": "2-2", "full_size_wait_s": 0.0},
+        *attempt(2, 160.0, 40, 4, ["node1", "node3"], 1),
+    ]
     run_dir = local_run(tmp_path / "el", 999999, {"start_time": 0, "boot_id": "gone", "host": "gone"}, events)
     proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")])
     assert proc.returncode == 0, proc.stderr
     got = table_rows(proc.stdout, "attempt")
     assert [(r["ranks"], r["batch"], r["ended by"]) for r in got] == [
-        ("4 on node1,node3", "32 seqs x1", "requeue (next: 1-2 nodes)"), ("2 on node1", "32 seqs x2", "requeue (next: 2-2 nodes)"),
-        ("4 on node1,node3", "32 seqs x1", "running")], proc.stdout
+        ("4 on node1,node3", "32 seqs x1", "requeue (next: 1-2 nodes)"),
+        ("2 on node1", "32 seqs x2", "requeue (next: 2-2 nodes)"),
+        ("4 on node1,node3", "32 seqs x1", "running"),
+    ], proc.stdout
     assert json.loads(run([HPC_TRAIN, "status", str(run_dir), "--json"]).stdout)[0]["world_size"] == 4
     assert table_rows(run([HPC_TRAIN, "status", str(run_dir)]).stdout, "run")[0]["ranks"] == "4"
 
 
 def table_rows(text: str, first_column: str) -> list[dict[str, str]]:
     """The rows of the rich table whose first column is `first_column`, as {column: cell}."""
-    rows = [[c.strip() for c in line.strip("│┃").replace("┃", "│").split("│")] for line in text.splitlines()
-            if line.startswith(("│", "┃"))]
+    rows = [
+        [c.strip() for c in line.strip("│┃").replace("┃", "│").split("│")]
+        for line in text.splitlines()
+        if line.startswith(("│", "┃"))
+    ]
     at = next(i for i, r in enumerate(rows) if r[0] == first_column)
     width = len(rows[at])
     out = []
-    for r in rows[at + 1:]:
+    for r in rows[at + 1 :]:
         if len(r) != width:
             break
         out.append(dict(zip(rows[at], r)))

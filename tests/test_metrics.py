@@ -16,7 +16,8 @@ def test_signal_lead_warning_names_measurements_and_the_value_to_use(tmp_path: P
     assert lead_warning([tmp_path], 120) == ""  # 41.2 + 3.1 + 60 = 104.3 fits
     assert lead_warning([tmp_path], 90) == (
         "cluster.signal_lead_s=90 is shorter than measured: the slowest save took 41.2 s and the slowest step "
-        "3.1 s, and Slurm may signal up to 60 s early; use cluster.signal_lead_s>=105")
+        "3.1 s, and Slurm may signal up to 60 s early; use cluster.signal_lead_s>=105"
+    )
     assert lead_warning([tmp_path / "never-ran"], 1) == ""
     append_jsonl(RunPaths(tmp_path).metrics, {"time": 2.0, "step": 20, "step_time_s": 3.0, "eval_s": 20.0})
     assert "the slowest step 23.0 s" in lead_warning([tmp_path], 120)  # an evaluation delays the stop check too

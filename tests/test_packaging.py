@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hpc_train
 from conftest import HPC_TRAIN, read_events, run
+
+import hpc_train
 from hpc_train.provenance import differences, identity
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,8 +28,23 @@ def plain_install(tmp_path: Path) -> Path:
             shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(REPO / part, src / part)
-    proc = run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                "--disable-pip-version-check", "--target", str(site), str(src)], timeout_s=180)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        timeout_s=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return site
 
@@ -37,10 +53,18 @@ def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Pat
     """`pip install .` as a wheel (into --target, as into a fresh venv), then a fresh empty folder: init,
     compose and render work from the installed copy alone. ~5 s: one wheel build, four interpreters."""
     site, fresh = plain_install(tmp_path), tmp_path / "fresh"
-    shipped = {p.relative_to(REPO).as_posix() for d in ("conf", "sbatch_templates") for p in (REPO / d).rglob("*")
-               if p.is_file() and "__pycache__" not in p.parts}
-    installed = {p.relative_to(site / "hpc_train").as_posix() for d in ("conf", "sbatch_templates")
-                 for p in (site / "hpc_train" / d).rglob("*") if p.is_file()}
+    shipped = {
+        p.relative_to(REPO).as_posix()
+        for d in ("conf", "sbatch_templates")
+        for p in (REPO / d).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    installed = {
+        p.relative_to(site / "hpc_train").as_posix()
+        for d in ("conf", "sbatch_templates")
+        for p in (site / "hpc_train" / d).rglob("*")
+        if p.is_file()
+    }
     assert installed == shipped
     assert (site / "hpc_train" / "py.typed").is_file()  # PEP 561: type checkers read the annotations
 
@@ -56,13 +80,15 @@ def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Pat
     cfg = run([*cli, "submit", "--cfg", "job", "cluster=dev", "model=tiny"], env=env, cwd=fresh)
     assert cfg.returncode == 0, cfg.stderr
     assert "steps: 7" in cfg.stdout and "executor: slurm" in cfg.stdout and "d_model: 64" in cfg.stdout
-    render = ("import hpc_train, sys\n"
-              "from hpc_train.config import compose, to_run_config\n"
-              "from hpc_train.sbatch import render\n"
-              "run = to_run_config(compose(['cluster=slurm', 'cluster.template=apptainer', "
-              "'+cluster.template_vars.image=/img.sif']))\n"
-              "print(hpc_train.__file__)\n"
-              "print(render(run.cluster, 'pkg-1', __import__('pathlib').Path('/runs/pkg-1/submitit')))\n")
+    render = (
+        "import hpc_train, sys\n"
+        "from hpc_train.config import compose, to_run_config\n"
+        "from hpc_train.sbatch import render\n"
+        "run = to_run_config(compose(['cluster=slurm', 'cluster.template=apptainer', "
+        "'+cluster.template_vars.image=/img.sif']))\n"
+        "print(hpc_train.__file__)\n"
+        "print(render(run.cluster, 'pkg-1', __import__('pathlib').Path('/runs/pkg-1/submitit')))\n"
+    )
     out = run([sys.executable, "-c", render], env=env, cwd=fresh)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == str(site.resolve() / "hpc_train" / "__init__.py")  # not the repo's
@@ -83,8 +109,11 @@ def test_job_imports_the_package_that_validated_it_and_says_when_code_changed(tm
     recorded, _ = identity()
     (sweep / "0000").mkdir(parents=True)
     (sweep / "0000" / "code.json").write_text(json.dumps({**recorded, "version": "0.0.9"}))
-    proc = run([HPC_TRAIN, "submit", "-m", "--sweep-dir", str(sweep), "train.steps=2", "checkpoint.async_save=false"],
-               cwd=tmp_path, timeout_s=180)
+    proc = run(
+        [HPC_TRAIN, "submit", "-m", "--sweep-dir", str(sweep), "train.steps=2", "checkpoint.async_save=false"],
+        cwd=tmp_path,
+        timeout_s=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trial = sweep / "0000"
     events = read_events(trial)
@@ -99,14 +128,15 @@ def test_code_identity_of_this_checkout(tmp_path: Path) -> None:
     """code.json's fields for an editable install in a git checkout; the job's comparison finds no change
     against itself, and names each field that differs."""
     record, diff = identity()
-    assert record["path"] == str(Path(hpc_train.__file__).resolve().parent) and record["version"] == hpc_train.__version__
+    assert (
+        record["path"] == str(Path(hpc_train.__file__).resolve().parent) and record["version"] == hpc_train.__version__
+    )
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0 and (REPO / ".git").exists():
         assert record["git_commit"] == head.stdout.strip() and record["git_dirty"] == bool(diff)
     assert differences(record) == ""
     moved = differences({**record, "path": "/elsewhere/hpc_train"})
     assert f"path '/elsewhere/hpc_train' -> '{record['path']}'" in moved and "Resubmit" in moved
-
 
 
 def test_code_diff_is_bytes_of_the_package_only_and_owner_only(tmp_path: Path) -> None:
@@ -126,16 +156,19 @@ def test_code_diff_is_bytes_of_the_package_only_and_owner_only(tmp_path: Path) -
     env = {**os.environ, "PYTHONPATH": str(repo)}
     version = run([sys.executable, "-m", "hpc_train.cli", "--version"], env=env, cwd=tmp_path)
     assert version.returncode == 0 and "+ uncommitted changes" in version.stdout, version.stdout + version.stderr
-    code = ("import hashlib, json, os, pathlib, sys\n"
-            "from hpc_train.submit import _code_identity\n"
-            "out = pathlib.Path(sys.argv[1]); out.mkdir()\n"
-            "record = json.loads(_code_identity(out, private=False))\n"
-            "diff = (out / 'code.diff').read_bytes()\n"
-            "print(oct(os.stat(out / 'code.diff').st_mode & 0o777), record['git_diff_sha256'] == "
-            "hashlib.sha256(diff).hexdigest())\n"
-            "sys.stdout.buffer.write(diff)\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], env=env, cwd=tmp_path,
-                          capture_output=True, timeout=60)
+    code = (
+        "import hashlib, json, os, pathlib, sys\n"
+        "from hpc_train.submit import _code_identity\n"
+        "out = pathlib.Path(sys.argv[1]); out.mkdir()\n"
+        "record = json.loads(_code_identity(out, private=False))\n"
+        "diff = (out / 'code.diff').read_bytes()\n"
+        "print(oct(os.stat(out / 'code.diff').st_mode & 0o777), record['git_diff_sha256'] == "
+        "hashlib.sha256(diff).hexdigest())\n"
+        "sys.stdout.buffer.write(diff)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")], env=env, cwd=tmp_path, capture_output=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     first, _, diff = proc.stdout.partition(b"\n")
     assert first == b"0o600 True"
@@ -150,4 +183,15 @@ def test_a_huge_diff_is_capped_and_says_so() -> None:
     big = capped(b"x" * (DIFF_CAP_BYTES + 10))
     assert big.startswith(b"x" * DIFF_CAP_BYTES) and big.endswith(
         f"\n# hpc-train: code.diff capped at {DIFF_CAP_BYTES} of {DIFF_CAP_BYTES + 10} bytes; code.json's "
-        f"git_diff_sha256 is the hash of the whole diff\n".encode())
+        f"git_diff_sha256 is the hash of the whole diff\n".encode()
+    )
+
+
+def test_every_shipped_config_group_is_a_declared_package() -> None:
+    """A conf/ group missing from pyproject's `packages` makes setuptools print ~50 warning lines per install
+    (it still ships the files): a new group must be listed there."""
+    import tomllib
+
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    groups = {f"hpc_train.conf.{p.name}" for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert groups <= declared, f"add {sorted(groups - declared)} to [tool.setuptools] packages in pyproject.toml"

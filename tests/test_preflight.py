@@ -20,22 +20,43 @@ def ev(event: str, **fields: object) -> dict:
 
 
 def rank(node: str, r: int, **over: object) -> dict:
-    base = {"node": node, "rank": r, "device": "cpu", "problems": [], "matmul_tflops": 0.05, "allreduce_gbps": 1.0,
-            "rtt_s": 0.002, "skew_s": 0.0, "wall_s": 0.1, "disk_free_gb": 50.0, "disk_needed_gb": 1.0}
+    base = {
+        "node": node,
+        "rank": r,
+        "device": "cpu",
+        "problems": [],
+        "matmul_tflops": 0.05,
+        "allreduce_gbps": 1.0,
+        "rtt_s": 0.002,
+        "skew_s": 0.0,
+        "wall_s": 0.1,
+        "disk_free_gb": 50.0,
+        "disk_needed_gb": 1.0,
+    }
     return {**base, **over}
 
 
 def test_judge_names_the_sick_node_and_why() -> None:
     cfg = PreflightConfig(max_clock_skew_s=5)
-    nodes, warnings, _ = judge([rank("node1", 0), rank("node2", 1, skew_s=9.0), rank("node3", 2, disk_free_gb=0.5),
-                             rank("node4", 3, problems=["GPU 0: 2 uncorrected ECC errors since boot"])], cfg)
+    nodes, warnings, _ = judge(
+        [
+            rank("node1", 0),
+            rank("node2", 1, skew_s=9.0),
+            rank("node3", 2, disk_free_gb=0.5),
+            rank("node4", 3, problems=["GPU 0: 2 uncorrected ECC errors since boot"]),
+        ],
+        cfg,
+    )
     assert nodes["node1"]["sick"] == "" and warnings == []
     assert nodes["node2"]["sick"] == "clock +9.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"
     assert nodes["node3"]["sick"].startswith("0.5 GB free in the checkpoint folder < 1.0 GB needed")
     assert nodes["node4"]["sick"] == "GPU 0: 2 uncorrected ECC errors since boot"
     # 0 = record only
     off = PreflightConfig(max_clock_skew_s=0, min_free_disk_gb=0)
-    assert all(not n["sick"] for n in judge([rank("node2", 0, skew_s=9.0), rank("node3", 1, disk_free_gb=0.0)], off)[0].values())
+    assert all(
+        not n["sick"]
+        for n in judge([rank("node2", 0, skew_s=9.0), rank("node3", 1, disk_free_gb=0.0)], off)[0].values()
+    )
 
 
 def test_judge_clock_against_the_median_node() -> None:
@@ -44,12 +65,15 @@ def test_judge_clock_against_the_median_node() -> None:
     cfg = PreflightConfig(max_clock_skew_s=5)
     nodes, warnings, _ = judge([rank("node1", 0), *(rank(f"node{i + 1}", i, skew_s=-10.0) for i in (1, 2, 3))], cfg)
     assert {n: f["sick"] for n, f in nodes.items() if f["sick"]} == {
-        "node1": "clock +10.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"}
+        "node1": "clock +10.00 s from the median node's (+-0.002 s) > preflight.max_clock_skew_s=5"
+    }
     assert warnings == []
     nodes, warnings, _ = judge([rank("node1", 0), rank("node2", 1, skew_s=-10.0)], cfg)
     assert not any(f["sick"] for f in nodes.values())
-    assert warnings == ["clocks differ by 10.00 s (+-0.002 s) > preflight.max_clock_skew_s=5 across node1, node2, and no "
-                        "majority of nodes agrees on the time to say which is wrong: no node left out; check NTP/chrony on them"]
+    assert warnings == [
+        "clocks differ by 10.00 s (+-0.002 s) > preflight.max_clock_skew_s=5 across node1, node2, and no "
+        "majority of nodes agrees on the time to say which is wrong: no node left out; check NTP/chrony on them"
+    ]
 
 
 def test_judge_disk_short_on_every_node_stops_the_run_and_blames_none() -> None:
@@ -58,10 +82,12 @@ def test_judge_disk_short_on_every_node_stops_the_run_and_blames_none() -> None:
     low = [rank(f"node{i}", i, disk_free_gb=0.4, disk_folder="/shared/runs/a/checkpoints") for i in range(4)]
     nodes, warnings, stop = judge(low, PreflightConfig())
     assert not any(f["sick"] for f in nodes.values()) and warnings == []
-    assert stop == ("0.4 GB free in the checkpoint folder /shared/runs/a/checkpoints on every node < 1.0 GB needed "
-                    "(preflight.min_free_disk_gb=1 + the newest checkpoint): no node is to blame, and a requeue would "
-                    "find the folder as full, so the run stops; free space there (or keep fewer checkpoints with "
-                    "checkpoint.keep_last, or lower preflight.min_free_disk_gb), then `hpc-train resume RUN`")
+    assert stop == (
+        "0.4 GB free in the checkpoint folder /shared/runs/a/checkpoints on every node < 1.0 GB needed "
+        "(preflight.min_free_disk_gb=1 + the newest checkpoint): no node is to blame, and a requeue would "
+        "find the folder as full, so the run stops; free space there (or keep fewer checkpoints with "
+        "checkpoint.keep_last, or lower preflight.min_free_disk_gb), then `hpc-train resume RUN`"
+    )
     assert judge(low, PreflightConfig(min_free_disk_gb=0))[2] == ""  # 0 = record only
 
 
@@ -79,33 +105,42 @@ def test_judge_relative_matmul_on_gpu_only() -> None:
 
 
 def test_judge_allreduce_warns_without_naming_a_node() -> None:
-    nodes, warnings, _ = judge([rank("node1", 0, allreduce_gbps=0.5), rank("node2", 1)], PreflightConfig(min_allreduce_gbps=2))
+    nodes, warnings, _ = judge(
+        [rank("node1", 0, allreduce_gbps=0.5), rank("node2", 1)], PreflightConfig(min_allreduce_gbps=2)
+    )
     assert not any(f["sick"] for f in nodes.values())
-    assert warnings == ["all-reduce 0.50 GB/s < preflight.min_allreduce_gbps=2 (one all-reduce over the group cannot "
-                        "say which node is slow: no node left out)"]
+    assert warnings == [
+        "all-reduce 0.50 GB/s < preflight.min_allreduce_gbps=2 (one all-reduce over the group cannot "
+        "say which node is slow: no node left out)"
+    ]
 
 
 def test_gpu_counters() -> None:
     text = "0, NVIDIA H200, 0, [N/A], No, No\n1, NVIDIA H200, 3, [N/A], Yes, No\n"
     gpus, problems = gpu_problems(text, GPU_FIELDS)
-    assert len(gpus) == 2 and problems == ["GPU 1: 3 uncorrected ECC errors since boot",
-                                           "GPU 1: remapped_rows.pending=Yes (needs a reset)"]
+    assert len(gpus) == 2 and problems == [
+        "GPU 1: 3 uncorrected ECC errors since boot",
+        "GPU 1: remapped_rows.pending=Yes (needs a reset)",
+    ]
 
 
-@pytest.mark.parametrize("text, marker", [
-    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "uncorrectable ECC error"),
-    ("torch.distributed.DistBackendError: NCCL error: unhandled cuda error", "unhandled cuda error"),
-    ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", "Xid"),
-    ("RuntimeError: CUDA error: no CUDA-capable device is detected", "no CUDA-capable device is detected"),
-    # not the node's hardware: shared storage, a config, a path that contains the letters, code bugs
-    ("OSError: [Errno 5] Input/output error: '/lustre/scratch/run/checkpoints/step_100/__0_0.distcp'", ""),
-    ("RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable", ""),
-    ("FileNotFoundError: [Errno 2] No such file or directory: '/data/oxide-corpus/meta.json'", ""),
-    ("ValueError: bad shape", ""),
-    ("torch.OutOfMemoryError: CUDA out of memory", ""),
-    ("RuntimeError: NCCL communicator was aborted on rank 1 (remote process exited)", ""),
-    ("hang: no step finished in train.watchdog_s=900 s", ""),
-])
+@pytest.mark.parametrize(
+    "text, marker",
+    [
+        ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "uncorrectable ECC error"),
+        ("torch.distributed.DistBackendError: NCCL error: unhandled cuda error", "unhandled cuda error"),
+        ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", "Xid"),
+        ("RuntimeError: CUDA error: no CUDA-capable device is detected", "no CUDA-capable device is detected"),
+        # not the node's hardware: shared storage, a config, a path that contains the letters, code bugs
+        ("OSError: [Errno 5] Input/output error: '/lustre/scratch/run/checkpoints/step_100/__0_0.distcp'", ""),
+        ("RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable", ""),
+        ("FileNotFoundError: [Errno 2] No such file or directory: '/data/oxide-corpus/meta.json'", ""),
+        ("ValueError: bad shape", ""),
+        ("torch.OutOfMemoryError: CUDA out of memory", ""),
+        ("RuntimeError: NCCL communicator was aborted on rank 1 (remote process exited)", ""),
+        ("hang: no step finished in train.watchdog_s=900 s", ""),
+    ],
+)
 def test_hardware_errors_and_not_code_bugs(text: str, marker: str) -> None:
     assert preempt.hardware_error(text) == marker
 
@@ -129,19 +164,28 @@ def test_exclusion_budget_and_partition() -> None:
     two = one + [ev("node_excluded", node="node1", why="ecc"), ev("exclude_nodes", nodes="node1,node3", ok=True)]
     nodes, why, stop = preempt.exclusion(two, {"node2": "disk"}, 2, 5)
     assert nodes == ["node1", "node3"] and stop == ""
-    assert why == ("node-exclusion budget spent: 3 sick nodes would be left out, more than requeue.max_excluded_nodes=2 "
-                   "(node2: disk); requeued without leaving it out, as after any failure (requeue.max_failures); "
-                   "have the admins check it, or leave it out for good with cluster.exclude, or raise the budget with `hpc-train resume RUN "
-                   "--max-excluded-nodes 4`")
+    assert why == (
+        "node-exclusion budget spent: 3 sick nodes would be left out, more than requeue.max_excluded_nodes=2 "
+        "(node2: disk); requeued without leaving it out, as after any failure (requeue.max_failures); "
+        "have the admins check it, or leave it out for good with cluster.exclude, or raise the budget with `hpc-train resume RUN "
+        "--max-excluded-nodes 4`"
+    )
     raised = RequeueConfig(**preempt.budget_changes(two + [ev("resume", budgets={"max_excluded_nodes": 4})]))
     assert raised.max_excluded_nodes == 4
     nodes, why, stop = preempt.exclusion(one, {"node1": "ecc"}, 5, spare_nodes=1)  # 4 usable nodes, run needs 3
     assert (nodes, stop) == (["node3"], "") and why.startswith(
-        "leaving out 2 sick nodes would leave too few for the run: the partition has 1 usable nodes beyond")
-    assert preempt.exclusion([], sick, 2, spare_nodes=None) == (["node3"], "", "")  # partition size unknown: budget only
+        "leaving out 2 sick nodes would leave too few for the run: the partition has 1 usable nodes beyond"
+    )
+    assert preempt.exclusion([], sick, 2, spare_nodes=None) == (
+        ["node3"],
+        "",
+        "",
+    )  # partition size unknown: budget only
     nodes, why, stop = preempt.exclusion([], sick, 2, spare_nodes=0, local=True)
-    assert why.startswith("a local run has one machine: nowhere to leave it out (node3: preflight: marked sick); "
-                          "requeued without leaving it out") and (nodes, stop) == ([], "")
+    assert why.startswith(
+        "a local run has one machine: nowhere to leave it out (node3: preflight: marked sick); "
+        "requeued without leaving it out"
+    ) and (nodes, stop) == ([], "")
     # a resume forgets the exclusions (the new job has no ExcNodeList)
     assert preempt.excluded_nodes(one + [ev("resume", restart=1)]) == {}
     assert preempt.exclusion(one + [ev("resume", restart=1)], {"node3": "again"}, 2, 2) == (["node3"], "", "")
@@ -174,21 +218,32 @@ def test_a_node_sick_again_gets_its_exclusion_once_more() -> None:
     twice = lost + [ev("node_excluded", node="node3", why="again")]
     assert preempt.exclusion(twice, {"node3": "again"}, 2, 2)[2] == (
         "node3 failed again (again) though left out since an earlier attempt: ExcNodeList was set 2 times without an "
-        "exclude_nodes event with ok=true; fix the node or add it to cluster.exclude, then `hpc-train resume RUN`")
+        "exclude_nodes event with ok=true; fix the node or add it to cluster.exclude, then `hpc-train resume RUN`"
+    )
     took = lost + [ev("exclude_nodes", nodes="node3,node9", ok=True)]
     assert preempt.exclusion(took, {"node3": "again"}, 2, 2)[2].startswith(
-        "node3 failed again (again) though left out since an earlier attempt: ExcNodeList took")
+        "node3 failed again (again) though left out since an earlier attempt: ExcNodeList took"
+    )
 
 
 def test_status_prints_a_line_per_excluded_node() -> None:
     from hpc_train.ops import COLUMNS, print_status
 
-    row = {**dict.fromkeys(COLUMNS), "run": "health-1", "job_id": "7", "state": "RUNNING", "warnings": [],
-           "excluded_nodes": {"node2": "marked sick by `hpc-train chaos sick-node` (drills/sick_node.node2)"}}
+    row = {
+        **dict.fromkeys(COLUMNS),
+        "run": "health-1",
+        "job_id": "7",
+        "state": "RUNNING",
+        "warnings": [],
+        "excluded_nodes": {"node2": "marked sick by `hpc-train chaos sick-node` (drills/sick_node.node2)"},
+    }
     out = io.StringIO()
     with redirect_stdout(out):
         print_status([row])
-    assert "health-1: node2 left out: marked sick by `hpc-train chaos sick-node` (drills/sick_node.node2)" in out.getvalue()
+    assert (
+        "health-1: node2 left out: marked sick by `hpc-train chaos sick-node` (drills/sick_node.node2)"
+        in out.getvalue()
+    )
 
 
 def test_preflight_config_checks() -> None:
@@ -206,15 +261,20 @@ def test_a_hardware_error_on_a_lone_machine_requeues_without_leaving_it_out(tmp_
 
     from conftest import HPC_TRAIN, run
 
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=10", "+cluster.env.HPC_TRAIN_FAULT=ecc_at_start"],
-               timeout_s=240)
+    proc = run(
+        [HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=10", "+cluster.env.HPC_TRAIN_FAULT=ecc_at_start"],
+        timeout_s=240,
+    )
     events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").read_text().splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     not_out = [e for e in events if e["event"] == "node_not_excluded"]
     assert len(not_out) == 1 and not_out[0]["nodes"] == ["127.0.0.1"]
     # Every task raises the drill; whichever claims the failure first names itself.
-    assert re.match(r"a local run has one machine: nowhere to leave it out \(127\.0\.0\.1: task [01] on 127\.0\.0\.1 "
-                    r"failed", not_out[0]["why"]), not_out[0]["why"]
+    assert re.match(
+        r"a local run has one machine: nowhere to leave it out \(127\.0\.0\.1: task [01] on 127\.0\.0\.1 "
+        r"failed",
+        not_out[0]["why"],
+    ), not_out[0]["why"]
     assert "failed with a hardware error (uncorrectable ECC error)" in not_out[0]["why"]
     assert "requeued without leaving it out, as after any failure (requeue.max_failures)" in not_out[0]["why"]
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
@@ -257,21 +317,26 @@ def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) 
     run = Run(run_dir=tmp_path, label="health-1", job_id="7", executor="slurm", log_dir=tmp_path)
     with pytest.raises(ValueError, match=r"^--rank 99: health-1's last attempt has ranks 0\.\.3$"):
         chaos(run, "sick-node", rank=99)
-    with pytest.raises(ValueError, match=r"^--node nod3: health-1's last attempt ran on node1, node3; name one of them$"):
+    with pytest.raises(
+        ValueError, match=r"^--node nod3: health-1's last attempt ran on node1, node3; name one of them$"
+    ):
         chaos(run, "sick-node", node="nod3")
     chaos(run, "sick-node", rank=2)
     assert (tmp_path / "drills" / "sick_node.node3").exists()
 
 
-@pytest.mark.parametrize("counts, world, blamed", [
-    ({0: 31, 1: 31, 2: 31, 3: 30}, 4, [3]),   # rank 3 stopped before its forward; the others wait in backward
-    ({0: 31, 1: 31, 3: 30}, 4, [3]),          # rank 2 died of a peer's exit before it wrote: not blamed
-    ({0: 31, 1: 31, 2: 31}, 4, []),           # the stopped rank wrote nothing: no one to blame
-    ({0: 30, 1: 30, 2: 30, 3: 30}, 4, []),    # all level: blocked together (FSDP's forward all-gather): no one
-    ({0: 30, 1: 30, 2: 31, 3: 31}, 4, [0, 1]),  # a node's 2 ranks behind the other node's
-    ({0: 30, 1: 30, 2: 30, 3: 31}, 4, []),    # most behind: not one node's fault
-    ({0: 12, 1: 11}, 2, [1]),                 # 2 ranks: the one behind
-    ({}, 4, []),
-])
+@pytest.mark.parametrize(
+    "counts, world, blamed",
+    [
+        ({0: 31, 1: 31, 2: 31, 3: 30}, 4, [3]),  # rank 3 stopped before its forward; the others wait in backward
+        ({0: 31, 1: 31, 3: 30}, 4, [3]),  # rank 2 died of a peer's exit before it wrote: not blamed
+        ({0: 31, 1: 31, 2: 31}, 4, []),  # the stopped rank wrote nothing: no one to blame
+        ({0: 30, 1: 30, 2: 30, 3: 30}, 4, []),  # all level: blocked together (FSDP's forward all-gather): no one
+        ({0: 30, 1: 30, 2: 31, 3: 31}, 4, [0, 1]),  # a node's 2 ranks behind the other node's
+        ({0: 30, 1: 30, 2: 30, 3: 31}, 4, []),  # most behind: not one node's fault
+        ({0: 12, 1: 11}, 2, [1]),  # 2 ranks: the one behind
+        ({}, 4, []),
+    ],
+)
 def test_hung_ranks_are_a_minority_behind_the_others(counts: dict, world: int, blamed: list) -> None:
     assert preempt.hung_ranks(counts, world) == blamed

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import HPC_TRAIN, run
 
 from hpc_train.ops import sort_results
@@ -18,8 +17,10 @@ from hpc_train.ops import sort_results
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("results")
-    proc = run([HPC_TRAIN, "submit", "-m", f"out_dir={out}", "train.lr=1e-3,3e-3", "train.steps=6",
-                "train.log_every_steps=2"], timeout_s=300)
+    proc = run(
+        [HPC_TRAIN, "submit", "-m", f"out_dir={out}", "train.lr=1e-3,3e-3", "train.steps=6", "train.log_every_steps=2"],
+        timeout_s=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sweep_dir = out / "demo-1"
     # An evaluating trainer logs val_loss in metrics.jsonl; these trials do not evaluate, so give trial 0 one.
@@ -40,7 +41,14 @@ def test_results_table_is_sorted_by_final_loss(sweep: Path) -> None:
     assert "demo-1: 2 trial(s), by final_loss" in lines[0]
     header = next(l for l in lines if "trial" in l and "state" in l)
     assert [c.strip() for c in header.strip("┃").split("┃")] == [
-        "trial", "train.lr", "state", "step", "final loss", "val loss", "goodput"]  # only the swept key
+        "trial",
+        "train.lr",
+        "state",
+        "step",
+        "final loss",
+        "val loss",
+        "goodput",
+    ]  # only the swept key
     rows = [[c.strip() for c in l.strip("│").split("│")] for l in lines if l.startswith("│")]
     assert [r[0] for r in rows] == [best, worst]
     by_trial = {r[0]: r for r in rows}
@@ -53,24 +61,42 @@ def test_results_table_is_sorted_by_final_loss(sweep: Path) -> None:
 def test_results_json_and_csv_sorted_by_an_override(sweep: Path) -> None:
     rows = json.loads(run([HPC_TRAIN, "results", str(sweep), "--json", "--sort", "train.lr", "--reverse"]).stdout)
     assert [r["trial"] for r in rows] == ["0001", "0000"]  # 3e-3 first
-    assert rows[1]["overrides"] == {"out_dir": str(sweep.parent), "train.lr": "0.001", "train.steps": "6",
-                                    "train.log_every_steps": "2"}
+    assert rows[1]["overrides"] == {
+        "out_dir": str(sweep.parent),
+        "train.lr": "0.001",
+        "train.steps": "6",
+        "train.log_every_steps": "2",
+    }
     assert rows[1]["val_loss"] == 4.25 and rows[0]["val_loss"] is None
     assert rows[1]["final_loss"] == final_loss(sweep / "0000") and rows[1]["state"] == "COMPLETED"
     assert 0 < rows[1]["goodput"] <= 1 and rows[1]["run_dir"] == str(sweep / "0000")
     proc = run([HPC_TRAIN, "results", str(sweep), "--csv", "--sort", "train.lr"])
     table = list(csv.DictReader(io.StringIO(proc.stdout)))
-    assert [(r["trial"], r["train.lr"], r["val_loss"]) for r in table] == [("0000", "0.001", "4.25"),
-                                                                          ("0001", "0.003", "")]
-    assert list(table[0]) == ["trial", "out_dir", "train.lr", "train.steps", "train.log_every_steps", "state",
-                              "step", "final_loss", "val_loss", "goodput", "run_dir"]
+    assert [(r["trial"], r["train.lr"], r["val_loss"]) for r in table] == [
+        ("0000", "0.001", "4.25"),
+        ("0001", "0.003", ""),
+    ]
+    assert list(table[0]) == [
+        "trial",
+        "out_dir",
+        "train.lr",
+        "train.steps",
+        "train.log_every_steps",
+        "state",
+        "step",
+        "final_loss",
+        "val_loss",
+        "goodput",
+        "run_dir",
+    ]
 
 
 def test_results_refuses_an_unknown_sort_key_and_a_run_that_is_not_a_sweep(sweep: Path) -> None:
     proc = run([HPC_TRAIN, "results", str(sweep), "--sort", "lr"])
     assert proc.returncode == 2 and proc.stderr == (
         "hpc-train results: error: --sort lr: no such column; use one of trial, state, step, final_loss, val_loss, "
-        "goodput, run_dir, out_dir, train.lr, train.steps, train.log_every_steps\n")
+        "goodput, run_dir, out_dir, train.lr, train.steps, train.log_every_steps\n"
+    )
     proc = run([HPC_TRAIN, "results", str(sweep / "0000")])
     assert proc.returncode == 2 and f"{sweep / '0000'} is not a sweep directory (no sweep.json)" in proc.stderr
 
@@ -91,8 +117,10 @@ def test_a_deleted_trial_folder_is_a_missing_row_in_results_and_status(tmp_path:
     sweep_dir = tmp_path / "mix-1"
     (sweep_dir / "0001").mkdir(parents=True)
     (sweep_dir / "0001" / "config.yaml").write_text(run([HPC_TRAIN, "submit", "--cfg", "job"]).stdout)
-    trials = [{"run_dir": str(sweep_dir / t), "job_id": "", "overrides": [f"train.lr={lr}"]}
-              for t, lr in (("0000", "1e-3"), ("0001", "3e-3"))]
+    trials = [
+        {"run_dir": str(sweep_dir / t), "job_id": "", "overrides": [f"train.lr={lr}"]}
+        for t, lr in (("0000", "1e-3"), ("0001", "3e-3"))
+    ]
     (sweep_dir / "sweep.json").write_text(json.dumps({"trials": trials}))
     proc = run([HPC_TRAIN, "results", str(sweep_dir), "--json"])
     assert proc.returncode == 0, proc.stderr

@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import HPC_TRAIN, fake_clients, read_events, run, submit, wait_until
 
 from hpc_train.checkpoint import Saver, TrainState, step_dir
 from hpc_train.config import CheckpointConfig, RunConfig
 from hpc_train.preempt import Unrecoverable
-
-from conftest import HPC_TRAIN, fake_clients, read_events, run, submit, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +85,15 @@ def test_init_from_refuses_other_shapes_and_a_damaged_source(tmp_path: Path, one
     assert str(e.value) == (
         f"checkpoint.init_from={folder}: model.weight is [8, 8] in the checkpoint but [16, 8] here; model.bias is "
         f"[8] in the checkpoint but [16] here; build the model that checkpoint was trained with (its run's "
-        f"config.yaml), or drop checkpoint.init_from")
+        f"config.yaml), or drop checkpoint.init_from"
+    )
     shard = folder / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1] + b"x")
-    with pytest.raises(Unrecoverable, match=r"does not verify: __0_0.distcp checksum differs from the manifest; "
-                                            r"submit again with another committed step folder"):
+    with pytest.raises(
+        Unrecoverable,
+        match=r"does not verify: __0_0.distcp checksum differs from the manifest; "
+        r"submit again with another committed step folder",
+    ):
         attempt_from(tmp_path / "new", init_from=str(folder)).resume(trained(seed=1))
 
 
@@ -115,12 +118,14 @@ def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Pa
     busy = run([HPC_TRAIN, "resume", str(run_dir)])
     assert busy.returncode == 2 and busy.stderr.startswith(
         f"hpc-train resume: error: cut-1 is still running (local controller pid {job_id}): there is nothing to "
-        f"resume; follow it with hpc-train logs -f {run_dir}, or stop it first with hpc-train cancel {run_dir}")
+        f"resume; follow it with hpc-train logs -f {run_dir}, or stop it first with hpc-train cancel {run_dir}"
+    )
     assert run([HPC_TRAIN, "cancel", str(run_dir)]).returncode == 0
     wait_until(lambda: process_identity(int(job_id)) is None, 120, "the cancelled run's controller to exit")
 
-    proc = run([HPC_TRAIN, "resume", str(run_dir), "--max-failures", "5", "--reason", "cancelled by mistake"],
-               timeout_s=300)
+    proc = run(
+        [HPC_TRAIN, "resume", str(run_dir), "--max-failures", "5", "--reason", "cancelled by mistake"], timeout_s=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout.splitlines()
     stop = next(e for e in read_events(run_dir) if e["event"] == "checkpoint_committed" and e["reason"] == "stop")
@@ -128,7 +133,8 @@ def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Pa
         "cut-1 stopped because cancelled (scancel or hpc-train cancel): not requeueing",
         "budgets: preemptions 0/unlimited, time-limit requeues 0/100, failures in a row 0/5 (raised now)",
         f"resuming from {stop['path']}, its newest committed checkpoint (verified when the job starts; an older one "
-        f"if it does not verify)"]
+        f"if it does not verify)",
+    ]
     new_id = out[3].split()[3]
     assert out[3] == f"resumed as job {new_id} (attempt 1); run directory {run_dir}" and new_id != job_id
     assert json.loads((run_dir / "summary.json").read_text()) == json.loads((reference / "summary.json").read_text())
@@ -136,7 +142,12 @@ def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Pa
     events = read_events(run_dir)
     resume = next(e for e in events if e["event"] == "resume")
     assert (resume["restart"], resume["step"], resume["reason"], resume["budgets"], resume["previous_job_id"]) == (
-        1, stop["step"], "cancelled by mistake", {"max_failures": 5}, job_id)
+        1,
+        stop["step"],
+        "cancelled by mistake",
+        {"max_failures": 5},
+        job_id,
+    )
     assert "@" in resume["by"]
     assert [(e["restart"], e["step"]) for e in events if e["event"] == "start"] == [(0, 0), (1, stop["step"])]
     rows = json.loads(run([HPC_TRAIN, "status", str(run_dir), "--json"]).stdout)
@@ -146,34 +157,67 @@ def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Pa
     again = run([HPC_TRAIN, "resume", str(run_dir)])
     assert again.returncode == 2 and again.stderr == (
         f"hpc-train resume: error: cut-1 finished at step 30: there is nothing to resume. To train on from its "
-        f"weights, start a new run: hpc-train submit checkpoint.init_from={run_dir} ...\n")
+        f"weights, start a new run: hpc-train submit checkpoint.init_from={run_dir} ...\n"
+    )
 
 
 def test_resume_of_a_run_that_spent_its_failure_budget(tmp_path: Path) -> None:
     """A crash at every start with requeue.max_failures=0 stops the run at once. Resume says why, and the
     budget it raises is the one the job then decides with: one failure requeue, then a stop at 1/1."""
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", *ARGS, "requeue.max_failures=0",
-                "+cluster.env.HPC_TRAIN_FAULT=raise_at_start_always"], timeout_s=240)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            f"out_dir={tmp_path}",
+            *ARGS,
+            "requeue.max_failures=0",
+            "+cluster.env.HPC_TRAIN_FAULT=raise_at_start_always",
+        ],
+        timeout_s=240,
+    )
     assert proc.returncode == 1
     run_dir = tmp_path / "demo-1"
     bad = run([HPC_TRAIN, "resume", str(run_dir), "--max-failures", "-3"])
     assert bad.returncode == 2 and bad.stderr == (
-        "hpc-train resume: error: --max-failures -3: a budget is a count >= 0; e.g. --max-failures 4\n")
-    proc = run([sys.executable, "-X", "importtime", "-m", "hpc_train.cli", "resume", str(run_dir), "--max-failures",
-                "1", "--max-excluded-nodes", "3"], timeout_s=240)
+        "hpc-train resume: error: --max-failures -3: a budget is a count >= 0; e.g. --max-failures 4\n"
+    )
+    proc = run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "hpc_train.cli",
+            "resume",
+            str(run_dir),
+            "--max-failures",
+            "1",
+            "--max-excluded-nodes",
+            "3",
+        ],
+        timeout_s=240,
+    )
     assert "torch" not in {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert proc.returncode == 1 and proc.stdout.splitlines()[:4] == [
         "demo-1 stopped because failure budget spent: 0 failure requeues in a row without a newer checkpoint "
         "(requeue.max_failures=0)",
         "budgets: preemptions 0/unlimited, time-limit requeues 0/100, failures in a row 0/1 (raised now)",
         "no committed checkpoint: starting again from step 0",
-        f"resumed as job {proc.stdout.split('resumed as job ')[1].split()[0]} (attempt 1); run directory {run_dir}"]
+        f"resumed as job {proc.stdout.split('resumed as job ')[1].split()[0]} (attempt 1); run directory {run_dir}",
+    ]
     events = read_events(run_dir)
     assert [(e["event"], e["restart"]) for e in events if e["event"] in ("resume", "requeue", "stopped")] == [
-        ("stopped", 0), ("resume", 1), ("requeue", 1), ("stopped", 2)]
+        ("stopped", 0),
+        ("resume", 1),
+        ("requeue", 1),
+        ("stopped", 2),
+    ]
     assert next(e for e in events if e["event"] == "resume")["budgets"] == {"max_failures": 1, "max_excluded_nodes": 3}
     stopped = [e["reason"] for e in events if e["event"] == "stopped"]
-    assert stopped[-1] == "failure budget spent: 1 failure requeues in a row without a newer checkpoint (requeue.max_failures=1)"
+    assert (
+        stopped[-1]
+        == "failure budget spent: 1 failure requeues in a row without a newer checkpoint (requeue.max_failures=1)"
+    )
     assert (run_dir / "config.yaml").read_text().count("max_failures: 0") == 1  # the frozen config, as submitted
 
 
@@ -186,8 +230,16 @@ def test_init_from_starts_a_new_run_from_the_source_weights(tmp_path: Path, refe
     from hpc_train.config import DataConfig, ModelConfig
     from hpc_train.model import GPT
 
-    run_dir, _ = submit([f"out_dir={tmp_path}", "name=ft", *ARGS, "train.steps=5", "train.log_every_steps=1",
-                         f"checkpoint.init_from={reference}"])
+    run_dir, _ = submit(
+        [
+            f"out_dir={tmp_path}",
+            "name=ft",
+            *ARGS,
+            "train.steps=5",
+            "train.log_every_steps=1",
+            f"checkpoint.init_from={reference}",
+        ]
+    )
     source = reference / "checkpoints" / "step_000030"
     # Pinned at submit: hardlinked into the run (the source's retention cannot take it), the original named
     pinned = next((run_dir / "init_from").glob("*/step_000030"))
@@ -197,7 +249,10 @@ def test_init_from_starts_a_new_run_from_the_source_weights(tmp_path: Path, refe
     assert all((pinned / p.name).stat().st_ino == p.stat().st_ino for p in source.iterdir())
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
     assert (start["step"], start["resumed_from"], start["init_from"]) == (
-        0, None, {"path": str(pinned), "step": 30, "optimizer": False})
+        0,
+        None,
+        {"path": str(pinned), "step": 30, "optimizer": False},
+    )
 
     dcp_to_torch_save(source, tmp_path / "source.pt")
     model = GPT(ModelConfig())
@@ -217,17 +272,20 @@ def test_init_from_is_checked_at_submit(tmp_path: Path, reference: Path) -> None
     assert wrong.returncode == 2 and wrong.stderr == (
         f"hpc-train submit: error: checkpoint.init_from={reference}: model.d_model=128 but the checkpoint has 64 "
         f"(its run's {reference}/config.yaml); set model.d_model=64, or drop checkpoint.init_from to train from "
-        f"scratch\n")
+        f"scratch\n"
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     none = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", f"checkpoint.init_from={empty}"])
     assert none.returncode == 2 and none.stderr == (
         f"hpc-train submit: error: checkpoint.init_from={empty}: no committed checkpoint under {empty} (no "
-        f"step_*/COMMITTED); give a run directory that saved one, or one of its step folders\n")
+        f"step_*/COMMITTED); give a run directory that saved one, or one of its step folders\n"
+    )
     assert list(tmp_path.iterdir()) == [empty]  # nothing written, nothing queued
 
 
 # ---- resume's guards: one resume at a time, the live controller of a sweep's trial, hosts ----------------
+
 
 def stopped_local_run(run_dir: Path, process: dict[str, Any] | None = None) -> Path:
     """A local run that was cancelled at step 5 and whose controller is gone (a pid nothing runs as)."""
@@ -238,8 +296,9 @@ def stopped_local_run(run_dir: Path, process: dict[str, Any] | None = None) -> P
 
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(compose_trials([["train.steps=10"]])[0][0]))
-    (run_dir / "submission.json").write_text(json.dumps({"executor": "local", "job_id": "1", "process": process or {
-        "start_time": 1, "boot_id": "gone"}}))
+    (run_dir / "submission.json").write_text(
+        json.dumps({"executor": "local", "job_id": "1", "process": process or {"start_time": 1, "boot_id": "gone"}})
+    )
     log_event(run_dir, "start", 0, "1", 0)
     log_event(run_dir, "stopped", 5, "1", 0, reason="cancelled")
     return run_dir
@@ -265,15 +324,28 @@ def test_two_resumes_at_once_queue_one_job(tmp_path: Path) -> None:
     import subprocess
 
     run_dir = stopped_local_run(tmp_path / "demo-1")
-    procs = [subprocess.Popen([sys.executable, "-c", SLOW_SBATCH, "resume", str(run_dir), "--no-wait"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SLOW_SBATCH, "resume", str(run_dir), "--no-wait"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [(p.wait(timeout=60), *p.communicate()) for p in procs]
     queued = [o for o in outs if o[0] == 0]
     refused = [o for o in outs if o[0] != 0]
     assert len(queued) == 1 and len(refused) == 1, outs
-    assert refused[0][0] == 2 and refused[0][2].startswith("hpc-train resume: error: demo-1 is ") and (
-        f"demo-1 is already being resumed by another hpc-train resume; follow it with hpc-train status {run_dir}"
-        in refused[0][2] or "demo-1 is still running (local controller pid" in refused[0][2]), refused
+    assert (
+        refused[0][0] == 2
+        and refused[0][2].startswith("hpc-train resume: error: demo-1 is ")
+        and (
+            f"demo-1 is already being resumed by another hpc-train resume; follow it with hpc-train status {run_dir}"
+            in refused[0][2]
+            or "demo-1 is still running (local controller pid" in refused[0][2]
+        )
+    ), refused
     assert [e["event"] for e in read_events(run_dir)].count("resume") == 1
 
 
@@ -284,8 +356,11 @@ def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> Non
 
     from hpc_train.ops import process_identity
 
-    driver = subprocess.Popen([HPC_TRAIN, "submit", "-m", f"out_dir={tmp_path}", "name=sw", "train.steps=400",
-                               "train.min_step_time_s=0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        [HPC_TRAIN, "submit", "-m", f"out_dir={tmp_path}", "name=sw", "train.steps=400", "train.min_step_time_s=0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     trial = tmp_path / "sw-1" / "0000"
     try:
         wait_until(lambda: any(e["event"] == "start" for e in read_events(trial)), 120, "the trial to start")
@@ -294,7 +369,8 @@ def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> Non
         busy = run([HPC_TRAIN, "resume", str(trial)])
         assert busy.returncode == 2 and busy.stderr.startswith(
             f"hpc-train resume: error: sw-1/0000 is still running (local controller pid {recorded['job_id']}): there "
-            f"is nothing to resume"), busy.stderr
+            f"is nothing to resume"
+        ), busy.stderr
     finally:
         driver.kill()
         driver.wait()
@@ -310,8 +386,12 @@ def test_submit_keeps_the_job_id_a_resume_recorded(tmp_path: Path) -> None:
 
     sweep = tmp_path / "sw-1"
     sweep.mkdir()
-    p = submit.Plan(sweep, [submit.Trial(0, ["a=1"], str(sweep / "0000"), "11"),
-                            submit.Trial(1, ["a=2"], str(sweep / "0001"), "12")], [], [])
+    p = submit.Plan(
+        sweep,
+        [submit.Trial(0, ["a=1"], str(sweep / "0000"), "11"), submit.Trial(1, ["a=2"], str(sweep / "0001"), "12")],
+        [],
+        [],
+    )
     submit._save_manifest(p, ["a=1,2"])
     manifest = json.loads((sweep / "sweep.json").read_text())
     manifest["trials"][0].update(job_id="77", previous_job_ids=["11"])  # what resume writes
@@ -330,13 +410,22 @@ def test_resume_refuses_another_hosts_local_run_and_keeps_sweep_json_mode(tmp_pa
 
     assert proc.returncode == 2 and proc.stderr == (
         f"hpc-train resume: error: far-1 ran on host node-far, not here ({socket.gethostname()}): its local "
-        f"controller can only be seen there; run hpc-train resume {elsewhere} on node-far\n")
+        f"controller can only be seen there; run hpc-train resume {elsewhere} on node-far\n"
+    )
 
     sweep = tmp_path / "sw-1"
     trial = stopped_local_run(sweep / "0000")
     (trial / "submission.json").unlink()
-    (sweep / "sweep.json").write_text(json.dumps({"sweep_dir": str(sweep), "overrides": [], "arrays": [], "trials": [
-        {"index": 0, "overrides": [], "run_dir": str(trial), "job_id": "1"}]}))
+    (sweep / "sweep.json").write_text(
+        json.dumps(
+            {
+                "sweep_dir": str(sweep),
+                "overrides": [],
+                "arrays": [],
+                "trials": [{"index": 0, "overrides": [], "run_dir": str(trial), "job_id": "1"}],
+            }
+        )
+    )
     (sweep / "sweep.json").chmod(0o640)
     proc = run([sys.executable, "-c", SLOW_SBATCH.replace("3.0", "0"), "resume", str(trial)])
     assert proc.returncode == 0, proc.stderr
@@ -349,7 +438,8 @@ def test_resume_of_a_folder_without_runs_says_so(tmp_path: Path) -> None:
     proc = run([HPC_TRAIN, "resume", str(tmp_path)])
     assert proc.returncode == 2 and proc.stderr == (  # before: IndexError's traceback
         f"hpc-train resume: error: {tmp_path} is not a run directory: it holds no run (no config.yaml, no "
-        f"sweep.json); see what it holds with hpc-train status {tmp_path}\n")
+        f"sweep.json); see what it holds with hpc-train status {tmp_path}\n"
+    )
 
 
 def slurm_run_dir(tmp_path: Path) -> Path:
@@ -428,10 +518,14 @@ def test_live_states_asks_squeue_first_and_sacct_for_the_rest(tmp_path: Path, mo
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n"
-                                    "case \"$*\" in *-r*) printf '123_4|PENDING\\n123_5|PENDING\\n';; "
-                                    "*) printf '123_[4-5]|PENDING\\n';; esac\n")
-    (bin_dir / "sacct").write_text(f"#!/bin/sh\necho sacct \"$@\" >> {tmp_path}/calls\nprintf '99|CANCELLED by 1000\\n'\n")
+    (bin_dir / "squeue").write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n'
+        "case \"$*\" in *-r*) printf '123_4|PENDING\\n123_5|PENDING\\n';; "
+        "*) printf '123_[4-5]|PENDING\\n';; esac\n"
+    )
+    (bin_dir / "sacct").write_text(
+        f"#!/bin/sh\necho sacct \"$@\" >> {tmp_path}/calls\nprintf '99|CANCELLED by 1000\\n'\n"
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
@@ -500,8 +594,15 @@ def test_init_from_ranks_agree_on_what_rank_0_read(tmp_path: Path, one_rank_grou
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, "-c", INIT_FROM_RANK, str(r), str(folder), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", INIT_FROM_RANK, str(r), str(folder), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outs
     assert [o.splitlines()[-1].split(" in ")[0] for o in outs] == ["rank 0: loaded step 40", "rank 1: loaded step 40"]

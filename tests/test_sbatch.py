@@ -17,27 +17,63 @@ from hpc_train.sbatch import render
 
 GOLDEN = Path(__file__).parent / "golden"
 
-SITE = ["cluster=slurm", "cluster.account=research", "cluster.qos=long", "cluster.constraint='fast&[rack1|rack2]'",
-        "cluster.reservation=maint", "cluster.exclusive=true", "cluster.mem_per_cpu_gb=2", "cluster.gres=gpu:a100:8",
-        "cluster.gpus_per_node=8", "cluster.tasks_per_node=8", "cluster.mail_type='END,FAIL'",
-        "cluster.mail_user=me@example.org", "cluster.nodelist='gpu[01-02]'", "cluster.exclude=gpu03",
-        "+cluster.sbatch_extra.comment=\"it's #1 $(x)\"", "+cluster.sbatch_extra.contiguous=''",
-        "+cluster.sbatch_extra.mem_bind=local", "+cluster.sbatch_extra.wckey=proj42"]
+SITE = [
+    "cluster=slurm",
+    "cluster.account=research",
+    "cluster.qos=long",
+    "cluster.constraint='fast&[rack1|rack2]'",
+    "cluster.reservation=maint",
+    "cluster.exclusive=true",
+    "cluster.mem_per_cpu_gb=2",
+    "cluster.gres=gpu:a100:8",
+    "cluster.gpus_per_node=8",
+    "cluster.tasks_per_node=8",
+    "cluster.mail_type='END,FAIL'",
+    "cluster.mail_user=me@example.org",
+    "cluster.nodelist='gpu[01-02]'",
+    "cluster.exclude=gpu03",
+    '+cluster.sbatch_extra.comment="it\'s #1 $(x)"',
+    "+cluster.sbatch_extra.contiguous=''",
+    "+cluster.sbatch_extra.mem_bind=local",
+    "+cluster.sbatch_extra.wckey=proj42",
+]
 
 
-
-@pytest.mark.parametrize("name, overrides, array_size, max_parallel", [
-    ("dev", ["cluster=dev"], None, None),
-    ("dev_array", ["cluster=dev", "+cluster.env.MSG=\"it's $(x) `y`; z\""], 500, 16),
-    ("apptainer", ["cluster=slurm", "cluster.template=apptainer", "+cluster.template_vars.image=/img/a b.sif",
-                   "cluster.launcher=[apptainer,exec,--nv,'/img/a b.sif']"], None, None),
-    ("slurm_gpu_setup", ["cluster=slurm", "cluster.gpus_per_node=8", "cluster.tasks_per_node=8", "cluster.mem_gb=480",
-                         "cluster.partition=gpu", "cluster.setup=['module load cuda/12.4','export NCCL_DEBUG=WARN']"],
-     None, None),
-    ("site", SITE, None, None),
-])
-def test_rendered_script_matches_golden(name: str, overrides: list[str], array_size: int | None,
-                                        max_parallel: int | None) -> None:
+@pytest.mark.parametrize(
+    "name, overrides, array_size, max_parallel",
+    [
+        ("dev", ["cluster=dev"], None, None),
+        ("dev_array", ["cluster=dev", '+cluster.env.MSG="it\'s $(x) `y`; z"'], 500, 16),
+        (
+            "apptainer",
+            [
+                "cluster=slurm",
+                "cluster.template=apptainer",
+                "+cluster.template_vars.image=/img/a b.sif",
+                "cluster.launcher=[apptainer,exec,--nv,'/img/a b.sif']",
+            ],
+            None,
+            None,
+        ),
+        (
+            "slurm_gpu_setup",
+            [
+                "cluster=slurm",
+                "cluster.gpus_per_node=8",
+                "cluster.tasks_per_node=8",
+                "cluster.mem_gb=480",
+                "cluster.partition=gpu",
+                "cluster.setup=['module load cuda/12.4','export NCCL_DEBUG=WARN']",
+            ],
+            None,
+            None,
+        ),
+        ("site", SITE, None, None),
+    ],
+)
+def test_rendered_script_matches_golden(
+    name: str, overrides: list[str], array_size: int | None, max_parallel: int | None
+) -> None:
     run = to_run_config(compose(overrides))
     script = render(run.cluster, "golden-1", Path("/runs/golden-1/submitit"), array_size, max_parallel)
     script = script.replace(sys.executable, "/venv/bin/python")  # the golden file is machine-independent
@@ -48,7 +84,8 @@ def test_rendered_script_matches_golden(name: str, overrides: list[str], array_s
     assert path.exists(), f"no golden file {path}; create it with HPC_TRAIN_UPDATE_GOLDEN=1"
     assert script == path.read_text(), (
         f"rendered script differs from {path}; if the change is intended, refresh with "
-        f"HPC_TRAIN_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch.py and review the diff")
+        f"HPC_TRAIN_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch.py and review the diff"
+    )
 
 
 def test_switches_request() -> None:
@@ -63,60 +100,106 @@ def test_every_site_option_is_rendered() -> None:
     """One line per option, values shell-quoted; GPUs only once (--gres, not also --gpus-per-node)."""
     run = to_run_config(compose(SITE))
     script = render(run.cluster, "s-1", Path("/runs/s-1/submitit"))
-    for line in ["--account=research", "--qos=long", "--constraint='fast&[rack1|rack2]'", "--reservation=maint",
-                 "--exclusive", "--mem-per-cpu=2048M", "--gres=gpu:a100:8", "--mail-type=END,FAIL",
-                 "--mail-user=me@example.org", "--nodelist='gpu[01-02]'", "--exclude=gpu03",
-                 "--comment='it'\"'\"'s #1 $(x)'", "--contiguous", "--mem-bind=local", "--wckey=proj42"]:
+    for line in [
+        "--account=research",
+        "--qos=long",
+        "--constraint='fast&[rack1|rack2]'",
+        "--reservation=maint",
+        "--exclusive",
+        "--mem-per-cpu=2048M",
+        "--gres=gpu:a100:8",
+        "--mail-type=END,FAIL",
+        "--mail-user=me@example.org",
+        "--nodelist='gpu[01-02]'",
+        "--exclude=gpu03",
+        "--comment='it'\"'\"'s #1 $(x)'",
+        "--contiguous",
+        "--mem-bind=local",
+        "--wckey=proj42",
+    ]:
         assert f"#SBATCH {line}\n" in script
     assert "--gpus-per-node" not in script and "--mem=" not in script
 
 
-@pytest.mark.parametrize("override, message", [
-    ("+cluster.sbatch_extra.mem-bnd=local", r"cluster.sbatch_extra.mem-bnd: --mem-bnd is not an sbatch option "
-                                            r"\(sbatch 22.05\); did you mean 'mem-bind'\?"),
-    ("+cluster.sbatch_extra.acount=x", r"--acount is not an sbatch option \(sbatch 22.05\); did you mean 'account'\? "
-                                       r"\(use cluster.account\)"),
-    ("+cluster.sbatch_extra.bogus=1", r"--bogus is not an sbatch option \(sbatch 22.05\); see `sbatch --help`"),
-    ("+cluster.sbatch_extra.signal=B:TERM@60", r"--signal is hpc_train's own; use cluster.signal_lead_s"),
-    ("+cluster.sbatch_extra.requeue=''", r"--requeue is hpc_train's own; every run may be requeued already"),
-    ("+cluster.sbatch_extra.output=x.log", r"--output is hpc_train's own; logs go to the run directory's submitit/"),
-    ("+cluster.sbatch_extra.array=0-3", r"--array is hpc_train's own; a sweep \(-m\) renders it"),
-    ("+cluster.sbatch_extra.mem=4G", r"--mem is hpc_train's own; use cluster.mem_gb"),
-    ("+cluster.sbatch_extra.comment='a\nb'", r"cluster.sbatch_extra.comment='a\\nb' contains a control character"),
-    ("+cluster.sbatch_extra.contiguous=yes", r"--contiguous takes no value; set it to ''"),
-    ("cluster.mem_per_cpu_gb=2", r"cluster.mem_gb=8.0 and cluster.mem_per_cpu_gb=2.0 are both set"),
-    ("cluster.gres=gpu:4", r"cluster.gres='gpu:4' asks for 4 GPUs per node but cluster.gpus_per_node=0; "
-                           r"set cluster.gpus_per_node=4"),
-    ("cluster.gres='gpu 4'", r"cluster.gres='gpu 4' must be one word"),
-    ("cluster.mail_user=me@x.org", r"cluster.mail_user='me@x.org' without cluster.mail_type sends no mail"),
-    ("cluster.mail_type='END,SOMETIMES'", r"cluster.mail_type='END,SOMETIMES': \['SOMETIMES'\] not among sbatch's"),
-    ("cluster.exclude='n[2-3]'", r"cluster.nodelist='n\[1-2\]' and cluster.exclude='n\[2-3\]' both name n2; drop it"),
-    ("cluster.account='my account'", r"cluster.account='my account' is not a Slurm account name"),
-    ("+cluster.sbatch_extra.clusters=other", r"--clusters is hpc_train's own; status, logs, resume and cancel ask "
-                                             r"the one cluster SLURM_CONF names"),
-    ("+cluster.sbatch_extra.M=other", r"--M is hpc_train's own; status, logs"),
-    ("+cluster.sbatch_extra.cluster-constraint=x", r"--cluster-constraint is hpc_train's own; status, logs"),
-    ("+cluster.sbatch_extra.export=NONE", r"--export is hpc_train's own; the job must inherit the submitting "
-                                          r"environment \(its Python, SLURM_CONF\); use cluster.env"),
-    ("+cluster.sbatch_extra.export-file=f", r"--export-file is hpc_train's own; the job must inherit"),
-    ("+cluster.sbatch_extra.get-user-env=''", r"--get-user-env is hpc_train's own; the job must inherit"),
-    ("+cluster.sbatch_extra.gpus=8", r"--gpus is hpc_train's own; one rank per GPU, counted per node; "
-                                     r"use cluster.gpus_per_node"),
-    ("+cluster.sbatch_extra.gpus-per-task=1", r"--gpus-per-task is hpc_train's own; one rank per GPU"),
-    ("+cluster.sbatch_extra.gpus-per-socket=4", r"--gpus-per-socket is hpc_train's own; one rank per GPU"),
-    ("+cluster.sbatch_extra.no-kill=''", r"--no-kill is hpc_train's own; a lost node must end the attempt"),
-    ("+cluster.sbatch_extra.uid=0", r"--uid is hpc_train's own; the run directory and its requeues belong"),
-    ("+cluster.sbatch_extra.gid=0", r"--gid is hpc_train's own; the run directory and its requeues belong"),
-    ("+cluster.sbatch_extra.chdir=/tmp", r"--chdir is hpc_train's own; the frozen config's relative paths"),
-    ("+cluster.sbatch_extra.D=/tmp", r"--D is hpc_train's own; the frozen config's relative paths"),
-    ("+cluster.sbatch_extra.comment='a\\\\b'", r"cluster.sbatch_extra.comment='a(\\\\)+b' contains a backslash, "
-                                           r"which sbatch's #SBATCH parser reads as an escape"),
-    ("cluster.mem_gb=nan", r"cluster.mem_gb=nan must be > 0 and finite"),
-    ("cluster.mem_gb=0", r"cluster.mem_gb=0.0 must be > 0 and finite"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "+cluster.sbatch_extra.mem-bnd=local",
+            r"cluster.sbatch_extra.mem-bnd: --mem-bnd is not an sbatch option "
+            r"\(sbatch 22.05\); did you mean 'mem-bind'\?",
+        ),
+        (
+            "+cluster.sbatch_extra.acount=x",
+            r"--acount is not an sbatch option \(sbatch 22.05\); did you mean 'account'\? "
+            r"\(use cluster.account\)",
+        ),
+        ("+cluster.sbatch_extra.bogus=1", r"--bogus is not an sbatch option \(sbatch 22.05\); see `sbatch --help`"),
+        ("+cluster.sbatch_extra.signal=B:TERM@60", r"--signal is hpc_train's own; use cluster.signal_lead_s"),
+        ("+cluster.sbatch_extra.requeue=''", r"--requeue is hpc_train's own; every run may be requeued already"),
+        (
+            "+cluster.sbatch_extra.output=x.log",
+            r"--output is hpc_train's own; logs go to the run directory's submitit/",
+        ),
+        ("+cluster.sbatch_extra.array=0-3", r"--array is hpc_train's own; a sweep \(-m\) renders it"),
+        ("+cluster.sbatch_extra.mem=4G", r"--mem is hpc_train's own; use cluster.mem_gb"),
+        ("+cluster.sbatch_extra.comment='a\nb'", r"cluster.sbatch_extra.comment='a\\nb' contains a control character"),
+        ("+cluster.sbatch_extra.contiguous=yes", r"--contiguous takes no value; set it to ''"),
+        ("cluster.mem_per_cpu_gb=2", r"cluster.mem_gb=8.0 and cluster.mem_per_cpu_gb=2.0 are both set"),
+        (
+            "cluster.gres=gpu:4",
+            r"cluster.gres='gpu:4' asks for 4 GPUs per node but cluster.gpus_per_node=0; "
+            r"set cluster.gpus_per_node=4",
+        ),
+        ("cluster.gres='gpu 4'", r"cluster.gres='gpu 4' must be one word"),
+        ("cluster.mail_user=me@x.org", r"cluster.mail_user='me@x.org' without cluster.mail_type sends no mail"),
+        ("cluster.mail_type='END,SOMETIMES'", r"cluster.mail_type='END,SOMETIMES': \['SOMETIMES'\] not among sbatch's"),
+        (
+            "cluster.exclude='n[2-3]'",
+            r"cluster.nodelist='n\[1-2\]' and cluster.exclude='n\[2-3\]' both name n2; drop it",
+        ),
+        ("cluster.account='my account'", r"cluster.account='my account' is not a Slurm account name"),
+        (
+            "+cluster.sbatch_extra.clusters=other",
+            r"--clusters is hpc_train's own; status, logs, resume and cancel ask "
+            r"the one cluster SLURM_CONF names",
+        ),
+        ("+cluster.sbatch_extra.M=other", r"--M is hpc_train's own; status, logs"),
+        ("+cluster.sbatch_extra.cluster-constraint=x", r"--cluster-constraint is hpc_train's own; status, logs"),
+        (
+            "+cluster.sbatch_extra.export=NONE",
+            r"--export is hpc_train's own; the job must inherit the submitting "
+            r"environment \(its Python, SLURM_CONF\); use cluster.env",
+        ),
+        ("+cluster.sbatch_extra.export-file=f", r"--export-file is hpc_train's own; the job must inherit"),
+        ("+cluster.sbatch_extra.get-user-env=''", r"--get-user-env is hpc_train's own; the job must inherit"),
+        (
+            "+cluster.sbatch_extra.gpus=8",
+            r"--gpus is hpc_train's own; one rank per GPU, counted per node; "
+            r"use cluster.gpus_per_node",
+        ),
+        ("+cluster.sbatch_extra.gpus-per-task=1", r"--gpus-per-task is hpc_train's own; one rank per GPU"),
+        ("+cluster.sbatch_extra.gpus-per-socket=4", r"--gpus-per-socket is hpc_train's own; one rank per GPU"),
+        ("+cluster.sbatch_extra.no-kill=''", r"--no-kill is hpc_train's own; a lost node must end the attempt"),
+        ("+cluster.sbatch_extra.uid=0", r"--uid is hpc_train's own; the run directory and its requeues belong"),
+        ("+cluster.sbatch_extra.gid=0", r"--gid is hpc_train's own; the run directory and its requeues belong"),
+        ("+cluster.sbatch_extra.chdir=/tmp", r"--chdir is hpc_train's own; the frozen config's relative paths"),
+        ("+cluster.sbatch_extra.D=/tmp", r"--D is hpc_train's own; the frozen config's relative paths"),
+        (
+            "+cluster.sbatch_extra.comment='a\\\\b'",
+            r"cluster.sbatch_extra.comment='a(\\\\)+b' contains a backslash, "
+            r"which sbatch's #SBATCH parser reads as an escape",
+        ),
+        ("cluster.mem_gb=nan", r"cluster.mem_gb=nan must be > 0 and finite"),
+        ("cluster.mem_gb=0", r"cluster.mem_gb=0.0 must be > 0 and finite"),
+    ],
+)
 def test_site_option_errors(override: str, message: str) -> None:
-    overrides = ["cluster=slurm", override] + (["cluster.mem_gb=8"] if "mem_per_cpu" in override else []) + (
-        ["cluster.nodelist='n[1-2]'"] if "exclude" in override else [])
+    overrides = (
+        ["cluster=slurm", override]
+        + (["cluster.mem_gb=8"] if "mem_per_cpu" in override else [])
+        + (["cluster.nodelist='n[1-2]'"] if "exclude" in override else [])
+    )
     with pytest.raises(ValueError, match=message):
         to_run_config(compose(overrides))
 
@@ -124,11 +207,15 @@ def test_site_option_errors(override: str, message: str) -> None:
 def test_memory_rounds_up_to_a_whole_mib() -> None:
     """int() rendered mem_gb=0.0005 as --mem=0M, which Slurm reads as all of the node's memory."""
     for key, option in (("mem_gb", "mem"), ("mem_per_cpu_gb", "mem-per-cpu")):
-        script = render(to_run_config(compose(["cluster=slurm", f"cluster.{key}=0.0005"])).cluster, "m-1",
-                        Path("/runs/m-1/submitit"))
+        script = render(
+            to_run_config(compose(["cluster=slurm", f"cluster.{key}=0.0005"])).cluster,
+            "m-1",
+            Path("/runs/m-1/submitit"),
+        )
         assert f"#SBATCH --{option}=1M\n" in script
-        script = render(to_run_config(compose(["cluster=slurm", f"cluster.{key}=1.5"])).cluster, "m-1",
-                        Path("/runs/m-1/submitit"))
+        script = render(
+            to_run_config(compose(["cluster=slurm", f"cluster.{key}=1.5"])).cluster, "m-1", Path("/runs/m-1/submitit")
+        )
         assert f"#SBATCH --{option}=1536M\n" in script
 
 
@@ -137,11 +224,18 @@ def test_parse_associations() -> None:
     cluster, plus a partition-only association; "|||": a user with no association on that cluster."""
     from hpc_train.slurm import parse_associations
 
-    text = ("research|research||long,normal\nresearch|teamb||long,normal\nresearch|root||normal\n"
-            "research|gpu|a100|normal\n")
-    assert parse_associations(text) == ("research", [("research", "", ["long", "normal"]),
-                                                     ("teamb", "", ["long", "normal"]), ("root", "", ["normal"]),
-                                                     ("gpu", "a100", ["normal"])])
+    text = (
+        "research|research||long,normal\nresearch|teamb||long,normal\nresearch|root||normal\nresearch|gpu|a100|normal\n"
+    )
+    assert parse_associations(text) == (
+        "research",
+        [
+            ("research", "", ["long", "normal"]),
+            ("teamb", "", ["long", "normal"]),
+            ("root", "", ["normal"]),
+            ("gpu", "a100", ["normal"]),
+        ],
+    )
     assert parse_associations("|||\n") == ("", [])
 
 
@@ -160,22 +254,45 @@ def test_dry_run_without_a_controller_answers_in_seconds(tmp_path: Path, conf: s
             port = s.getsockname()[1]
         slurm_conf.write_text(f"ClusterName=gone\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort={port}\n")
     t0 = time.monotonic()
-    proc = subprocess.run([str(Path(sys.executable).parent / "hpc-train"), "submit", "--dry-run", "cluster=slurm",
-                           f"cluster.slurm_conf={slurm_conf}", f"out_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "hpc-train"),
+            "submit",
+            "--dry-run",
+            "cluster=slurm",
+            f"cluster.slurm_conf={slurm_conf}",
+            f"out_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
     assert took < 15, f"the dry run took {took:.0f} s"
     assert "#SBATCH --signal=USR2@120\n" in proc.stdout
-    reason = {"no controller": r"`scontrol ping` failed: Slurmctld\(primary\) at \S+ is DOWN"
-                               r"|`scontrol` is not installed",
-              "missing file": rf"SLURM_CONF={slurm_conf} does not exist; set cluster.slurm_conf"}[conf]
-    assert re.search(rf"# NOT validated against the live cluster: ({reason}).*\. Unchecked: partition and its "
-                     rf"limits, account, qos, constraint, reservation, nodelist/exclude, sbatch --test-only\n",
-                     proc.stdout), proc.stdout
+    reason = {
+        "no controller": r"`scontrol ping` failed: Slurmctld\(primary\) at \S+ is DOWN"
+        r"|`scontrol` is not installed",
+        "missing file": rf"SLURM_CONF={slurm_conf} does not exist; set cluster.slurm_conf",
+    }[conf]
+    assert re.search(
+        rf"# NOT validated against the live cluster: ({reason}).*\. Unchecked: partition and its "
+        rf"limits, account, qos, constraint, reservation, nodelist/exclude, sbatch --test-only\n",
+        proc.stdout,
+    ), proc.stdout
     assert list(tmp_path.iterdir()) == ([slurm_conf] if conf == "no controller" else [])  # nothing written
     if conf == "missing file":  # a real submit says so at once too (the clients would retry reading it for 60 s)
-        proc = subprocess.run([str(Path(sys.executable).parent / "hpc-train"), "submit", "cluster=slurm",
-                               f"cluster.slurm_conf={slurm_conf}", f"out_dir={tmp_path}"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "hpc-train"),
+                "submit",
+                "cluster=slurm",
+                f"cluster.slurm_conf={slurm_conf}",
+                f"out_dir={tmp_path}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2 and f"error: SLURM_CONF={slurm_conf} does not exist" in proc.stderr, proc.stderr

@@ -10,11 +10,10 @@ import stat
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from conftest import HPC_TRAIN, run, submit, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -36,10 +35,16 @@ def secret_runs(slurm_env: dict[str, str]) -> Iterator[tuple[Path, str]]:
     secret = f"s3cr3t-{uuid.uuid4().hex}"
     env_override = f"+cluster.env.WANDB_API_KEY={secret}"
     run_dir, _ = submit([*QUICK, f"out_dir={out}", "name=key", env_override], env=slurm_env)
-    proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={out}", "name=keys", "train.seed=1,2", env_override],
-               env=slurm_env)
+    proc = run(
+        [HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={out}", "name=keys", "train.seed=1,2", env_override],
+        env=slurm_env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    done = [run_dir / "summary.json", out / "keys-1" / "0000" / "summary.json", out / "keys-1" / "0001" / "summary.json"]
+    done = [
+        run_dir / "summary.json",
+        out / "keys-1" / "0000" / "summary.json",
+        out / "keys-1" / "0001" / "summary.json",
+    ]
     wait_until(lambda: all(p.exists() for p in done), 240, "the run and both trials to finish")
     yield out, secret
     shutil.rmtree(out)
@@ -49,8 +54,9 @@ def test_files_holding_cluster_env_values_are_owner_only(secret_runs: tuple[Path
     out, secret = secret_runs
     run_dir, sweep = out / "key-1", out / "keys-1"
     assert [mode(p) for p in (run_dir / "config.yaml", run_dir / "submission.json")] == [0o600, 0o600]
-    assert [mode(p) for p in (sweep / "sweep.json", sweep / "0000" / "config.yaml", sweep / "0001" / "config.yaml")] \
-        == [0o600, 0o600, 0o600]
+    assert [
+        mode(p) for p in (sweep / "sweep.json", sweep / "0000" / "config.yaml", sweep / "0001" / "config.yaml")
+    ] == [0o600, 0o600, 0o600]
     assert mode(run_dir / "submitit") == mode(sweep / "submitit") == 0o700  # batch scripts, pickles, logs
     assert secret in next((run_dir / "submitit").glob("*_submission.sh")).read_text()
     # The judge: another user finds the value in no file.
@@ -58,14 +64,17 @@ def test_files_holding_cluster_env_values_are_owner_only(secret_runs: tuple[Path
     assert proc.stdout == "" and "Permission denied" in proc.stderr, proc.stdout + proc.stderr
 
 
-def test_another_user_gets_a_row_or_one_line_not_a_traceback(secret_runs: tuple[Path, str],
-                                                             slurm_env: dict[str, str]) -> None:
+def test_another_user_gets_a_row_or_one_line_not_a_traceback(
+    secret_runs: tuple[Path, str], slurm_env: dict[str, str]
+) -> None:
     out, _ = secret_runs
     env = {**slurm_env, "HOME": "/tmp"}
     proc = run([*NOBODY, HPC_TRAIN, "status", str(out), "--json"], env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [(r["run"], r["state"]) for r in json.loads(proc.stdout)] == [
-        ("key-1", "unreadable: permission denied"), ("keys-1", "unreadable: permission denied")]
+        ("key-1", "unreadable: permission denied"),
+        ("keys-1", "unreadable: permission denied"),
+    ]
     table = run([*NOBODY, HPC_TRAIN, "status", str(out / "keys-1" / "0001")], env=env)
     assert table.returncode == 0 and "unreadable: permission denied" in table.stdout, table.stdout + table.stderr
     for command in (["logs", str(out / "key-1")], ["report", str(out / "key-1")], ["report", str(out / "keys-1")]):

@@ -4,19 +4,22 @@ with ExcNodeList, and the run finishes elsewhere with the uninterrupted run's we
 from __future__ import annotations
 
 import pytest
-
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]
 
 
-def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(slurm_env: dict[str, str], tmp_path, reference: dict) -> None:
+def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(
+    slurm_env: dict[str, str], tmp_path, reference: dict
+) -> None:
     run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=health"], env=slurm_env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
     sick = first["rank_nodes"][-1]
     marked = run([HPC_TRAIN, "chaos", str(run_dir), "sick-node", "--rank", "3"], env=slurm_env)
-    assert marked.returncode == 0 and f"{sick} fails every later preflight" in marked.stdout, marked.stdout + marked.stderr
+    assert marked.returncode == 0 and f"{sick} fails every later preflight" in marked.stdout, (
+        marked.stdout + marked.stderr
+    )
     assert run([HPC_TRAIN, "chaos", str(run_dir), "requeue"], env=slurm_env).returncode == 0
 
     summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
@@ -27,8 +30,9 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(slurm_env: dict[st
     assert all(len(c["nodes"]) == 2 and c["wall_s"] > 0 for c in checks)
     failed = [c for c in checks if c["sick"]]
     # The idle dev cluster (topology/tree: node1,node3 on switch s1) gives the requeued job the same nodes again.
-    assert [(c["restart"], list(c["sick"])) for c in failed] == [(1, [sick])], \
+    assert [(c["restart"], list(c["sick"])) for c in failed] == [(1, [sick])], (
         f"attempt 1 did not land on {sick} (preflights: {[(c['restart'], list(c['nodes'])) for c in checks]}); busy cluster?"
+    )
     assert "drills/sick_node." in failed[0]["sick"][sick] and 1 not in starts  # no training on attempt 1
     assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(sick, 1)]
     assert [(e["nodes"], e["ok"]) for e in events if e["event"] == "exclude_nodes"] == [(sick, True)]
@@ -37,15 +41,27 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(slurm_env: dict[st
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout  # kept MinJobAge=300 s after the end
     assert f"ExcNodeList={sick} " in job, job
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env)
-    assert f"{run_dir.name}: {sick} left out: marked sick by `hpc-train chaos sick-node`" in status.stdout, status.stdout
+    assert f"{run_dir.name}: {sick} left out: marked sick by `hpc-train chaos sick-node`" in status.stdout, (
+        status.stdout
+    )
 
 
 def test_a_hung_ranks_node_is_left_out(slurm_env: dict[str, str], tmp_path) -> None:
     """The `hang` drill stops the last rank before its 4th step; the others get past their forward and
     block in backward's all-reduce. Every watchdog fires; the stopped rank's heartbeat count is behind,
     so its node is left out and the next attempt runs elsewhere and finishes."""
-    run_dir, job_id = submit(["cluster=dev", "train.steps=30", "train.watchdog_s=8", "checkpoint.every_steps=10",
-                              "+cluster.env.HPC_TRAIN_FAULT=hang", f"out_dir={tmp_path}", "name=hung"], env=slurm_env)
+    run_dir, job_id = submit(
+        [
+            "cluster=dev",
+            "train.steps=30",
+            "train.watchdog_s=8",
+            "checkpoint.every_steps=10",
+            "+cluster.env.HPC_TRAIN_FAULT=hang",
+            f"out_dir={tmp_path}",
+            "name=hung",
+        ],
+        env=slurm_env,
+    )
     wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
     events = read_events(run_dir)
     starts = {e["restart"]: e for e in events if e["event"] == "start"}

@@ -7,15 +7,24 @@ import json
 from pathlib import Path
 
 import pytest
-
-from conftest import (HPC_TRAIN, RUN_ARGS, high_job_preempting, read_events, run, sacct_state, submit,
-                      wait_finished, wait_until)
+from conftest import (
+    HPC_TRAIN,
+    RUN_ARGS,
+    high_job_preempting,
+    read_events,
+    run,
+    sacct_state,
+    submit,
+    wait_finished,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]
 
 
-def test_usr2_in_the_first_second_of_a_task_is_recorded_saved_and_budgeted(slurm_env: dict[str, str], tmp_path: Path,
-                                                                         reference: dict) -> None:
+def test_usr2_in_the_first_second_of_a_task_is_recorded_saved_and_budgeted(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict
+) -> None:
     """USR2 as soon as every task printed its first line: our handler must have it (start.py installs it
     before any import), not submitit's (which requeued without a save or a budget entry) and not the
     default action (which killed the task). Before, the first line came from submitit, before torch."""
@@ -51,8 +60,9 @@ def test_no_scontrol_inside_the_job(slurm_env: dict[str, str], tmp_path: Path, r
 
     # Meanwhile, on the two other nodes (`debug`: nothing preempts it), a time-limit warning: it saves,
     # records `requeue_failed` with the reason and ends the job, no traceback.
-    warned, warned_id = submit([*RUN_ARGS, *no_clients, "cluster.partition=debug", f"out_dir={tmp_path}", "name=warned"],
-                               env=slurm_env)
+    warned, warned_id = submit(
+        [*RUN_ARGS, *no_clients, "cluster.partition=debug", f"out_dir={tmp_path}", "name=warned"], env=slurm_env
+    )
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(warned)), 120, "a checkpoint")
     assert run(["scancel", "--signal=USR2", warned_id], env=slurm_env).returncode == 0
     wait_until(lambda: sacct_state(warned_id, slurm_env) in ("FAILED", "COMPLETED"), 120, "the warned job to end")
@@ -73,12 +83,25 @@ def test_no_scontrol_inside_the_job(slurm_env: dict[str, str], tmp_path: Path, r
     assert [e["step"] for e in events if e["event"] == "start"] == [0, stop["step"]]
 
 
-def test_a_node_failure_slurm_requeues_spends_no_budget(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
+def test_a_node_failure_slurm_requeues_spends_no_budget(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict
+) -> None:
     """A node of the job goes DOWN: Slurm requeues the job by itself (--requeue). The ranks save and see
     Restarts already incremented: no second `scontrol requeue`, no budget spent (every budget is 0 here)."""
-    run_dir, job_id = submit([*RUN_ARGS, "requeue.max_preemptions=0", "requeue.max_failures=0",
-                              "requeue.max_time_limit_requeues=0", f"out_dir={tmp_path}", "name=nodefail"], env=slurm_env)
-    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "the first checkpoint")
+    run_dir, job_id = submit(
+        [
+            *RUN_ARGS,
+            "requeue.max_preemptions=0",
+            "requeue.max_failures=0",
+            "requeue.max_time_limit_requeues=0",
+            f"out_dir={tmp_path}",
+            "name=nodefail",
+        ],
+        env=slurm_env,
+    )
+    wait_until(
+        lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "the first checkpoint"
+    )
     node = next(e for e in read_events(run_dir) if e["event"] == "start")["nodes"][1]
     try:
         proc = run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=hpc_train-test"], env=slurm_env)

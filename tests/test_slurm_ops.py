@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, sacct_state, submit, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -21,13 +20,28 @@ def ops(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def wait_event(run_dir: Path, name: str, restart: int, timeout_s: float = 180) -> None:
-    wait_until(lambda: any(e["event"] == name and e["restart"] == restart for e in read_events(run_dir)),
-               timeout_s, f"{name} in attempt {restart} of {run_dir.name}")
+    wait_until(
+        lambda: any(e["event"] == name and e["restart"] == restart for e in read_events(run_dir)),
+        timeout_s,
+        f"{name} in attempt {restart} of {run_dir.name}",
+    )
 
 
 def test_status_of_a_sweep_with_preempted_failed_and_finished_trials(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    proc = run([HPC_TRAIN, "submit", "-m", *RUN_ARGS, f"out_dir={tmp_path}", "name=mix", "requeue.max_failures=0",
-                "+cluster.env.HPC_TRAIN_FAULT=none,none,raise_at_start_always"], env=slurm_env, timeout_s=120)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "-m",
+            *RUN_ARGS,
+            f"out_dir={tmp_path}",
+            "name=mix",
+            "requeue.max_failures=0",
+            "+cluster.env.HPC_TRAIN_FAULT=none,none,raise_at_start_always",
+        ],
+        env=slurm_env,
+        timeout_s=120,
+    )
     assert proc.returncode == 0, proc.stderr
     sweep = next(tmp_path.glob("mix-*"))
     finished, preempted, failed = (sweep / f"{i:04d}" for i in range(3))
@@ -36,13 +50,17 @@ def test_status_of_a_sweep_with_preempted_failed_and_finished_trials(slurm_env: 
     wait_until(lambda: all((d / "summary.json").exists() for d in (finished, preempted)), 300, "two trials to finish")
     wait_until(lambda: any(e["event"] == "stopped" for e in read_events(failed)), 120, "the failing trial to stop")
     ids = [t["job_id"] for t in json.loads((sweep / "sweep.json").read_text())["trials"]]
-    wait_until(lambda: [sacct_state(j, slurm_env) for j in ids] == ["COMPLETED", "COMPLETED", "FAILED"], 60,
-               "Slurm to agree: COMPLETED, COMPLETED, FAILED")
+    wait_until(
+        lambda: [sacct_state(j, slurm_env) for j in ids] == ["COMPLETED", "COMPLETED", "FAILED"],
+        60,
+        "Slurm to agree: COMPLETED, COMPLETED, FAILED",
+    )
     rows = json.loads(ops(["status", str(sweep), "--json"], slurm_env).stdout)
     got = [(r["run"].split("/")[1], r["state"], r["attempts"], r["restarts"], r["committed_step"]) for r in rows]
     assert got == [("0000", "COMPLETED", 1, 0, 60), ("0001", "COMPLETED", 2, 1, 60), ("0002", "FAILED", 1, 0, None)]
     assert rows[2]["warnings"] == [
-        "failure budget spent: 0 failure requeues in a row without a newer checkpoint (requeue.max_failures=0)"]
+        "failure budget spent: 0 failure requeues in a row without a newer checkpoint (requeue.max_failures=0)"
+    ]
     assert 0 < rows[1]["goodput"] < rows[0]["goodput"] <= 1  # the preempted trial lost some time
     table = ops(["status", str(sweep)], slurm_env).stdout
     assert "mix-1/0001" in table and "COMPLETED" in table and "FAILED" in table
@@ -57,8 +75,8 @@ def test_report_of_a_run_preempted_twice(slurm_env: dict[str, str], tmp_path: Pa
     wait_until(lambda: (run_dir / "summary.json").exists(), 300, "the third attempt to finish")
     out = ops(["report", str(run_dir)], slurm_env).stdout
     assert "goodput" in out and "picture:" in out
-    from hpc_train.ops import attempts, goodput
     from hpc_train.metrics import read_jsonl
+    from hpc_train.ops import attempts, goodput
 
     events, metrics = read_events(run_dir), read_jsonl(run_dir / "metrics.jsonl")
     parts = goodput(events, metrics)
@@ -84,7 +102,9 @@ def test_cancel_leaves_other_jobs_alone(slurm_env: dict[str, str], tmp_path: Pat
     assert sacct_state(keep_id, slurm_env) in ("COMPLETED", "RUNNING")
     events = read_events(gone_dir)
     assert "cancel" in [e["event"] for e in events] and "requeue" not in [e["event"] for e in events]
-    assert [e["reason"] for e in events if e["event"] == "stopped"] == ["cancelled (scancel or hpc-train cancel): not requeueing"]
+    assert [e["reason"] for e in events if e["event"] == "stopped"] == [
+        "cancelled (scancel or hpc-train cancel): not requeueing"
+    ]
     time.sleep(15)  # cred_expire + a scheduling pass: a wrongly requeued job would have restarted by now
     assert sacct_state(gone_id, slurm_env).startswith("CANCELLED")
 
@@ -96,8 +116,10 @@ def test_chaos_actions_lead_to_requeue_and_resume(slurm_env: dict[str, str], tmp
     """time-limit (an early USR2 counts as a preemption), an operator's requeue, one rank SIGKILLed, and
     a lost node all end in a resumed run with the reference's weights. The four runs share the cluster at
     once (4 x 4 CPUs: all of it); each only waits on its own job."""
-    runs = {action: submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={action}"], env=slurm_env)[0]
-            for action in CHAOS_ANSWERS}
+    runs = {
+        action: submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={action}"], env=slurm_env)[0]
+        for action in CHAOS_ANSWERS
+    }
     for action, run_dir in runs.items():
         wait_event(run_dir, "checkpoint_committed", 0)
         ops(["chaos", str(run_dir), action, "--rank", "1"], slurm_env)

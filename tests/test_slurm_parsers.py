@@ -10,36 +10,57 @@ from hpc_train.sbatch import _gpu_count
 from hpc_train.slurm import parse_key_values, time_limit_min
 
 # Captured from the dev cluster (scontrol show partition -o / show config), trimmed.
-PARTITION = ("PartitionName=debug AllowGroups=ALL Default=YES MaxNodes=UNLIMITED MaxTime=01:00:00 MinNodes=0 "
-             "Nodes=node[1-4] PriorityTier=1 State=UP TotalCPUs=16 TotalNodes=4")
+PARTITION = (
+    "PartitionName=debug AllowGroups=ALL Default=YES MaxNodes=UNLIMITED MaxTime=01:00:00 MinNodes=0 "
+    "Nodes=node[1-4] PriorityTier=1 State=UP TotalCPUs=16 TotalNodes=4"
+)
 CONFIG = "MaxArraySize            = 1001\nSlurmctldParameters     = preempt_send_user_signal\nSLURM_VERSION           = 22.05.8\n"
 
 
 def test_parse_key_values() -> None:
     part = parse_key_values(PARTITION)
-    assert (part["PartitionName"], part["MaxTime"], part["Nodes"], part["TotalNodes"]) == ("debug", "01:00:00", "node[1-4]", "4")
+    assert (part["PartitionName"], part["MaxTime"], part["Nodes"], part["TotalNodes"]) == (
+        "debug",
+        "01:00:00",
+        "node[1-4]",
+        "4",
+    )
     conf = parse_key_values(CONFIG)
     assert conf["MaxArraySize"] == "1001" and conf["SLURM_VERSION"] == "22.05.8"
 
 
-@pytest.mark.parametrize("text, minutes", [("UNLIMITED", float("inf")), ("30", 30), ("30:00", 30), ("01:00:00", 60),
-                                           ("2-00:00:00", 2880), ("1-12", 2160), ("0:90", 1.5)])
+@pytest.mark.parametrize(
+    "text, minutes",
+    [
+        ("UNLIMITED", float("inf")),
+        ("30", 30),
+        ("30:00", 30),
+        ("01:00:00", 60),
+        ("2-00:00:00", 2880),
+        ("1-12", 2160),
+        ("0:90", 1.5),
+    ],
+)
 def test_time_limit_min(text: str, minutes: float) -> None:
     assert time_limit_min(text) == minutes
 
 
-@pytest.mark.parametrize("gres, gpus", [("", 0), ("(null)", 0), ("gpu:8", 8), ("gpu:a100:8(S:0-1)", 8),
-                                        ("gpu:a100:4,gpu:v100:2,shard:8", 6)])
+@pytest.mark.parametrize(
+    "gres, gpus", [("", 0), ("(null)", 0), ("gpu:8", 8), ("gpu:a100:8(S:0-1)", 8), ("gpu:a100:4,gpu:v100:2,shard:8", 6)]
+)
 def test_gpu_count(gres: str, gpus: int) -> None:
     assert _gpu_count(gres) == gpus
 
 
-@pytest.mark.parametrize("signals, elapsed_s, reason", [
-    (["SIGTERM"], 3500, "preempt"),
-    (["SIGUSR2"], 5, "preempt"),  # early USR2: preempt_send_user_signal or a drill, not the time limit
-    (["SIGUSR2"], 3600 - 120 - 100, "time_limit"),  # within lead + 120 s of the 60 min limit
-    (["SIGUSR2", "SIGTERM"], 3500, "preempt"),
-])
+@pytest.mark.parametrize(
+    "signals, elapsed_s, reason",
+    [
+        (["SIGTERM"], 3500, "preempt"),
+        (["SIGUSR2"], 5, "preempt"),  # early USR2: preempt_send_user_signal or a drill, not the time limit
+        (["SIGUSR2"], 3600 - 120 - 100, "time_limit"),  # within lead + 120 s of the 60 min limit
+        (["SIGUSR2", "SIGTERM"], 3500, "preempt"),
+    ],
+)
 def test_stop_reason(signals: list[str], elapsed_s: float, reason: str) -> None:
     assert stop_reason(signals, elapsed_s, timeout_min=60, signal_lead_s=120) == reason
 
@@ -50,5 +71,7 @@ def test_budgets_count_only_their_own_reason() -> None:
     assert decide("preempt", events, budgets, "running") == ("requeue", "")  # -1: unlimited
     assert decide("failure", events, budgets, "running") == ("requeue", "")
     assert decide("failure", events + events[-1:], budgets, "running") == (
-        "stop", "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)")
+        "stop",
+        "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)",
+    )
     assert decide("time_limit", [], budgets, "running")[0] == "stop"

@@ -7,9 +7,18 @@ import json
 from pathlib import Path
 
 import pytest
-
-from conftest import (HPC_TRAIN, first_start, RUN_ARGS, high_job_preempting, interrupted_run, read_events, run, sacct_state,
-                      submit, wait_until)
+from conftest import (
+    HPC_TRAIN,
+    RUN_ARGS,
+    first_start,
+    high_job_preempting,
+    interrupted_run,
+    read_events,
+    run,
+    sacct_state,
+    submit,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]
 
@@ -20,8 +29,9 @@ def starts(events: list[dict]) -> list[int]:
 
 def test_external_scontrol_requeue(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
     """An operator's `scontrol requeue`: Slurm stops the job (SIGTERM, then SIGKILL after KillWait)."""
-    summary, events = interrupted_run(slurm_env, tmp_path, "ext",
-                                      lambda job_id: run(["scontrol", "requeue", job_id], env=slurm_env))
+    summary, events = interrupted_run(
+        slurm_env, tmp_path, "ext", lambda job_id: run(["scontrol", "requeue", job_id], env=slurm_env)
+    )
     assert summary["params_sha256"] == reference["params_sha256"]
     assert starts(events) == [0, 1]
 
@@ -30,8 +40,11 @@ def test_two_preemptions_in_a_row(slurm_env: dict[str, str], tmp_path: Path, ref
     run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=twice"], env=slurm_env)
     preempt = high_job_preempting(slurm_env, [])
     for restart in (0, 1):
-        wait_until(lambda: any(e["event"] == "checkpoint_committed" and e["restart"] == restart
-                               for e in read_events(run_dir)), 120, f"a checkpoint in attempt {restart}")
+        wait_until(
+            lambda: any(e["event"] == "checkpoint_committed" and e["restart"] == restart for e in read_events(run_dir)),
+            120,
+            f"a checkpoint in attempt {restart}",
+        )
         preempt(job_id)
     wait_until(lambda: (run_dir / "summary.json").exists(), 300, "the end of the third attempt")
     events = read_events(run_dir)
@@ -42,13 +55,16 @@ def test_two_preemptions_in_a_row(slurm_env: dict[str, str], tmp_path: Path, ref
     assert len(list((run_dir / "checkpoints").glob("step_*"))) <= 3
 
 
-def test_rank_killed_during_save_resumes_from_previous(slurm_env: dict[str, str], tmp_path: Path,
-                                                       reference: dict) -> None:
+def test_rank_killed_during_save_resumes_from_previous(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict
+) -> None:
     """SIGKILL of the last rank in the middle of the second save: that folder never gets its marker,
     the other ranks fail on the dead peer, the failure budget requeues, and the next attempt resumes
     from the first (committed, background-written) checkpoint."""
-    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=killed",
-                              "+cluster.env.HPC_TRAIN_FAULT=kill_rank_during_save"], env=slurm_env)
+    run_dir, job_id = submit(
+        [*RUN_ARGS, f"out_dir={tmp_path}", "name=killed", "+cluster.env.HPC_TRAIN_FAULT=kill_rank_during_save"],
+        env=slurm_env,
+    )
     wait_until(lambda: (run_dir / "summary.json").exists(), 300, "the run to recover and finish")
     events = read_events(run_dir)
     assert starts(events) == [0, 1]
@@ -60,13 +76,22 @@ def test_rank_killed_during_save_resumes_from_previous(slurm_env: dict[str, str]
 
 
 def test_crash_loop_stops_after_failure_budget(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=crash", "requeue.max_failures=1",
-                              "+cluster.env.HPC_TRAIN_FAULT=raise_at_start_always"], env=slurm_env)
+    run_dir, job_id = submit(
+        [
+            *RUN_ARGS,
+            f"out_dir={tmp_path}",
+            "name=crash",
+            "requeue.max_failures=1",
+            "+cluster.env.HPC_TRAIN_FAULT=raise_at_start_always",
+        ],
+        env=slurm_env,
+    )
     wait_until(lambda: any(e["event"] == "stopped" for e in read_events(run_dir)), 180, "the run to give up")
     events = read_events(run_dir)
     stopped = next(e for e in events if e["event"] == "stopped")
-    assert stopped["reason"] == ("failure budget spent: 1 failure requeues in a row without a newer checkpoint "
-                                 "(requeue.max_failures=1)")
+    assert stopped["reason"] == (
+        "failure budget spent: 1 failure requeues in a row without a newer checkpoint (requeue.max_failures=1)"
+    )
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
     assert {e["restart"] for e in events if e["event"] == "fail"} == {0, 1}
     wait_until(lambda: sacct_state(job_id, slurm_env) == "FAILED", 60, "the job to end FAILED")
@@ -77,13 +102,29 @@ def test_crash_loop_stops_after_failure_budget(slurm_env: dict[str, str], tmp_pa
 def test_array_task_preempted_while_siblings_run(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """Two trials, each a whole node (2 tasks x 2 CPUs); a `high` job takes one trial's node only. The
     trials differ only in their step-time floor, so the sibling is the victim's uninterrupted twin."""
-    proc = run([HPC_TRAIN, "submit", "-m", *RUN_ARGS, f"out_dir={tmp_path}", "name=arr", "cluster.nodes=1",
-                "cluster.cpus_per_task=2", "train.min_step_time_s=0.25,0.26"], env=slurm_env, timeout_s=120)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "-m",
+            *RUN_ARGS,
+            f"out_dir={tmp_path}",
+            "name=arr",
+            "cluster.nodes=1",
+            "cluster.cpus_per_task=2",
+            "train.min_step_time_s=0.25,0.26",
+        ],
+        env=slurm_env,
+        timeout_s=120,
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads(next(tmp_path.glob("arr-*/sweep.json")).read_text())
     victim, sibling = (Path(t["run_dir"]) for t in manifest["trials"])
-    wait_until(lambda: all(any(e["event"] == "checkpoint_committed" for e in read_events(d)) for d in (victim, sibling)),
-               120, "both trials past their first checkpoint")
+    wait_until(
+        lambda: all(any(e["event"] == "checkpoint_committed" for e in read_events(d)) for d in (victim, sibling)),
+        120,
+        "both trials past their first checkpoint",
+    )
     node = first_start(victim)["nodes"][0]
     assert node != first_start(sibling)["nodes"][0]
     high_job_preempting(slurm_env, [], nodes=node)(manifest["trials"][0]["job_id"])

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import RUN_ARGS, read_events, run, sacct_state, submit, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -20,8 +19,11 @@ def test_term_to_batch_shell_only_saves_and_resumes(slurm_env: dict[str, str], t
     """`scancel --batch --signal=TERM` (as a site's --signal=B:TERM@lead) reaches only the batch shell.
     The ranks must still save at a step boundary, requeue and resume exactly."""
     run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=batchterm"], env=slurm_env)
-    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120,
-               "the first committed checkpoint")
+    wait_until(
+        lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)),
+        120,
+        "the first committed checkpoint",
+    )
     proc = run(["scancel", "--batch", "--signal=TERM", job_id], env=slurm_env)
     assert proc.returncode == 0, proc.stderr
 
@@ -35,14 +37,18 @@ def test_term_to_batch_shell_only_saves_and_resumes(slurm_env: dict[str, str], t
     events = read_events(run_dir)
     log = run_dir / "submitit" / f"{job_id}_0_log.out"
     log_text = log.read_text() if log.exists() else ""
-    assert how == "finished", (f"job {job_id} ended {how} without summary.json; events: "
-                               f"{[(e['event'], e['step'], e['restart']) for e in events]}; log tail:\n"
-                               + "\n".join(log_text.splitlines()[-15:]))
+    assert how == "finished", (
+        f"job {job_id} ended {how} without summary.json; events: "
+        f"{[(e['event'], e['step'], e['restart']) for e in events]}; log tail:\n"
+        + "\n".join(log_text.splitlines()[-15:])
+    )
     wait_until(lambda: sacct_state(job_id, slurm_env) == "COMPLETED", 60, f"job {job_id} COMPLETED in sacct")
     summary = json.loads((run_dir / "summary.json").read_text())
 
-    assert ("hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into "
-            "SIGKILL for every task)") in log_text
+    assert (
+        "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into "
+        "SIGKILL for every task)"
+    ) in log_text
     signals = [e for e in events if e["event"] == "signal"]
     assert [e["signals"] for e in signals] == [["SIGUSR2"]]
     stop_saves = [e for e in events if e["event"] == "checkpoint_committed" and e["reason"] == "stop"]

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, sacct_state, submit, wait_finished, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]

@@ -9,9 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 import cluster
+import pytest
 from conftest import HPC_TRAIN, read_events, run, submit, wait_finished
 from test_packaging import plain_install
 
@@ -23,9 +22,18 @@ QUICK = ["cluster=dev", "train.steps=4", "checkpoint.every_steps=4"]
 def test_account_qos_constraint_land_on_the_job(slurm_env: dict[str, str], tmp_path: Path) -> None:
     comment = "it's #1 $(x)"  # sbatch_extra, through submitit's quoting and sbatch's own #SBATCH parser
     hydra_quoted = "'" + comment.replace("'", "\\'") + "'"  # Hydra's grammar: \' inside '...'
-    run_dir, job_id = submit([*QUICK, f"out_dir={tmp_path}", "name=site", "cluster.account=teamb",
-                              "cluster.qos=long", "cluster.constraint=fast",
-                              f"+cluster.sbatch_extra.comment={hydra_quoted}"], env=slurm_env)
+    run_dir, job_id = submit(
+        [
+            *QUICK,
+            f"out_dir={tmp_path}",
+            "name=site",
+            "cluster.account=teamb",
+            "cluster.qos=long",
+            "cluster.constraint=fast",
+            f"+cluster.sbatch_extra.comment={hydra_quoted}",
+        ],
+        env=slurm_env,
+    )
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
     assert "Account=teamb " in job and "QOS=long " in job and "Features=fast " in job, job
     assert f"Comment={comment} " in job, job
@@ -34,19 +42,35 @@ def test_account_qos_constraint_land_on_the_job(slurm_env: dict[str, str], tmp_p
     assert cluster.FAST_NODES == ["node1", "node2"] and acct == ["teamb|long|node[1-2]"]  # only they are fast
 
 
-@pytest.mark.parametrize("override, message", [
-    ("cluster.account=nope", r"cluster.account='nope' is not an account of user \w+ on cluster hpcdev \(partition "
-                             r"debug\); use cluster.account= one of \['research', 'root', 'teamb'\]"),
-    ("cluster.qos=huge", r"cluster.qos='huge' is not allowed for account research \(your default\) of user \w+; use "
-                         r"cluster.qos= one of \['long', 'normal'\]"),
-    ("cluster.constraint=gpu", r"cluster.constraint='gpu': no node of partition debug has the feature 'gpu'; "
-                               r"features there: \['cpu', 'fast'\]"),
-    ("cluster.reservation=maint", r"cluster.reservation='maint' does not exist; this cluster has none now"),
-    ("cluster.nodelist='node[4-5]'", r"cluster.nodelist='node\[4-5\]': node5 not in partition debug; its nodes are "
-                                     r"node\[1-4\]"),
-])
-def test_wrong_site_option_is_refused_before_anything_is_queued(slurm_env: dict[str, str], tmp_path: Path,
-                                                                override: str, message: str) -> None:
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "cluster.account=nope",
+            r"cluster.account='nope' is not an account of user \w+ on cluster hpcdev \(partition "
+            r"debug\); use cluster.account= one of \['research', 'root', 'teamb'\]",
+        ),
+        (
+            "cluster.qos=huge",
+            r"cluster.qos='huge' is not allowed for account research \(your default\) of user \w+; use "
+            r"cluster.qos= one of \['long', 'normal'\]",
+        ),
+        (
+            "cluster.constraint=gpu",
+            r"cluster.constraint='gpu': no node of partition debug has the feature 'gpu'; "
+            r"features there: \['cpu', 'fast'\]",
+        ),
+        ("cluster.reservation=maint", r"cluster.reservation='maint' does not exist; this cluster has none now"),
+        (
+            "cluster.nodelist='node[4-5]'",
+            r"cluster.nodelist='node\[4-5\]': node5 not in partition debug; its nodes are "
+            r"node\[1-4\]",
+        ),
+    ],
+)
+def test_wrong_site_option_is_refused_before_anything_is_queued(
+    slurm_env: dict[str, str], tmp_path: Path, override: str, message: str
+) -> None:
     before = set(run(["squeue", "-h", "-o", "%i"], env=slurm_env).stdout.split())
     proc = run([HPC_TRAIN, "submit", *QUICK, f"out_dir={tmp_path}", override], env=slurm_env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -63,8 +87,9 @@ def test_slurm_itself_refuses_an_unknown_account(slurm_env: dict[str, str]) -> N
     assert proc.returncode != 0 and "Invalid qos" in proc.stderr, proc.stderr
 
 
-def test_a_plain_install_in_a_fresh_folder_submits_with_account_and_qos(slurm_env: dict[str, str],
-                                                                       tmp_path: Path) -> None:
+def test_a_plain_install_in_a_fresh_folder_submits_with_account_and_qos(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
     """Issue 11's "done when": `pip install .` (not editable), `hpc-train init` in an empty folder, then a
     run on the cluster with account and QoS set; the job trains with the installed copy, not the checkout."""
     site, fresh = plain_install(tmp_path), tmp_path / "fresh"
@@ -73,8 +98,12 @@ def test_a_plain_install_in_a_fresh_folder_submits_with_account_and_qos(slurm_en
     cli = [sys.executable, "-m", "hpc_train.cli"]
     init = run([*cli, "init"], env=env, cwd=fresh)
     assert init.returncode == 0, init.stdout + init.stderr
-    proc = run([*cli, "submit", *QUICK, "name=plain", "cluster.account=teamb", "cluster.qos=long"], env=env,
-               cwd=fresh, timeout_s=300)
+    proc = run(
+        [*cli, "submit", *QUICK, "name=plain", "cluster.account=teamb", "cluster.qos=long"],
+        env=env,
+        cwd=fresh,
+        timeout_s=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"config {fresh}/conf/config.yaml" in proc.stderr, proc.stderr
     line = next(l for l in proc.stdout.splitlines() if l.startswith("submitted job"))

@@ -9,17 +9,18 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 import cluster
+import pytest
 from conftest import high_job_preempting, interrupted_run, run, sacct_state, wait_until
 
 pytestmark = pytest.mark.slurm
 
+
 def test_two_node_gloo_allreduce(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """Four ranks on two "nodes" rendezvous through hpc_train.env and all-reduce over gloo."""
     script = tmp_path / "allreduce.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, socket, torch, torch.distributed as dist
         from hpc_train.env import from_env
         env = from_env(os.environ)
@@ -29,14 +30,30 @@ def test_two_node_gloo_allreduce(slurm_env: dict[str, str], tmp_path: Path) -> N
         dist.all_reduce(t)
         print(f"rank={env.rank} node={env.node_rank} host={socket.gethostname()} sum={t.item():.0f}", flush=True)
         dist.destroy_process_group()
-    """))
+    """)
+    )
     out = tmp_path / "out.txt"
-    proc = run(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2", "-o", str(out), "--wrap",
-                f"srun {sys.executable} {script}"], env=slurm_env)
+    proc = run(
+        [
+            "sbatch",
+            "--parsable",
+            "-N",
+            "2",
+            "--ntasks-per-node=2",
+            "-o",
+            str(out),
+            "--wrap",
+            f"srun {sys.executable} {script}",
+        ],
+        env=slurm_env,
+    )
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
-    wait_until(lambda: sacct_state(job_id, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 90,
-               f"job {job_id} to end")
+    wait_until(
+        lambda: sacct_state(job_id, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+        90,
+        f"job {job_id} to end",
+    )
     assert sacct_state(job_id, slurm_env) == "COMPLETED", out.read_text()
     lines = sorted(l for l in out.read_text().splitlines() if l.startswith("rank="))
     assert len(lines) == 4, out.read_text()

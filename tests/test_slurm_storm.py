@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 import storm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]

@@ -8,9 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 import cluster
+import pytest
 from conftest import HPC_TRAIN, first_start, read_events, run, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -43,10 +42,16 @@ def test_two_resource_shapes_land_as_two_arrays(slurm_env: dict[str, str], tmp_p
     manifest = _sweep(["name=shapes", "train.lr=1e-3,3e-3", "cluster.nodes=1,2"], slurm_env, tmp_path)
     trials = manifest["trials"]
     assert [t["overrides"][-2:] for t in trials] == [
-        ["train.lr=0.001", "cluster.nodes=1"], ["train.lr=0.001", "cluster.nodes=2"],
-        ["train.lr=0.003", "cluster.nodes=1"], ["train.lr=0.003", "cluster.nodes=2"]]
+        ["train.lr=0.001", "cluster.nodes=1"],
+        ["train.lr=0.001", "cluster.nodes=2"],
+        ["train.lr=0.003", "cluster.nodes=1"],
+        ["train.lr=0.003", "cluster.nodes=2"],
+    ]
     assert len(manifest["arrays"]) == 2
-    one_node, two_nodes = {t["job_id"].split("_")[0] for t in trials[0::2]}, {t["job_id"].split("_")[0] for t in trials[1::2]}
+    one_node, two_nodes = (
+        {t["job_id"].split("_")[0] for t in trials[0::2]},
+        {t["job_id"].split("_")[0] for t in trials[1::2]},
+    )
     assert len(one_node) == len(two_nodes) == 1 and one_node != two_nodes
     assert _queued_arrays(manifest["job_name"], slurm_env) == one_node | two_nodes
     assert Path(manifest["sweep_dir"], "sweep.json").stat().st_mode & 0o004  # no cluster.env: readable by all
@@ -64,8 +69,9 @@ def test_array_larger_than_max_array_size_is_split(slurm_env: dict[str, str], tm
         cluster.reconfigure()
     assert [len(a["trials"]) for a in manifest["arrays"]] == [3, 3, 1]
     assert len(_queued_arrays(manifest["job_name"], slurm_env)) == 3
-    scripts = [Path(manifest["sweep_dir"], "submitit", f"{a['job_id']}_submission.sh").read_text()
-               for a in manifest["arrays"]]
+    scripts = [
+        Path(manifest["sweep_dir"], "submitit", f"{a['job_id']}_submission.sh").read_text() for a in manifest["arrays"]
+    ]
     assert ["#SBATCH --array=0-2%2" in s for s in scripts] == [True, True, False]  # a lone trial is a plain job
     assert len(_wait_summaries(manifest)) == 7
 
@@ -97,8 +103,20 @@ def test_resubmit_adds_only_missing_trials(slurm_env: dict[str, str], tmp_path: 
     assert adopted["arrays"][1]["job_id"] == again["arrays"][1]["job_id"]
     assert _queued_arrays(manifest["job_name"], slurm_env) - {second["job_id"]} == queued  # nothing new
     # Same directory, different sweep: refused.
-    proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "name=resume", "train.seed=7,8",
-                "--sweep-dir", str(sweep_dir)], env=slurm_env)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            "-m",
+            *QUICK,
+            f"out_dir={tmp_path}",
+            "name=resume",
+            "train.seed=7,8",
+            "--sweep-dir",
+            str(sweep_dir),
+        ],
+        env=slurm_env,
+    )
     assert proc.returncode == 2 and "resubmit it with the same overrides" in proc.stderr
 
 
@@ -113,13 +131,15 @@ main(sys.argv[1:])
 """
 
 
-def test_lost_array_whose_pickles_were_never_renamed_runs_every_trial_once(slurm_env: dict[str, str],
-                                                                          tmp_path: Path) -> None:
+def test_lost_array_whose_pickles_were_never_renamed_runs_every_trial_once(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
     """Each adopted task waits 60 s for its pickle: the resubmit writes it. A task that already ended
     without starting (here cancelled) is queued again in a new array; no trial runs twice."""
     args = ["name=lost", "train.seed=1,2"]
-    crashed = run([sys.executable, "-c", CRASH_AFTER_SBATCH, "submit", "-m", *QUICK, f"out_dir={tmp_path}", *args],
-                  env=slurm_env)
+    crashed = run(
+        [sys.executable, "-c", CRASH_AFTER_SBATCH, "submit", "-m", *QUICK, f"out_dir={tmp_path}", *args], env=slurm_env
+    )
     assert crashed.returncode == 3, crashed.stdout + crashed.stderr
     sweep_dir = next(tmp_path.glob("lost-*"))
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
@@ -127,8 +147,14 @@ def test_lost_array_whose_pickles_were_never_renamed_runs_every_trial_once(slurm
     (lost,) = _queued_arrays(manifest["job_name"], slurm_env)
     assert not list((sweep_dir / "submitit").glob("*_submitted.pkl"))
     run(["scancel", f"{lost}_1"], env=slurm_env)
-    wait_until(lambda: f"{lost}_1" not in run(["squeue", "-h", "-r", "--name", manifest["job_name"], "-o", "%i"],
-                                               env=slurm_env).stdout.split(), 30, f"task {lost}_1 to end")
+    wait_until(
+        lambda: (
+            f"{lost}_1"
+            not in run(["squeue", "-h", "-r", "--name", manifest["job_name"], "-o", "%i"], env=slurm_env).stdout.split()
+        ),
+        30,
+        f"task {lost}_1 to end",
+    )
     again = _sweep(args, slurm_env, tmp_path, ["--sweep-dir", str(sweep_dir)])
     first, second = (t["job_id"] for t in again["trials"])
     assert first == f"{lost}_0" and (sweep_dir / "submitit" / f"{lost}_0_submitted.pkl").exists()
@@ -140,15 +166,32 @@ def test_lost_array_whose_pickles_were_never_renamed_runs_every_trial_once(slurm
         assert starts == [t["job_id"]]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("cluster.partition=gpu", r"cluster.partition='gpu' does not exist on this cluster; use one of \['debug', 'high', 'low'\]"),
-    ("cluster.nodes=5", r"cluster.nodes=5 exceeds partition debug's limit of 4 nodes; use cluster.nodes<=4"),
-    ("cluster.timeout_min=90", r"cluster.timeout_min=90 exceeds partition debug's MaxTime of 60 min; use cluster.timeout_min<=60"),
-    ("cluster.tasks_per_node=8", r"cluster.tasks_per_node=8 x cluster.cpus_per_task=1 = 8 CPUs per node, but partition debug's nodes have at most 4"),
-    ("cluster.gpus_per_node=1", r"cluster.gpus_per_node=1 but partition debug's nodes have at most 0 GPUs"),
-    ("cluster.mem_gb=100", r"sbatch --test-only refused the request for partition debug: .*Requested node configuration is not available"),
-])
-def test_validation_errors_queue_nothing(slurm_env: dict[str, str], tmp_path: Path, override: str, message: str) -> None:
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "cluster.partition=gpu",
+            r"cluster.partition='gpu' does not exist on this cluster; use one of \['debug', 'high', 'low'\]",
+        ),
+        ("cluster.nodes=5", r"cluster.nodes=5 exceeds partition debug's limit of 4 nodes; use cluster.nodes<=4"),
+        (
+            "cluster.timeout_min=90",
+            r"cluster.timeout_min=90 exceeds partition debug's MaxTime of 60 min; use cluster.timeout_min<=60",
+        ),
+        (
+            "cluster.tasks_per_node=8",
+            r"cluster.tasks_per_node=8 x cluster.cpus_per_task=1 = 8 CPUs per node, but partition debug's nodes have at most 4",
+        ),
+        ("cluster.gpus_per_node=1", r"cluster.gpus_per_node=1 but partition debug's nodes have at most 0 GPUs"),
+        (
+            "cluster.mem_gb=100",
+            r"sbatch --test-only refused the request for partition debug: .*Requested node configuration is not available",
+        ),
+    ],
+)
+def test_validation_errors_queue_nothing(
+    slurm_env: dict[str, str], tmp_path: Path, override: str, message: str
+) -> None:
     before = set(run(["squeue", "-h", "-o", "%i"], env=slurm_env).stdout.split())
     proc = run([HPC_TRAIN, "submit", "cluster=dev", f"out_dir={tmp_path}", override], env=slurm_env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -158,18 +201,30 @@ def test_validation_errors_queue_nothing(slurm_env: dict[str, str], tmp_path: Pa
 
 
 def test_max_parallel_must_be_positive(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "train.seed=1,2", "--max-parallel", "0"],
-               env=slurm_env)
+    proc = run(
+        [HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "train.seed=1,2", "--max-parallel", "0"],
+        env=slurm_env,
+    )
     assert proc.returncode == 2 and "--max-parallel=0 must be >= 1" in proc.stderr
 
 
 def test_injection_strings_stay_inert(slurm_env: dict[str, str], tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    evil = f"it's \"$(touch {marker})\" `touch {marker}`; touch {marker}"
+    evil = f'it\'s "$(touch {marker})" `touch {marker}`; touch {marker}'
     out_dir = tmp_path / "dir with space;$(touch x)"
     hydra_quoted = "'" + evil.replace("'", "\\'") + "'"  # Hydra's grammar: \' inside '...'
-    proc = run([HPC_TRAIN, "submit", *QUICK, f"out_dir='{out_dir}'", "name=inert", f"+cluster.env.EVIL={hydra_quoted}",
-                "cluster.setup=['printf \"EVIL=%s\\\\n\" \"$EVIL\"']"], env=slurm_env)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            *QUICK,
+            f"out_dir='{out_dir}'",
+            "name=inert",
+            f"+cluster.env.EVIL={hydra_quoted}",
+            'cluster.setup=[\'printf "EVIL=%s\\\\n" "$EVIL"\']',
+        ],
+        env=slurm_env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = out_dir / "inert-1"
     wait_until(lambda: (run_dir / "summary.json").exists(), 120, "the job to finish")
@@ -186,8 +241,11 @@ def test_submit_rides_out_a_controller_restart(slurm_env: dict[str, str], tmp_pa
     outage = threading.Thread(target=cluster.restart_controller, args=(3.0,))
     outage.start()
     wait_until(lambda: run(["scontrol", "ping"], env=slurm_env).returncode != 0, 30, "slurmctld to be down", 0.1)
-    proc = run([HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "name=outage", "train.seed=1,2"],
-               env=slurm_env, timeout_s=120)
+    proc = run(
+        [HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "name=outage", "train.seed=1,2"],
+        env=slurm_env,
+        timeout_s=120,
+    )
     outage.join()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads(next(tmp_path.glob("outage-*/sweep.json")).read_text())

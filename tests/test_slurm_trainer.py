@@ -8,23 +8,38 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import HPC_TRAIN, first_start, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
+from conftest import HPC_TRAIN, RUN_ARGS, first_start, read_events, run, submit, wait_finished, wait_until
 
 pytestmark = pytest.mark.slurm
 
 
 def test_four_nodes_are_placed_by_switch(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """The dev cluster interleaves names across switches (s1 = node1,node3; s2 = node2,node4)."""
-    run_dir, job_id = submit(["cluster=dev", "cluster.nodes=4", "train.steps=4", "checkpoint.every_steps=4",
-                              f"out_dir={tmp_path}", "name=placed"], env=slurm_env)
+    run_dir, job_id = submit(
+        [
+            "cluster=dev",
+            "cluster.nodes=4",
+            "train.steps=4",
+            "checkpoint.every_steps=4",
+            f"out_dir={tmp_path}",
+            "name=placed",
+        ],
+        env=slurm_env,
+    )
     wait_finished(run_dir, job_id, slurm_env)
     plan = json.loads((run_dir / "placement.json").read_text())
     assert plan["nodes"] == ["node1", "node3", "node2", "node4"]
     assert plan["ring_cross_switch_edges"] == {"placed": 2, "slurm_order": 4, "optimum": 2}
     assert [(r["rank"], r["node"], r["switch"]) for r in plan["ranks"]] == [
-        (0, "node1", "root.s1"), (1, "node1", "root.s1"), (2, "node3", "root.s1"), (3, "node3", "root.s1"),
-        (4, "node2", "root.s2"), (5, "node2", "root.s2"), (6, "node4", "root.s2"), (7, "node4", "root.s2")]
+        (0, "node1", "root.s1"),
+        (1, "node1", "root.s1"),
+        (2, "node3", "root.s1"),
+        (3, "node3", "root.s1"),
+        (4, "node2", "root.s2"),
+        (5, "node2", "root.s2"),
+        (6, "node4", "root.s2"),
+        (7, "node4", "root.s2"),
+    ]
     # Every task agrees: each logged the rank it took, and ran where the plan says.
     logs = "".join(p.read_text() for p in (run_dir / "submitit").glob("*_log.out"))
     placed = {int(r): n for r, n in re.findall(r"placed task \d+ as rank (\d+) on (\w+)", logs)}
@@ -35,14 +50,23 @@ def test_four_nodes_are_placed_by_switch(slurm_env: dict[str, str], tmp_path: Pa
 
 def test_wrong_rendezvous_fails_fast_with_the_address(slurm_env: dict[str, str], tmp_path: Path) -> None:
     t0 = time.monotonic()
-    run_dir, _ = submit(["cluster=dev", "train.rendezvous_timeout_s=10", "requeue.max_failures=0",
-                         "+cluster.env.HPC_TRAIN_MASTER_ADDR=nowhere.invalid", f"out_dir={tmp_path}", "name=lost"],
-                        env=slurm_env)
+    run_dir, _ = submit(
+        [
+            "cluster=dev",
+            "train.rendezvous_timeout_s=10",
+            "requeue.max_failures=0",
+            "+cluster.env.HPC_TRAIN_MASTER_ADDR=nowhere.invalid",
+            f"out_dir={tmp_path}",
+            "name=lost",
+        ],
+        env=slurm_env,
+    )
     wait_until(lambda: any(e["event"] == "stopped" for e in read_events(run_dir)), 90, "the run to give up")
     assert time.monotonic() - t0 < 90
     errors = [e["error"] for e in read_events(run_dir) if e["event"] == "fail"]
-    assert errors and all(re.search(r"rendezvous at nowhere\.invalid:\d+ failed within train.rendezvous_timeout_s=10",
-                                     e) for e in errors)
+    assert errors and all(
+        re.search(r"rendezvous at nowhere\.invalid:\d+ failed within train.rendezvous_timeout_s=10", e) for e in errors
+    )
     assert "127.0.0.1" not in errors[0] and "localhost" not in errors[0]  # no silent fallback
 
 
@@ -55,8 +79,9 @@ def test_byo_function_runs_multi_node_and_survives_a_preemption(slurm_env: dict[
     env = {**slurm_env, "PYTHONPATH": examples}
     byo = ["fn._target_=byo_train.main", "+fn.kwargs.steps=300", f"out_dir={tmp_path}"]
     ref_dir, _ = submit([*byo, "name=ref", "cluster.tasks_per_node=4"], env=env)
-    run_dir, job_id = submit([*byo, "name=byo", "cluster=dev", "cluster.partition=low", "+fn.kwargs.step_s=0.05"],
-                             env=env)
+    run_dir, job_id = submit(
+        [*byo, "name=byo", "cluster=dev", "cluster.partition=low", "+fn.kwargs.step_s=0.05"], env=env
+    )
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
     chaos = run([HPC_TRAIN, "chaos", str(run_dir), "preempt"], env=env)
     assert chaos.returncode == 0, chaos.stderr
@@ -68,15 +93,28 @@ def test_byo_function_runs_multi_node_and_survives_a_preemption(slurm_env: dict[
     starts = [e for e in events if e["event"] == "start"]
     assert len(starts) == 2 and starts[0]["world_size"] == 4 and starts[0]["target"] == "byo_train.main"
     assert starts[1]["step"] == next(e["step"] for e in events if e.get("reason") == "stop")  # resumed, not restarted
-    assert sorted(set(starts[0]["rank_nodes"])) == sorted(set(starts[1]["rank_nodes"])) and len(set(starts[0]["rank_nodes"])) == 2
+    assert (
+        sorted(set(starts[0]["rank_nodes"])) == sorted(set(starts[1]["rank_nodes"]))
+        and len(set(starts[0]["rank_nodes"])) == 2
+    )
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["preempt"]
 
 
 def test_fsdp2_tp_across_nodes_matches_ddp(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
     """2 nodes x 2 tasks as a (dp=2, tp=2) mesh: each tensor-parallel pair shares a node (ranks 2k, 2k+1),
     FSDP2 shards across the nodes. Same 32 sequences per step as the 4-rank DDP reference, same loss to 1e-6."""
-    run_dir, job_id = submit([*RUN_ARGS, "train.min_step_time_s=0", "train.parallelism=fsdp", "train.tp=2",
-                              "train.batch_seqs_per_rank=16", f"out_dir={tmp_path}", "name=tp"], env=slurm_env)
+    run_dir, job_id = submit(
+        [
+            *RUN_ARGS,
+            "train.min_step_time_s=0",
+            "train.parallelism=fsdp",
+            "train.tp=2",
+            "train.batch_seqs_per_rank=16",
+            f"out_dir={tmp_path}",
+            "name=tp",
+        ],
+        env=slurm_env,
+    )
     summary = wait_finished(run_dir, job_id, slurm_env)
     assert abs(summary["final_loss"] - reference["final_loss"]) <= 1e-6 * reference["final_loss"]
     start = first_start(run_dir)

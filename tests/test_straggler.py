@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import HPC_TRAIN, read_events, run, submit, wait_finished, wait_until
 
 from hpc_train import prometheus
@@ -22,8 +21,10 @@ from hpc_train.ops import straggler_rows, stragglers
 from hpc_train.straggler import Judge, StragglerConfig, current, judge, medians_of_others
 
 # One sample line of the text exposition format: name{label="value",...} value
-SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\\n])*",?)*\} '
-                    r'(NaN|[+-]Inf|-?[0-9.]+(e[+-]?[0-9]+)?)$')
+SAMPLE = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\\n])*",?)*\} '
+    r"(NaN|[+-]Inf|-?[0-9.]+(e[+-]?[0-9]+)?)$"
+)
 COMMENT = re.compile(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$")
 
 
@@ -72,7 +73,7 @@ def test_median_of_the_others_matches_the_definition() -> None:
     for xs in cases:
         got = medians_of_others(xs)
         for i in range(len(xs)):
-            rest = xs[:i] + xs[i + 1:]
+            rest = xs[:i] + xs[i + 1 :]
             assert (math.isnan(got[i]) and not rest) or got[i] == statistics.median(rest), (xs, i, got)
 
 
@@ -89,17 +90,30 @@ def ev(t: float, name: str, step: int, restart: int = 0, **fields) -> dict:
     return {"time": t, "event": name, "step": step, "job_id": "77", "restart": restart, **fields}
 
 
-EVENTS = [ev(100, "start", 0, launched_at=90.0), ev(101, "first_step", 1, step_time_s=0.5),
-          ev(110, "checkpoint_committed", 20, reason="periodic", stall_s=0.1),
-          ev(111, "straggler", 20, rank=3, node="node4", own_s=0.02, median_own_s=0.005, comm_s=0.0),
-          ev(112, "straggler_cleared", 40, rank=3, node="node4", own_s=0.005, median_own_s=0.005),
-          ev(113, "straggler", 60, rank=1, node="node2", own_s=0.03, median_own_s=0.005, comm_s=0.001),
-          ev(114, "checkpoint_committed", 60, reason="periodic", stall_s=0.1)]
+EVENTS = [
+    ev(100, "start", 0, launched_at=90.0),
+    ev(101, "first_step", 1, step_time_s=0.5),
+    ev(110, "checkpoint_committed", 20, reason="periodic", stall_s=0.1),
+    ev(111, "straggler", 20, rank=3, node="node4", own_s=0.02, median_own_s=0.005, comm_s=0.0),
+    ev(112, "straggler_cleared", 40, rank=3, node="node4", own_s=0.005, median_own_s=0.005),
+    ev(113, "straggler", 60, rank=1, node="node2", own_s=0.03, median_own_s=0.005, comm_s=0.001),
+    ev(114, "checkpoint_committed", 60, reason="periodic", stall_s=0.1),
+]
 
 
 def test_prometheus_text_from_plain_files(tmp_path: Path) -> None:
-    rows = [{"time": 100.0 + s, "step": s, "loss": 2.0 / s, "tokens_per_s": 1000.0 * s, "mfu": None,
-             "data_wait_fraction": 0.01, "step_time_s": 0.5} for s in range(10, 70, 10)]
+    rows = [
+        {
+            "time": 100.0 + s,
+            "step": s,
+            "loss": 2.0 / s,
+            "tokens_per_s": 1000.0 * s,
+            "mfu": None,
+            "data_wait_fraction": 0.01,
+            "step_time_s": 0.5,
+        }
+        for s in range(10, 70, 10)
+    ]
     run_dir = write_run(tmp_path / 'we"ird\\run', EVENTS, rows)
     text = prometheus.run_text(run_dir, "77")
     values = parse(text)
@@ -121,8 +135,11 @@ def test_tail_rows_reads_only_the_end(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"time": 1.0, "step": s, "loss": 1.0}) + "\n" for s in range(20000)))
     rows = prometheus.tail_rows(path, tail_bytes=4096)
-    assert rows[-1]["step"] == 19999 and 0 < len(rows) < 200 and [r["step"] for r in rows] == list(
-        range(rows[0]["step"], 20000))
+    assert (
+        rows[-1]["step"] == 19999
+        and 0 < len(rows) < 200
+        and [r["step"] for r in rows] == list(range(rows[0]["step"], 20000))
+    )
 
 
 def test_status_prometheus_prints_every_run_in_a_folder(tmp_path: Path) -> None:
@@ -149,8 +166,16 @@ def test_endpoint_scraped_while_training_and_a_busy_port_is_not_fatal(tmp_path: 
     """Local executor, 2 ranks: rank 0's endpoint answers mid-run with the values of a metrics.jsonl row.
     A second run whose port is taken trains on, says why in events.jsonl, and writes its textfile."""
     port = free_port()
-    run_dir, _ = submit(["train.steps=400", "train.min_step_time_s=0.02", f"metrics.prometheus_port={port}",
-                         f"out_dir={tmp_path}", "name=scraped", "--no-wait"])
+    run_dir, _ = submit(
+        [
+            "train.steps=400",
+            "train.min_step_time_s=0.02",
+            f"metrics.prometheus_port={port}",
+            f"out_dir={tmp_path}",
+            "name=scraped",
+            "--no-wait",
+        ]
+    )
 
     def scrape() -> dict:
         try:
@@ -159,8 +184,11 @@ def test_endpoint_scraped_while_training_and_a_busy_port_is_not_fatal(tmp_path: 
         except OSError:
             return {}
 
-    seen = wait_until(lambda: (v := scrape()).get(("hpc_train_step", run_dir.name), 0) >= 50 and v, 120,
-                      "the endpoint to show step 50")
+    seen = wait_until(
+        lambda: (v := scrape()).get(("hpc_train_step", run_dir.name), 0) >= 50 and v,
+        120,
+        "the endpoint to show step 50",
+    )
     rows = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     step = int(seen[("hpc_train_step", run_dir.name)])
     assert seen[("hpc_train_loss", run_dir.name)] == rows[step]["loss"]
@@ -170,9 +198,17 @@ def test_endpoint_scraped_while_training_and_a_busy_port_is_not_fatal(tmp_path: 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        taken_dir, job = submit(["train.steps=30", "train.min_step_time_s=0.2", f"metrics.prometheus_port="
-                                 f"{taken.getsockname()[1]}", f'metrics.prometheus_textfile="{tmp_path}/hpc_{{job}}.prom"',
-                                 f"out_dir={tmp_path}", "name=taken", "--no-wait"])
+        taken_dir, job = submit(
+            [
+                "train.steps=30",
+                "train.min_step_time_s=0.2",
+                f"metrics.prometheus_port={taken.getsockname()[1]}",
+                f'metrics.prometheus_textfile="{tmp_path}/hpc_{{job}}.prom"',
+                f"out_dir={tmp_path}",
+                "name=taken",
+                "--no-wait",
+            ]
+        )
         textfile = tmp_path / f"hpc_{job}.prom"  # {job}: the job id (here the local controller's pid)
         wait_until(textfile.exists, 120, "the textfile")
         assert ("hpc_train_attempt", "taken-1") in parse(textfile.read_text())
@@ -192,9 +228,19 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
     metrics row logged before the `chaos` event: up to one log interval, 10 steps, early), with its node,
     and cleared once the drill is off."""
     every, windows = 20, 3
-    run_dir, job_id = submit(["cluster=dev", "cluster.nodes=2", "train.steps=2000", "checkpoint.every_steps=500",
-                              f"straggler.every_steps={every}", f"straggler.windows={windows}",
-                              f"out_dir={tmp_path}", "name=slow"], env=slurm_env)
+    run_dir, job_id = submit(
+        [
+            "cluster=dev",
+            "cluster.nodes=2",
+            "train.steps=2000",
+            "checkpoint.every_steps=500",
+            f"straggler.every_steps={every}",
+            f"straggler.windows={windows}",
+            f"out_dir={tmp_path}",
+            "name=slow",
+        ],
+        env=slurm_env,
+    )
 
     def last_step() -> int:
         path = run_dir / "metrics.jsonl"
@@ -252,9 +298,14 @@ def test_chaos_slow_rank_refuses_what_would_hang_or_do_nothing(tmp_path: Path) -
 
     run_dir = write_run(tmp_path / "slow-1", [ev(100, "start", 0, world_size=4)], [])
     run_ = ops.find_runs(run_dir)[0]
-    for rank, seconds, says in [(99, 0.02, "slow-1 has 4 ranks; give 0 to 3"), (-1, 0.02, "give 0 to 3"),
-                                (3, math.inf, "--seconds inf"), (3, math.nan, "--seconds nan"),
-                                (3, 1e9, "0 to 10"), (3, None, "needs --seconds")]:
+    for rank, seconds, says in [
+        (99, 0.02, "slow-1 has 4 ranks; give 0 to 3"),
+        (-1, 0.02, "give 0 to 3"),
+        (3, math.inf, "--seconds inf"),
+        (3, math.nan, "--seconds nan"),
+        (3, 1e9, "0 to 10"),
+        (3, None, "needs --seconds"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(says)):
             ops.chaos(run_, "slow-rank", rank, seconds)
     assert not (run_dir / "drills").exists() or not list((run_dir / "drills").iterdir())
@@ -316,17 +367,23 @@ def test_a_sweep_trial_is_one_series_from_its_endpoint_and_from_status(tmp_path:
     assert proc.returncode == 0, proc.stderr
 
     def label_sets(text: str) -> set[str]:
-        return {line[line.index("{"):line.index("}") + 1] for line in text.splitlines() if not line.startswith("#")}
+        return {line[line.index("{") : line.index("}") + 1] for line in text.splitlines() if not line.startswith("#")}
 
-    assert label_sets(prometheus.run_text(trial, "12_3")) == label_sets(proc.stdout) == {
-        '{slurm_job="12_3",run="mix-1/0003"}'}
+    assert (
+        label_sets(prometheus.run_text(trial, "12_3"))
+        == label_sets(proc.stdout)
+        == {'{slurm_job="12_3",run="mix-1/0003"}'}
+    )
 
 
 def test_a_malformed_row_never_stops_training_nor_prints_a_traceback_per_scrape(tmp_path: Path, capsys) -> None:
     """step_time_s null in metrics.jsonl (goodput's median) and a straggler event without a rank (current)
     are rendered around; any other failure warns once, tick() goes on and the endpoint answers 500."""
-    run_dir = write_run(tmp_path / "odd-1", [*EVENTS, ev(115, "straggler", 70, node="node9")],
-                        [{"time": 120.0, "step": 70, "loss": 0.5, "step_time_s": None}])
+    run_dir = write_run(
+        tmp_path / "odd-1",
+        [*EVENTS, ev(115, "straggler", 70, node="node9")],
+        [{"time": 120.0, "step": 70, "loss": 0.5, "step_time_s": None}],
+    )
     got = prometheus.values(run_dir)
     assert got["hpc_train_step"] == 70 and got["hpc_train_stragglers"] == 1 and 0 <= got["hpc_train_goodput"] <= 1
 
@@ -350,7 +407,10 @@ def test_goodput_gauge_moves_while_an_attempt_runs_and_report_figures_stay(tmp_p
     live=True ends it at the last metrics row, the steps since the commit lost; report's figures unchanged."""
     from hpc_train.ops import goodput
 
-    events = [ev(100, "start", 0, launched_at=90.0), ev(110, "checkpoint_committed", 20, reason="periodic", stall_s=0.0)]
+    events = [
+        ev(100, "start", 0, launched_at=90.0),
+        ev(110, "checkpoint_committed", 20, reason="periodic", stall_s=0.0),
+    ]
     rows = [{"time": 100.0 + s, "step": s, "step_time_s": 0.5} for s in range(10, 60, 10)]
     early = prometheus.values(write_run(tmp_path / "a", events, rows[:2]))["hpc_train_goodput"]  # step 20 at t=120
     later = prometheus.values(write_run(tmp_path / "b", events, rows))["hpc_train_goodput"]  # step 50 at t=150

@@ -11,15 +11,20 @@ from hpc_train.topology import mesh_shape, placement, plan_nodes
 DEV = {"node1": "root.s1.node1", "node2": "root.s2.node2", "node3": "root.s1.node3", "node4": "root.s2.node4"}
 
 
-@pytest.mark.parametrize("addrs, order", [
-    (DEV, ["node1", "node3", "node2", "node4"]),  # the dev cluster: names interleave switches
-    ({"a": "a", "b": "b"}, ["a", "b"]),  # no topology plugin: Slurm's order
-    # Uneven switches: s1 holds one node, s2 three; Slurm's order kept inside each switch.
-    ({"n1": "r.s2.n1", "n2": "r.s1.n2", "n3": "r.s2.n3", "n4": "r.s2.n4"}, ["n1", "n3", "n4", "n2"]),
-    # Two levels: spines x, y; leaves keep their subtree together.
-    ({"n1": "r.x.l1.n1", "n2": "r.y.l3.n2", "n3": "r.x.l2.n3", "n4": "r.y.l3.n4", "n5": "r.x.l1.n5"},
-     ["n1", "n5", "n3", "n2", "n4"]),
-])
+@pytest.mark.parametrize(
+    "addrs, order",
+    [
+        (DEV, ["node1", "node3", "node2", "node4"]),  # the dev cluster: names interleave switches
+        ({"a": "a", "b": "b"}, ["a", "b"]),  # no topology plugin: Slurm's order
+        # Uneven switches: s1 holds one node, s2 three; Slurm's order kept inside each switch.
+        ({"n1": "r.s2.n1", "n2": "r.s1.n2", "n3": "r.s2.n3", "n4": "r.s2.n4"}, ["n1", "n3", "n4", "n2"]),
+        # Two levels: spines x, y; leaves keep their subtree together.
+        (
+            {"n1": "r.x.l1.n1", "n2": "r.y.l3.n2", "n3": "r.x.l2.n3", "n4": "r.y.l3.n4", "n5": "r.x.l1.n5"},
+            ["n1", "n5", "n3", "n2", "n4"],
+        ),
+    ],
+)
 def test_plan_nodes(addrs: dict[str, str], order: list[str]) -> None:
     assert plan_nodes(addrs) == order
 
@@ -27,14 +32,20 @@ def test_plan_nodes(addrs: dict[str, str], order: list[str]) -> None:
 def test_dev_placement_and_ring_quality() -> None:
     p = placement(DEV, ranks_per_node=2)
     assert [(r["rank"], r["node"], r["switch"]) for r in p["ranks"]][:4] == [
-        (0, "node1", "root.s1"), (1, "node1", "root.s1"), (2, "node3", "root.s1"), (3, "node3", "root.s1")]
+        (0, "node1", "root.s1"),
+        (1, "node1", "root.s1"),
+        (2, "node3", "root.s1"),
+        (3, "node3", "root.s1"),
+    ]
     assert p["ring_cross_switch_edges"] == {"placed": 2, "slurm_order": 4, "optimum": 2}
     assert p["mesh"] == {"dp": 8, "tp": 1}
 
 
 def test_tp_must_stay_inside_a_node() -> None:
     assert mesh_shape(48, 6, 3) == {"dp": 16, "tp": 3}
-    with pytest.raises(ValueError, match=r"train.tp=4 must divide cluster.tasks_per_node=6 .* use tp in \[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError, match=r"train.tp=4 must divide cluster.tasks_per_node=6 .* use tp in \[1, 2, 3, 6\]"
+    ):
         mesh_shape(48, 6, 4)
 
 

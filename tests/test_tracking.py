@@ -12,13 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import read_events, submit, wait_until
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import read_events, submit, wait_until
 from hpc_train.metrics import read_metrics
 
 HAVE = {m: importlib.util.find_spec(m) is not None for m in ("wandb", "mlflow")}
-OFFLINE = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_API_KEY": "", "MLFLOW_TRACKING_URI": ""}
+OFFLINE = {
+    **os.environ,
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "WANDB_API_KEY": "",
+    "MLFLOW_TRACKING_URI": "",
+}
 
 
 SWITCHES = ["metrics.tensorboard=true"] + [f"metrics.{m}=true" for m, ok in HAVE.items() if ok]
@@ -56,8 +62,8 @@ def wandb_history(run_dir: Path) -> list[tuple[str, list[int]]]:
             if block_left < 7:  # a block's tail too short for a header is padding
                 pos += block_left
                 continue
-            _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
-            buf += raw[pos + 7: pos + 7 + length]
+            _crc, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+            buf += raw[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):  # FULL or LAST fragment
                 records.append(buf)
@@ -78,9 +84,18 @@ def test_a_preempted_run_logs_into_one_tensorboard_folder_wandb_run_and_mlflow_r
     """The trainer's two calls, end to end: SIGTERM mid-run (a preemption), save, requeue, resume. The
     resumed attempt logs into the same TB folder, W&B run id and MLflow run, no step twice; TB's loss
     values are metrics.jsonl's."""
-    run_dir, job_id = submit([f"out_dir={tmp_path}", "train.steps=30", "checkpoint.every_steps=10",
-                              "train.log_every_steps=2", "train.min_step_time_s=0.1", *SWITCHES, "--no-wait"],
-                             env=OFFLINE)
+    run_dir, job_id = submit(
+        [
+            f"out_dir={tmp_path}",
+            "train.steps=30",
+            "checkpoint.every_steps=10",
+            "train.log_every_steps=2",
+            "train.min_step_time_s=0.1",
+            *SWITCHES,
+            "--no-wait",
+        ],
+        env=OFFLINE,
+    )
     wait_until(lambda: max((m["step"] for m in read_metrics(run_dir)), default=0) >= 10, 120, "step 10")
     os.kill(int(job_id), signal.SIGTERM)  # submitit's local controller forwards it to every rank
     wait_until(lambda: (run_dir / "summary.json").exists(), 240, "summary.json after the resume")
@@ -132,8 +147,9 @@ def test_steps_a_crashed_attempt_logged_are_not_sent_twice_and_those_wandb_lost_
     (run_dir / "config.yaml").write_text("name: demo\n")
     code = ATTEMPT % (HAVE["wandb"], HAVE["mlflow"])
     for args in (("1", "3", "crash"), ("1", "6", "requeue"), ("7", "9", "finish")):
-        proc = subprocess.run([sys.executable, "-c", code, str(run_dir), *args], env=OFFLINE, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(run_dir), *args], env=OFFLINE, capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == (1 if args[2] == "crash" else 0), proc.stderr
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert [s for s, _ in tb_scalars(run_dir, "loss")] == list(range(1, 10))
@@ -149,12 +165,16 @@ def test_steps_a_crashed_attempt_logged_are_not_sent_twice_and_those_wandb_lost_
 def test_a_missing_tracking_package_is_refused_at_submit_with_the_pip_command(tmp_path: Path) -> None:
     """The login node may lack the package: find_spec says so before anything is written or queued.
     sys.modules[name] = None is how Python marks a module absent; the real `main` runs in a subprocess."""
-    code = ("import sys; sys.modules['wandb'] = None; from hpc_train.cli import main; "
-            f"sys.exit(main(['submit', 'out_dir={tmp_path}', 'metrics.wandb=true']))")
+    code = (
+        "import sys; sys.modules['wandb'] = None; from hpc_train.cli import main; "
+        f"sys.exit(main(['submit', 'out_dir={tmp_path}', 'metrics.wandb=true']))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert ("metrics.wandb=true needs the wandb package, which is not installed in this Python; run: "
-            "pip install 'hpc_train[wandb]'") in proc.stderr, proc.stderr
+    assert (
+        "metrics.wandb=true needs the wandb package, which is not installed in this Python; run: "
+        "pip install 'hpc_train[wandb]'"
+    ) in proc.stderr, proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
 
 
@@ -167,10 +187,28 @@ def test_an_mlflow_server_that_is_down_costs_one_event_and_the_run_finishes(tmp_
     with socket.socket() as s:  # a loopback port nothing listens on: connection refused at once
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    wandb = ["metrics.wandb=true", "cluster.setup=['echo SETUP_SECRET']", "+cluster.template_vars.tv=TV_SECRET",
-             "+cluster.sbatch_extra.comment=EXTRA_SECRET", "+cluster.env.TOKEN=ENV_SECRET"] if HAVE["wandb"] else []
-    run_dir, _ = submit([f"out_dir={tmp_path}", "train.steps=6", "train.log_every_steps=2", "metrics.mlflow=true",
-                         f"metrics.mlflow_tracking_uri=http://127.0.0.1:{port}", *wandb], env=OFFLINE)
+    wandb = (
+        [
+            "metrics.wandb=true",
+            "cluster.setup=['echo SETUP_SECRET']",
+            "+cluster.template_vars.tv=TV_SECRET",
+            "+cluster.sbatch_extra.comment=EXTRA_SECRET",
+            "+cluster.env.TOKEN=ENV_SECRET",
+        ]
+        if HAVE["wandb"]
+        else []
+    )
+    run_dir, _ = submit(
+        [
+            f"out_dir={tmp_path}",
+            "train.steps=6",
+            "train.log_every_steps=2",
+            "metrics.mlflow=true",
+            f"metrics.mlflow_tracking_uri=http://127.0.0.1:{port}",
+            *wandb,
+        ],
+        env=OFFLINE,
+    )
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
     assert [m["step"] for m in read_metrics(run_dir)] == [2, 4, 6]
     failed = [e for e in read_events(run_dir) if e["event"] == "tracking_failed"]
@@ -179,14 +217,18 @@ def test_an_mlflow_server_that_is_down_costs_one_event_and_the_run_finishes(tmp_
     if HAVE["wandb"]:
         [log] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # the config record's JSON is plain bytes
         sent = log.read_bytes()
-        assert b"signal_lead_s" in sent and not any(f"{w}_SECRET".encode() in sent for w in ("SETUP", "TV", "EXTRA", "ENV"))
+        assert b"signal_lead_s" in sent and not any(
+            f"{w}_SECRET".encode() in sent for w in ("SETUP", "TV", "EXTRA", "ENV")
+        )
 
 
 def test_an_empty_prometheus_addr_is_refused_not_bound_to_every_interface(tmp_path: Path) -> None:
     """http.server binds "" to 0.0.0.0: the endpoint would be open on every interface, logged as http://:PORT."""
     from conftest import HPC_TRAIN, run
 
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "metrics.prometheus_port=9400", "metrics.prometheus_addr=''"])
+    proc = run(
+        [HPC_TRAIN, "submit", f"out_dir={tmp_path}", "metrics.prometheus_port=9400", "metrics.prometheus_addr=''"]
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "metrics.prometheus_addr='' is empty, which would serve on every interface; give 127.0.0.1" in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written

@@ -14,27 +14,40 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 from hpc_train.config import DataConfig, ModelConfig, TrainConfig
 from hpc_train.data import open_sampler
 from hpc_train.model import GPT
 from hpc_train.train import clip_grad_norm, lr_at, parallelize
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.n_layers=0", "model.n_layers=0 must be >= 1: transformer blocks; e.g. model.n_layers=2"),
-    ("model.n_heads=0", "model.n_heads=0 must be >= 1: attention heads per block; e.g. model.n_heads=4"),
-    ("model.seq_len=0", "model.seq_len=0 must be >= 1: tokens per training sequence, the context length; "
-                        "e.g. model.seq_len=32"),
-    ("train.log_every_steps=0", "train.log_every_steps=0 must be >= 1: a metrics line every this many steps; "
-                                "e.g. train.log_every_steps=10"),
-    ("data.seed=-1", "data.seed=-1 must be >= 0: numpy seeds the corpus and the window order with it; e.g. data.seed=0"),
-    ("train.adam_beta2=1.0", "train.adam_beta2=1.0 must be in [0, 1); e.g. train.adam_beta2=0.95"),
-    ("train.lr_schedule=step", "train.lr_schedule='step' is not one of ('cosine', 'linear', 'constant', 'wsd'); "
-                               "e.g. train.lr_schedule=cosine"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.n_layers=0", "model.n_layers=0 must be >= 1: transformer blocks; e.g. model.n_layers=2"),
+        ("model.n_heads=0", "model.n_heads=0 must be >= 1: attention heads per block; e.g. model.n_heads=4"),
+        (
+            "model.seq_len=0",
+            "model.seq_len=0 must be >= 1: tokens per training sequence, the context length; e.g. model.seq_len=32",
+        ),
+        (
+            "train.log_every_steps=0",
+            "train.log_every_steps=0 must be >= 1: a metrics line every this many steps; e.g. train.log_every_steps=10",
+        ),
+        (
+            "data.seed=-1",
+            "data.seed=-1 must be >= 0: numpy seeds the corpus and the window order with it; e.g. data.seed=0",
+        ),
+        ("train.adam_beta2=1.0", "train.adam_beta2=1.0 must be in [0, 1); e.g. train.adam_beta2=0.95"),
+        (
+            "train.lr_schedule=step",
+            "train.lr_schedule='step' is not one of ('cosine', 'linear', 'constant', 'wsd'); "
+            "e.g. train.lr_schedule=cosine",
+        ),
+    ],
+)
 def test_out_of_bounds_values_are_refused_with_the_fix(override: str, message: str) -> None:
     """Each was accepted before (n_heads=0 and log_every_steps=0 crashed later, with ZeroDivisionError)."""
     proc = run([HPC_TRAIN, "submit", "--cfg", "job", override])
@@ -49,7 +62,11 @@ def test_lr_at_per_schedule() -> None:
     cosine, linear, constant = (replace(base, lr_schedule=k) for k in ("cosine", "linear", "constant"))
     assert lr_at(10, cosine) == 1.0 and lr_at(55, cosine) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
     assert lr_at(99, cosine) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)))  # 0.10027
-    assert lr_at(10, linear) == 1.0 and lr_at(55, linear) == pytest.approx(0.55) and lr_at(99, linear) == pytest.approx(0.11)
+    assert (
+        lr_at(10, linear) == 1.0
+        and lr_at(55, linear) == pytest.approx(0.55)
+        and lr_at(99, linear) == pytest.approx(0.11)
+    )
     assert lr_at(10, constant) == lr_at(55, constant) == lr_at(99, constant) == 1.0
     wsd = replace(base, lr_schedule="wsd", decay_fraction=0.2)  # stable to step 79, linear over steps 80..99
     assert lr_at(10, wsd) == lr_at(55, wsd) == lr_at(79, wsd) == lr_at(80, wsd) == 1.0
@@ -65,8 +82,14 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 # Every option off its default, in both runs of the evaluation test: the checkpoint shows they reached AdamW.
-OPTIONS = ["train.lr_schedule=wsd", "train.decay_fraction=0.5", "train.adam_beta1=0.8", "train.adam_beta2=0.99",
-           "train.adam_eps=1e-6", "train.weight_decay=0.05"]
+OPTIONS = [
+    "train.lr_schedule=wsd",
+    "train.decay_fraction=0.5",
+    "train.adam_beta1=0.8",
+    "train.adam_beta2=0.99",
+    "train.adam_eps=1e-6",
+    "train.weight_decay=0.05",
+]
 
 
 def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(tmp_path: Path) -> None:
@@ -76,12 +99,22 @@ def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(t
     no val_loss there. Resumed, its weights end bit-identical to an uninterrupted run without evaluation
     (evaluation draws no RNG, leaves the model in train mode; resume is exact). grad_norm and val_loss
     reach metrics.jsonl, the console line and `status`. Under FSDP2 (DDP: test_data.py's run on tokens)."""
-    args = [f"out_dir={tmp_path}", "train.steps=30", "checkpoint.every_steps=10", "train.log_every_steps=5", *OPTIONS,
-            "train.parallelism=fsdp"]  # FSDP2: evaluation must leave the root's parameters sharded for the save
+    args = [
+        f"out_dir={tmp_path}",
+        "train.steps=30",
+        "checkpoint.every_steps=10",
+        "train.log_every_steps=5",
+        *OPTIONS,
+        "train.parallelism=fsdp",
+    ]  # FSDP2: evaluation must leave the root's parameters sharded for the save
     plain, _ = submit([*args, "name=plain"])
     cut, job_id = submit([*args, "name=cut", "train.eval_every_steps=10", "train.eval_batches=300", "--no-wait"])
-    wait_until(lambda: (cut / "metrics.jsonl").exists() and (cut / "metrics.jsonl").read_text(), 120, "step 5's line",
-               every_s=0.02)
+    wait_until(
+        lambda: (cut / "metrics.jsonl").exists() and (cut / "metrics.jsonl").read_text(),
+        120,
+        "step 5's line",
+        every_s=0.02,
+    )
     time.sleep(1.0)
     os.kill(int(job_id), signal.SIGTERM)
     wait_until(lambda: (cut / "summary.json").exists() or "stopped" in str(read_events(cut)), 240, "the resumed run")
@@ -110,10 +143,22 @@ def test_a_stop_during_a_long_evaluation_waits_for_a_few_batches_not_all(tmp_pat
     """Before: the stop check came only after all train.eval_batches (here 10000, ~40 s on 2 cores). The
     SIGTERM lands in the last step's evaluation; it is abandoned within 8 batches (val_loss None) and
     the run finishes. eval_s in metrics.jsonl measures the evaluation, for the signal lead warning."""
-    run_dir, job_id = submit([f"out_dir={tmp_path}", "train.steps=2", "train.log_every_steps=1",
-                              "train.eval_every_steps=2", "train.eval_batches=10000", "--no-wait"])
-    wait_until(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text(), 120,
-               "step 1's line", every_s=0.02)
+    run_dir, job_id = submit(
+        [
+            f"out_dir={tmp_path}",
+            "train.steps=2",
+            "train.log_every_steps=1",
+            "train.eval_every_steps=2",
+            "train.eval_batches=10000",
+            "--no-wait",
+        ]
+    )
+    wait_until(
+        lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text(),
+        120,
+        "step 1's line",
+        every_s=0.02,
+    )
     time.sleep(1.0)  # step 2 takes ~0.1 s: the evaluation is under way
     sent = time.time()
     os.kill(int(job_id), signal.SIGTERM)
@@ -127,13 +172,17 @@ def test_a_stop_during_a_long_evaluation_waits_for_a_few_batches_not_all(tmp_pat
 
 
 def test_eval_batches_is_bounded() -> None:
-    with pytest.raises(ValueError, match=r"train.eval_batches=10001 must be <= 10000: an evaluation holds up "
-                                         r"training and must stay short; e.g. train.eval_batches=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.eval_batches=10001 must be <= 10000: an evaluation holds up "
+        r"training and must stay short; e.g. train.eval_batches=4",
+    ):
         TrainConfig(eval_batches=10_001)
 
 
-needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                               reason="torch.compile on CPU needs a C++ compiler ($CXX or g++)")
+needs_cxx = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile on CPU needs a C++ compiler ($CXX or g++)"
+)
 
 
 @needs_cxx
@@ -172,18 +221,29 @@ def test_compile_without_a_compiler_is_refused_before_submit(tmp_path: Path) -> 
     env = {**os.environ, "CXX": "/nonexistent/g++"}
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.compile=true"], env=env)
     assert proc.returncode == 2 and list(tmp_path.iterdir()) == []
-    assert ("train.compile=true needs a C++ compiler for torch.compile (inductor), and '/nonexistent/g++' is not on "
-            "PATH here; install g++ (apt-get install g++) or set CXX, or set train.compile=false") in proc.stderr
+    assert (
+        "train.compile=true needs a C++ compiler for torch.compile (inductor), and '/nonexistent/g++' is not on "
+        "PATH here; install g++ (apt-get install g++) or set CXX, or set train.compile=false"
+    ) in proc.stderr
 
 
 @needs_cxx
 def test_compile_that_fails_in_the_job_stops_the_run(tmp_path: Path) -> None:
     """The compute node's compiler does not work (CXX=/bin/false there, an empty inductor cache): the
     first forward raises, and the run stops with the reason instead of requeueing into the same failure."""
-    proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "train.steps=1", "cluster.tasks_per_node=1",
-                "train.compile=true", "+cluster.env.CXX=/bin/false",
-                f"+cluster.env.TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}"],
-               timeout_s=240)
+    proc = run(
+        [
+            HPC_TRAIN,
+            "submit",
+            f"out_dir={tmp_path}",
+            "train.steps=1",
+            "cluster.tasks_per_node=1",
+            "train.compile=true",
+            "+cluster.env.CXX=/bin/false",
+            f"+cluster.env.TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}",
+        ],
+        timeout_s=240,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     stopped = [e for e in read_events(tmp_path / "demo-1") if e["event"] == "stopped"]
     assert len(stopped) == 1 and stopped[0]["reason"].startswith("train.compile=true: torch.compile failed on ")

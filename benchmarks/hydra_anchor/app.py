@@ -1,6 +1,6 @@
 """The anchor: a minimal Hydra app swept through hydra-submitit-launcher (what users run today).
 
-    python benchmarks/hydra_anchor/app.py -m hydra/launcher=submitit_slurm lr=range(100)
+python benchmarks/hydra_anchor/app.py -m hydra/launcher=submitit_slurm lr=range(100)
 """
 
 import hydra
