@@ -20,7 +20,7 @@ from pathlib import Path
 
 def from_runs(run_dirs: list[Path]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hpc_train.metrics import read_events
+    from hpc_train.journal import read as read_events
 
     walls = []
     for run_dir in run_dirs:

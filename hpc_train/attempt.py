@@ -30,12 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpc_train import preempt
+from hpc_train import journal, preempt
 from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
-from hpc_train.metrics import log_event, read_events
-from hpc_train.paths import RunPaths
+from hpc_train.paths import RunPaths, write_atomic
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -51,12 +50,6 @@ def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, DeviceMesh]
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return device, init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-
-
-def slowest_write_s(events: list[dict[str, Any]]) -> float:
-    """The slowest checkpoint write this run has recorded, in any attempt: what a stop save must fit."""
-    times = [e.get("write_s", e.get("save_s", 0.0)) for e in events if e["event"] == "checkpoint_committed"]
-    return max((t for t in times if isinstance(t, (int, float))), default=0.0)
 
 
 @dataclass
@@ -85,13 +78,13 @@ class Attempt:
         """Collective: device, mesh, the background writer and what earlier attempts measured."""
         device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
         history = torch.tensor(
-            [slowest_write_s(read_events(paths.run_dir)) if env.rank == 0 else 0.0], dtype=torch.float64
+            [journal.slowest_write_s(journal.read(paths.run_dir)) if env.rank == 0 else 0.0], dtype=torch.float64
         )
         dist.all_reduce(history, op=dist.ReduceOp.MAX)
 
         def event(name: str, step: int, **fields: Any) -> None:
             if env.rank == 0:
-                log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **fields)
+                journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **fields)
 
         writer = Writer() if cfg.checkpoint.async_save else None
         saver = Saver(paths.checkpoints, cfg.checkpoint, paths.drills, event, float(history), writer)
@@ -147,7 +140,7 @@ class Attempt:
         pids = [torch.zeros(1, dtype=torch.int64) for _ in range(self.env.world_size)]
         dist.all_gather(pids, torch.tensor([os.getpid()]))  # `hpc-train chaos kill-rank`, post-mortems
         self.event(
-            "start",
+            journal.START,
             state.step,
             resumed_from=str(folder) if folder else None,
             init_from=source,
@@ -199,7 +192,7 @@ class Attempt:
         every checkpoint.every_steps. A signal at the last step finishes the run instead."""
         preempt.beat(state.step)  # the hang watchdog (job.py) restarts its clock
         if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
-            self.event("first_step", state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4))
+            self.event(journal.FIRST_STEP, state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4))
             self._resumed_at = None
         flags = torch.tensor([1 if preempt.received else 0, 0 if self.saver.written_here() else 1], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -208,7 +201,7 @@ class Attempt:
             self._signalled = True
             left, reason = self.time_left_s()
             self.event(
-                "signal",
+                journal.SIGNAL,
                 state.step,
                 signals=list(preempt.received),
                 reason=reason,
@@ -233,10 +226,8 @@ class Attempt:
         step = state.step if state is not None else max(self.saver.verified, default=0)
         self.finished = {"final_step": step, **summary}
         if self.env.rank == 0:  # whole or absent: readers poll for it
-            tmp = self.paths.summary.with_name("summary.json.tmp")
-            tmp.write_text(json.dumps(self.finished, indent=1, default=str) + "\n")
-            os.replace(tmp, self.paths.summary)
-        self.event("finish", step, **self.finished)
+            write_atomic(self.paths.summary, json.dumps(self.finished, indent=1, default=str) + "\n")
+        self.event(journal.FINISH, step, **self.finished)
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()
         return self.finished

@@ -40,8 +40,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
+from hpc_train import journal
 from hpc_train.config import CheckpointConfig
-from hpc_train.paths import MARKER, read_marker, step_dir, step_folders
+from hpc_train.paths import MARKER, read_marker, step_dir, step_folders, write_atomic
 from hpc_train.preempt import Unrecoverable, claim_drill, drill_seconds, injected
 
 
@@ -324,10 +325,7 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
             "files": {name: entry for p in pieces for name, entry in sorted(p["files"].items())},
         }
         try:
-            tmp = pending.folder / f"{MARKER}.tmp"
-            tmp.write_text(json.dumps(marker, indent=1))
-            _fsync(tmp)
-            os.replace(tmp, pending.folder / MARKER)
+            write_atomic(pending.folder / MARKER, json.dumps(marker, indent=1), fsync=True)
             _fsync(pending.folder)
         except OSError as e:
             why = f"rank 0 could not write {MARKER}: {e}"
@@ -444,7 +442,7 @@ class Saver:
                     except CheckpointException as e:
                         why = load_failed = f"verified but did not load: {str(e).splitlines()[0][:300]}"
                 self.bad.add(step)
-                self.event("checkpoint_skipped", step, reason=f"{folder.name}: {why}")
+                self.event(journal.CHECKPOINT_SKIPPED, step, reason=f"{folder.name}: {why}")
         if load_failed:  # the model may hold part of that checkpoint: a fresh start would not be one
             raise RuntimeError(
                 f"no checkpoint loaded and a partial load may have changed the model ({load_failed}); "
@@ -520,13 +518,13 @@ class Saver:
         why, write_s = commit(p, timeout_s)
         if why:
             self.abandoned.add(p.step)
-            self.event("checkpoint_abandoned", p.step, reason=p.reason, error=why)
+            self.event(journal.CHECKPOINT_ABANDONED, p.step, reason=p.reason, error=why)
             return False
         self.verified.add(p.step)
         self.bad.discard(p.step)  # a bad folder this attempt saved again is good now
         self.expected_write_s = max(self.expected_write_s, write_s)
         self.event(
-            "checkpoint_committed",
+            journal.CHECKPOINT_COMMITTED,
             p.step,
             path=str(p.folder),
             reason=p.reason,
@@ -537,7 +535,7 @@ class Saver:
         )
         if dist.get_rank() == 0:
             for s in apply_retention(self.root, self.cfg, self.verified, self.bad, self.abandoned):
-                self.event("checkpoint_deleted", s, anchor=max(self.verified))
+                self.event(journal.CHECKPOINT_DELETED, s, anchor=max(self.verified))
         return True
 
     def save(self, state: TrainState, reason: str, background: bool) -> None:
@@ -572,7 +570,7 @@ class Saver:
         fits = agree(not self.verified or need <= left_s - (time.monotonic() - t0))
         if not fits and state.step not in self.verified:
             self.event(
-                "stop_save_skipped",
+                journal.STOP_SAVE_SKIPPED,
                 state.step,
                 expected_save_s=round(need, 3),
                 left_s=round(left_s - (time.monotonic() - t0), 3),

@@ -176,11 +176,10 @@ def _local_outcome(run_dir: Path) -> tuple[int, str]:
     """Exit code and the sentence for a local run whose controller exited: finished, cancelled or failed."""
     import json
 
-    from hpc_train.metrics import read_events
-    from hpc_train.ops import since_resume
+    from hpc_train import journal
     from hpc_train.paths import RunPaths
 
-    run, paths, events = _shown(run_dir), RunPaths(run_dir), since_resume(read_events(run_dir))
+    run, paths, events = _shown(run_dir), RunPaths(run_dir), journal.read(run_dir)
     if paths.summary.exists():
         summary = json.loads(paths.summary.read_text())
         return 0, (
@@ -189,10 +188,9 @@ def _local_outcome(run_dir: Path) -> tuple[int, str]:
             f"next: hpc-train report {run}   # where the time went, and {run}/report.png\n"
             f"      hpc-train logs {run}     # rank 0's log"
         )
-    stopped = next((e for e in reversed(events) if e["event"] == "stopped"), None)
-    if stopped and any(e["event"] == "cancel" for e in events):
+    stopped, fails = journal.stopped(events), journal.failures(events)
+    if stopped and journal.cancelled(events):
         return 1, f"{run_dir.name} was cancelled at step {stopped['step']}: {stopped['reason']}"
-    fails = [e for e in events if e["event"] == "fail"]
     if not fails:
         return 1, (
             f"{run_dir.name} ended without finishing (no summary.json, no failure recorded); "
@@ -313,7 +311,7 @@ def _report(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from hpc_train import ops
+    from hpc_train import journal, ops
 
     for run in _runs(args.run):
         png = Path(args.png) if args.png else run.run_dir / "report.png"
@@ -368,7 +366,7 @@ def _report(args: argparse.Namespace) -> int:
         console = Console(width=200)
         console.print(table)
         console.print(attempts)
-        slow = ops.straggler_rows(ops.read_events(run.run_dir))
+        slow = journal.straggler_episodes(journal.read(run.run_dir))
         if slow:
             named = Table(title="stragglers (own = compute + data per step; comm = waiting in collectives)")
             for col in (

@@ -32,9 +32,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hpc_train import preempt
-from hpc_train.metrics import log_event, read_events
-from hpc_train.paths import RunPaths
+from hpc_train import journal, preempt
+from hpc_train.paths import RunPaths, locked, write_atomic
 
 
 def process_start_time() -> float:
@@ -64,20 +63,13 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     process_start = process_start_time()
     phases_s = {"python": max(0.0, preempt.installed_at[0] - process_start)}
     paths = RunPaths(Path(run_dir_str))
-    from hpc_train.submit import LOCK, locked
-
-    with locked(paths.run_dir / LOCK, shared=True):  # an `hpc-train resume` still recording its event: wait
-        events = read_events(paths.run_dir)
-    # `hpc-train resume` wrote the number of the attempt it started (holding the lock): the run's attempts
-    # go on from there, though a resumed Slurm job counts SLURM_RESTART_COUNT from 0 again.
-    resumes = [i for i, e in enumerate(events) if e["event"] == "resume"]
-    base = events[resumes[-1]]["restart"] if resumes else 0
-    if "SLURM_PROCID" not in os.environ:  # local controller restarts in place: count attempts on disk
-        requeues = sum(e["event"] == "requeue" for e in events[resumes[-1] + 1 if resumes else 0 :])
-        os.environ["HPC_TRAIN_ATTEMPT"] = str(base + requeues)
+    with locked(paths.lock, shared=True):  # an `hpc-train resume` still recording its event: wait
+        events = journal.read(paths.run_dir)
+    if "SLURM_PROCID" not in os.environ:  # the local controller restarts in place: attempts counted on disk
+        os.environ["HPC_TRAIN_ATTEMPT"] = str(journal.new_job_attempt(events, None))
     env = rank_env.from_env(os.environ)
-    if env.executor == "slurm" and base:
-        env = dataclasses.replace(env, restart_count=env.restart_count + base)
+    if env.executor == "slurm":  # a resumed Slurm job counts SLURM_RESTART_COUNT from 0 again
+        env = dataclasses.replace(env, restart_count=journal.new_job_attempt(events, env.restart_count))
     os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)  # the run's attempt: drills fire in attempt 0 only
     os.environ.update(rank_env.torchrun_vars(env))
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
@@ -91,9 +83,9 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
         # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
         env = _placed[0] or env
-        log_event(
+        journal.log(
             paths.run_dir,
-            "fail",
+            journal.FAIL,
             preempt.step_reached[0],
             env.job_id,
             env.restart_count,
@@ -133,13 +125,13 @@ def requeue_or_stop(
     back: stay alive until it ends the job) or "stop"."""
     from hpc_train import slurm
 
-    events = read_events(paths.run_dir)
+    events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
-    fate = slurm.job_fate(env.job_id, restarts) if env.executor == "slurm" else preempt.local_fate(events)
-    budgets = dataclasses.replace(cfg.requeue, **preempt.budget_changes(events))  # raised by `hpc-train resume`
+    fate = slurm.job_fate(env.job_id, restarts) if env.executor == "slurm" else journal.local_fate(events)
+    budgets = dataclasses.replace(cfg.requeue, **journal.budget_changes(events))  # raised by `hpc-train resume`
     action, why = preempt.decide(reason, events, budgets, fate)
-    record = lambda name, **f: log_event(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
-    excluded = sorted(preempt.excluded_nodes(events))
+    record = lambda name, **f: journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
+    excluded = sorted(journal.excluded_nodes(events))
     if action != "stop" and sick:
         excluded, not_out, stop = preempt.exclusion(
             events, sick, budgets.max_excluded_nodes, spare_nodes(env, cfg.cluster), local=env.executor != "slurm"
@@ -147,21 +139,21 @@ def requeue_or_stop(
         if stop:
             action, why = "stop", stop
         elif not_out:  # requeued as a failure: counted in requeue.max_failures, a crash loop still ends
-            record("node_not_excluded", nodes=sorted(set(sick) - set(excluded)), why=not_out)
+            record(journal.NODE_NOT_EXCLUDED, nodes=sorted(set(sick) - set(excluded)), why=not_out)
             print(f"[hpc_train] {not_out}", file=sys.stderr, flush=True)
             reason = "failure"
             action, why = preempt.decide(reason, events, budgets, fate)
         for node, because in sick.items() if not (stop or not_out) else ():
-            record("node_excluded", node=node, why=because)
+            record(journal.NODE_EXCLUDED, node=node, why=because)
     if action == "stop":
-        record("stopped", reason=why)
+        record(journal.STOPPED, reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
         size, facts = next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded))
         err = _update_next_attempt(env, cfg.cluster, excluded, size, record)
         record(
-            "requeue",
+            journal.REQUEUE,
             reason=reason,
             by="slurm",
             note=why,
@@ -179,7 +171,7 @@ def requeue_or_stop(
             env, cfg.cluster, excluded, size, record
         )  # first: KillWait may end this process soon
         record(
-            "requeue",
+            journal.REQUEUE,
             reason=reason,
             by="hpc_train",
             fate=fate,
@@ -191,7 +183,7 @@ def requeue_or_stop(
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
     # No requeue, so no pending job to set ExcNodeList on: the node's next preflight finds it and sets it then.
     unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
-    record("requeue_failed", reason=reason, fate=fate, error=err, **unset)
+    record(journal.REQUEUE_FAILED, reason=reason, fate=fate, error=err, **unset)
     preempted = reason == "preempt" or "SIGTERM" in preempt.received  # a crash inside a preemption's grace too
     then = (
         "waiting for Slurm to end and requeue the preempted job"
@@ -218,7 +210,7 @@ def _update_next_attempt(
     value = ",".join([*nodes, *([cluster.exclude] if cluster.exclude else [])])
     err = slurm.update_job(env.job_id, {**({"ExcNodeList": value} if nodes else {}), **size})
     if nodes:
-        record("exclude_nodes", nodes=value, ok=not err, **({"error": err} if err else {}))
+        record(journal.EXCLUDE_NODES, nodes=value, ok=not err, **({"error": err} if err else {}))
         if err:
             print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
     return err
@@ -330,8 +322,7 @@ def _after_failure(
     hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
     try:
         hangs.mkdir(exist_ok=True)
-        (hangs / f"{env.rank}.tmp").write_text(str(preempt.ticks[0]))
-        os.replace(hangs / f"{env.rank}.tmp", hangs / str(env.rank))
+        write_atomic(hangs / str(env.rank), str(preempt.ticks[0]))
     except OSError:
         pass  # only a hang's blame needs it
     try:
@@ -345,10 +336,7 @@ def _after_failure(
         # rank's sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a
         # site's KillOnBadExit=1 srun would kill the deciding rank with us.
         until = time.monotonic() + 60
-        while time.monotonic() < until and not any(
-            e["event"] in ("requeue", "requeue_failed", "stopped") and e.get("restart") == env.restart_count
-            for e in read_events(paths.run_dir)
-        ):
+        while time.monotonic() < until and not journal.decided(journal.read(paths.run_dir), env.restart_count):
             time.sleep(0.5)
         return "", 0.0
     _deciding[0] = True
@@ -357,7 +345,9 @@ def _after_failure(
     except Exception:  # the config itself is what fails: no point in retrying
         return "stop", 0.0
     if isinstance(error, preempt.Unrecoverable):
-        log_event(paths.run_dir, "stopped", preempt.step_reached[0], env.job_id, env.restart_count, reason=str(error))
+        journal.log(
+            paths.run_dir, journal.STOPPED, preempt.step_reached[0], env.job_id, env.restart_count, reason=str(error)
+        )
         print(f"[hpc_train] not requeueing: {error}", file=sys.stderr, flush=True)
         return "stop", 0.0
     text = f"{type(error).__name__}: {error}" if error is not None else ""
@@ -488,9 +478,9 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
             flush=True,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        log_event(
+        journal.log(
             paths.run_dir,
-            "fail",
+            journal.FAIL,
             preempt.step_reached[0],
             env.job_id,
             env.restart_count,
@@ -522,13 +512,15 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         except Exception as e:
             changed = f"could not compare the code with code.json ({type(e).__name__}: {e})"
         if changed:
-            log_event(paths.run_dir, "code_changed", -1, env.job_id, env.restart_count, rank=env.rank, detail=changed)
+            journal.log(
+                paths.run_dir, journal.CODE_CHANGED, -1, env.job_id, env.restart_count, rank=env.rank, detail=changed
+            )
             print(f"[hpc_train] warning: {changed}", file=sys.stderr, flush=True)
-    if env.executor == "local" and preempt.local_fate(read_events(paths.run_dir)) == "cancelled":
+    if env.executor == "local" and journal.local_fate(journal.read(paths.run_dir)) == "cancelled":
         if env.rank == 0:  # `hpc-train cancel` came between two attempts
-            log_event(
+            journal.log(
                 paths.run_dir,
-                "stopped",
+                journal.STOPPED,
                 -1,
                 env.job_id,
                 env.restart_count,

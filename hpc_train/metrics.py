@@ -1,34 +1,15 @@
-"""The run directory's journals: events.jsonl (what happened, every attempt) and metrics.jsonl.
-
-Torch-free, so the login-node tools (status, report) read the same files with the same code.
+"""metrics.jsonl: loss, lr, step time per log interval, appended by rank 0 and read by status, report,
+tracking and Prometheus. Torch-free. (events.jsonl, the run's journal, is journal.py's.)
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train import journal
 from hpc_train.paths import RunPaths
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """One line per record, written with a single O_APPEND write so concurrent writers never interleave."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
-def log_event(run_dir: Path, event: str, step: int, job_id: str, restart: int, **fields: Any) -> None:
-    append_jsonl(
-        RunPaths(run_dir).events,
-        {"time": time.time(), "event": event, "step": step, "job_id": job_id, "restart": restart, **fields},
-    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -50,21 +31,6 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """events.jsonl: the records every reader may index (a str `event`, a numeric `time`, an int `step`);
-    a line someone edited into another shape is skipped rather than crash a decision or `status`."""
-    return [e for e in read_jsonl(RunPaths(run_dir).events) if is_event(e)]
-
-
-def is_event(e: dict[str, Any]) -> bool:
-    return (
-        isinstance(e.get("event"), str)
-        and _number(e.get("time"))
-        and type(e.get("step")) is int
-        and type(e.get("restart", 0)) is int
-    )
-
-
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl rows with a numeric `time` and `step`."""
     return [m for m in read_jsonl(RunPaths(run_dir).metrics) if _number(m.get("time")) and _number(m.get("step"))]
@@ -77,7 +43,7 @@ SLURM_SIGNAL_SLACK_S = 60
 def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
     """ "" if signal_lead_s covers the slowest measured save + the slowest step + Slurm's slack in these
     runs, else a warning that names the measurements and the value to use."""
-    saves = [e.get("save_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "checkpoint_committed"]
+    saves = [s for d in run_dirs for s in journal.save_times_s(journal.read(d))]
     # a step's evaluation (eval_s) runs before its stop check: counted whole (a signal cuts it after 8 batches)
     steps = [
         m.get("step_time_s", 0.0) + (m.get("eval_s") if _number(m.get("eval_s")) else 0.0)
@@ -85,7 +51,7 @@ def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
         for m in read_metrics(d)
         if _number(m.get("step_time_s", 0.0))
     ]
-    steps += [e.get("step_time_s", 0.0) for d in run_dirs for e in read_events(d) if e["event"] == "first_step"]
+    steps += [s for d in run_dirs for s in journal.first_step_times_s(journal.read(d))]
     saves, steps = [x for x in saves if _number(x)], [x for x in steps if _number(x)]
     if not saves:
         return ""

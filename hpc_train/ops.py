@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train.metrics import lead_warning, log_event, read_events, read_metrics
-from hpc_train.preempt import budget_changes, excluded_nodes, failures_in_a_row
+from hpc_train import journal
+from hpc_train.metrics import lead_warning, read_metrics
 
 NO_PROGRESS_WARN_S = 15 * 60
 
@@ -143,72 +143,6 @@ def local_pid(run: Run) -> int | None:
     return int(run.job_id) if all(now.get(k) == v for k, v in run.process.items()) else None  # older: no host
 
 
-def since_resume(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events after the last `hpc-train resume` (all of them if never resumed): how it ended before no
-    longer says how it is now."""
-    last = max((i for i, e in enumerate(events) if e["event"] == "resume"), default=-1)
-    return events[last + 1 :]
-
-
-def local_state(run: Run, events: list[dict[str, Any]]) -> str:
-    names = [e["event"] for e in since_resume(events)]
-    if "finish" in names:
-        return "COMPLETED"
-    if "stopped" in names:
-        return "CANCELLED" if "cancel" in names else "FAILED"
-    if local_pid(run):
-        return "RUNNING"
-    return "FAILED" if "fail" in names else "UNKNOWN"
-
-
-def attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per attempt (by restart count): launch, start, first step, end times, what ended it, and its size
-    (world_size, nodes, grad_accum_steps, global_batch_seqs: from the start event; None before it) (pure)."""
-    by_restart: dict[int, list[dict[str, Any]]] = {}
-    for e in events:
-        by_restart.setdefault(int(e.get("restart", 0)), []).append(e)
-    out = []
-    for restart in sorted(by_restart):
-        evs = by_restart[restart]
-        start = next((e for e in evs if e["event"] == "start"), None)
-        launched = start.get("launched_at", start["time"]) if start else min(e["time"] for e in evs)
-        first = next((e for e in evs if e["event"] == "first_step"), None)
-        commits = [e for e in evs if e["event"] == "checkpoint_committed"]
-        ended = next(
-            (e["event"] for e in reversed(evs) if e["event"] in ("finish", "requeue", "stopped", "fail")), "running"
-        )
-        out.append(
-            {
-                "restart": restart,
-                "launched": launched,
-                "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None),  # a `resume` event has none yet
-                "start": start["time"] if start else None,
-                "start_step": start["step"] if start else None,
-                "first_step": first["time"] if first else None,
-                "end": max(e["time"] for e in evs),
-                "ended_by": ended,
-                "reached_step": max([e["step"] for e in evs] + [start["step"] if start else 0]),
-                "committed_step": max((e["step"] for e in commits), default=None),
-                "stall_s": sum(
-                    e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits
-                ),
-                "signals": [s for e in evs if e["event"] == "signal" for s in e.get("signals", [])],
-                "nodes_next": next((e.get("nodes_next") for e in evs if e["event"] == "requeue"), None),  # elastic
-                **{
-                    k: start.get(k) if start else None
-                    for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")
-                },
-                # start-up, phase by phase (job.py): python, imports, rendezvous, preflight, setup, verify, load,
-                # first step
-                "phases_s": {
-                    **(start.get("phases_s", {}) if start else {}),
-                    **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {}),
-                },
-            }
-        )
-    return out
-
-
 def size_text(att: dict[str, Any]) -> str:
     """An attempt's size for `report`: "4 on node1,node3" (ranks on nodes); past 4 nodes, their count."""
     if not att.get("world_size"):
@@ -226,53 +160,6 @@ def batch_text(atts: list[dict[str, Any]]) -> list[str] | None:
     return [
         f"{a['global_batch_seqs']} seqs x{a['grad_accum_steps']}" if a.get("global_batch_seqs") else "-" for a in atts
     ]
-
-
-def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
-    """Where the allocated time went, in seconds; the parts add up to the attempts' wall time (pure).
-
-    allocated   launch of each attempt -> its last event
-    overhead    launch -> training starts (imports, rendezvous, checkpoint load)
-    stall       the loop blocked by checkpoint saves
-    lost        training on steps no checkpoint kept (recomputed by the next attempt)
-    committed   the rest: training that became committed progress
-    queue_wait  requeue -> next launch (not allocated; reported beside)
-
-    live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
-    minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
-    """
-    atts = attempts(events)
-    last_row = metrics[-1] if metrics else {}
-    if (
-        live
-        and atts
-        and atts[-1]["ended_by"] == "running"
-        and isinstance(last_row.get("time"), (int, float))
-        and last_row["time"] > atts[-1]["end"]
-        and isinstance(last_row.get("step"), int)
-    ):
-        atts[-1] = {
-            **atts[-1],
-            "end": last_row["time"],
-            "reached_step": max(atts[-1]["reached_step"], last_row["step"]),
-        }
-    step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
-    step_s = step_times[len(step_times) // 2] if step_times else 0.0
-    parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
-    for i, a in enumerate(atts):
-        wall = a["end"] - a["launched"]
-        overhead = (a["start"] - a["launched"]) if a["start"] else wall
-        kept = a["committed_step"] if a["committed_step"] is not None else (a["start_step"] or 0)
-        lost = min(max(0.0, (a["reached_step"] - kept) * step_s), max(0.0, wall - overhead - a["stall_s"]))
-        parts["allocated"] += wall
-        parts["overhead"] += overhead
-        parts["stall"] += min(a["stall_s"], wall - overhead)
-        parts["lost"] += lost
-        parts["committed"] += max(0.0, wall - overhead - a["stall_s"] - lost)
-        if i + 1 < len(atts):
-            parts["queue_wait"] += max(0.0, atts[i + 1]["launched"] - a["end"])
-    parts["goodput"] = parts["committed"] / parts["allocated"] if parts["allocated"] else 0.0
-    return parts
 
 
 def slurm_states_or_error(job_ids: list[str], retry_after_s: float = 1.0) -> tuple[dict[str, str], str]:
@@ -316,13 +203,11 @@ COLUMNS = (
 def stragglers(events: list[dict[str, Any]]) -> tuple[int, str]:
     """(straggler events in the run, the last one named as "rank R on NODE", with "(now)" while it is
     not cleared in the latest attempt; "" when none) (pure)."""
-    from hpc_train.straggler import current
-
-    named = [e for e in events if e["event"] == "straggler"]
+    named = journal.named(events, journal.STRAGGLER)
     if not named:
         return 0, ""
     last = named[-1]
-    now = current(events).get(last["rank"]) is last
+    now = journal.stragglers_now(events).get(last["rank"]) is last
     return len(named), f"rank {last['rank']} on {last['node']}{' (now)' if now else ''}"
 
 
@@ -359,28 +244,29 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
                 }
             )
             continue
-        events, metrics = read_events(r.run_dir), read_metrics(r.run_dir)
+        events, metrics = journal.read(r.run_dir), read_metrics(r.run_dir)
         state = (
             states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED")
             if r.executor == "slurm"
-            else local_state(r, events)
+            else journal.local_state(events, local_pid(r) is not None)
         )
-        commits = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
         last = max((e["time"] for e in events), default=None)
-        atts = attempts(events)
+        atts = journal.attempts(events)
         warnings = []
         if cfg["cluster"]["executor"] == "slurm":
             lead = lead_warning([r.run_dir], cfg["cluster"]["signal_lead_s"])
             warnings += ["signal lead too short"] if lead else []
-        failures = failures_in_a_row(events)  # what the job's requeue decision counts
-        max_failures = {**cfg["requeue"], **budget_changes(events)}["max_failures"]  # hpc-train resume may raise it
+        failures = journal.failures_in_a_row(events)  # what the job's requeue decision counts
+        max_failures = {**cfg["requeue"], **journal.budget_changes(events)}[
+            "max_failures"
+        ]  # hpc-train resume may raise it
         if failures and failures >= max_failures - 1:
             warnings.append(f"failure budget {failures}/{max_failures} used")
-        warnings += [f"requeue failed: {e['error']}" for e in events[-3:] if e["event"] == "requeue_failed"]
+        warnings += [f"requeue failed: {e['error']}" for e in journal.named(events[-3:], journal.REQUEUE_FAILED)]
         if state == "RUNNING" and last is not None and time.time() - last > NO_PROGRESS_WARN_S:
             warnings.append(f"no event for {(time.time() - last) / 60:.0f} min")
-        if any(e["event"] == "stopped" for e in since_resume(events)):
-            warnings.append(next(e["reason"] for e in since_resume(events) if e["event"] == "stopped"))
+        if stopped := journal.stopped(events):
+            warnings.append(stopped["reason"])
         rows.append(
             {
                 "run": r.label,
@@ -391,17 +277,17 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
                 "world_size": next(
                     (a["world_size"] for a in reversed(atts) if a["world_size"]), None
                 ),  # cluster.min_nodes
-                "committed_step": max(commits, default=None),
+                "committed_step": journal.committed_step(events),
                 "total_steps": cfg["train"]["steps"],
                 "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
                 "mfu": metrics[-1].get("mfu") if metrics else None,
                 "val_loss": next(
                     (m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None
                 ),  # eval_every_steps
-                "goodput": round(goodput(events, metrics)["goodput"], 3) if atts else None,
+                "goodput": round(journal.goodput(events, metrics)["goodput"], 3) if atts else None,
                 "since_last_event_s": round(time.time() - last, 1) if last else None,
                 "warnings": warnings,
-                "excluded_nodes": excluded_nodes(events),  # node -> why (preflight, hardware error)
+                "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
                 **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
             }
         )
@@ -588,12 +474,6 @@ def attempt_section(text: str, attempt: int | None) -> str:
     return "".join(out)
 
 
-def current_attempt(run_dir: Path) -> int:
-    """The restart count of the last attempt that started (or that `hpc-train resume` submitted), else 0."""
-    starts = [e for e in read_events(run_dir) if e["event"] in ("start", "resume")]
-    return int(starts[-1]["restart"]) if starts else 0
-
-
 def cancel(runs: list[Run]) -> list[str]:
     """scancel exactly these runs' Slurm jobs; SIGTERM to each local run's controller while it is still the
     process submit recorded (a local run that ended is left alone). Returns the job ids cancelled."""
@@ -601,7 +481,14 @@ def cancel(runs: list[Run]) -> list[str]:
 
     mine = [r for r in runs if r.job_id and (r.executor == "slurm" or local_pid(r))]
     for r in mine:  # first: the ranks look for it when they stop, and it precedes what they log
-        log_event(r.run_dir, "cancel", -1, r.job_id, current_attempt(r.run_dir), by="hpc-train cancel")
+        journal.log(
+            r.run_dir,
+            journal.CANCEL,
+            -1,
+            r.job_id,
+            journal.current_attempt(journal.read(r.run_dir)),
+            by="hpc-train cancel",
+        )
     slurm_ids = sorted({r.job_id for r in mine if r.executor == "slurm"})
     if slurm_ids:
         slurm.call(["scancel", *slurm_ids])
@@ -650,8 +537,8 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
             f"local runs take {', '.join(DRILLS)}"
         )
     paths = RunPaths(run.run_dir)
-    events = read_events(run.run_dir)
-    start = next((e for e in reversed(events) if e["event"] == "start"), None)
+    events = journal.read(run.run_dir)
+    start = journal.last(events, journal.START)
     what = CHAOS[action]
     if action in ("time-limit", "preempt", "batch-term"):
         signal_arg = ["--signal=USR2"] if action == "time-limit" else ["--signal=TERM"]
@@ -747,47 +634,16 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
             if action == "kill-rank"
             else f"SIGKILL to every rank on {nodes[rank]} ({len(targets)} processes), as a lost node"
         )
-    log_event(
+    journal.log(
         run.run_dir,
-        "chaos",
+        journal.CHAOS,
         start["step"] if start else -1,
         run.job_id,
-        current_attempt(run.run_dir),
+        journal.current_attempt(journal.read(run.run_dir)),
         action=action,
         injected=what,
     )
     return what
-
-
-def straggler_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each `straggler` event with the step its `straggler_cleared` came at (None: still slow, or the
-    attempt ended first) (pure): what `report` lists."""
-    rows = []
-    for i, e in enumerate(events):
-        if e["event"] == "straggler":
-            cleared = next(
-                (
-                    c["step"]
-                    for c in events[i + 1 :]
-                    if c["event"] == "straggler_cleared"
-                    and c["rank"] == e["rank"]
-                    and c.get("restart") == e.get("restart")
-                ),
-                None,
-            )
-            rows.append(
-                {
-                    "attempt": e.get("restart", 0),
-                    "step": e["step"],
-                    "rank": e["rank"],
-                    "node": e["node"],
-                    "own_ms": e["own_s"] * 1e3,
-                    "median_ms": e["median_own_s"] * 1e3,
-                    "comm_ms": e.get("comm_s", 0.0) * 1e3,
-                    "cleared_step": cleared,
-                }
-            )
-    return rows
 
 
 def report_marks(atts: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -807,8 +663,8 @@ def report_marks(atts: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> d
 
 def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str, Any]], str]:
     """Goodput parts, attempts, and the PNG path written ('' when matplotlib is missing)."""
-    events, metrics = read_events(run.run_dir), read_metrics(run.run_dir)
-    parts, atts = goodput(events, metrics), attempts(events)
+    events, metrics = journal.read(run.run_dir), read_metrics(run.run_dir)
+    parts, atts = journal.goodput(events, metrics), journal.attempts(events)
     if png is None:
         return parts, atts, ""
     try:
@@ -838,7 +694,7 @@ def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str,
                 color="#fdae6b",
                 label="start-up" if k == 0 else None,
             )
-    commits = [e for e in events if e["event"] == "checkpoint_committed"]
+    commits = journal.named(events, journal.CHECKPOINT_COMMITTED)
     ax_t.scatter(
         [e["time"] - t0 for e in commits],
         [e["restart"] for e in commits],
@@ -847,7 +703,7 @@ def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str,
         color="green",
         label="checkpoint committed",
     )
-    sig = [e for e in events if e["event"] in ("signal", "chaos", "fail")]
+    sig = journal.named(events, journal.SIGNAL, journal.CHAOS, journal.FAIL)
     ax_t.scatter(
         [e["time"] - t0 for e in sig],
         [e["restart"] for e in sig],

@@ -16,8 +16,14 @@ node (submit, status, report) and the job read and write the same names through 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
 import re
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,9 +80,73 @@ class RunPaths:
     def drills(self) -> Path:
         return self.run_dir / "drills"
 
+    @property
+    def lock(self) -> Path:
+        """Held by `hpc-train resume` until the new job id and its `resume` event are recorded; a starting
+        job reads its attempt number under it (shared)."""
+        return self.run_dir / ".lock"
+
     def failure_claim(self, job_id: str, restart: int) -> Path:
         """Created O_EXCL by the first rank to fail in an attempt: that rank alone decides the requeue."""
         return self.run_dir / f".failed-{job_id}-{restart}"
+
+
+def append_line(path: Path, record: dict[str, Any]) -> None:
+    """One line per record, in a single O_APPEND write (concurrent writers never interleave on a local file
+    system) under an flock (NFS does not make O_APPEND atomic; a file system without flock goes on)."""
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+        os.write(fd, line)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def write_atomic(path: Path, data: str | bytes, private: bool = False, fsync: bool = False) -> None:
+    """Whole or absent, for every file we write whole: a unique temp file in the same folder (mkstemp:
+    O_EXCL, so it never follows a planted symlink and two writers never share one), then os.replace.
+    private: 0600, never readable by others, not for a moment; else 0666 less the umask, as open() does.
+    fsync: the bytes are on disk before the name is (a commit marker must never name torn data)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # created 0600
+    try:
+        if not private:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def locked(lock_file: Path, wait: bool = True, busy: str = "", shared: bool = False) -> Iterator[None]:
+    """flock on lock_file, a file never replaced (so every holder locks the same inode). wait=False: raise
+    ValueError(busy) at once when another process holds it. A file system without flock (Lustre mounted
+    without -o flock) goes on unlocked: the lock narrows a race, nothing depends on it to be correct."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise ValueError(busy) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train import journal
+
 # submitit's local controller restarts every task of a job when one exits with this code; on Slurm the
 # same code marks "saved and requeued" in sacct's ExitCode column.
 REQUEUE_EXIT_CODE = 144
@@ -107,57 +109,13 @@ def drill_seconds(drills: Path, name: str) -> float:
 
 # ---- the requeue decision (pure) ---------------------------------------------------------------------
 
-BUDGET_KEYS = {"preempt": "max_preemptions", "time_limit": "max_time_limit_requeues", "failure": "max_failures"}
-
-
-def failures_in_a_row(events: list[dict[str, Any]]) -> int:
-    """Failure requeues since the run last made progress (committed a step beyond every earlier commit)
-    or was resumed (`hpc-train resume` is a person's word that the cause is fixed). A crash loop never
-    makes progress; three node faults a month apart each come after progress."""
-    count, best = 0, -1
-    for e in events:
-        if e["event"] == "checkpoint_committed" and e["step"] > best:
-            best, count = e["step"], 0
-        elif e["event"] == "resume":
-            count = 0
-        elif e["event"] == "requeue" and e.get("reason") == "failure" and e.get("by") != "slurm":
-            count += 1
-    return count
-
-
-def requeues_counted(events: list[dict[str, Any]], reason: str) -> int:
-    """Requeues this run asked for, for `reason`; those Slurm did by itself cost no budget."""
-    return sum(1 for e in events if e["event"] == "requeue" and e.get("reason") == reason and e.get("by") != "slurm")
-
-
-def budget_changes(events: list[dict[str, Any]]) -> dict[str, int]:
-    """requeue.* values set by `hpc-train resume --max-...` (its `resume` events' budgets, later over
-    earlier): they apply over the frozen config.yaml, which is never rewritten."""
-    return {
-        k: v
-        for e in events
-        if e["event"] == "resume"
-        for k, v in (e.get("budgets") or {}).items()
-        if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int
-    }
-
-
-def local_fate(events: list[dict[str, Any]]) -> str:
-    """The local executor's answer to "what is the scheduler doing with this job": "cancelled" once
-    `hpc-train cancel` wrote its event in the attempt of the last requeue or later (a cancel that raced
-    that requeue still counts: the next attempt stops at once), else "running". A `resume` starts a new
-    attempt as a requeue does: the cancel that stopped the run before it no longer counts."""
-    cancels = [e.get("restart", 0) for e in events if e["event"] == "cancel"]
-    requeues = [e.get("restart", 0) for e in events if e["event"] in ("requeue", "resume")]
-    return "cancelled" if cancels and max(cancels) >= max(requeues, default=-1) else "running"
-
 
 def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -> tuple[str, str]:
     """The one requeue decision, for a clean stop and a failure alike (pure).
 
     reason: "preempt" | "time_limit" | "failure" | "node_health" (the preflight found a sick node);
     events: the run's events.jsonl; budgets: RequeueConfig;
-    fate: what Slurm is doing with the job (slurm.job_fate / local_fate): "running", "requeued",
+    fate: what Slurm is doing with the job (slurm.job_fate / journal.local_fate): "running", "requeued",
     "cancelled" or "unknown" (scontrol did not answer: treated as running, since requeueing a live run
     beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
     does, ("stop", why) when the run ends here.
@@ -168,17 +126,17 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
         return "slurm", "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent"
     if reason == "node_health":  # a sick node, not the run's fault: bounded by `exclusion`, not a requeue budget
         return "requeue", ""
-    key = BUDGET_KEYS[reason]
+    key = journal.BUDGET_KEYS[reason]
     limit = getattr(budgets, key)
     if reason == "failure":
-        used = failures_in_a_row(events)
+        used = journal.failures_in_a_row(events)
         if limit != -1 and used >= limit:
             return "stop", (
                 f"failure budget spent: {used} failure requeues in a row without a newer checkpoint "
                 f"(requeue.{key}={limit})"
             )
     else:
-        used = requeues_counted(events, reason)
+        used = journal.requeues_counted(events, reason)
         if limit != -1 and used >= limit:
             return "stop", f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
     return "requeue", ""
@@ -220,32 +178,6 @@ def hardware_error(text: str) -> str:
     return next((m.group(0) for m in found if m), "")
 
 
-def excluded_nodes(events: list[dict[str, Any]]) -> dict[str, str]:
-    """node -> why, from the `node_excluded` events since the last `hpc-train resume` (a person's word that
-    the nodes are fixed; the resumed job starts without the exclusions and the preflight judges again)."""
-    out: dict[str, str] = {}
-    for e in events:
-        if e["event"] == "resume":
-            out = {}
-        elif e["event"] == "node_excluded" and isinstance(e.get("node"), str):
-            out[e["node"]] = str(e.get("why", ""))
-    return out
-
-
-def _exclusion_took(events: list[dict[str, Any]], node: str) -> tuple[bool, int]:
-    """(an `exclude_nodes` event with ok=True named `node` after it was first left out, how many times it
-    was left out), since the last resume."""
-    took, times = False, 0
-    for e in events:
-        if e["event"] == "resume":
-            took, times = False, 0
-        elif e["event"] == "node_excluded" and e.get("node") == node:
-            times += 1
-        elif e["event"] == "exclude_nodes" and e.get("ok") and times and node in str(e.get("nodes", "")).split(","):
-            took = True
-    return took, times
-
-
 def exclusion(
     events: list[dict[str, Any]],
     sick: dict[str, str],
@@ -261,9 +193,9 @@ def exclusion(
     under requeue.max_failures, so three unrelated faults weeks apart do not stop a healthy run. A node
     sick again though left out: its ExcNodeList may have been lost (the requeued job's KillWait); set it
     once more; it stops the run only when ExcNodeList took (or was set twice) and the node is back."""
-    before = excluded_nodes(events)
+    before = journal.excluded_nodes(events)
     for node in (n for n in sick if n in before):
-        took, times = _exclusion_took(events, node)
+        took, times = journal.exclusion_took(events, node)
         if took or times >= 2:
             how = (
                 "ExcNodeList took (an exclude_nodes event with ok=true)"

@@ -256,7 +256,7 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
     import torch
     import torch.distributed as dist
 
-    from hpc_train.metrics import log_event
+    from hpc_train import journal
     from hpc_train.preempt import Unrecoverable
 
     t0 = time.perf_counter()
@@ -290,9 +290,9 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
     nodes, warnings, stop = judge(results, cfg)
     sick = {n: f["sick"] for n, f in nodes.items() if f["sick"]}
     if env.rank == 0:
-        log_event(
+        journal.log(
             paths.run_dir,
-            "preflight",
+            journal.PREFLIGHT,
             -1,
             env.job_id,
             env.restart_count,

@@ -23,8 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from hpc_train.metrics import is_event
-from hpc_train.paths import RunPaths
+from hpc_train import journal
+from hpc_train.paths import RunPaths, write_atomic
 
 TAIL_BYTES = 256 * 1024  # ~800 metrics rows: the last row, and the median step time goodput() needs
 CLOSE_WAIT_S = 2.0  # the most close() waits for the server loop to stop (it polls every 0.5 s): then server_close
@@ -86,10 +86,8 @@ _journals_lock = threading.Lock()  # the training thread's tick and the endpoint
 
 
 def events_of(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.read_events(run_dir), parsing only what was appended since the last call (a file replaced or
+    """journal.read(run_dir), parsing only what was appended since the last call (a file replaced or
     cut short is parsed again from its start). A torn last line waits for its newline."""
-    import json
-
     path = RunPaths(run_dir).events
     with _journals_lock:
         try:
@@ -104,14 +102,7 @@ def events_of(run_dir: Path) -> list[dict[str, Any]]:
             JOURNALS.pop(path, None)
             return []
         j.read_bytes = chunk.rfind(b"\n") + 1
-        new = []
-        for line in chunk[: j.read_bytes].splitlines():
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(e, dict) and is_event(e):
-                new.append(e)
+        new = journal.parse(chunk[: j.read_bytes].decode(errors="replace"), str(path))
         j.offset += j.read_bytes
         if new:
             j.events = j.events + new  # a new list: a scrape may be reading the old one
@@ -120,27 +111,24 @@ def events_of(run_dir: Path) -> list[dict[str, Any]]:
 
 def values(run_dir: Path) -> dict[str, float]:
     """Each metric's value for one run, from its events.jsonl and the tail of its metrics.jsonl (NaN: not yet)."""
-    from hpc_train.ops import goodput
-    from hpc_train.straggler import current
-
     events, rows = events_of(run_dir), tail_rows(RunPaths(run_dir).metrics)
     last = rows[-1] if rows else {}
 
     def number(x: Any) -> float:
         return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
 
-    commits = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
+    committed = journal.committed_step(events)
     return {
         "hpc_train_step": number(last.get("step")),
         "hpc_train_loss": number(last.get("loss")),
         "hpc_train_tokens_per_second": number(last.get("tokens_per_s")),
         "hpc_train_mfu": number(last.get("mfu")),
         "hpc_train_data_wait_fraction": number(last.get("data_wait_fraction")),
-        "hpc_train_goodput": goodput(events, rows, live=True)["goodput"] if events else math.nan,
-        "hpc_train_attempt": float(max((e["restart"] for e in events if e["event"] in ("start", "resume")), default=0)),
-        "hpc_train_committed_step": float(max(commits)) if commits else math.nan,
-        "hpc_train_stragglers": float(len(current(events))),
-        "hpc_train_straggler_events": float(sum(e["event"] == "straggler" for e in events)),
+        "hpc_train_goodput": journal.goodput(events, rows, live=True)["goodput"] if events else math.nan,
+        "hpc_train_attempt": float(journal.current_attempt(events)),
+        "hpc_train_committed_step": float(committed) if committed is not None else math.nan,
+        "hpc_train_stragglers": float(len(journal.stragglers_now(events))),
+        "hpc_train_straggler_events": float(len(journal.named(events, journal.STRAGGLER))),
         "hpc_train_last_row_timestamp_seconds": number(last.get("time")),
     }
 
@@ -182,13 +170,6 @@ def run_text(run_dir: Path, job: str) -> str:
     return render([(labels(run_dir, job), values(run_dir))])
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Whole or absent for node-exporter's textfile collector: a tmp file beside it, then os.replace."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 @dataclass
 class Exporter:
     """Rank 0's endpoint and textfile: tick() after each metrics row, close() at the end."""
@@ -215,7 +196,7 @@ class Exporter:
     def tick(self, force: bool = False) -> None:
         if self.textfile and (force or time.monotonic() - self.written_at >= TEXTFILE_EVERY_S):
             try:
-                write_atomic(Path(self.textfile), self.text())
+                write_atomic(Path(self.textfile), self.text())  # whole or absent for the collector
             except OSError as e:  # the folder is gone or read-only: not tried again
                 print(
                     f"[hpc_train] warning: metrics.prometheus_textfile={self.textfile}: {e}; not written again "
@@ -272,7 +253,7 @@ def start(
             exporter.server = ThreadingHTTPServer((addr, port), Handler)
             exporter.server.daemon_threads = True  # one thread per scrape; a stuck one never holds the exit
         except OSError as e:
-            event("prometheus_failed", -1, address=f"{addr}:{port}", error=str(e))
+            event(journal.PROMETHEUS_FAILED, -1, address=f"{addr}:{port}", error=str(e))
             print(
                 f"[hpc_train] warning: metrics.prometheus_port={port} on {addr}: {e}; training goes on without "
                 f"the endpoint (pick a free port, or metrics.prometheus_textfile=PATH)",
@@ -280,6 +261,6 @@ def start(
             )
         else:
             threading.Thread(target=exporter.server.serve_forever, name="prometheus", daemon=True).start()
-            event("prometheus", -1, address=f"http://{addr}:{port}/metrics")
+            event(journal.PROMETHEUS, -1, address=f"http://{addr}:{port}/metrics")
     exporter.tick(force=True)
     return exporter

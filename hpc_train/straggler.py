@@ -99,21 +99,6 @@ def judge(j: Judge, own_s: list[float], cfg: StragglerConfig) -> tuple[list[int]
     return named, cleared, medians
 
 
-def current(events: list[dict]) -> dict[int, dict]:
-    """The ranks named and not cleared in the latest attempt (rank -> its `straggler` event): a new attempt
-    starts with no straggler, as rank 0's Judge does."""
-    last = max((e.get("restart", 0) for e in events), default=0)
-    out: dict[int, dict] = {}
-    for e in events:
-        if not isinstance(e.get("rank"), int):  # an event edited into another shape names nobody
-            continue
-        if e.get("restart", 0) == last and e["event"] == "straggler":
-            out[e["rank"]] = e
-        elif e.get("restart", 0) == last and e["event"] == "straggler_cleared":
-            out.pop(e["rank"], None)
-    return out
-
-
 # The slow-rank drill's most per step: a drilled step stays far under train.watchdog_s (900 s by default), and
 # the drill file outlives the attempt (every requeue re-reads it), so a typo like 1e9 must not hang a rank.
 MAX_SLOW_RANK_S = 10.0

@@ -22,23 +22,20 @@ A run directory holds everything a (re)started attempt needs and everything it l
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hpc_train import journal
 from hpc_train.config import ConfigSource, RunConfig, compose_trials, expand_sweep
-from hpc_train.metrics import read_events
-from hpc_train.paths import RunPaths
+from hpc_train.paths import RunPaths, locked, write_atomic
 from hpc_train.sbatch import ClusterConfig, check_syntax, make_executor, render, validate_live
 
 MANIFEST = "sweep.json"
@@ -106,46 +103,6 @@ def claim_dir(wanted: Path) -> Path:
             wanted = next_dir(wanted.parent, wanted.name.rsplit("-", 1)[0])
 
 
-def _write_atomic(path: Path, text: str | bytes, private: bool) -> None:
-    """A unique temp file in the same folder (two writers never share one) + os.replace; private: 0600,
-    so the text is never readable by others, not for a moment; else 0666 less the umask, as open() does."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # created 0600
-    try:
-        if not private:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode() if isinstance(text, str) else text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-LOCK = ".lock"  # in a run directory: held by `hpc-train resume` until the new job id is recorded
-
-
-@contextlib.contextmanager
-def locked(lock_file: Path, wait: bool = True, busy: str = "", shared: bool = False) -> Iterator[None]:
-    """flock on lock_file, a file never replaced (so every holder locks the same inode). wait=False: raise
-    ValueError(busy) at once when another process holds it. A file system without flock (Lustre mounted
-    without -o flock) goes on unlocked: the lock narrows a race, nothing depends on it to be correct."""
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            raise ValueError(busy) from None
-        except OSError as e:
-            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                raise
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
 def _submitit_dir(folder: Path, private: bool) -> Path:
     """Made before submitit writes the batch script, pickles and logs into it: with umask 022 they are 0644."""
     folder.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
@@ -160,9 +117,9 @@ def _freeze(run_dir: Path, config: dict[str, Any], private: bool, code: str) -> 
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.yaml").exists():
         dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml: 5x faster for 1,000-trial sweeps
-        _write_atomic(run_dir / "config.yaml", yaml.dump(config, Dumper=dumper, sort_keys=False), private)
+        write_atomic(run_dir / "config.yaml", yaml.dump(config, Dumper=dumper, sort_keys=False), private)
     if not RunPaths(run_dir).code.exists():
-        _write_atomic(RunPaths(run_dir).code, code, private)
+        write_atomic(RunPaths(run_dir).code, code, private)
 
 
 def _code_identity(target: Path, private: bool) -> str:
@@ -174,7 +131,7 @@ def _code_identity(target: Path, private: bool) -> str:
     if diff:
         record["diff_file"] = str(target / "code.diff")
         if not (target / "code.diff").exists():  # owner-only always: a diff may hold what was never committed
-            _write_atomic(target / "code.diff", provenance.capped(diff), private=True)
+            write_atomic(target / "code.diff", provenance.capped(diff), private=True)
     return json.dumps(record, indent=1) + "\n"
 
 
@@ -248,7 +205,7 @@ def pin_init_from(target: Path, configs: list[dict[str, Any]]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(source, tmp, copy_function=_link_or_copy)
             os.replace(tmp, pinned)  # whole or absent: the COMMITTED marker never appears in a partial copy
-            _write_atomic(pinned.parent / "source.json", json.dumps({"init_from": source}) + "\n", private=False)
+            write_atomic(pinned.parent / "source.json", json.dumps({"init_from": source}) + "\n", private=False)
         c["checkpoint"]["init_from"] = str(pinned)
 
 
@@ -361,7 +318,7 @@ def _save_manifest(p: Plan, overrides: list[str]) -> None:
             "trials": trials,
             "arrays": [asdict(a) for a in p.arrays],
         }
-        _write_atomic(path, json.dumps(record, indent=1) + "\n", p.private)
+        write_atomic(path, json.dumps(record, indent=1) + "\n", p.private)
 
 
 # submitit's process_job waits this long for its task's pickle, then fails the task.
@@ -384,7 +341,7 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
         _write_task_pickle(p.target / "submitit" / f"{p.trials[i].job_id}_submitted.pkl", p.trials[i].run_dir, executor)
     written = time.time()
     queued = _queued_tasks(job_name)
-    started = {i for i in array.trials if any(e["event"] == "start" for e in read_events(Path(p.trials[i].run_dir)))}
+    started = {i for i in array.trials if journal.named(journal.read(Path(p.trials[i].run_dir)), journal.START)}
     # A task that gave up on its pickle just before it was written dies within seconds: look again 10 s
     # after writing when a task still waiting may have been queued that long (Slurm's start <= python's).
     if any(
@@ -442,6 +399,7 @@ def _queued_tasks(job_name: str) -> dict[str, float]:
 
 def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
     """The pickle submitit would have renamed into place after sbatch: the same call, the same timeout."""
+    import cloudpickle
     from submitit.core.utils import DelayedSubmission
 
     from hpc_train.job import run_job
@@ -450,9 +408,7 @@ def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
         return
     delayed = DelayedSubmission(run_job, run_dir)
     delayed.set_timeout(executor.parameters.get("time", 5), executor.max_num_timeout)  # as map_array does
-    tmp = path.with_name(path.name + ".tmp")
-    delayed.dump(tmp)
-    os.replace(tmp, path)  # a waiting task never loads half a pickle
+    write_atomic(path, cloudpickle.dumps(delayed))  # a waiting task never loads half a pickle
 
 
 @contextlib.contextmanager
@@ -556,7 +512,7 @@ def submit(
                 from hpc_train.ops import process_identity
 
                 record["process"] = process_identity(int(job.job_id))
-            _write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
+            write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
         return p, [job]
 
     # A sweep: freeze every trial, record the manifest, then one sbatch per array.
@@ -685,7 +641,7 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
         f"{run.run_dir}"
     )
     with (
-        locked(run.run_dir / LOCK, wait=False, busy=busy),
+        locked(RunPaths(run.run_dir).lock, wait=False, busy=busy),
         locked(target / (MANIFEST + ".lock")) if (target / MANIFEST).exists() else contextlib.nullcontext(),
     ):
         return _resume(ops.find_runs(run.run_dir)[0], budgets, reason)
@@ -695,14 +651,13 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     import getpass
     import socket
 
-    from hpc_train import ops, preempt, slurm
+    from hpc_train import ops, slurm
     from hpc_train.config import load_frozen
     from hpc_train.job import run_job
-    from hpc_train.metrics import log_event
     from hpc_train.paths import read_marker, step_folders
 
-    events = read_events(run.run_dir)
-    finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
+    events = journal.read(run.run_dir)
+    finish = journal.finished(events)
     if finish is not None:
         raise ValueError(
             f"{run.label} finished at step {finish['step']}: there is nothing to resume. To train on from "
@@ -757,27 +712,16 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             f"{run.run_dir}"
         )
 
-    events = read_events(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
-    since = ops.since_resume(events)
-    stopped = next((e for e in reversed(since) if e["event"] == "stopped"), None)
-    failed = next((e for e in reversed(since) if e["event"] == "fail"), None)
-    why = (
-        stopped["reason"]
-        if stopped
-        else f"its last attempt failed: {failed['error']}"
-        if failed
-        else f"Slurm ended job {run.job_id} as {state} without a word in events.jsonl"
-        if state
-        else "it ended without a word in events.jsonl (killed?)"
-    )
+    events = journal.read(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
+    why = journal.stop_reason(events, run.job_id, state)
     for k, v in budgets.items():
         if v < (-1 if k == "max_preemptions" else 0):
             flag, unlimited = f"--{k.replace('_', '-')}", " (or -1: unlimited)" if k == "max_preemptions" else ""
             raise ValueError(f"{flag} {v}: a budget is a count >= 0{unlimited}; e.g. {flag} 4")
-    limits = replace(cfg.requeue, **{**preempt.budget_changes(events), **budgets})
+    limits = replace(cfg.requeue, **{**journal.budget_changes(events), **budgets})
     used = {
-        "max_preemptions": preempt.requeues_counted(events, "preempt"),
-        "max_time_limit_requeues": preempt.requeues_counted(events, "time_limit"),
+        "max_preemptions": journal.requeues_counted(events, "preempt"),
+        "max_time_limit_requeues": journal.requeues_counted(events, "time_limit"),
         "max_failures": 0,
     }  # a resume resets failures in a row: a person decided the cause is fixed
     what = {
@@ -791,7 +735,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         f"{' (raised now)' if k in budgets else ''}"
         for k in used
     )
-    if failures := preempt.failures_in_a_row(events):
+    if failures := journal.failures_in_a_row(events):
         budget_line += f" (was {failures}: reset by this resume)"
     lines = [f"{run.label} stopped because {why}", budget_line]
     lines += [
@@ -832,7 +776,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
         check_syntax(script)
         validate_live(cfg.cluster, script, 1, None)
-    attempt = max((e["restart"] for e in events), default=-1) + 1
+    attempt = journal.next_attempt(events)
     executor = make_executor(cfg.cluster, _submitit_dir(target / "submitit", private), job_name(target))
     tried: list[int] = []
 
@@ -851,9 +795,9 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         job_id = str(job.job_id)
         # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
         # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
-        log_event(
+        journal.log(
             run.run_dir,
-            "resume",
+            journal.RESUME,
             committed[-1][0] if committed else 0,
             job_id,
             attempt,
@@ -871,7 +815,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
                 if Path(t["run_dir"]) == run.run_dir:
                     t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
                     t["job_id"], t["process"] = job_id, process
-            _write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
+            write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
             os.chmod(target / MANIFEST, mode)  # as submit made it: shared, or owner-only
         else:
             sub = RunPaths(run.run_dir).submission
@@ -880,6 +824,6 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             record.update(job_id=job_id, job_name=job_name(target), resumed_at=time.time())
             if process:  # the job id is the controller's pid, which the OS reuses
                 record["process"] = process
-            _write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
+            write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
     lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
     return job, lines

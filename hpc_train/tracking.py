@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train import journal
+from hpc_train.paths import write_atomic
+
 # {"run_id", "mlflow_run_id", "wandb_logged_through"}: the same runs on every requeue
 TRACKING_JSON = "tracking.json"
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # config switch -> module
@@ -85,9 +88,7 @@ def run_id(run_dir: Path) -> dict[str, Any]:
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
 def _last_step(run_dir: Path) -> int:
@@ -134,7 +135,7 @@ class Tracker:
                 flush=True,
             )
             if self.event is not None:
-                self.event("tracking_failed", self.step, backend=name, during=during, error=error)
+                self.event(journal.TRACKING_FAILED, self.step, backend=name, during=during, error=error)
 
     def _open_tb(self) -> None:
         from torch.utils.tensorboard import SummaryWriter

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_train import data, preempt, prometheus, straggler, tracking
+from hpc_train import data, journal, preempt, prometheus, straggler, tracking
 from hpc_train.attempt import Attempt
 from hpc_train.checkpoint import TrainState
 from hpc_train.config import RunConfig, TrainConfig
-from hpc_train.metrics import append_jsonl
 from hpc_train.model import GPT
+from hpc_train.paths import append_line
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -175,7 +175,9 @@ def name_stragglers(
             "wall_s": round(wall_s, 6),
         }
         if rank in named:
-            at.event("straggler", step, **fields, windows=cfg.windows, every_steps=cfg.every_steps, factor=cfg.factor)
+            at.event(
+                journal.STRAGGLER, step, **fields, windows=cfg.windows, every_steps=cfg.every_steps, factor=cfg.factor
+            )
             at.say(
                 f"[hpc_train] straggler: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step of its own "
                 f"(compute {compute_s * 1e3:.1f}, data {data_s * 1e3:.1f}) "
@@ -183,7 +185,7 @@ def name_stragglers(
                 f"ms, {cfg.windows} windows of {cfg.every_steps} steps in a row; the others wait for it in collectives"
             )
         else:
-            at.event("straggler_cleared", step, **fields)
+            at.event(journal.STRAGGLER_CLEARED, step, **fields)
             at.say(
                 f"[hpc_train] straggler cleared: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step "
                 f"vs the others' median {median * 1e3:.1f} ms"
@@ -270,7 +272,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     resumed = at.resume(state, **batch)
     if batch["global_batch_seqs"] != global_seqs:
         at.event(
-            "batch_changed",
+            journal.BATCH_CHANGED,
             state.step,
             global_batch_seqs=batch["global_batch_seqs"],
             configured=global_seqs,
@@ -386,7 +388,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
                     "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops),
                     **({} if val_loss is None else {"val_loss": val_loss}),
                 }
-                append_jsonl(at.paths.metrics, row)
+                append_line(at.paths.metrics, row)
                 tracker.log(state.step, row)
                 if exporter:
                     exporter.tick()

@@ -31,7 +31,7 @@ from typing import Any
 import cluster as test_cluster
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 
-from hpc_train.metrics import log_event
+from hpc_train import journal
 
 FAULTS = (
     "time-limit",
@@ -157,7 +157,7 @@ def run_storm(
                 env=env,
             )
             assert proc.returncode == 0, proc.stderr
-            log_event(
+            journal.log(
                 run_dir,
                 "chaos",
                 -1,
@@ -181,7 +181,9 @@ def run_storm(
         elif fault == "scontrol-fails-once":
             trigger.parent.mkdir(exist_ok=True)
             trigger.write_text("")
-            log_event(run_dir, "chaos", -1, job_id, restart, action=fault, injected="the next scontrol call fails once")
+            journal.log(
+                run_dir, "chaos", -1, job_id, restart, action=fault, injected="the next scontrol call fails once"
+            )
             assert chaos("time-limit").returncode == 0
         else:
             extra = ["--seconds", "1.5"] if fault == "slow-storage" else []

@@ -304,12 +304,12 @@ def test_first_stop_of_an_attempt_is_judged_by_earlier_attempts_writes(tmp_path:
     since each attempt started from 0 s)."""
     import signal
 
-    from hpc_train.metrics import log_event
+    from hpc_train import journal
 
     first, state = make_attempt(tmp_path), make_state()
     first.resume(state)
     save_at(first.saver, state, 5)  # something committed to fall back on
-    log_event(tmp_path, "checkpoint_committed", 5, "1", 0, reason="periodic", write_s=100.0)  # as measured then
+    journal.log(tmp_path, "checkpoint_committed", 5, "1", 0, reason="periodic", write_s=100.0)  # as measured then
     second = make_attempt(tmp_path)
     assert second.saver.expected_write_s == 100.0
     state = make_state()

@@ -194,7 +194,8 @@ def test_status_shows_a_numeric_mfu(tmp_path: Path) -> None:
     """A GPU run's metrics carry a float MFU; rich cannot render a float, and `status` crashed on it."""
     import json
 
-    from hpc_train.metrics import append_jsonl, log_event
+    from hpc_train import journal
+    from hpc_train.paths import append_line
 
     run_dir = tmp_path / "gpu-1"
     run_dir.mkdir()
@@ -202,8 +203,8 @@ def test_status_shows_a_numeric_mfu(tmp_path: Path) -> None:
         "cluster: {executor: local, signal_lead_s: 120}\ntrain: {steps: 60}\nrequeue: {max_failures: 2}\n"
     )
     (run_dir / "submission.json").write_text(json.dumps({"executor": "local", "job_id": ""}))
-    log_event(run_dir, "start", 0, "1", 0)
-    append_jsonl(run_dir / "metrics.jsonl", {"time": 1.0, "step": 10, "tokens_per_s": 1e6, "mfu": 0.4213})
+    journal.log(run_dir, "start", 0, "1", 0)
+    append_line(run_dir / "metrics.jsonl", {"time": 1.0, "step": 10, "tokens_per_s": 1e6, "mfu": 0.4213})
     out = run([HPC_TRAIN, "status", str(run_dir)])
     assert out.returncode == 0 and "42.1%" in out.stdout, out.stdout + out.stderr
 

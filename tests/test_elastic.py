@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import preempt, slurm
+from hpc_train import journal, preempt, slurm
 from hpc_train.config import compose, to_run_config
 from hpc_train.sbatch import render
 
@@ -463,12 +463,12 @@ def test_exclusion_random_histories(seed: int) -> None:
     for _ in range(rng.randint(0, 12)):
         sick = {n: "ecc" for n in rng.sample(nodes, rng.randint(1, 2))}
         spare = rng.choice([None, 0, 1, 2, 5])
-        before = preempt.excluded_nodes(events)
+        before = journal.excluded_nodes(events)
         out, why_not, stop = preempt.exclusion(events, sick, budget, spare)
         assert not (why_not and stop)
         if stop:
             node = next(n for n in sick if n in before and f"{n} failed again" in stop)
-            took, times = preempt._exclusion_took(events, node)
+            took, times = journal.exclusion_took(events, node)
             assert took or times >= 2
             assert out == []
             events.append({"event": "resume", "restart": 0})  # a person fixed it
@@ -487,4 +487,4 @@ def test_exclusion_random_histories(seed: int) -> None:
             events.append({"event": "exclude_nodes", "nodes": ",".join(out), "ok": rng.random() < 0.7})
         if rng.random() < 0.1:
             events.append({"event": "resume", "restart": 0})
-    assert len(preempt.excluded_nodes(events)) <= budget
+    assert len(journal.excluded_nodes(events)) <= budget

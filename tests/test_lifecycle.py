@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hpc_train import preempt
+from hpc_train import journal, preempt
 from hpc_train.checkpoint import retention_plan, shares
 from hpc_train.config import CheckpointConfig, RequeueConfig
 from hpc_train.slurm import parse_fate
@@ -77,14 +77,14 @@ def test_failure_budget_counts_failures_in_a_row_not_a_lifetime() -> None:
         fault,
         ev("checkpoint_committed", 400),
     ]
-    assert preempt.failures_in_a_row(spaced) == 0 and preempt.decide("failure", spaced, b, "running")[0] == "requeue"
+    assert journal.failures_in_a_row(spaced) == 0 and preempt.decide("failure", spaced, b, "running")[0] == "requeue"
     loop = [
         ev("checkpoint_committed", 100),
         fault,
         ev("checkpoint_committed", 100),
         fault,
     ]  # same step again: no progress
-    assert preempt.failures_in_a_row(loop) == 2
+    assert journal.failures_in_a_row(loop) == 2
     assert preempt.decide("failure", loop, b, "running") == (
         "stop",
         "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)",
@@ -111,16 +111,16 @@ def test_decide_random_histories(seed: int) -> None:
             events.append(
                 ev(
                     "requeue",
-                    reason=rng.choice(list(preempt.BUDGET_KEYS)),
+                    reason=rng.choice(list(journal.BUDGET_KEYS)),
                     by="slurm" if kind == "requeue_slurm" else "hpc_train",
                 )
             )
         else:
             events.append(ev(kind))
-    for reason in preempt.BUDGET_KEYS:
+    for reason in journal.BUDGET_KEYS:
         for fate in ("running", "requeued", "cancelled", "unknown"):
             action, why = preempt.decide(reason, events, budgets, fate)
-            limit = getattr(budgets, preempt.BUDGET_KEYS[reason])
+            limit = getattr(budgets, journal.BUDGET_KEYS[reason])
             if fate == "cancelled":
                 assert action == "stop" and why.startswith("cancelled")
             elif fate == "requeued":
@@ -129,27 +129,27 @@ def test_decide_random_histories(seed: int) -> None:
                 assert action == "requeue"
             else:
                 used = (
-                    preempt.failures_in_a_row(events)
+                    journal.failures_in_a_row(events)
                     if reason == "failure"
-                    else preempt.requeues_counted(events, reason)
+                    else journal.requeues_counted(events, reason)
                 )
                 assert (action == "stop") == (used >= limit) and (action == "stop") == (why != "")
         # Requeueing again and again for one reason stops after exactly `limit` more requeues (no progress between)
-        limit = getattr(budgets, preempt.BUDGET_KEYS[reason])
+        limit = getattr(budgets, journal.BUDGET_KEYS[reason])
         if limit != -1:
             log, more = list(events), 0
             while preempt.decide(reason, log, budgets, "running")[0] == "requeue":
                 log.append(ev("requeue", reason=reason, by="hpc_train"))
                 more += 1
             used = (
-                preempt.failures_in_a_row(events) if reason == "failure" else preempt.requeues_counted(events, reason)
+                journal.failures_in_a_row(events) if reason == "failure" else journal.requeues_counted(events, reason)
             )
             assert more == max(0, limit - used)
     last = max((e.get("restart", 0) for e in events if e["event"] == "requeue"), default=0)
-    assert preempt.local_fate(events + [ev("cancel", restart=last)]) == "cancelled"
+    assert journal.local_fate(events + [ev("cancel", restart=last)]) == "cancelled"
     # a cancel that raced its own attempt's requeue still counts; a later attempt's requeue supersedes it
-    assert preempt.local_fate(events + [ev("cancel", restart=last + 1), ev("requeue", restart=last + 1)]) == "cancelled"
-    assert preempt.local_fate(events + [ev("cancel", restart=last + 1), ev("requeue", restart=last + 2)]) == "running"
+    assert journal.local_fate(events + [ev("cancel", restart=last + 1), ev("requeue", restart=last + 1)]) == "cancelled"
+    assert journal.local_fate(events + [ev("cancel", restart=last + 1), ev("requeue", restart=last + 2)]) == "running"
 
 
 def random_folders(rng: random.Random, n: int) -> dict[int, str | None]:

@@ -10,7 +10,7 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from hpc_train import preempt
+from hpc_train import journal, preempt
 from hpc_train.config import RequeueConfig
 from hpc_train.preflight import GPU_FIELDS, PreflightConfig, gpu_problems, judge
 
@@ -151,7 +151,7 @@ def test_node_health_requeues_without_failure_budget() -> None:
     assert preempt.decide("node_health", [], b, "cancelled")[0] == "stop"
     assert preempt.decide("node_health", [], b, "requeued")[0] == "slurm"
     after = [ev("requeue", reason="node_health", by="hpc_train")] * 3
-    assert preempt.failures_in_a_row(after) == 0
+    assert journal.failures_in_a_row(after) == 0
 
 
 def test_exclusion_budget_and_partition() -> None:
@@ -170,7 +170,7 @@ def test_exclusion_budget_and_partition() -> None:
         "have the admins check it, or leave it out for good with cluster.exclude, or raise the budget with `hpc-train resume RUN "
         "--max-excluded-nodes 4`"
     )
-    raised = RequeueConfig(**preempt.budget_changes(two + [ev("resume", budgets={"max_excluded_nodes": 4})]))
+    raised = RequeueConfig(**journal.budget_changes(two + [ev("resume", budgets={"max_excluded_nodes": 4})]))
     assert raised.max_excluded_nodes == 4
     nodes, why, stop = preempt.exclusion(one, {"node1": "ecc"}, 5, spare_nodes=1)  # 4 usable nodes, run needs 3
     assert (nodes, stop) == (["node3"], "") and why.startswith(
@@ -187,7 +187,7 @@ def test_exclusion_budget_and_partition() -> None:
         "requeued without leaving it out"
     ) and (nodes, stop) == ([], "")
     # a resume forgets the exclusions (the new job has no ExcNodeList)
-    assert preempt.excluded_nodes(one + [ev("resume", restart=1)]) == {}
+    assert journal.excluded_nodes(one + [ev("resume", restart=1)]) == {}
     assert preempt.exclusion(one + [ev("resume", restart=1)], {"node3": "again"}, 2, 2) == (["node3"], "", "")
 
 
@@ -310,10 +310,10 @@ def test_slurm_call_in_the_job_blocks_stop_signals_without_preexec_fn(monkeypatc
 
 def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) -> None:
     """--rank 99 was an IndexError traceback; --node typo armed a drill that never fires."""
-    from hpc_train.metrics import log_event
+    from hpc_train import journal
     from hpc_train.ops import Run, chaos
 
-    log_event(tmp_path, "start", 0, "7", 0, rank_nodes=["node1", "node1", "node3", "node3"])
+    journal.log(tmp_path, "start", 0, "7", 0, rank_nodes=["node1", "node1", "node3", "node3"])
     run = Run(run_dir=tmp_path, label="health-1", job_id="7", executor="slurm", log_dir=tmp_path)
     with pytest.raises(ValueError, match=r"^--rank 99: health-1's last attempt has ranks 0\.\.3$"):
         chaos(run, "sick-node", rank=99)

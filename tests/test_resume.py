@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from conftest import HPC_TRAIN, fake_clients, read_events, run, submit, wait_until
 
+from hpc_train import journal
 from hpc_train.checkpoint import Saver, TrainState, step_dir
 from hpc_train.config import CheckpointConfig, RunConfig
 from hpc_train.preempt import Unrecoverable
@@ -291,16 +292,16 @@ def stopped_local_run(run_dir: Path, process: dict[str, Any] | None = None) -> P
     """A local run that was cancelled at step 5 and whose controller is gone (a pid nothing runs as)."""
     import yaml
 
+    from hpc_train import journal
     from hpc_train.config import compose_trials
-    from hpc_train.metrics import log_event
 
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(compose_trials([["train.steps=10"]])[0][0]))
     (run_dir / "submission.json").write_text(
         json.dumps({"executor": "local", "job_id": "1", "process": process or {"start_time": 1, "boot_id": "gone"}})
     )
-    log_event(run_dir, "start", 0, "1", 0)
-    log_event(run_dir, "stopped", 5, "1", 0, reason="cancelled")
+    journal.log(run_dir, "start", 0, "1", 0)
+    journal.log(run_dir, "stopped", 5, "1", 0, reason="cancelled")
     return run_dir
 
 
@@ -445,14 +446,14 @@ def test_resume_of_a_folder_without_runs_says_so(tmp_path: Path) -> None:
 def slurm_run_dir(tmp_path: Path) -> Path:
     import yaml
 
+    from hpc_train import journal
     from hpc_train.config import compose_trials
-    from hpc_train.metrics import log_event
 
     run_dir = tmp_path / "sl-1"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(compose_trials([["cluster=slurm"]])[0][0]))
     (run_dir / "submission.json").write_text(json.dumps({"executor": "slurm", "job_id": "100"}))
-    log_event(run_dir, "stopped", 5, "100", 0, reason="cancelled")
+    journal.log(run_dir, "stopped", 5, "100", 0, reason="cancelled")
     return run_dir
 
 
@@ -541,9 +542,9 @@ def test_a_resume_resets_failures_in_a_row_and_first_attempt_drills(monkeypatch:
     from hpc_train import preempt
 
     crash = [{"event": "requeue", "reason": "failure", "step": 0}] * 2
-    assert preempt.failures_in_a_row(crash) == 2
-    assert preempt.failures_in_a_row([*crash, {"event": "resume", "step": 0}]) == 0
-    assert preempt.failures_in_a_row([*crash, {"event": "resume", "step": 0}, *crash[:1]]) == 1
+    assert journal.failures_in_a_row(crash) == 2
+    assert journal.failures_in_a_row([*crash, {"event": "resume", "step": 0}]) == 0
+    assert journal.failures_in_a_row([*crash, {"event": "resume", "step": 0}, *crash[:1]]) == 1
     monkeypatch.setenv("HPC_TRAIN_FAULT", "raise_at_start")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "1")

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, sacct_state, submit, wait_until
 
+from hpc_train import journal
+
 pytestmark = pytest.mark.slurm
 
 
@@ -76,12 +78,11 @@ def test_report_of_a_run_preempted_twice(slurm_env: dict[str, str], tmp_path: Pa
     out = ops(["report", str(run_dir)], slurm_env).stdout
     assert "goodput" in out and "picture:" in out
     from hpc_train.metrics import read_jsonl
-    from hpc_train.ops import attempts, goodput
 
     events, metrics = read_events(run_dir), read_jsonl(run_dir / "metrics.jsonl")
-    parts = goodput(events, metrics)
-    wall = sum(a["end"] - a["launched"] for a in attempts(events))
-    assert len(attempts(events)) == 3
+    parts = journal.goodput(events, metrics)
+    wall = sum(a["end"] - a["launched"] for a in journal.attempts(events))
+    assert len(journal.attempts(events)) == 3
     summed = parts["committed"] + parts["lost"] + parts["stall"] + parts["overhead"]
     assert abs(summed - wall) <= 0.02 * wall, (parts, wall)
     assert parts["queue_wait"] > 10  # two requeues on the dev cluster: ~15-20 s each

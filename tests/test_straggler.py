@@ -17,8 +17,10 @@ import pytest
 from conftest import HPC_TRAIN, read_events, run, submit, wait_finished, wait_until
 
 from hpc_train import prometheus
-from hpc_train.ops import straggler_rows, stragglers
-from hpc_train.straggler import Judge, StragglerConfig, current, judge, medians_of_others
+from hpc_train.journal import straggler_episodes as straggler_rows
+from hpc_train.journal import stragglers_now as current
+from hpc_train.ops import stragglers
+from hpc_train.straggler import Judge, StragglerConfig, judge, medians_of_others
 
 # One sample line of the text exposition format: name{label="value",...} value
 SAMPLE = re.compile(
@@ -321,7 +323,7 @@ def test_chaos_slow_rank_refuses_what_would_hang_or_do_nothing(tmp_path: Path) -
 def test_events_are_parsed_once_then_only_what_was_appended(tmp_path: Path) -> None:
     """Rank 0 renders every 15 s on its training thread and on every scrape: 30 k events parsed whole took
     0.34 s each time. The second read parses only the appended line; a torn line waits for its newline."""
-    from hpc_train.metrics import read_events as read_all
+    from hpc_train.journal import read as read_all
 
     events = [ev(100 + k, "checkpoint_committed", k, reason="periodic", stall_s=0.0) for k in range(30000)]
     run_dir = write_run(tmp_path / "long-1", [ev(99, "start", 0), *events], [])
@@ -405,7 +407,7 @@ def test_a_malformed_row_never_stops_training_nor_prints_a_traceback_per_scrape(
 def test_goodput_gauge_moves_while_an_attempt_runs_and_report_figures_stay(tmp_path: Path) -> None:
     """A running attempt ended at its last event (a checkpoint): the gauge froze between checkpoints.
     live=True ends it at the last metrics row, the steps since the commit lost; report's figures unchanged."""
-    from hpc_train.ops import goodput
+    from hpc_train.journal import goodput
 
     events = [
         ev(100, "start", 0, launched_at=90.0),

@@ -124,13 +124,13 @@ ATTEMPT = """
 import os, sys, time
 from pathlib import Path
 from hpc_train import tracking
-from hpc_train.metrics import append_jsonl
+from hpc_train.paths import append_line
 
 run_dir, first, last, end = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 tracker = tracking.open(tracking.TrackingConfig(tensorboard=True, wandb=%s, mlflow=%s), run_dir, rank=0)
 for step in range(first, last + 1):  # as train.py: the metrics.jsonl line, then the tracker
     row = {"time": time.time(), "step": step, "loss": 10.0 / step, "mfu": None}
-    append_jsonl(run_dir / "metrics.jsonl", row)
+    append_line(run_dir / "metrics.jsonl", row)
     tracker.log(step, row)
 if end == "crash":
     os._exit(1)  # as job.py leaves a failed attempt: no atexit, nothing closed

@@ -1,0 +1,449 @@
+"""events.jsonl, the run's journal: the one owner of its event names, its writes, its tolerant read and
+the facts every reader folds out of it (which attempt, restarts, budgets spent, last committed step, why
+it stopped, the attempt timeline goodput uses). Torch-free: the job's decisions, `status`, `report`,
+`resume` and Prometheus read one file with this one code.
+
+    from hpc_train import journal
+    events = journal.read(run_dir)                  # malformed lines skipped, one warning per file
+    journal.current_attempt(events), journal.committed_step(events), journal.goodput(events, metrics)
+    journal.log(run_dir, journal.CANCEL, -1, job_id, attempt, by="hpc-train cancel")
+
+docs/lifecycle.md lists each event's fields. A reader never compares `e["event"]` itself: it asks a
+reducer here, or `named(events, NAME)`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_train.paths import RunPaths, append_line
+
+Event = dict[str, Any]
+
+# ---- the events -----------------------------------------------------------------------------------------
+# an attempt (rank 0 unless said)
+START = "start"  # at.resume: step, resumed_from, world_size, nodes, rank_nodes, pids, phases_s, ...
+FIRST_STEP = "first_step"  # step_time_s: resume -> first step
+BATCH_CHANGED = "batch_changed"  # the global batch does not divide over this attempt's ranks
+PREFLIGHT = "preflight"  # every node's health, after the rendezvous
+SIGNAL = "signal"  # a stop signal seen at a step boundary
+FINISH = "finish"  # the run's last step; the summary
+CODE_CHANGED = "code_changed"  # the first task on a node runs other code than code.json names
+# checkpoints
+CHECKPOINT_COMMITTED = "checkpoint_committed"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
+CHECKPOINT_DELETED = "checkpoint_deleted"
+CHECKPOINT_ABANDONED = "checkpoint_abandoned"
+STOP_SAVE_SKIPPED = "stop_save_skipped"
+# the one requeue decision (the deciding rank)
+FAIL = "fail"  # the failing rank: error, traceback
+REQUEUE = "requeue"
+REQUEUE_FAILED = "requeue_failed"
+STOPPED = "stopped"
+NODE_EXCLUDED = "node_excluded"
+NODE_NOT_EXCLUDED = "node_not_excluded"
+EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not
+# side services
+STRAGGLER = "straggler"
+STRAGGLER_CLEARED = "straggler_cleared"
+TRACKING_FAILED = "tracking_failed"
+PROMETHEUS = "prometheus"
+PROMETHEUS_FAILED = "prometheus_failed"
+# people (the login side)
+RESUME = "resume"  # `hpc-train resume`: the attempt it starts, budgets, previous_job_id
+CANCEL = "cancel"  # `hpc-train cancel`
+CHAOS = "chaos"  # `hpc-train chaos`: action, injected
+
+ENDS = (FINISH, REQUEUE, STOPPED, FAIL)  # what can end an attempt, as `report` names it
+BUDGET_KEYS = {"preempt": "max_preemptions", "time_limit": "max_time_limit_requeues", "failure": "max_failures"}
+
+
+# ---- write and read -------------------------------------------------------------------------------------
+
+
+def log(run_dir: Path, event: str, step: int, job_id: str, restart: int, **fields: Any) -> None:
+    """Append one event: time, name, step (-1: before any), the job and the attempt (restart) it belongs to."""
+    record = {"time": time.time(), "event": event, "step": step, "job_id": job_id, "restart": restart, **fields}
+    append_line(RunPaths(run_dir).events, record)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_event(e: Any) -> bool:
+    """The shape every reader may index: a str `event`, a numeric `time`, an int `step` and `restart`."""
+    return (
+        isinstance(e, dict)
+        and isinstance(e.get("event"), str)
+        and _number(e.get("time"))
+        and type(e.get("step")) is int
+        and type(e.get("restart", 0)) is int
+    )
+
+
+_warned: set[str] = set()  # files already warned about in this process: one warning each
+
+
+def parse(text: str, where: str = "events.jsonl") -> list[Event]:
+    """The events of a journal's text. A torn last line (its writer killed mid-write, or still writing) is
+    skipped silently; any other line that is not an event (edited by hand, another tool's) is skipped with
+    one warning per file and process on stderr, never a crash of a decision or of `status`."""
+    lines = text.split("\n")
+    out, bad = [], []
+    for i, line in enumerate(lines, 1):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            e = None
+        if is_event(e):
+            out.append(e)
+        elif line.strip() and i < len(lines):  # the last piece has no newline yet: a write under way or torn
+            bad.append(i)
+    if bad and where not in _warned:
+        _warned.add(where)
+        print(
+            f"hpc-train: warning: skipped {len(bad)} line(s) of {where} that are not events (first: line {bad[0]})",
+            file=sys.stderr,
+        )
+    return out
+
+
+def read(run_dir: Path) -> list[Event]:
+    """The run's events, in the order they were written ([] before the first)."""
+    path = RunPaths(run_dir).events
+    try:
+        return parse(path.read_text(errors="replace"), str(path))
+    except FileNotFoundError:
+        return []
+
+
+def named(events: list[Event], *names: str) -> list[Event]:
+    """The events of these names, in order."""
+    return [e for e in events if e["event"] in names]
+
+
+def last(events: list[Event], *names: str) -> Event | None:
+    return next((e for e in reversed(events) if e["event"] in names), None)
+
+
+# ---- attempts -------------------------------------------------------------------------------------------
+
+
+def since_resume(events: list[Event]) -> list[Event]:
+    """The events after the last `hpc-train resume` (all of them if never resumed): how it ended before no
+    longer says how it is now."""
+    at = max((i for i, e in enumerate(events) if e["event"] == RESUME), default=-1)
+    return events[at + 1 :]
+
+
+def current_attempt(events: list[Event]) -> int:
+    """The attempt (restart count) that last started, or that `hpc-train resume` last queued; 0 before any."""
+    found = last(events, START, RESUME)
+    return int(found["restart"]) if found else 0
+
+
+def next_attempt(events: list[Event]) -> int:
+    """The number `hpc-train resume` gives the attempt it queues: one past every attempt on record."""
+    return max((e["restart"] for e in events), default=-1) + 1
+
+
+def new_job_attempt(events: list[Event], slurm_restarts: int | None) -> int:
+    """The attempt a starting job is: the one `hpc-train resume` recorded (a resumed Slurm job counts
+    SLURM_RESTART_COUNT from 0 again) plus Slurm's restarts since; the local controller restarts in place,
+    so there (slurm_restarts None) the requeues on record since that resume count instead."""
+    resume = last(events, RESUME)
+    base = resume["restart"] if resume else 0
+    if slurm_restarts is None:
+        return base + len(named(since_resume(events), REQUEUE))
+    return base + slurm_restarts
+
+
+def decided(events: list[Event], restart: int) -> bool:
+    """Whether attempt `restart`'s requeue-or-stop verdict is on record."""
+    return any(e.get("restart") == restart for e in named(events, REQUEUE, REQUEUE_FAILED, STOPPED))
+
+
+def committed_steps(events: list[Event]) -> list[int]:
+    return [e["step"] for e in named(events, CHECKPOINT_COMMITTED)]
+
+
+def committed_step(events: list[Event]) -> int | None:
+    """The newest step a checkpoint committed, in any attempt (None: none yet)."""
+    return max(committed_steps(events), default=None)
+
+
+def slowest_write_s(events: list[Event]) -> float:
+    """The slowest checkpoint write on record, in any attempt: what a stop save must fit."""
+    times = [e.get("write_s", e.get("save_s", 0.0)) for e in named(events, CHECKPOINT_COMMITTED)]
+    return max((t for t in times if _number(t)), default=0.0)
+
+
+def save_times_s(events: list[Event]) -> list[float]:
+    """Every committed save's whole time (save_s), for the signal-lead check."""
+    return [s for e in named(events, CHECKPOINT_COMMITTED) if _number(s := e.get("save_s", 0.0))]
+
+
+def first_step_times_s(events: list[Event]) -> list[float]:
+    return [s for e in named(events, FIRST_STEP) if _number(s := e.get("step_time_s", 0.0))]
+
+
+# ---- how a run ended ------------------------------------------------------------------------------------
+
+
+def finished(events: list[Event]) -> Event | None:
+    """The `finish` event, once the run reached its last step."""
+    return last(events, FINISH)
+
+
+def stopped(events: list[Event]) -> Event | None:
+    """The last `stopped` since the last resume: the run ended here and will not requeue by itself."""
+    return last(since_resume(events), STOPPED)
+
+
+def cancelled(events: list[Event]) -> bool:
+    """`hpc-train cancel` since the last resume."""
+    return last(since_resume(events), CANCEL) is not None
+
+
+def failures(events: list[Event]) -> list[Event]:
+    """The `fail` events since the last resume."""
+    return named(since_resume(events), FAIL)
+
+
+def stop_reason(events: list[Event], job_id: str = "", state: str = "") -> str:
+    """Why the run is not running, in a few words for `resume` and `status`: the `stopped` reason, the last
+    failure's error, or what Slurm said (state) when the run itself wrote nothing."""
+    why, fails = stopped(events), failures(events)
+    if why:
+        return str(why.get("reason", ""))
+    if fails:
+        return f"its last attempt failed: {fails[-1].get('error', '')}"
+    if state:
+        return f"Slurm ended job {job_id} as {state} without a word in events.jsonl"
+    return "it ended without a word in events.jsonl (killed?)"
+
+
+def local_state(events: list[Event], alive: bool) -> str:
+    """A local run's state in Slurm's words, from its journal and whether its controller still runs."""
+    since = since_resume(events)
+    if last(since, FINISH):
+        return "COMPLETED"
+    if last(since, STOPPED):
+        return "CANCELLED" if last(since, CANCEL) else "FAILED"
+    if alive:
+        return "RUNNING"
+    return "FAILED" if last(since, FAIL) else "UNKNOWN"
+
+
+def local_fate(events: list[Event]) -> str:
+    """The local executor's answer to "what is the scheduler doing with this job": "cancelled" once
+    `hpc-train cancel` wrote its event in the attempt of the last requeue or later (a cancel that raced
+    that requeue still counts: the next attempt stops at once), else "running". A `resume` starts a new
+    attempt as a requeue does: the cancel that stopped the run before it no longer counts."""
+    cancels = [e.get("restart", 0) for e in named(events, CANCEL)]
+    requeues = [e.get("restart", 0) for e in named(events, REQUEUE, RESUME)]
+    return "cancelled" if cancels and max(cancels) >= max(requeues, default=-1) else "running"
+
+
+# ---- budgets --------------------------------------------------------------------------------------------
+
+
+def failures_in_a_row(events: list[Event]) -> int:
+    """Failure requeues since the run last made progress (committed a step beyond every earlier commit)
+    or was resumed (`hpc-train resume` is a person's word that the cause is fixed). A crash loop never
+    makes progress; three node faults a month apart each come after progress."""
+    count, best = 0, -1
+    for e in events:
+        if e["event"] == CHECKPOINT_COMMITTED and e["step"] > best:
+            best, count = e["step"], 0
+        elif e["event"] == RESUME:
+            count = 0
+        elif e["event"] == REQUEUE and e.get("reason") == "failure" and e.get("by") != "slurm":
+            count += 1
+    return count
+
+
+def requeues_counted(events: list[Event], reason: str) -> int:
+    """Requeues this run asked for, for `reason`; those Slurm did by itself cost no budget."""
+    return sum(1 for e in named(events, REQUEUE) if e.get("reason") == reason and e.get("by") != "slurm")
+
+
+def budget_changes(events: list[Event]) -> dict[str, int]:
+    """requeue.* values set by `hpc-train resume --max-...` (its `resume` events' budgets, later over
+    earlier): they apply over the frozen config.yaml, which is never rewritten."""
+    return {
+        k: v
+        for e in named(events, RESUME)
+        for k, v in (e.get("budgets") or {}).items()
+        if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int
+    }
+
+
+def excluded_nodes(events: list[Event]) -> dict[str, str]:
+    """node -> why, from the `node_excluded` events since the last `hpc-train resume` (a person's word that
+    the nodes are fixed; the resumed job starts without the exclusions and the preflight judges again)."""
+    return {
+        e["node"]: str(e.get("why", ""))
+        for e in named(since_resume(events), NODE_EXCLUDED)
+        if isinstance(e.get("node"), str)
+    }
+
+
+def exclusion_took(events: list[Event], node: str) -> tuple[bool, int]:
+    """(an `exclude_nodes` event with ok=True named `node` after it was first left out, how many times it
+    was left out), since the last resume."""
+    took, times = False, 0
+    for e in since_resume(events):
+        if e["event"] == NODE_EXCLUDED and e.get("node") == node:
+            times += 1
+        elif e["event"] == EXCLUDE_NODES and e.get("ok") and times and node in str(e.get("nodes", "")).split(","):
+            took = True
+    return took, times
+
+
+# ---- stragglers -----------------------------------------------------------------------------------------
+
+
+def stragglers_now(events: list[Event]) -> dict[int, Event]:
+    """The ranks named and not cleared in the latest attempt (rank -> its `straggler` event): a new attempt
+    starts with no straggler, as rank 0's Judge does."""
+    latest = max((e.get("restart", 0) for e in events), default=0)
+    out: dict[int, Event] = {}
+    for e in events:
+        if not isinstance(e.get("rank"), int) or e.get("restart", 0) != latest:
+            continue  # an event edited into another shape names nobody
+        if e["event"] == STRAGGLER:
+            out[e["rank"]] = e
+        elif e["event"] == STRAGGLER_CLEARED:
+            out.pop(e["rank"], None)
+    return out
+
+
+def straggler_episodes(events: list[Event]) -> list[dict[str, Any]]:
+    """Each `straggler` event with the step its `straggler_cleared` came at (None: still slow, or the
+    attempt ended first): what `report` lists."""
+    rows = []
+    for i, e in enumerate(events):
+        if e["event"] != STRAGGLER:
+            continue
+        cleared = next(
+            (
+                c["step"]
+                for c in named(events[i + 1 :], STRAGGLER_CLEARED)
+                if c.get("rank") == e["rank"] and c.get("restart") == e.get("restart")
+            ),
+            None,
+        )
+        rows.append(
+            {
+                "attempt": e.get("restart", 0),
+                "step": e["step"],
+                "rank": e["rank"],
+                "node": e["node"],
+                "own_ms": e["own_s"] * 1e3,
+                "median_ms": e["median_own_s"] * 1e3,
+                "comm_ms": e.get("comm_s", 0.0) * 1e3,
+                "cleared_step": cleared,
+            }
+        )
+    return rows
+
+
+# ---- the timeline goodput uses --------------------------------------------------------------------------
+
+
+def attempts(events: list[Event]) -> list[dict[str, Any]]:
+    """Per attempt (by restart count): launch, start, first step, end times, what ended it, and its size
+    (world_size, nodes, grad_accum_steps, global_batch_seqs: from the start event; None before it)."""
+    by_restart: dict[int, list[Event]] = {}
+    for e in events:
+        by_restart.setdefault(int(e.get("restart", 0)), []).append(e)
+    out = []
+    for restart in sorted(by_restart):
+        evs = by_restart[restart]
+        start = next(iter(named(evs, START)), None)
+        first = next(iter(named(evs, FIRST_STEP)), None)
+        commits = named(evs, CHECKPOINT_COMMITTED)
+        ended = last(evs, *ENDS)
+        out.append(
+            {
+                "restart": restart,
+                "launched": start.get("launched_at", start["time"]) if start else min(e["time"] for e in evs),
+                "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None),  # a `resume` event has none yet
+                "start": start["time"] if start else None,
+                "start_step": start["step"] if start else None,
+                "first_step": first["time"] if first else None,
+                "end": max(e["time"] for e in evs),
+                "ended_by": ended["event"] if ended else "running",
+                "reached_step": max([e["step"] for e in evs] + [start["step"] if start else 0]),
+                "committed_step": max((e["step"] for e in commits), default=None),
+                "stall_s": sum(
+                    e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits
+                ),
+                "signals": [s for e in named(evs, SIGNAL) for s in e.get("signals", [])],
+                "nodes_next": next((e.get("nodes_next") for e in named(evs, REQUEUE)), None),  # elastic
+                **{
+                    k: start.get(k) if start else None
+                    for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")
+                },
+                # start-up, phase by phase (job.py): python, imports, rendezvous, preflight, setup, verify,
+                # load, first step
+                "phases_s": {
+                    **(start.get("phases_s", {}) if start else {}),
+                    **({"first_step": first["step_time_s"]} if first and "step_time_s" in first else {}),
+                },
+            }
+        )
+    return out
+
+
+def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
+    """Where the allocated time went, in seconds; the parts add up to the attempts' wall time (pure).
+
+    allocated   launch of each attempt -> its last event
+    overhead    launch -> training starts (imports, rendezvous, checkpoint load)
+    stall       the loop blocked by checkpoint saves
+    lost        training on steps no checkpoint kept (recomputed by the next attempt)
+    committed   the rest: training that became committed progress
+    queue_wait  requeue -> next launch (not allocated; reported beside)
+
+    live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
+    minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
+    """
+    atts = attempts(events)
+    last_row = metrics[-1] if metrics else {}
+    if (
+        live
+        and atts
+        and atts[-1]["ended_by"] == "running"
+        and isinstance(last_row.get("time"), (int, float))
+        and last_row["time"] > atts[-1]["end"]
+        and isinstance(last_row.get("step"), int)
+    ):
+        atts[-1] = {
+            **atts[-1],
+            "end": last_row["time"],
+            "reached_step": max(atts[-1]["reached_step"], last_row["step"]),
+        }
+    step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
+    step_s = step_times[len(step_times) // 2] if step_times else 0.0
+    parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
+    for i, a in enumerate(atts):
+        wall = a["end"] - a["launched"]
+        overhead = (a["start"] - a["launched"]) if a["start"] else wall
+        kept = a["committed_step"] if a["committed_step"] is not None else (a["start_step"] or 0)
+        lost = min(max(0.0, (a["reached_step"] - kept) * step_s), max(0.0, wall - overhead - a["stall_s"]))
+        parts["allocated"] += wall
+        parts["overhead"] += overhead
+        parts["stall"] += min(a["stall_s"], wall - overhead)
+        parts["lost"] += lost
+        parts["committed"] += max(0.0, wall - overhead - a["stall_s"] - lost)
+        if i + 1 < len(atts):
+            parts["queue_wait"] += max(0.0, atts[i + 1]["launched"] - a["end"])
+    parts["goodput"] = parts["committed"] / parts["allocated"] if parts["allocated"] else 0.0
+    return parts

@@ -1,0 +1,174 @@
+"""journal.py owns events.jsonl: names, the locked append, the tolerant read and the reducers. Seeded
+random journals check what must always hold; an AST scan checks that no other module reads or writes
+an event by a name of its own."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from hpc_train import journal
+from hpc_train.paths import RunPaths
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hpc_train"
+NAMES = sorted(v for k, v in vars(journal).items() if k.isupper() and isinstance(v, str) and k not in ("BUDGET_KEYS",))
+
+
+def random_journal(rng: random.Random, n: int) -> list[dict]:
+    """A run's events as attempts would write them: times rise, attempts rise after a requeue or resume."""
+    t, restart, step, out = 1000.0, 0, 0, []
+
+    def add(name: str, **fields) -> None:
+        nonlocal t
+        t += rng.uniform(0.1, 30)
+        out.append({"time": t, "event": name, "step": step, "job_id": "7", "restart": restart, **fields})
+
+    add(journal.START, launched_at=t - 2, world_size=4)
+    for _ in range(n):
+        what = rng.choice(["step", "commit", "commit", "signal", "requeue", "fail", "resume", "cancel", "straggler"])
+        if what == "step":
+            step += rng.randint(1, 20)
+            add(journal.FIRST_STEP, step_time_s=0.1)
+        elif what == "commit":
+            step += rng.randint(0, 10)
+            add(journal.CHECKPOINT_COMMITTED, reason=rng.choice(["periodic", "stop"]), save_s=1.0, stall_s=0.2)
+        elif what == "signal":
+            add(journal.SIGNAL, signals=["USR2"])
+        elif what in ("requeue", "fail"):
+            if what == "fail":
+                add(journal.FAIL, rank=0, error="boom")
+            add(
+                journal.REQUEUE,
+                reason=rng.choice(["failure", "preempt", "time_limit"]),
+                by=rng.choice(["hpc_train", "slurm"]),
+            )
+            restart += 1
+            step = max(journal.committed_steps(out), default=0)
+            add(journal.START, launched_at=t - 3, world_size=rng.choice([2, 4]))
+        elif what == "resume":
+            add(journal.STOPPED, reason="budget spent")
+            restart += 1
+            add(journal.RESUME, budgets={"max_failures": rng.randint(0, 5)})
+        elif what == "cancel":
+            add(journal.CANCEL, by="hpc-train cancel")
+        else:
+            add(journal.STRAGGLER, rank=rng.randint(0, 3), node="node1", own_s=0.2, median_own_s=0.1)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_reducers_on_random_journals(seed: int) -> None:
+    rng = random.Random(seed)
+    events = random_journal(rng, rng.randint(1, 40))
+    restarts = [e["restart"] for e in events]
+    assert journal.next_attempt(events) == max(restarts) + 1
+    assert journal.current_attempt(events) == next(
+        e["restart"] for e in reversed(events) if e["event"] in (journal.START, journal.RESUME)
+    )
+    since = journal.since_resume(events)
+    assert journal.RESUME not in [e["event"] for e in since] and since == events[len(events) - len(since) :]
+    assert 0 <= journal.failures_in_a_row(events) <= len(journal.named(events, journal.REQUEUE))
+    assert journal.committed_step(events) == max(journal.committed_steps(events), default=None)
+    # every attempt on record is in the timeline once, in order; the goodput parts add up to the allocation
+    atts = journal.attempts(events)
+    assert [a["restart"] for a in atts] == sorted(set(restarts))
+    parts = journal.goodput(events, [{"time": 0.0, "step": 1, "step_time_s": 0.5}])
+    assert all(parts[k] >= 0 for k in parts)
+    summed = parts["committed"] + parts["lost"] + parts["stall"] + parts["overhead"]
+    assert summed == pytest.approx(parts["allocated"], rel=1e-9, abs=1e-9)
+    assert 0.0 <= parts["goodput"] <= 1.0
+    # a local run's state follows its journal
+    ended = journal.stopped(events)
+    expected = ("CANCELLED" if journal.cancelled(events) else "FAILED") if ended else "RUNNING"
+    assert journal.local_state(events, alive=True) == expected
+    assert journal.local_state(events, alive=False) == (
+        expected if ended else "FAILED" if journal.failures(events) else "UNKNOWN"
+    )
+    # a reader of the written file sees exactly these events, whatever else is in it
+    text = "".join(json.dumps(e) + "\n" for e in events)
+    garbage = ["[1, 2]", "{}", '{"event": "x", "time": 1, "step": "7"}', "not json"]
+    lines = text.splitlines(keepends=True)
+    for g in garbage:
+        lines.insert(rng.randint(0, len(lines)), g + "\n")
+    assert journal.parse("".join(lines) + '{"event": "sig', f"seed{seed}") == events
+
+
+def test_a_new_job_counts_its_attempt_from_the_last_resume() -> None:
+    ev = lambda name, restart, **f: {"time": 1.0, "event": name, "step": 0, "restart": restart, **f}  # noqa: E731
+    events = [ev("start", 0), ev("requeue", 0), ev("start", 1), ev("stopped", 1), ev("resume", 2)]
+    assert journal.new_job_attempt(events, 0) == 2  # a resumed Slurm job: SLURM_RESTART_COUNT 0 again
+    assert journal.new_job_attempt(events, 3) == 5
+    assert journal.new_job_attempt(events, None) == 2  # the local controller: requeues since the resume
+    assert journal.new_job_attempt([*events, ev("start", 2), ev("requeue", 2)], None) == 3
+    assert journal.new_job_attempt([], None) == 0 and journal.new_job_attempt([], 1) == 1
+    assert journal.decided([*events, ev("requeue", 2)], 2) and not journal.decided(events, 2)
+
+
+def test_a_malformed_line_warns_once_and_a_torn_one_not_at_all(tmp_path: Path, capsys) -> None:
+    journal.log(tmp_path, journal.START, 0, "1", 0)
+    with open(RunPaths(tmp_path).events, "a") as f:
+        f.write("edited by hand\n")
+    journal.log(tmp_path, journal.FINISH, 9, "1", 0)
+    with open(RunPaths(tmp_path).events, "a") as f:
+        f.write('{"time": 3.0, "event": "sig')  # its writer killed mid-line, or still writing
+    for _ in range(3):
+        assert [e["event"] for e in journal.read(tmp_path)] == ["start", "finish"]
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "skipped 1 line(s)" in err and "line 2" in err, err
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    journal.log(clean, journal.START, 0, "1", 0)
+    with open(RunPaths(clean).events, "a") as f:
+        f.write('{"time": 3.0, "event": "sig')
+    assert len(journal.read(clean)) == 1 and capsys.readouterr().err == ""
+    assert journal.read(tmp_path / "never-ran") == []
+
+
+def test_appends_from_many_processes_stay_whole_lines(tmp_path: Path) -> None:
+    """Four writers x 200 events, each a single locked O_APPEND write: every line parses."""
+    import multiprocessing
+
+    def write(k: int) -> None:
+        for i in range(200):
+            journal.log(tmp_path, journal.CHAOS, i, str(k), 0, injected="x" * (k * 500))
+
+    procs = [multiprocessing.get_context("fork").Process(target=write, args=(k,)) for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    lines = RunPaths(tmp_path).events.read_text().splitlines()
+    assert len(lines) == 800 and len(journal.read(tmp_path)) == 800
+
+
+def _event_literals(path: Path) -> list[str]:
+    """Places that read an event's name (`e["event"] == ...`, `e.get("event")`) or write one by a string
+    literal (`log(run_dir, "start", ...)`, `at.event("start", ...)`, `record("stopped", ...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "event":
+            found.append(f"{path.name}:{node.lineno} reads e['event']")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "get" and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "event":
+                found.append(f"{path.name}:{node.lineno} reads e.get('event')")
+            literal = [a.value for a in node.args[:2] if isinstance(a, ast.Constant) and a.value in NAMES]
+            if name in ("log", "event", "record", "log_event") and literal:
+                found.append(f"{path.name}:{node.lineno} writes {literal[0]!r} by its literal")
+    return found
+
+
+def test_no_module_but_the_journal_names_an_event_by_itself() -> None:
+    found = [f for p in sorted(PACKAGE.glob("*.py")) if p.name != "journal.py" for f in _event_literals(p)]
+    assert not found, "use journal's names and reducers:\n" + "\n".join(found)
+
+
+def test_the_scan_sees_a_literal(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('if e["event"] == "start":\n    at.event("finish", 3)\nx = e.get("event")\n')
+    assert len(_event_literals(probe)) == 3

@@ -1,0 +1,74 @@
+"""Imports point down (docs/architecture.md draws these layers): each module of hpc_train imports only
+modules of lower layers, at the top or inside a function alike, so there is no circle and no upward
+arrow. The job side (what runs in the allocation) never imports the login side (cli, submit, ops...)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hpc_train"
+
+# Low to high. A module may import only modules of the layers before its own.
+LAYERS: list[tuple[str, ...]] = [
+    ("__init__", "paths", "env", "topology", "tokenizer", "straggler"),  # facts and names, torch-free
+    ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
+    ("metrics", "preempt", "provenance", "data"),
+    ("tracking", "prometheus", "preflight", "sbatch"),
+    ("config",),  # the root config, composed from the dataclasses beside their code
+    ("model", "checkpoint"),  # the job side from here
+    ("attempt",),
+    ("job", "train"),
+    ("start",),
+    ("ops",),  # the login side from here
+    ("submit",),
+    ("cli",),
+]
+JOB_SIDE = {"model", "checkpoint", "attempt", "job", "train", "start"}
+LOGIN_SIDE = {"ops", "submit", "cli"}
+
+
+def imports_of(path: Path) -> set[str]:
+    """The hpc_train modules a file imports anywhere in it (`from hpc_train import x` names module x, or
+    __init__ for a name defined there)."""
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "hpc_train":
+            out |= {a.name if a.name in modules else "__init__" for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hpc_train."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("hpc_train.")}
+    out.discard(path.stem)
+    return out
+
+
+def test_every_module_has_a_layer() -> None:
+    placed = [m for layer in LAYERS for m in layer]
+    assert len(placed) == len(set(placed)), "a module is in two layers"
+    missing = sorted({p.stem for p in PACKAGE.glob("*.py")} - set(placed))
+    assert not missing, f"add {missing} to LAYERS in tests/test_layers.py (and to docs/architecture.md)"
+
+
+def test_imports_point_down() -> None:
+    rank = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    upward = [
+        f"{p.stem} (layer {rank[p.stem]}) imports {dep} (layer {rank.get(dep, '?')})"
+        for p in sorted(PACKAGE.glob("*.py"))
+        for dep in sorted(imports_of(p))
+        if rank.get(dep, len(LAYERS)) >= rank[p.stem]
+    ]
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
+
+
+def test_the_job_side_never_imports_the_login_side() -> None:
+    crossing = {m: sorted(imports_of(PACKAGE / f"{m}.py") & LOGIN_SIDE) for m in JOB_SIDE}
+    assert not any(crossing.values()), crossing
+
+
+def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
+    """The parser finds imports inside functions too (most of ours are lazy, to keep torch off the login node)."""
+    probe = tmp_path / "journal.py"
+    probe.write_text("def f():\n    from hpc_train import ops\n    from hpc_train.submit import plan\n")
+    assert imports_of(probe) == {"ops", "submit"}
