@@ -112,7 +112,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Path, reference: Path) -> None:
-    from hpc_train.ops import process_identity
+    from hpc_train.runs import process_identity
 
     run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *ARGS, "train.min_step_time_s=0.2", "--no-wait"])
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
@@ -355,7 +355,7 @@ def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> Non
     live process and started a second copy of a training trial."""
     import subprocess
 
-    from hpc_train.ops import process_identity
+    from hpc_train.runs import process_identity
 
     driver = subprocess.Popen(
         [HPC_TRAIN, "submit", "-m", f"out_dir={tmp_path}", "name=sw", "train.steps=400", "train.min_step_time_s=0.1"],
