@@ -536,6 +536,25 @@ def test_live_states_asks_squeue_first_and_sacct_for_the_rest(tmp_path: Path, mo
     assert "sacct -X -n -P -j 99 " in (tmp_path / "calls").read_text()
 
 
+def test_job_states_asks_sacct_when_squeue_cannot_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller down: accounting still says how a job ended (status showed it so when it asked sacct
+    first); a job accounting does not know either is not taken as gone: squeue's error, so resume refuses."""
+    from hpc_train import slurm
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
+    )
+    (bin_dir / "sacct").write_text("#!/bin/sh\nprintf '99|CANCELLED by 1000\\n'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    assert slurm.job_states(["99"], retries=0) == {"99": "CANCELLED"}
+    with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):
+        slurm.job_states(["99", "100"], retries=0)
+
+
 def test_a_resume_resets_failures_in_a_row_and_first_attempt_drills(monkeypatch: pytest.MonkeyPatch) -> None:
     """Resume is a person's word that the cause is fixed; and a resumed Slurm job (SLURM_RESTART_COUNT 0
     again) is attempt 1 of the run: a first-attempt drill does not fire again."""
