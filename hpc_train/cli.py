@@ -223,7 +223,7 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def _runs(path: str, unreadable_ok: bool = False) -> list:
-    from hpc_train.ops import find_runs
+    from hpc_train.runs import find_runs
 
     runs = find_runs(Path(path))
     if not runs:
@@ -238,7 +238,7 @@ def _status(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from hpc_train import ops
+    from hpc_train import status
 
     if args.prometheus:  # the files only, no Slurm query: cron may run it every minute
         from hpc_train import prometheus
@@ -251,59 +251,59 @@ def _status(args: argparse.Namespace) -> int:
         )
         return 0
     while True:
-        rows = ops.status_rows(_runs(args.path, unreadable_ok=True))
+        rows = status.status_rows(_runs(args.path, unreadable_ok=True))
         if args.json:
             print(json.dumps(rows, indent=1))
         else:
             if args.watch:
                 print("\033[2J\033[H", end="")  # clear the screen between refreshes
-            ops.print_status(rows)
+            status.print_status(rows)
         if not args.watch:
             return 0
         time.sleep(args.watch)
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from hpc_train import ops
+    from hpc_train import logs
 
     runs = _runs(args.run)
     if len(runs) != 1:
         raise ValueError(f"{args.run} holds {len(runs)} runs; name one, e.g. {runs[0].run_dir}")
     run = runs[0]
-    out = ops.log_path(run, args.rank)
-    err = ops.stderr_path(out)
+    out = logs.log_path(run, args.rank)
+    err = logs.stderr_path(out)
     out_bytes, err_bytes = out.read_bytes(), err.read_bytes() if err.exists() else b""
     out_text, err_text = out_bytes.decode(errors="replace"), err_bytes.decode(errors="replace")
     labels = (f"---- rank {args.rank} stdout: {out} ----", f"---- rank {args.rank} stderr: {err} ----")
-    print(ops.attempt_section(out_text, args.attempt), end="")
-    errors = ops.attempt_section(err_text, args.attempt)  # job.py starts each attempt there with the header too
-    if ops.has_output(errors):  # tracebacks, warnings, stack dumps: after the log, labelled
+    print(logs.attempt_section(out_text, args.attempt), end="")
+    errors = logs.attempt_section(err_text, args.attempt)  # job.py starts each attempt there with the header too
+    if logs.has_output(errors):  # tracebacks, warnings, stack dumps: after the log, labelled
         print(labels[1])
         print(errors, end="" if errors.endswith("\n") else "\n")
     if args.follow:  # then both streams as they grow, labelled at each switch; returns when the run ends
         streams, unknown_since = [(out, len(out_bytes), labels[0]), (err, len(err_bytes), labels[1])], []
-        ops.follow(
+        logs.follow(
             streams,
-            labels[1] if ops.has_output(errors) else labels[0],
-            lambda: ops.run_ended(run, unknown_since),
+            labels[1] if logs.has_output(errors) else labels[0],
+            lambda: logs.run_ended(run, unknown_since),
             check_every_s=10.0 if run.executor == "slurm" else 0.5,
-        )  # sacct: at most once per 10 s
+        )  # slurm.job_states: at most once per 10 s
     return 0
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from hpc_train import ops
+    from hpc_train import runs
 
-    ids = ops.cancel(_runs(args.path))
+    ids = runs.cancel(_runs(args.path))
     print(f"cancelled {len(ids)} job(s): {' '.join(ids)}")
     return 0
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from hpc_train import ops
+    from hpc_train import drills
 
     for run in _runs(args.run):
-        print(f"{run.label}: {ops.chaos(run, args.action, args.rank, args.seconds, args.node)}")
+        print(f"{run.label}: {drills.chaos(run, args.action, args.rank, args.seconds, args.node)}")
     return 0
 
 
@@ -311,11 +311,11 @@ def _report(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from hpc_train import journal, ops
+    from hpc_train import journal, report
 
     for run in _runs(args.run):
         png = Path(args.png) if args.png else run.run_dir / "report.png"
-        parts, atts, made = ops.report(run, png)
+        parts, atts, made = report.report(run, png)
         table = Table(title=f"{run.label}: goodput {parts['goodput']:.1%} of {parts['allocated']:.1f} s allocated")
         for col in ("part", "seconds", "share"):
             table.add_column(col)
@@ -332,7 +332,7 @@ def _report(args: argparse.Namespace) -> int:
         attempts = Table(
             title="attempts (start-up: python imports rendezvous preflight setup verify load first-step, seconds)"
         )
-        batches = ops.batch_text(atts)  # a column only when the global batch or accumulation changed
+        batches = report.batch_text(atts)  # a column only when the global batch or accumulation changed
         for col in (
             "attempt",
             "job",
@@ -354,7 +354,7 @@ def _report(args: argparse.Namespace) -> int:
             attempts.add_row(
                 str(a["restart"]),
                 str(a["job_id"]),
-                ops.size_text(a),
+                report.size_text(a),
                 *([batches[i]] if batches else []),
                 f"{a['start_step']}->{a['reached_step']}",
                 f"{a['end'] - a['launched']:.1f}",
@@ -397,12 +397,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _results(args: argparse.Namespace) -> int:
-    from hpc_train import ops
+    from hpc_train import status
 
     path = Path(args.sweep_dir)
-    rows = ops.sort_results(ops.results_rows(path), args.sort, args.reverse)
+    rows = status.sort_results(status.results_rows(path), args.sort, args.reverse)
     title = f"{path.name}: {len(rows)} trial(s), by {args.sort}{' (highest first)' if args.reverse else ''}"
-    ops.print_results(rows, title, "json" if args.json else "csv" if args.csv else "table")
+    status.print_results(rows, title, "json" if args.json else "csv" if args.csv else "table")
     return 0
 
 
@@ -530,12 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("cancel", help="cancel exactly this run's or sweep's jobs")
     p.add_argument("path")
     p.set_defaults(func=_cancel)
-    from hpc_train.ops import CHAOS  # torch-free, no Slurm call
+    from hpc_train.drills import CHAOS  # torch-free, no Slurm call
 
     p = sub.add_parser(
         "chaos",
         help="inject a fault into a running job (drills); recorded in events.jsonl",
-        description="actions:\n" + "\n".join(f"  {a:22s} {w}" for a, w in CHAOS.items()),
+        description="actions:\n" + "\n".join(f"  {a:22s} {w}" for a, (_, w) in CHAOS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run")

@@ -1,5 +1,6 @@
-"""The one place that shells out to Slurm's clients (scontrol, squeue, sacct, sbatch --test-only), on
-the login node and inside the job (the job's fate and its requeue), with one retry policy.
+"""The one place that shells out to Slurm's clients (scontrol, squeue, sacct, scancel, srun, sinfo,
+sacctmgr, sbatch --test-only), on the login node and inside the job (the job's fate and its requeue), with
+one retry policy, and the one way to ask a job's state (job_states).
 
 Every call has a timeout and exports SLURM_CONF when the cluster config names one (without it the
 clients try a DNS SRV lookup). Parsers are pure functions of the clients' text, tested on captures.
@@ -251,19 +252,23 @@ def parse_squeue_states(text: str) -> dict[str, str]:
     return dict(line.split("|", 1) for line in text.splitlines() if "|" in line)
 
 
-def live_states(job_ids: list[str]) -> dict[str, str]:
-    """State per job id, for a safety check ("is it still queued or running?"): slurmctld first (squeue
-    knows every job it holds, at once), sacct only for ids it no longer knows (accounting may lag the
-    controller by seconds, or be down)."""
+def job_states(job_ids: list[str], retries: int = 3) -> dict[str, str]:
+    """State per job id, the one answer every command gets (status, logs -f, resume). slurmctld first:
+    squeue knows every job it holds, at once (a requeued job is PENDING there while accounting may lag the
+    controller by seconds). sacct for the ids squeue no longer holds (the controller forgets a job
+    MinJobAge, 300 s by default, after it ended), and for all of them when squeue cannot answer (the
+    controller down: accounting still knows how they ended). An id neither knows is left out, unless
+    squeue failed: then whether it is still queued is unknown, and squeue's error is raised."""
     ids = [j for j in job_ids if j]
     if not ids:
         return {}
+    listed: dict[str, str] = {}
+    unanswered: SlurmError | None = None
     try:
-        listed = parse_squeue_states(call(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"]))
+        listed = parse_squeue_states(call(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"], retries=retries))
     except SlurmError as e:
         if "invalid job id" not in str(e).lower():  # squeue's answer for a job it no longer holds
-            raise
-        listed = {}
+            unanswered = e
     out: dict[str, str] = {}
     for j in ids:  # an array's own id: the state of any task it still holds
         state = listed.get(j) or next((s for k, s in listed.items() if k.startswith(f"{j}_")), "")
@@ -271,11 +276,77 @@ def live_states(job_ids: list[str]) -> dict[str, str]:
             out[j] = state
     missing = [j for j in ids if j not in out]
     if missing:
-        for line in call(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobID,State"]).splitlines():
-            job, _, state = line.partition("|")
-            if job in missing and state:
-                out[job] = state.split()[0]
+        sacct = ["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobID,State"]
+        out.update(parse_sacct_states(call(sacct, retries=retries), missing))
+    if unanswered and any(j not in out for j in ids):
+        raise unanswered
     return out
+
+
+live_states = job_states  # its name before status asked the same way; callers on other branches (submit's resume)
+
+
+def parse_sacct_states(text: str, job_ids: list[str]) -> dict[str, str]:
+    """`sacct -X -n -P -o JobID,State` -> {job id: state} for these ids; "CANCELLED by 1000" is CANCELLED."""
+    out = {}
+    for line in text.splitlines():
+        job, _, state = line.partition("|")
+        if job in job_ids and state.split():
+            out[job] = state.split()[0]
+    return out
+
+
+def jobs_named(job_name: str) -> set[str]:
+    """Ids (an array's base id) of this user's jobs of that name, queued or run in 7 days, not cancelled."""
+    out = call(["sacct", "-X", "-n", "-P", "--name", job_name, "-o", "JobID,State", "-S", "now-7days"])
+    ids = [line.split("|")[0] for line in out.splitlines() if line and "CANCELLED" not in line]
+    ids += call(["squeue", "-h", "--name", job_name, "-o", "%F"]).split()
+    return {i.split("_")[0] for i in ids}
+
+
+def queued_tasks(job_name: str) -> dict[str, float]:
+    """Tasks Slurm still holds (pending, running, requeued...) by id, with their start time (now for
+    pending ones); one line per array task (-r), so `7_[2-5]` is never left unexpanded."""
+    from datetime import datetime
+
+    out: dict[str, float] = {}
+    for line in call(["squeue", "-h", "-r", "--name", job_name, "-o", "%i|%S"]).splitlines():
+        task, _, start = line.partition("|")
+        try:
+            out[task] = datetime.fromisoformat(start).timestamp()
+        except ValueError:  # N/A: not started
+            out[task] = time.time()
+    return out
+
+
+def scancel(job_ids: list[str], signal_name: str = "", batch_only: bool = False) -> None:
+    """`scancel` these jobs; with signal_name (USR2, TERM) only signal them, as Slurm's time-limit warning
+    or a preemption would; batch_only: the batch shell alone (--batch), as an operator's signal."""
+    call(
+        [
+            "scancel",
+            *([f"--signal={signal_name}"] if signal_name else []),
+            *(["--batch"] if batch_only else []),
+            *job_ids,
+        ]
+    )
+
+
+def allocation_id(job_id: str) -> str:
+    """The numeric id of a job's allocation (an array task `123_4` has its own, squeue's %A), for srun
+    --jobid; "" when squeue lists nothing for it."""
+    ids = call(["squeue", "-h", "-j", job_id, "-o", "%A"]).split()
+    return ids[0] if ids else ""
+
+
+def kill(allocation: str, node: str, pid: int) -> None:
+    """SIGKILL one process of a running job through srun into its allocation, so it reaches a real
+    cluster's compute node too; one try, of at most 60 s."""
+    call(
+        ["srun", "--overlap", f"--jobid={allocation}", "-w", node, "-N1", "-n1", "kill", "-KILL", str(pid)],
+        timeout_s=60,
+        retries=0,
+    )
 
 
 def slurm_env(slurm_conf: str | None) -> None:

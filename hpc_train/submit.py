@@ -47,7 +47,7 @@ class Trial:
     overrides: list[str]
     run_dir: str
     job_id: str | None = None
-    process: dict[str, Any] | None = None  # a local trial: ops.process_identity of its controller
+    process: dict[str, Any] | None = None  # a local trial: runs.process_identity of its controller
 
 
 @dataclass
@@ -330,9 +330,10 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
     the task pickles: find that array by its job name and give every task its pickle. Trials whose task
     already ended without starting (it waited 60 s for a pickle, or was cancelled) go into a new array
     appended to p.arrays, so every trial runs, or is queued again, exactly once."""
+    from hpc_train import slurm
 
     known = {a.job_id for a in p.arrays if a.job_id} | _manifest_ids(p.target)  # incl. trials' resumed jobs
-    found = _jobs_named(job_name) - known  # a cancelled array was given up on: resubmit instead
+    found = slurm.jobs_named(job_name) - known  # a cancelled array was given up on: resubmit instead
     if len(found) != 1:
         return False
     array.job_id, array.submitting = found.pop(), False
@@ -340,7 +341,7 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
         p.trials[i].job_id = f"{array.job_id}_{k}" if len(array.trials) > 1 else array.job_id
         _write_task_pickle(p.target / "submitit" / f"{p.trials[i].job_id}_submitted.pkl", p.trials[i].run_dir, executor)
     written = time.time()
-    queued = _queued_tasks(job_name)
+    queued = slurm.queued_tasks(job_name)
     started = {i for i in array.trials if journal.named(journal.read(Path(p.trials[i].run_dir)), journal.START)}
     # A task that gave up on its pickle just before it was written dies within seconds: look again 10 s
     # after writing when a task still waiting may have been queued that long (Slurm's start <= python's).
@@ -350,23 +351,13 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
         if i not in started
     ):
         time.sleep(max(0.0, written + 10 - time.time()))
-        queued = _queued_tasks(job_name)
+        queued = slurm.queued_tasks(job_name)
     ended = [i for i in array.trials if i not in started and p.trials[i].job_id not in queued]
     for i in ended:
         p.trials[i].job_id = None
     if ended:
         p.arrays.append(Array(trials=ended))
     return True
-
-
-def _jobs_named(job_name: str) -> set[str]:
-    """Ids (an array's base id) of this user's jobs of that name, queued or run in 7 days, not cancelled."""
-    from hpc_train import slurm
-
-    out = slurm.call(["sacct", "-X", "-n", "-P", "--name", job_name, "-o", "JobID,State", "-S", "now-7days"])
-    ids = [line.split("|")[0] for line in out.splitlines() if line and "CANCELLED" not in line]
-    ids += slurm.call(["squeue", "-h", "--name", job_name, "-o", "%F"]).split()
-    return {i.split("_")[0] for i in ids}
 
 
 def _manifest_ids(target: Path) -> set[str]:
@@ -378,23 +369,6 @@ def _manifest_ids(target: Path) -> set[str]:
             for r in [record, *record.get("trials", []), *record.get("arrays", [])]:
                 ids += [r.get("job_id") or "", *r.get("previous_job_ids", [])]
     return {i.split("_")[0] for i in ids if i}
-
-
-def _queued_tasks(job_name: str) -> dict[str, float]:
-    """Tasks Slurm still holds (pending, running, requeued...) by id, with their start time (now for
-    pending ones); one line per array task (-r), so `7_[2-5]` is never left unexpanded."""
-    from datetime import datetime
-
-    from hpc_train import slurm
-
-    out: dict[str, float] = {}
-    for line in slurm.call(["squeue", "-h", "-r", "--name", job_name, "-o", "%i|%S"]).splitlines():
-        task, _, start = line.partition("|")
-        try:
-            out[task] = datetime.fromisoformat(start).timestamp()
-        except ValueError:  # N/A: not started
-            out[task] = time.time()
-    return out
 
 
 def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
@@ -509,7 +483,7 @@ def submit(
                 "overrides": overrides,
             }
             if first.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
-                from hpc_train.ops import process_identity
+                from hpc_train.runs import process_identity
 
                 record["process"] = process_identity(int(job.job_id))
             write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
@@ -549,7 +523,7 @@ def submit(
         array.submitting = True
         _save_manifest(p, overrides)
         if cluster.executor == "local":  # this machine is the cluster: one trial at a time
-            from hpc_train.ops import process_identity
+            from hpc_train.runs import process_identity
 
             with _sigint_held():
                 with _stdio_to_devnull():
@@ -620,9 +594,9 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     and apply over the frozen config, which stays as submitted. Once sbatch succeeded, writes the `resume`
     event (the attempt it starts, who, why) and the new job id where status finds it (submission.json, or
     the sweep's sweep.json). Returns (the submitit job, sentences for the user)."""
-    from hpc_train import ops
+    from hpc_train.runs import find_runs
 
-    runs = ops.find_runs(path)
+    runs = find_runs(path)
     if not runs:
         raise ValueError(
             f"{path} is not a run directory: it holds no run (no config.yaml, no sweep.json); see what "
@@ -644,14 +618,14 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
         locked(RunPaths(run.run_dir).lock, wait=False, busy=busy),
         locked(target / (MANIFEST + ".lock")) if (target / MANIFEST).exists() else contextlib.nullcontext(),
     ):
-        return _resume(ops.find_runs(run.run_dir)[0], budgets, reason)
+        return _resume(find_runs(run.run_dir)[0], budgets, reason)
 
 
 def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[str]]:
     import getpass
     import socket
 
-    from hpc_train import ops, slurm
+    from hpc_train import runs, slurm
     from hpc_train.config import load_frozen
     from hpc_train.job import run_job
     from hpc_train.paths import read_marker, step_folders
@@ -668,7 +642,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     state = ""
     if run.executor == "slurm" and run.job_id:
         try:
-            state = slurm.live_states([run.job_id]).get(run.job_id, "")
+            state = slurm.job_states([run.job_id]).get(run.job_id, "")
         except slurm.SlurmError as e:
             raise slurm.SlurmError(
                 f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
@@ -686,7 +660,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         while state == "COMPLETING" and time.monotonic() < waited_until:
             time.sleep(2)
             try:
-                state = slurm.live_states([run.job_id]).get(run.job_id, "")
+                state = slurm.job_states([run.job_id]).get(run.job_id, "")
             except slurm.SlurmError:
                 break  # the state is known to be COMPLETING: refused below
         if state in ACTIVE_STATES:
@@ -705,7 +679,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             f"controller can only be seen there; run hpc-train resume {run.run_dir} on "
             f"{run.process['host']}"
         )
-    elif run.executor == "local" and (pid := ops.local_pid(run)):
+    elif run.executor == "local" and (pid := runs.local_pid(run)):
         raise ValueError(
             f"{run.label} is still running (local controller pid {pid}): there is nothing to resume; "
             f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
@@ -783,7 +757,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     def queue() -> Any:
         # A try that timed out may have queued the job: look it up by name (minus every id recorded) first.
         if tried and cfg.cluster.executor == "slurm":
-            found = _jobs_named(job_name(target)) - _manifest_ids(target) - {run.job_id.split("_")[0]}
+            found = slurm.jobs_named(job_name(target)) - _manifest_ids(target) - {run.job_id.split("_")[0]}
             if len(found) == 1:
                 return type("Adopted", (), {"job_id": found.pop()})()
         tried.append(1)
@@ -807,7 +781,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             previous_job_id=run.job_id,
             stopped_because=why,
         )
-        process = ops.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
+        process = runs.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
         if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
             manifest = json.loads((target / MANIFEST).read_text())
             mode = (target / MANIFEST).stat().st_mode & 0o777

@@ -1,6 +1,6 @@
 """Imports point down (docs/architecture.md draws these layers): each module of hpc_train imports only
 modules of lower layers, at the top or inside a function alike, so there is no circle and no upward
-arrow. The job side (what runs in the allocation) never imports the login side (cli, submit, ops...)."""
+arrow. The job side (what runs in the allocation) never imports the login side (cli, submit, status...)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("attempt",),
     ("job", "train"),
     ("start",),
-    ("ops",),  # the login side from here
+    ("runs",),  # the login side from here: which runs a path names
+    ("status", "logs", "report", "drills"),  # the commands on runs that exist
     ("submit",),
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "attempt", "job", "train", "start"}
-LOGIN_SIDE = {"ops", "submit", "cli"}
+LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "submit", "cli"}
 
 
 def imports_of(path: Path) -> set[str]:
@@ -70,5 +71,5 @@ def test_the_job_side_never_imports_the_login_side() -> None:
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """The parser finds imports inside functions too (most of ours are lazy, to keep torch off the login node)."""
     probe = tmp_path / "journal.py"
-    probe.write_text("def f():\n    from hpc_train import ops\n    from hpc_train.submit import plan\n")
-    assert imports_of(probe) == {"ops", "submit"}
+    probe.write_text("def f():\n    from hpc_train import status\n    from hpc_train.submit import plan\n")
+    assert imports_of(probe) == {"status", "submit"}

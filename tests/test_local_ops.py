@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 
-from hpc_train.ops import report_marks
+from hpc_train.report import report_marks
 
 CONFIG = "cluster: {executor: local, signal_lead_s: 120}\nrequeue: {max_failures: 3}\ntrain: {steps: 40}\n"
 
@@ -192,7 +192,7 @@ def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
     clients answer as Slurm does for such a job: sacct prints nothing, squeue says "Invalid job id"."""
     import time
 
-    from hpc_train import ops
+    from hpc_train import logs, runs
 
     run_dir, env = slurm_run(tmp_path, job_id)
     bin_dir = tmp_path / "bin"
@@ -200,13 +200,13 @@ def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
     (bin_dir / "squeue").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
     (bin_dir / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", env["PATH"])
-    monkeypatch.setattr(ops, "UNKNOWN_GIVE_UP_S", 1.0)  # 60 s in use; the waiting is the same
+    monkeypatch.setattr(logs, "UNKNOWN_GIVE_UP_S", 1.0)  # 60 s in use; the waiting is the same
     log = tmp_path / "0_log.out"
     log.write_text("step 1\n")
-    [run_] = ops.find_runs(run_dir)
+    [run_] = runs.find_runs(run_dir)
     unknown_since: list[float] = []
     t0 = time.monotonic()
-    ops.follow([(log, 0, "out")], "out", lambda: ops.run_ended(run_, unknown_since), check_every_s=0.2, every_s=0.05)
+    logs.follow([(log, 0, "out")], "out", lambda: logs.run_ended(run_, unknown_since), check_every_s=0.2, every_s=0.05)
     assert time.monotonic() - t0 < 10
     out, err = capsys.readouterr()
     assert out == "step 1\n"

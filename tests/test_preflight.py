@@ -227,7 +227,7 @@ def test_a_node_sick_again_gets_its_exclusion_once_more() -> None:
 
 
 def test_status_prints_a_line_per_excluded_node() -> None:
-    from hpc_train.ops import COLUMNS, print_status
+    from hpc_train.status import COLUMNS, print_status
 
     row = {
         **dict.fromkeys(COLUMNS),
@@ -311,7 +311,8 @@ def test_slurm_call_in_the_job_blocks_stop_signals_without_preexec_fn(monkeypatc
 def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) -> None:
     """--rank 99 was an IndexError traceback; --node typo armed a drill that never fires."""
     from hpc_train import journal
-    from hpc_train.ops import Run, chaos
+    from hpc_train.drills import chaos
+    from hpc_train.runs import Run
 
     journal.log(tmp_path, "start", 0, "7", 0, rank_nodes=["node1", "node1", "node3", "node3"])
     run = Run(run_dir=tmp_path, label="health-1", job_id="7", executor="slurm", log_dir=tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import HPC_TRAIN, run
 
-from hpc_train.ops import sort_results
+from hpc_train.status import sort_results
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_resume_of_a_cancelled_run_finishes_as_an_uninterrupted_one(tmp_path: Path, reference: Path) -> None:
-    from hpc_train.ops import process_identity
+    from hpc_train.runs import process_identity
 
     run_dir, job_id = submit([f"out_dir={tmp_path}", "name=cut", *ARGS, "train.min_step_time_s=0.2", "--no-wait"])
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
@@ -355,7 +355,7 @@ def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> Non
     live process and started a second copy of a training trial."""
     import subprocess
 
-    from hpc_train.ops import process_identity
+    from hpc_train.runs import process_identity
 
     driver = subprocess.Popen(
         [HPC_TRAIN, "submit", "-m", f"out_dir={tmp_path}", "name=sw", "train.steps=400", "train.min_step_time_s=0.1"],
@@ -534,6 +534,25 @@ def test_live_states_asks_squeue_first_and_sacct_for_the_rest(tmp_path: Path, mo
     assert "sacct" not in (tmp_path / "calls").read_text()
     assert slurm.live_states(["123_5", "99"]) == {"123_5": "PENDING", "99": "CANCELLED"}
     assert "sacct -X -n -P -j 99 " in (tmp_path / "calls").read_text()
+
+
+def test_job_states_asks_sacct_when_squeue_cannot_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller down: accounting still says how a job ended (status showed it so when it asked sacct
+    first); a job accounting does not know either is not taken as gone: squeue's error, so resume refuses."""
+    from hpc_train import slurm
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
+    )
+    (bin_dir / "sacct").write_text("#!/bin/sh\nprintf '99|CANCELLED by 1000\\n'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    assert slurm.job_states(["99"], retries=0) == {"99": "CANCELLED"}
+    with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):
+        slurm.job_states(["99", "100"], retries=0)
 
 
 def test_a_resume_resets_failures_in_a_row_and_first_attempt_drills(monkeypatch: pytest.MonkeyPatch) -> None:

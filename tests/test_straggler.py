@@ -19,7 +19,7 @@ from conftest import HPC_TRAIN, read_events, run, submit, wait_finished, wait_un
 from hpc_train import prometheus
 from hpc_train.journal import straggler_episodes as straggler_rows
 from hpc_train.journal import stragglers_now as current
-from hpc_train.ops import stragglers
+from hpc_train.status import stragglers
 from hpc_train.straggler import Judge, StragglerConfig, judge, medians_of_others
 
 # One sample line of the text exposition format: name{label="value",...} value
@@ -296,10 +296,10 @@ def test_an_idle_connection_neither_blocks_a_scrape_nor_close(tmp_path: Path) ->
 def test_chaos_slow_rank_refuses_what_would_hang_or_do_nothing(tmp_path: Path) -> None:
     """--seconds inf/1e9 would hang the rank every step until the watchdog (and the drill file re-fires on
     every attempt), NaN and --rank 99 would arm nothing yet report success, no --seconds took slow-storage's 2 s."""
-    from hpc_train import ops
+    from hpc_train import drills, runs
 
     run_dir = write_run(tmp_path / "slow-1", [ev(100, "start", 0, world_size=4)], [])
-    run_ = ops.find_runs(run_dir)[0]
+    run_ = runs.find_runs(run_dir)[0]
     for rank, seconds, says in [
         (99, 0.02, "slow-1 has 4 ranks; give 0 to 3"),
         (-1, 0.02, "give 0 to 3"),
@@ -309,9 +309,9 @@ def test_chaos_slow_rank_refuses_what_would_hang_or_do_nothing(tmp_path: Path) -
         (3, None, "needs --seconds"),
     ]:
         with pytest.raises(ValueError, match=re.escape(says)):
-            ops.chaos(run_, "slow-rank", rank, seconds)
+            drills.chaos(run_, "slow-rank", rank, seconds)
     assert not (run_dir / "drills").exists() or not list((run_dir / "drills").iterdir())
-    assert ops.chaos(run_, "slow-rank", 3, 0.02) == "rank 3 works 0.02 s more per step"
+    assert drills.chaos(run_, "slow-rank", 3, 0.02) == "rank 3 works 0.02 s more per step"
     assert (run_dir / "drills" / "slow_rank_3").read_text() == "0.02\n"
     proc = run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "99", "--seconds", "0.02"])
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
