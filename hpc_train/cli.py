@@ -107,11 +107,11 @@ def _submit(args: argparse.Namespace) -> int:
         if args.cfg:
             from omegaconf import OmegaConf
 
-            from hpc_train.config import to_run_config
+            from hpc_train.config import check_environment, to_run_config
 
             expand_sweep(args.overrides, multirun=False)  # a sweep value: say "add -m" (Hydra: "Ambiguous value")
             cfg = compose(args.overrides, source)
-            to_run_config(cfg)
+            check_environment(to_run_config(cfg))
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
         from hpc_train import submit

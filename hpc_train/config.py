@@ -3,7 +3,8 @@
 The trainer-side dataclasses live here rather than in model.py/train.py/checkpoint.py because those
 import torch (~1.5 s), and the login node validates every config without importing torch. Each class
 says which module it configures. ClusterConfig lives beside the executor code in sbatch.py, PreflightConfig
-in preflight.py (torch-free at import).
+in preflight.py (torch-free at import). The checks in __post_init__ are pure (no file read, no import
+lookup, no sys.path edit); check_environment is the one step that asks this machine.
 """
 
 from __future__ import annotations
@@ -91,14 +92,6 @@ class DataConfig:  # data.py
 
 
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler torch.compile's inductor looks for ($CXX, else g++), if it is on PATH."""
-    import os
-    import shutil
-
-    return shutil.which(os.environ.get("CXX", "g++"))
 
 
 @dataclass
@@ -202,14 +195,6 @@ class TrainConfig:  # train.py
                 f"train.adam_eps={self.adam_eps} must be > 0 (it keeps AdamW's division finite); "
                 f"e.g. train.adam_eps=1e-8"
             )
-        if self.compile and cxx_compiler() is None:
-            import os
-
-            raise ValueError(
-                f"train.compile=true needs a C++ compiler for torch.compile (inductor), and "
-                f"{os.environ.get('CXX', 'g++')!r} is not on PATH here; install g++ (apt-get install g++) "
-                f"or set CXX, or set train.compile=false"
-            )
 
 
 @dataclass
@@ -272,26 +257,8 @@ class FnConfig:  # job.py: the training function, yours or the built-in one
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self._target_:
-            return
-        if not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self._target_):
+        if self._target_ and not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self._target_):
             raise ValueError(f"fn._target_={self._target_!r} is not a dotted path; write package.module.function")
-        import importlib.util
-        import os
-        import sys
-
-        module = self._target_.rsplit(".", 1)[0]
-        if os.getcwd() not in sys.path:  # the job runs `python -m submitit...` here: its sys.path has the cwd
-            sys.path.append(os.getcwd())
-        try:  # finds the file without running it (its parent packages are imported)
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            raise ValueError(
-                f"fn._target_={self._target_!r}: module {module!r} is not importable here; install it "
-                f"(pip install -e .) or add its folder to PYTHONPATH, which the job inherits"
-            )
 
 
 @dataclass
@@ -318,21 +285,6 @@ class RunConfig:
             raise ValueError(
                 f"train.tp={tp} must divide model.n_heads={self.model.n_heads}: each rank holds whole attention heads"
             )
-        if self.data.source == "tokens":
-            from hpc_train.data import read_meta
-
-            # The data's tokenizer sets the vocabulary: raised to meta.json's vocab_size (a larger one, e.g.
-            # padded to a multiple of 64 for faster matmuls, is kept). Frozen into config.yaml at submit.
-            meta = read_meta(Path(self.data.path))
-            self.model.vocab_size = max(self.model.vocab_size, int(meta["vocab_size"]))
-            val = meta.get("val_shards", [])
-            if self.train.eval_every_steps and max((s["tokens"] for s in val), default=0) <= self.model.seq_len:
-                raise ValueError(
-                    f"train.eval_every_steps={self.train.eval_every_steps} needs a held-out split with a "
-                    f"window of model.seq_len + 1 = {self.model.seq_len + 1} tokens, and data.path="
-                    f"{self.data.path!r} has {sum(s['tokens'] for s in val)} held-out tokens; prepare it "
-                    f"with `hpc-train prepare-data ... --val-fraction 0.01`, or set train.eval_every_steps=0"
-                )
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):
             raise ValueError(
@@ -341,6 +293,65 @@ class RunConfig:
             )
         if any(ord(c) < 32 for c in self.out_dir):
             raise ValueError(f"out_dir={self.out_dir!r} contains a control character (newline?); give a plain path")
+
+
+def check_environment(run: RunConfig) -> None:
+    """What the dataclasses' checks cannot know: whether this machine has what the run needs. The one step
+    that touches the world, after the pure validation: at submit (and `--cfg job`, `hpc-train resume`), and
+    in every task of the job before it trains (a compute node may lack what the login node has). Raises
+    ValueError naming the key, the value and the fix. data=tokens: raises model.vocab_size to meta.json's
+    (a larger one, e.g. padded to a multiple of 64 for faster matmuls, is kept); submit freezes it."""
+    import importlib.util
+    import os
+    import shutil
+    import sys
+
+    cxx = os.environ.get("CXX", "g++")  # the C++ compiler torch.compile's inductor looks for
+    if run.train.compile and shutil.which(cxx) is None:
+        raise ValueError(
+            f"train.compile=true needs a C++ compiler for torch.compile (inductor), and "
+            f"{cxx!r} is not on PATH here; install g++ (apt-get install g++) "
+            f"or set CXX, or set train.compile=false"
+        )
+    if run.fn._target_:
+        module, cwd = run.fn._target_.rsplit(".", 1)[0], os.getcwd()
+        added = cwd not in sys.path  # the job's sys.path ends with the cwd (start.py): here too, for this lookup
+        if added:
+            sys.path.append(cwd)
+        try:  # finds the file without running it (its parent packages are imported)
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        finally:
+            if added:
+                sys.path.remove(cwd)
+        if not found:
+            raise ValueError(
+                f"fn._target_={run.fn._target_!r}: module {module!r} is not importable here; install it "
+                f"(pip install -e .) or add its folder to PYTHONPATH, which the job inherits"
+            )
+    from hpc_train.tracking import PACKAGES
+
+    for switch, module in PACKAGES.items():
+        if getattr(run.metrics, switch) and importlib.util.find_spec(module) is None:
+            raise ValueError(
+                f"metrics.{switch}=true needs the {module} package, which is not installed in "
+                f"this Python; run: pip install 'hpc_train[{switch}]' (the job uses the same "
+                f"environment), or set metrics.{switch}=false"
+            )
+    if run.data.source == "tokens":
+        from hpc_train.data import read_meta
+
+        meta = read_meta(Path(run.data.path))  # the data's tokenizer sets the vocabulary
+        run.model.vocab_size = max(run.model.vocab_size, int(meta["vocab_size"]))
+        val = meta.get("val_shards", [])
+        if run.train.eval_every_steps and max((s["tokens"] for s in val), default=0) <= run.model.seq_len:
+            raise ValueError(
+                f"train.eval_every_steps={run.train.eval_every_steps} needs a held-out split with a "
+                f"window of model.seq_len + 1 = {run.model.seq_len + 1} tokens, and data.path="
+                f"{run.data.path!r} has {sum(s['tokens'] for s in val)} held-out tokens; prepare it "
+                f"with `hpc-train prepare-data ... --val-fraction 0.01`, or set train.eval_every_steps=0"
+            )
 
 
 def register_schema() -> None:
@@ -422,7 +433,7 @@ def expand_sweep(overrides: list[str], multirun: bool = True) -> list[list[str]]
 def compose_trials(
     trials: list[list[str]], source: ConfigSource = ConfigSource()
 ) -> list[tuple[dict[str, Any], RunConfig]]:
-    """(resolved config as plain dicts, its validated RunConfig) per trial.
+    """(resolved config as plain dicts, its validated RunConfig) per trial; pure but for Hydra reading conf/.
 
     Hydra's compose costs ~50 ms, 53 s for 1,000 trials. So compose once per distinct set of
     config-group choices and structural overrides, then set each trial's plain `key=value` overrides on a
@@ -462,9 +473,7 @@ def compose_trials(
             resolved = copy.deepcopy(base)
             for o in fast:
                 _set_dotted(resolved, o.key_or_group, o.value())
-        run = build(RunConfig, resolved)
-        resolved["model"]["vocab_size"] = run.model.vocab_size  # type: ignore[index]  # from data.path's meta.json
-        out.append((resolved, run))  # type: ignore[arg-type]
+        out.append((resolved, build(RunConfig, resolved)))  # type: ignore[arg-type]
     return out
 
 

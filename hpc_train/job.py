@@ -317,7 +317,7 @@ def _after_failure(
     sees the closed peer). Returns (its verdict, or "" for the others; the partition's grace time).
     Every failing rank first writes its heartbeat count, from which the deciding rank blames a hang
     (hang=True: the watchdog fired) on the ranks that stopped first (_hung_nodes)."""
-    from hpc_train.config import load_frozen
+    from hpc_train.config import check_environment, load_frozen
 
     hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
     try:
@@ -342,7 +342,8 @@ def _after_failure(
     _deciding[0] = True
     try:
         cfg = load_frozen(paths.run_dir)
-    except Exception:  # the config itself is what fails: no point in retrying
+        check_environment(cfg)
+    except Exception:  # the config itself, or what it needs of this node, is what fails: no point in retrying
         return "stop", 0.0
     if isinstance(error, preempt.Unrecoverable):
         journal.log(
@@ -500,9 +501,10 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
     import torch.distributed as dist
 
     from hpc_train.attempt import Attempt
-    from hpc_train.config import load_frozen
+    from hpc_train.config import check_environment, load_frozen
 
     cfg = load_frozen(paths.run_dir)
+    check_environment(cfg)  # this node's answers: fn._target_ importable, the compiler, data.path's meta.json
     phases_s["imports"] = time.time() - t0
     if env.local_rank == 0 and paths.code.exists():  # one task per node: each node may have its own install
         from hpc_train.provenance import differences

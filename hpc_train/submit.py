@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal
-from hpc_train.config import ConfigSource, RunConfig, compose_trials, expand_sweep
+from hpc_train.config import ConfigSource, RunConfig, check_environment, compose_trials, expand_sweep
 from hpc_train.paths import RunPaths, locked, write_atomic
 from hpc_train.sbatch import ClusterConfig, check_syntax, make_executor, render, validate_live
 
@@ -242,6 +242,9 @@ def plan(
 
     trial_overrides = expand_sweep(overrides, multirun)
     composed = compose_trials(trial_overrides, source)
+    for c, r in composed:  # this machine: fn._target_ importable, the compiler, data.path's meta.json
+        check_environment(r)
+        c["model"]["vocab_size"] = r.model.vocab_size  # raised to the data's: frozen into config.yaml
     configs, runs = [c for c, _ in composed], [r for _, r in composed]
     for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
         if c["data"].get("path"):
@@ -626,7 +629,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     import socket
 
     from hpc_train import runs, slurm
-    from hpc_train.config import load_frozen
+    from hpc_train.config import check_environment, load_frozen
     from hpc_train.job import run_job
     from hpc_train.paths import read_marker, step_folders
 
@@ -637,7 +640,8 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             f"{run.label} finished at step {finish['step']}: there is nothing to resume. To train on from "
             f"its weights, start a new run: hpc-train submit checkpoint.init_from={run.run_dir} ..."
         )
-    cfg = load_frozen(run.run_dir)  # checks it still validates here: data path, fn._target_
+    cfg = load_frozen(run.run_dir)
+    check_environment(cfg)  # it still runs from here: data path, fn._target_
     slurm.slurm_env(cfg.cluster.slurm_conf)
     state = ""
     if run.executor == "slurm" and run.job_id:

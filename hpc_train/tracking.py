@@ -10,7 +10,7 @@ Every attempt of a run logs into the same TensorBoard folder, the same W&B run a
 the run's tracking id is made once and kept in RUN_DIR/tracking.json. A step already in metrics.jsonl
 when an attempt starts is not sent again (a crashed attempt replays the steps after its last checkpoint);
 W&B writes an offline run only when it is closed, so the steps a crashed attempt lost are sent again.
-Rank 0 only. The config class is torch-free (the login node checks the packages at submit); the
+Rank 0 only. The config class is torch-free (config.check_environment finds the packages at submit); the
 backends are imported in the job, only when switched on.
 """
 
@@ -54,8 +54,6 @@ class TrackingConfig:  # tracking.py, the `metrics` section of the root config
     prometheus_textfile: str = ""
 
     def __post_init__(self) -> None:
-        import importlib.util
-
         if not 0 <= self.prometheus_port <= 65535:
             raise ValueError(
                 f"metrics.prometheus_port={self.prometheus_port} must be 0 (off) or a TCP port 1-65535, "
@@ -69,13 +67,6 @@ class TrackingConfig:  # tracking.py, the `metrics` section of the root config
             )
         if self.wandb_mode not in ("offline", "online"):
             raise ValueError(f"metrics.wandb_mode={self.wandb_mode!r} is not one of ('offline', 'online')")
-        for switch, module in PACKAGES.items():
-            if getattr(self, switch) and importlib.util.find_spec(module) is None:
-                raise ValueError(
-                    f"metrics.{switch}=true needs the {module} package, which is not installed in "
-                    f"this Python; run: pip install 'hpc_train[{switch}]' (the job uses the same "
-                    f"environment), or set metrics.{switch}=false"
-                )
 
 
 def run_id(run_dir: Path) -> dict[str, Any]:

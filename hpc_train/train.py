@@ -1,5 +1,5 @@
-"""The built-in trainer, top to bottom: model, parallelize, resume, then the loop (step, stop check and
-saves through the Attempt, log).
+"""The built-in trainer, top to bottom: model, parallelize, resume, then the loop (step, evaluation, log,
+stop check and save through the Attempt). `main` tells that in one screen; each part is a function above it.
 
     hpc-train submit                                # 2 ranks on this machine (local executor)
     hpc-train submit cluster=dev train.steps=200    # 2 nodes x 2 ranks on the test cluster
@@ -17,6 +17,7 @@ import hashlib
 import math
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -149,6 +150,261 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | No
     return None if peak is None else flops_per_token * tokens_per_s_per_device / peak
 
 
+@dataclass
+class Parts:
+    """What a step and an evaluation use: the model (parameters, evaluation, hashes), the module to call
+    (DDP's or FSDP2's wrapper), its AdamW, and how this rank's batches reach them."""
+
+    model: GPT
+    net: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    bf16: bool
+    dp_rank: int  # a tp group reads one batch
+    dp_size: int
+    batch_seqs: int
+
+    def batch(self, source: data.Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = source.next_batch(self.dp_rank, self.dp_size, self.batch_seqs)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, module: torch.nn.Module | None = None) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            try:
+                return (self.net if module is None else module)(x, y)
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # train.compile: a requeue would fail alike
+                raise preempt.Unrecoverable(
+                    f"train.compile=true: torch.compile failed on {socket.gethostname()}: "
+                    f"{str(e).splitlines()[0]}; fix it there or set train.compile=false"
+                ) from e
+
+
+def build(at: Attempt) -> Parts:
+    """The model on this rank's device, parallelized, and its AdamW; the same initial weights on every rank."""
+    tc, on_gpu = at.cfg.train, at.device.type == "cuda"
+    torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = GPT(at.cfg.model).to(at.device)
+    model.activation_checkpointing = on_gpu if tc.activation_checkpointing is None else tc.activation_checkpointing
+    net = parallelize(model, tc, at.mesh)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=tc.lr,
+        betas=(tc.adam_beta1, tc.adam_beta2),
+        eps=tc.adam_eps,
+        weight_decay=tc.weight_decay,
+    )
+    bf16 = on_gpu if tc.bf16 is None else tc.bf16
+    dp = at.mesh["dp"]
+    return Parts(model, net, optimizer, at.device, bf16, dp.get_local_rank(), dp.size(), tc.batch_seqs_per_rank)
+
+
+def rebucket_ddp(p: Parts, sampler: data.Sampler) -> None:
+    """DDP re-buckets gradients by their ready order after its first backward, and the bucket layout sets
+    the summation order of gloo's ring all-reduce. The uninterrupted run took the resumed step with
+    re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart."""
+    position = sampler.position
+    p.loss(*p.batch(sampler)).backward()
+    p.optimizer.zero_grad(set_to_none=True)
+    sampler.position = position
+
+
+def warn_batch_changed(at: Attempt, step: int, configured: int, global_seqs: int, dp: int, grad_accum: int) -> None:
+    at.event(
+        journal.BATCH_CHANGED,
+        step,
+        global_batch_seqs=global_seqs,
+        configured=configured,
+        dp=dp,
+        grad_accum_steps=grad_accum,
+    )
+    at.say(
+        f"[hpc_train] warning: global batch {configured} sequences does not divide over dp={dp} x "
+        f"{at.cfg.train.batch_seqs_per_rank}; this attempt steps {global_seqs} sequences ({grad_accum} micro-batches)"
+    )
+
+
+def train_step(
+    p: Parts, sampler: data.Sampler, lr: float, grad_accum: int, grad_clip: float, window: Window
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """One optimizer step of grad_accum micro-batches. Returns this rank's loss of the step (every
+    micro-batch's, not the last one's), the gradient norm before clipping, and the seconds in next_batch:
+    wall and this thread's CPU (the straggler window counts those as data, not compute)."""
+    for group in p.optimizer.param_groups:
+        group["lr"] = lr
+    p.optimizer.zero_grad(set_to_none=True)
+    data_s, data_cpu_s, step_loss = 0.0, 0.0, torch.zeros((), device=p.device)
+    for _micro in range(grad_accum):
+        t_data, cpu_data = time.monotonic(), time.thread_time()
+        x, y = p.batch(sampler)
+        data_s += time.monotonic() - t_data
+        data_cpu_s += time.thread_time() - cpu_data
+        window.forward_begins()
+        loss = p.loss(x, y)
+        preempt.beat()  # past its forward: at a hang, a rank that stopped before here is the one to blame
+        window.forward_ends()
+        # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
+        (loss / grad_accum if grad_accum > 1 else loss).backward()
+        step_loss += loss.detach() / grad_accum
+    if window.slow_drill_s:
+        straggler.busy(window.slow_drill_s)  # `hpc-train chaos RUN slow-rank`: real work, as a slow core
+    grad_norm = clip_grad_norm(p.model, grad_clip)
+    p.optimizer.step()
+    return step_loss, grad_norm, data_s, data_cpu_s
+
+
+def evaluate(at: Attempt, p: Parts, val: data.Sampler | None, batches: int) -> float | None:
+    """The mean loss of the same `batches` held-out batches per data-parallel rank every time (the val
+    sampler restarts at 0), so values compare across steps and resumes. No gradients, no RNG and the raw
+    model (not DDP's wrapper): training's numbers do not change. None when a stop signal came during it:
+    the stop save must not wait for the rest."""
+    assert val is not None
+    val.position, losses = 0, []
+    p.model.eval()
+    with torch.no_grad():
+        for i in range(batches):
+            # Every 8 batches, counted, not timed: every rank must enter the all-reduce together, and
+            # clocks differ. 4 bytes per 8 forwards costs <0.1%; a stop waits at most 8 forwards.
+            if i and i % 8 == 0 and at.should_stop():
+                losses = []
+                break
+            losses.append(p.loss(*p.batch(val), module=p.model).double())
+            preempt.beat()  # a long evaluation is not a hang (job.py's watchdog)
+    p.model.train()
+    # FSDP2 keeps the root's parameters gathered after a forward for the backward that follows; with no
+    # backward a checkpoint's state_dict then fails ("storage that is not resizable"). torchtitan: reshard.
+    for module in p.model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return global_mean(torch.stack(losses).mean()) if losses else None
+
+
+@dataclass
+class Log:
+    """A logged step's record on rank 0: the metrics.jsonl row (docs/metrics.md), the trackers
+    (metrics.tensorboard/wandb/mlflow), Prometheus (metrics.prometheus_*) and the console line."""
+
+    at: Attempt
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None
+    tracker: Any  # tracking.open's: a Tracker, or one that does nothing
+    exporter: prometheus.Exporter | None
+
+    @classmethod
+    def open(cls, at: Attempt, model: torch.nn.Module, tokens_per_step: int) -> Log:
+        m = at.cfg.metrics
+        flops_per_token = model_flops_per_token(model, at.cfg)
+        peak_flops = peak_flops_per_device(at.cfg.train.peak_tflops_per_device)
+        tracker = tracking.open(m, at.paths.run_dir, at.env.rank, at.event)
+        exporter = (
+            prometheus.start(
+                m.prometheus_addr,
+                m.prometheus_port,
+                m.prometheus_textfile,
+                at.env.job_id,
+                lambda: prometheus.run_text(at.paths.run_dir, at.env.job_id),
+                at.event,
+            )
+            if at.env.rank == 0
+            else None
+        )
+        return cls(at, tokens_per_step, flops_per_token, peak_flops, tracker, exporter)
+
+    def step(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        step_time_s: float,
+        eval_s: float,
+        data_s: float,
+        val_loss: float | None,
+    ) -> None:
+        """Collective (the loss is averaged over every rank); rank 0 writes."""
+        mean_loss, at, steps = global_mean(loss), self.at, self.at.cfg.train.steps
+        if at.env.rank != 0:
+            return
+        tokens_per_s = self.tokens_per_step / step_time_s
+        row = {
+            "time": time.time(),
+            "step": step,
+            "loss": mean_loss,
+            "lr": lr_at(step - 1, at.cfg.train),
+            "grad_norm": grad_norm.item(),
+            "step_time_s": step_time_s,
+            "eval_s": eval_s,  # a stop signal may wait for it: metrics.lead_warning counts it
+            "data_wait_fraction": data_s / step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_rank": tokens_per_s / at.env.world_size,
+            "peak_memory_mb": peak_memory_mb(at.device),
+            "mfu": mfu(self.flops_per_token, tokens_per_s / at.env.world_size, self.peak_flops),
+            **({} if val_loss is None else {"val_loss": val_loss}),
+        }
+        append_line(at.paths.metrics, row)
+        self.tracker.log(step, row)
+        if self.exporter:
+            self.exporter.tick()
+        mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        val_text = "" if val_loss is None else f"  val {val_loss:.4f}"
+        at.say(
+            f"step {step:6d}/{steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  gnorm "
+            f"{row['grad_norm']:.3f}{val_text}  {step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} "
+            f"tok/s  data {row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}"
+        )
+
+    def close(self, finished: bool = False) -> None:
+        self.tracker.close(finished=finished)  # the requeue leaves by os._exit: W&B writes its offline run only here
+        if self.exporter:
+            self.exporter.close()
+
+
+@dataclass
+class Window:
+    """Stragglers (straggler.py): this rank's own seconds (compute, data, wall) summed over
+    straggler.every_steps steps, then judged with every other rank's (name_stragglers); every_steps=0: off.
+    GPU: compute = the forwards' kernel time (CUDA events; thread time would miss kernels). The slow-rank
+    drill's busy loop is host work, invisible there: the drill is a CPU drill. Not run on a GPU yet."""
+
+    at: Attempt
+    judge: straggler.Judge = field(default_factory=straggler.Judge)
+    forwards: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # GPU only
+
+    def __post_init__(self) -> None:
+        self.cfg = self.at.cfg.straggler
+        self.timed = self.at.device.type == "cuda" and self.cfg.every_steps > 0
+        self.restart()
+
+    def restart(self) -> None:
+        self.sums, self.steps = [0.0, 0.0, 0.0], 0
+        # `hpc-train chaos RUN slow-rank`: read at the attempt's start and after each window, not every step
+        self.slow_drill_s = preempt.drill_seconds(self.at.paths.drills, f"slow_rank_{self.at.env.rank}")
+
+    def forward_begins(self) -> None:
+        if self.timed:
+            self.forwards.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.forwards[-1][0].record()
+
+    def forward_ends(self) -> None:
+        if self.timed:
+            self.forwards[-1][1].record()
+
+    def add(self, compute_s: float, data_s: float, wall_s: float) -> None:
+        if self.cfg.every_steps:
+            self.sums = [self.sums[0] + compute_s, self.sums[1] + data_s, self.sums[2] + wall_s]
+            self.steps += 1
+
+    def end_if_due(self, step: int) -> None:
+        """Collective when due: at the same step on every rank."""
+        if not (self.cfg.every_steps and step % self.cfg.every_steps == 0):
+            return
+        if self.forwards:  # GPU: the window's forwards, read once (one synchronize per window)
+            self.forwards[-1][1].synchronize()
+            self.sums[0] = sum(a.elapsed_time(b) for a, b in self.forwards) / 1e3
+            self.forwards.clear()
+        name_stragglers(self.at, self.sums, self.steps, self.judge, self.cfg, step)
+        self.restart()
+
+
 def name_stragglers(
     at: Attempt, sums: list[float], steps: int, judge: straggler.Judge, cfg: straggler.StragglerConfig, step: int
 ) -> None:
@@ -205,159 +461,44 @@ def params_sha256(model: torch.nn.Module) -> str:
 
 def main(at: Attempt) -> dict[str, Any] | None:
     cfg, tc = at.cfg, at.cfg.train
-    dp_rank, dp_size = at.mesh["dp"].get_local_rank(), at.mesh["dp"].size()  # a tp group reads one batch
-    on_gpu = at.device.type == "cuda"
-    bf16 = on_gpu if tc.bf16 is None else tc.bf16
-    torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = GPT(cfg.model).to(at.device)
-    model.activation_checkpointing = on_gpu if tc.activation_checkpointing is None else tc.activation_checkpointing
-    net = parallelize(model, tc, at.mesh)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=tc.lr,
-        betas=(tc.adam_beta1, tc.adam_beta2),
-        eps=tc.adam_eps,
-        weight_decay=tc.weight_decay,
-    )
+    p = build(at)  # the model, parallelized, its AdamW: the same initial weights on every rank
     sampler = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
     val = data.open_sampler(cfg.data, cfg.model.seq_len, cfg.model.vocab_size, "val") if tc.eval_every_steps else None
-    state = TrainState(model, optimizer, data=sampler)
-
-    def next_batch(source: data.Sampler = sampler) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = source.next_batch(dp_rank, dp_size, tc.batch_seqs_per_rank)
-        return x.to(at.device, non_blocking=True), y.to(at.device, non_blocking=True)
-
-    def loss_of(x: torch.Tensor, y: torch.Tensor, module: torch.nn.Module = net) -> torch.Tensor:
-        with torch.autocast(at.device.type, dtype=torch.bfloat16, enabled=bf16):
-            try:
-                return module(x, y)
-            except torch._dynamo.exc.BackendCompilerFailed as e:  # train.compile: a requeue would fail alike
-                raise preempt.Unrecoverable(
-                    f"train.compile=true: torch.compile failed on {socket.gethostname()}: "
-                    f"{str(e).splitlines()[0]}; fix it there or set train.compile=false"
-                ) from e
-
-    def evaluate() -> float | None:
-        """The mean loss of the same train.eval_batches held-out batches per data-parallel rank every time
-        (the val sampler restarts at 0), so values compare across steps and resumes. No gradients, no RNG
-        and the raw model (not DDP's wrapper): training's numbers do not change. None when a stop signal
-        came during it: the stop save must not wait for the rest."""
-        assert val is not None
-        val.position, losses = 0, []
-        model.eval()
-        with torch.no_grad():
-            for i in range(tc.eval_batches):
-                # Every 8 batches, counted, not timed: every rank must enter the all-reduce together, and
-                # clocks differ. 4 bytes per 8 forwards costs <0.1%; a stop waits at most 8 forwards.
-                if i and i % 8 == 0 and at.should_stop():
-                    losses = []
-                    break
-                losses.append(loss_of(*next_batch(val), module=model).double())
-                preempt.beat()  # a long evaluation is not a hang (job.py's watchdog)
-        model.train()
-        # FSDP2 keeps the root's parameters gathered after a forward for the backward that follows; with no
-        # backward a checkpoint's state_dict then fails ("storage that is not resizable"). torchtitan: reshard.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        return global_mean(torch.stack(losses).mean()) if losses else None
-
+    state = TrainState(p.model, p.optimizer, data=sampler)
     # The global batch is the full size's, cluster.nodes x tasks_per_node / tp ranks x batch_seqs_per_rank x
     # grad_accum_steps sequences; an attempt on fewer nodes (cluster.min_nodes) accumulates more micro-batches.
     global_seqs = cfg.cluster.nodes * cfg.cluster.tasks_per_node // tc.tp * tc.batch_seqs_per_rank * tc.grad_accum_steps
-    grad_accum = grad_accum_for(global_seqs, dp_size, tc.batch_seqs_per_rank)
-    batch = {"grad_accum_steps": grad_accum, "global_batch_seqs": dp_size * tc.batch_seqs_per_rank * grad_accum}
+    grad_accum = grad_accum_for(global_seqs, p.dp_size, tc.batch_seqs_per_rank)
+    batch = {"grad_accum_steps": grad_accum, "global_batch_seqs": p.dp_size * tc.batch_seqs_per_rank * grad_accum}
 
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
     resumed = at.resume(state, **batch)
     if batch["global_batch_seqs"] != global_seqs:
-        at.event(
-            journal.BATCH_CHANGED,
-            state.step,
-            global_batch_seqs=batch["global_batch_seqs"],
-            configured=global_seqs,
-            dp=dp_size,
-            grad_accum_steps=grad_accum,
-        )
-        at.say(
-            f"[hpc_train] warning: global batch {global_seqs} sequences does not divide over dp={dp_size} x "
-            f"{tc.batch_seqs_per_rank}; this attempt steps {batch['global_batch_seqs']} sequences "
-            f"({grad_accum} micro-batches)"
-        )
+        warn_batch_changed(at, state.step, global_seqs, batch["global_batch_seqs"], p.dp_size, grad_accum)
     if resumed and tc.parallelism == "ddp":
-        # DDP re-buckets gradients by their ready order after its first backward, and the bucket layout
-        # sets the summation order of gloo's ring all-reduce. The uninterrupted run took this step with
-        # re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
-        position = sampler.position
-        loss_of(*next_batch()).backward()
-        optimizer.zero_grad(set_to_none=True)
-        sampler.position = position
+        rebucket_ddp(p, sampler)  # the uninterrupted run's gradient buckets: bit-exact resume
     at.say(
         f"[hpc_train] job {at.env.job_id} attempt {at.env.restart_count}: {at.env.world_size} ranks on "
-        f"{at.env.num_nodes} node(s), mesh dp={dp_size} x tp={tc.tp}, {tc.parallelism}, {at.device.type}"
-        f"{' bf16' if bf16 else ''}, starting at step {state.step}/{tc.steps}"
+        f"{at.env.num_nodes} node(s), mesh dp={p.dp_size} x tp={tc.tp}, {tc.parallelism}, {at.device.type}"
+        f"{' bf16' if p.bf16 else ''}, starting at step {state.step}/{tc.steps}"
     )
-
-    flops_per_token = model_flops_per_token(model, cfg)
-    peak_flops = peak_flops_per_device(tc.peak_tflops_per_device)
     tokens_per_step = batch["global_batch_seqs"] * cfg.model.seq_len
     hang_drill = preempt.injected("hang") and at.env.rank == at.env.world_size - 1  # read once, not every step
     first_step, step_loss, val_loss = state.step, torch.tensor(float("nan")), None
-    tracker = tracking.open(cfg.metrics, at.paths.run_dir, at.env.rank, at.event)  # metrics.tensorboard/wandb/mlflow
-    exporter = (
-        prometheus.start(
-            cfg.metrics.prometheus_addr,
-            cfg.metrics.prometheus_port,
-            cfg.metrics.prometheus_textfile,
-            at.env.job_id,
-            lambda: prometheus.run_text(at.paths.run_dir, at.env.job_id),
-            at.event,
-        )
-        if at.env.rank == 0
-        else None
-    )
-    # Stragglers (straggler.py): this rank's own seconds (compute, data, wall) summed over a window.
-    sc, judge, window, window_steps = cfg.straggler, straggler.Judge(), [0.0, 0.0, 0.0], 0
-    slow_drill_s = preempt.drill_seconds(at.paths.drills, f"slow_rank_{at.env.rank}")  # re-read once per window
-    # GPU: compute = the forwards' kernel time (CUDA events; thread time would miss kernels). The slow-rank
-    # drill's busy loop is host work, invisible there: the drill is a CPU drill. Not run on a GPU yet.
-    forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    log, window = Log.open(at, p.model, tokens_per_step), Window(at)
 
     # Go!
     while state.step < tc.steps:
         t0, cpu0 = time.monotonic(), time.thread_time()
         if hang_drill and state.step == first_step + 3:
             time.sleep(10**9)  # a drill: the last rank stops, the others block in the next collective
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(state.step, tc)
-        optimizer.zero_grad(set_to_none=True)
-        data_s, data_cpu_s, step_loss = 0.0, 0.0, torch.zeros((), device=at.device)
-        for _micro in range(grad_accum):
-            t_data, cpu_data = time.monotonic(), time.thread_time()
-            x, y = next_batch()
-            data_s += time.monotonic() - t_data
-            data_cpu_s += time.thread_time() - cpu_data
-            if on_gpu and sc.every_steps:
-                forward_events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-                forward_events[-1][0].record()
-            loss = loss_of(x, y)
-            preempt.beat()  # past its forward: at a hang, a rank that stopped before here is the one to blame
-            if on_gpu and sc.every_steps:
-                forward_events[-1][1].record()
-            # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
-            (loss / grad_accum if grad_accum > 1 else loss).backward()
-            step_loss += loss.detach() / grad_accum  # the step's loss: every micro-batch's, not the last one's
-        if slow_drill_s:
-            straggler.busy(slow_drill_s)  # `hpc-train chaos RUN slow-rank`: real work, as a slow core
-        grad_norm = clip_grad_norm(model, tc.grad_clip)
-        optimizer.step()
+        step_loss, grad_norm, data_s, data_cpu_s = train_step(
+            p, sampler, lr_at(state.step, tc), grad_accum, tc.grad_clip, window
+        )
         state.step += 1
         state.tokens_seen += tokens_per_step
-        if sc.every_steps:
-            window[0] += time.thread_time() - cpu0 - data_cpu_s
-            window[1] += data_s
-            window[2] += time.monotonic() - t0  # before min_step_time_s's sleep: that is nobody's work
-            window_steps += 1
+        # This rank's own seconds: before min_step_time_s's sleep, which is nobody's work.
+        window.add(time.thread_time() - cpu0 - data_cpu_s, data_s, time.monotonic() - t0)
         if tc.min_step_time_s > 0:
             time.sleep(max(0.0, tc.min_step_time_s - (time.monotonic() - t0)))
         step_time_s = time.monotonic() - t0
@@ -366,56 +507,18 @@ def main(at: Attempt) -> dict[str, Any] | None:
         # is acted on now. One caught during the step skips the evaluation: the stop save comes first.
         val_loss, t_eval = None, time.monotonic()
         if tc.eval_every_steps and (state.step % tc.eval_every_steps == 0 or state.step == tc.steps):
-            val_loss = None if at.should_stop() else evaluate()
-        eval_s = time.monotonic() - t_eval  # a stop signal may wait for it: metrics.lead_warning counts it
+            val_loss = None if at.should_stop() else evaluate(at, p, val, tc.eval_batches)
+        eval_s = time.monotonic() - t_eval
         # Logged before the stop check, so the line of the step an attempt stops at (its val_loss) is kept.
         if state.step % tc.log_every_steps == 0 or val_loss is not None:
-            mean_loss = global_mean(step_loss)
-            if at.env.rank == 0:
-                tokens_per_s = tokens_per_step / step_time_s
-                row = {
-                    "time": time.time(),
-                    "step": state.step,
-                    "loss": mean_loss,
-                    "lr": lr_at(state.step - 1, tc),
-                    "grad_norm": grad_norm.item(),
-                    "step_time_s": step_time_s,
-                    "eval_s": eval_s,
-                    "data_wait_fraction": data_s / step_time_s,
-                    "tokens_per_s": tokens_per_s,
-                    "tokens_per_s_per_rank": tokens_per_s / at.env.world_size,
-                    "peak_memory_mb": peak_memory_mb(at.device),
-                    "mfu": mfu(flops_per_token, tokens_per_s / at.env.world_size, peak_flops),
-                    **({} if val_loss is None else {"val_loss": val_loss}),
-                }
-                append_line(at.paths.metrics, row)
-                tracker.log(state.step, row)
-                if exporter:
-                    exporter.tick()
-                mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-                val_text = "" if val_loss is None else f"  val {val_loss:.4f}"
-                at.say(
-                    f"step {state.step:6d}/{tc.steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  gnorm "
-                    f"{row['grad_norm']:.3f}{val_text}  {step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} "
-                    f"tok/s  data {row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}"
-                )
-        if sc.every_steps and state.step % sc.every_steps == 0:  # the same step on every rank
-            if forward_events:  # GPU: the window's forwards, read once (one synchronize per window)
-                forward_events[-1][1].synchronize()
-                window[0] = sum(a.elapsed_time(b) for a, b in forward_events) / 1e3
-                forward_events.clear()
-            name_stragglers(at, window, window_steps, judge, sc, state.step)
-            window, window_steps = [0.0, 0.0, 0.0], 0
-            slow_drill_s = preempt.drill_seconds(at.paths.drills, f"slow_rank_{at.env.rank}")
+            log.step(state.step, step_loss, grad_norm, step_time_s, eval_s, data_s, val_loss)
+        window.end_if_due(state.step)
         if at.step_end(state, tc.steps):  # every rank agreed to stop: saved (if it fit); the job requeues
-            tracker.close()  # the requeue leaves by os._exit: W&B writes its offline run only on close
-            if exporter:
-                exporter.close()
+            log.close()
             return None
 
     evaluated = {"val_loss": val_loss} if tc.eval_every_steps else {}  # the last step's, None if a signal skipped it
-    tracker.close(finished=True)  # explicit, not only atexit: the MLflow run is FINISHED before summary.json exists
-    summary = at.finish(state, final_loss=global_mean(step_loss), params_sha256=params_sha256(model), **evaluated)
-    if exporter:  # after the finish event: the endpoint answers until the run's last word
-        exporter.close()
+    log.tracker.close(finished=True)  # explicit, not only atexit: the MLflow run is FINISHED before summary.json exists
+    summary = at.finish(state, final_loss=global_mean(step_loss), params_sha256=params_sha256(p.model), **evaluated)
+    log.close()  # Prometheus after the finish event: the endpoint answers until the run's last word
     return summary

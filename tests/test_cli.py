@@ -87,6 +87,63 @@ def test_nan_and_inf_are_refused(override: str, message: str) -> None:
     assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr
 
 
+@pytest.mark.parametrize(
+    "override, sentence",
+    [
+        (
+            "train.compile=true",
+            "train.compile=true needs a C++ compiler for torch.compile (inductor), and '/nonexistent/g++' is not on "
+            "PATH here; install g++ (apt-get install g++) or set CXX, or set train.compile=false",
+        ),
+        (
+            "fn._target_=no_such_pkg.train.main",
+            "fn._target_='no_such_pkg.train.main': module 'no_such_pkg.train' is not importable here; install it "
+            "(pip install -e .) or add its folder to PYTHONPATH, which the job inherits",
+        ),
+        ("data=tokens|data.path=/nonexistent", "data.path='/nonexistent' has no readable meta.json"),
+        ("metrics.wandb=true", "metrics.wandb=true needs the wandb package, which is not installed in this Python"),
+    ],
+)
+def test_validation_is_pure_and_the_environment_check_names_what_is_missing(
+    override: str, sentence: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """to_run_config (every dataclass check) only reads the config: no compiler lookup, no import lookup,
+    no file read, no subprocess, sys.path as it was. check_environment, the one step that asks this
+    machine, raises the sentence `hpc-train submit` prints, and leaves sys.path as it found it too."""
+    import builtins
+    import importlib.util
+    import io
+    import shutil
+
+    from hpc_train.config import check_environment, compose, to_run_config
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # how Python marks a module absent
+    monkeypatch.chdir(tmp_path)  # the cwd is searched for fn._target_: an empty one
+    cfg = compose(override.split("|"))  # Hydra reads conf/: before the validation under test
+    path = list(sys.path)
+
+    def touched(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"validation touched the world: {args}")
+
+    with monkeypatch.context() as world:
+        for module, name in [
+            (shutil, "which"),
+            (importlib.util, "find_spec"),
+            (builtins, "open"),
+            (io, "open"),
+            (subprocess, "run"),
+            (subprocess, "Popen"),
+        ]:
+            world.setattr(module, name, touched)
+        run = to_run_config(cfg)
+    assert sys.path == path
+    with pytest.raises(ValueError) as e:
+        check_environment(run)
+    assert sentence in str(e.value)
+    assert sys.path == path
+
+
 def test_version_names_the_installed_package() -> None:
     import hpc_train
 
