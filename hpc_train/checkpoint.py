@@ -9,7 +9,7 @@ Layout of one checkpoint (one folder per step):
 
 Write order: every rank writes and fsyncs its files (a periodic save in a background thread) and hashes
 what it wrote, in that same writer -> at a step boundary the ranks gather their file lists -> rank 0
-writes the manifest to COMMITTED.tmp, fsyncs it and os.replace()s it to COMMITTED. A job killed at any
+writes the manifest to a temp file, fsyncs it and os.replace()s it to COMMITTED. A job killed at any
 point before the replace leaves a folder without COMMITTED, which resume ignores. Resume verifies the
 newest committed folder with every rank hashing a share of its files, falling back to older ones.
 

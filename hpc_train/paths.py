@@ -22,7 +22,8 @@ import fcntl
 import json
 import os
 import re
-import tempfile
+import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,33 +92,45 @@ class RunPaths:
         return self.run_dir / f".failed-{job_id}-{restart}"
 
 
+# A journal line waits at most this long for another writer's lock, then goes in unlocked: a holder that
+# died on NFSv3 keeps its lock until its node reboots, and a rank blocked here would hang its attempt.
+APPEND_LOCK_WAIT_S = 5.0
+
+
 def append_line(path: Path, record: dict[str, Any]) -> None:
     """One line per record, in a single O_APPEND write (concurrent writers never interleave on a local file
-    system) under an flock (NFS does not make O_APPEND atomic; a file system without flock goes on)."""
+    system), under an flock when one can be had within APPEND_LOCK_WAIT_S (NFS does not make O_APPEND
+    atomic). No flock (ENOLCK, EIO after a lost NFS lock, anything else) never costs the line."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                raise
+        until = time.monotonic() + APPEND_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= until:
+                    break
+                time.sleep(0.01)
+            except OSError:
+                break
         os.write(fd, line)
     finally:
         os.close(fd)  # releases the lock
 
 
 def write_atomic(path: Path, data: str | bytes, private: bool = False, fsync: bool = False) -> None:
-    """Whole or absent, for every file we write whole: a unique temp file in the same folder (mkstemp:
-    O_EXCL, so it never follows a planted symlink and two writers never share one), then os.replace.
-    private: 0600, never readable by others, not for a moment; else 0666 less the umask, as open() does.
-    fsync: the bytes are on disk before the name is (a commit marker must never name torn data)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # created 0600
+    """Whole or absent, for every file we write whole: a temp file of a random name in the same folder,
+    created O_EXCL | O_NOFOLLOW (a planted symlink is never followed, two writers never share one), then
+    os.replace. private: 0600, never readable by others, not for a moment; else 0666 less the umask (or
+    as a default ACL says), as open() does: the kernel applies it, the process umask is never touched (a
+    job's other threads create checkpoint files meanwhile). fsync: the bytes are on disk before the name
+    is (a commit marker must never name torn data)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o600 if private else 0o666)
     try:
-        if not private:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             if fsync:

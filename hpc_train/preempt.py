@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal
-
 # submitit's local controller restarts every task of a job when one exits with this code; on Slurm the
 # same code marks "saved and requeued" in sacct's ExitCode column.
 REQUEUE_EXIT_CODE = 144
@@ -120,6 +118,8 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
     beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
     does, ("stop", why) when the run ends here.
     """
+    from hpc_train import journal  # here, not at the top: start.py imports this module before its handlers
+
     if fate == "cancelled":
         return "stop", "cancelled (scancel or hpc-train cancel): not requeueing"
     if fate == "requeued":
@@ -193,6 +193,8 @@ def exclusion(
     under requeue.max_failures, so three unrelated faults weeks apart do not stop a healthy run. A node
     sick again though left out: its ExcNodeList may have been lost (the requeued job's KillWait); set it
     once more; it stops the run only when ExcNodeList took (or was set twice) and the node is back."""
+    from hpc_train import journal
+
     before = journal.excluded_nodes(events)
     for node in (n for n in sick if n in before):
         took, times = journal.exclusion_took(events, node)

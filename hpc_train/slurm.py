@@ -252,13 +252,17 @@ def parse_squeue_states(text: str) -> dict[str, str]:
     return dict(line.split("|", 1) for line in text.splitlines() if "|" in line)
 
 
-def job_states(job_ids: list[str], retries: int = 3) -> dict[str, str]:
+def job_states(job_ids: list[str], retries: int = 3, strict: bool = False) -> dict[str, str]:
     """State per job id, the one answer every command gets (status, logs -f, resume). slurmctld first:
     squeue knows every job it holds, at once (a requeued job is PENDING there while accounting may lag the
     controller by seconds). sacct for the ids squeue no longer holds (the controller forgets a job
     MinJobAge, 300 s by default, after it ended), and for all of them when squeue cannot answer (the
     controller down: accounting still knows how they ended). An id neither knows is left out, unless
-    squeue failed: then whether it is still queued is unknown, and squeue's error is raised."""
+    squeue failed: then whether it is still queued is unknown, and squeue's error is raised.
+
+    strict (resume's safety check, "may a second job start on this run?"): when squeue cannot answer,
+    raise at once. Accounting records CANCELLED while the controller still shows the job COMPLETING, its
+    ranks saving in KillWait; trusting it would start a second job on the same run directory."""
     ids = [j for j in job_ids if j]
     if not ids:
         return {}
@@ -268,6 +272,8 @@ def job_states(job_ids: list[str], retries: int = 3) -> dict[str, str]:
         listed = parse_squeue_states(call(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"], retries=retries))
     except SlurmError as e:
         if "invalid job id" not in str(e).lower():  # squeue's answer for a job it no longer holds
+            if strict:
+                raise
             unanswered = e
     out: dict[str, str] = {}
     for j in ids:  # an array's own id: the state of any task it still holds
@@ -281,9 +287,6 @@ def job_states(job_ids: list[str], retries: int = 3) -> dict[str, str]:
     if unanswered and any(j not in out for j in ids):
         raise unanswered
     return out
-
-
-live_states = job_states  # its name before status asked the same way; callers on other branches (submit's resume)
 
 
 def parse_sacct_states(text: str, job_ids: list[str]) -> dict[str, str]:

@@ -646,7 +646,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     state = ""
     if run.executor == "slurm" and run.job_id:
         try:
-            state = slurm.job_states([run.job_id]).get(run.job_id, "")
+            state = slurm.job_states([run.job_id], strict=True).get(run.job_id, "")
         except slurm.SlurmError as e:
             raise slurm.SlurmError(
                 f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
@@ -664,7 +664,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         while state == "COMPLETING" and time.monotonic() < waited_until:
             time.sleep(2)
             try:
-                state = slurm.job_states([run.job_id]).get(run.job_id, "")
+                state = slurm.job_states([run.job_id], strict=True).get(run.job_id, "")
             except slurm.SlurmError:
                 break  # the state is known to be COMPLETING: refused below
         if state in ACTIVE_STATES:

@@ -172,3 +172,83 @@ def test_the_scan_sees_a_literal(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text('if e["event"] == "start":\n    at.event("finish", 3)\nx = e.get("event")\n')
     assert len(_event_literals(probe)) == 3
+
+
+def test_an_append_never_waits_long_for_a_held_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holds the journal's lock (a writer that died on NFSv3 keeps it until its node
+    reboots): the line goes in unlocked after APPEND_LOCK_WAIT_S, never blocking a rank's decision."""
+    import fcntl
+    import os
+    import time
+
+    from hpc_train import paths
+
+    monkeypatch.setattr(paths, "APPEND_LOCK_WAIT_S", 0.3)
+    journal.log(tmp_path, journal.START, 0, "1", 0)
+    holder = os.fork()
+    if holder == 0:  # the child holds the lock for 60 s
+        fd = os.open(RunPaths(tmp_path).events, os.O_WRONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        (tmp_path / "held").touch()
+        time.sleep(60)
+        os._exit(0)
+    try:
+        while not (tmp_path / "held").exists():
+            time.sleep(0.01)
+        journal.log(tmp_path, journal.FINISH, 9, "1", 0)
+        assert os.waitpid(holder, os.WNOHANG) == (0, 0)  # written while the holder still held the lock
+        assert [e["event"] for e in journal.read(tmp_path)] == ["start", "finish"]
+    finally:
+        os.kill(holder, 9)
+        os.waitpid(holder, 0)
+
+
+def test_an_append_goes_in_when_flock_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import fcntl
+
+    def broken(fd: int, op: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")  # a lost NFS lock
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    journal.log(tmp_path, journal.START, 0, "1", 0)
+    assert [e["event"] for e in journal.read(tmp_path)] == ["start"]
+
+
+def test_write_atomic_never_touches_the_process_umask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's checkpoint thread creates files while rank 0 writes summary.json or the Prometheus textfile:
+    setting the process umask to 0 for a moment made one of 20,000 of them 0666 (adversarial review)."""
+    import os
+    import stat
+
+    from hpc_train.paths import write_atomic
+
+    def no_umask(mask: int) -> int:
+        raise AssertionError("write_atomic changed the process umask")
+
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", no_umask)
+        write_atomic(tmp_path / "shared.json", "{}\n")
+        write_atomic(tmp_path / "secret.json", "{}\n", private=True)
+        write_atomic(tmp_path / "marker", b"x", fsync=True)
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "shared.json").stat().st_mode) == 0o640  # 0666 less the umask, as open()
+    assert stat.S_IMODE((tmp_path / "secret.json").stat().st_mode) == 0o600
+    assert (tmp_path / "marker").read_bytes() == b"x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker", "secret.json", "shared.json"]  # no temp left
+
+
+def test_preempt_imports_nothing_before_the_handlers_go_in() -> None:
+    """start.py imports preempt first and installs its handlers right after: what preempt imports at the top
+    widens the window in which a TERM kills the task unsaved (journal pulled json, tempfile, fcntl in)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from hpc_train import preempt; print(sorted(m for m in sys.modules if m.startswith('hpc_train')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['hpc_train', 'hpc_train.preempt']", out

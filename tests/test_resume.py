@@ -512,7 +512,26 @@ def test_resume_event_only_once_sbatch_succeeded(tmp_path: Path, fake_slurm: Pat
     assert [e["event"] for e in read_events(run_dir)] == ["stopped"]
 
 
-def test_live_states_asks_squeue_first_and_sacct_for_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_refuses_when_squeue_cannot_answer_though_accounting_says_cancelled(
+    tmp_path: Path, fake_slurm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accounting says CANCELLED while the controller may still show the job COMPLETING, its ranks saving in
+    KillWait: with squeue unanswered, resume refuses rather than start a second job on the run (adversarial
+    review: status's sacct fallback had reached resume)."""
+    from hpc_train import slurm, submit
+
+    (fake_slurm.parent / "fakebin" / "squeue").write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
+    )
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    run_dir = slurm_run_dir(tmp_path)
+    with pytest.raises(slurm.SlurmError, match="cannot tell whether job 100 of sl-1 is still queued or running"):
+        submit.resume(run_dir, {})
+    assert not (fake_slurm / "sbatch_calls").exists()
+    assert [e["event"] for e in read_events(run_dir)] == ["stopped"]
+
+
+def test_job_states_asks_squeue_first_and_sacct_for_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pending array task is pending by its own id (squeue -r), though accounting may not know it yet;
     sacct answers only for what slurmctld no longer holds."""
     from hpc_train import slurm
@@ -530,9 +549,9 @@ def test_live_states_asks_squeue_first_and_sacct_for_the_rest(tmp_path: Path, mo
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
-    assert slurm.live_states(["123_4"]) == {"123_4": "PENDING"}
+    assert slurm.job_states(["123_4"]) == {"123_4": "PENDING"}
     assert "sacct" not in (tmp_path / "calls").read_text()
-    assert slurm.live_states(["123_5", "99"]) == {"123_5": "PENDING", "99": "CANCELLED"}
+    assert slurm.job_states(["123_5", "99"]) == {"123_5": "PENDING", "99": "CANCELLED"}
     assert "sacct -X -n -P -j 99 " in (tmp_path / "calls").read_text()
 
 
@@ -553,6 +572,8 @@ def test_job_states_asks_sacct_when_squeue_cannot_answer(tmp_path: Path, monkeyp
     assert slurm.job_states(["99"], retries=0) == {"99": "CANCELLED"}
     with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):
         slurm.job_states(["99", "100"], retries=0)
+    with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):  # resume's check
+        slurm.job_states(["99"], retries=0, strict=True)
 
 
 def test_a_resume_resets_failures_in_a_row_and_first_attempt_drills(monkeypatch: pytest.MonkeyPatch) -> None:
