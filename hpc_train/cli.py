@@ -207,14 +207,14 @@ def _local_outcome(run_dir: Path) -> tuple[int, str]:
 
 def _resume(args: argparse.Namespace) -> int:
     """A stopped, cancelled or failed run again, same run directory and config, from its last checkpoint."""
-    from hpc_train import submit
+    from hpc_train import resume
 
     budgets = {
         k: v
         for k in ("max_preemptions", "max_time_limit_requeues", "max_failures", "max_excluded_nodes")
         if (v := getattr(args, k)) is not None
     }
-    job, lines = submit.resume(Path(args.run), budgets, args.reason)
+    job, lines = resume.resume(Path(args.run), budgets, args.reason)
     print("\n".join(lines))
     if type(job).__name__ != "LocalJob" or args.no_wait:
         print(f"follow it: hpc-train status {args.run}")

@@ -23,10 +23,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("runs",),  # the login side from here: which runs a path names
     ("status", "logs", "report", "drills"),  # the commands on runs that exist
     ("submit",),
+    ("resume",),
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "attempt", "job", "train", "start"}
-LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "submit", "cli"}
+LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "submit", "resume", "cli"}
 
 
 def imports_of(path: Path) -> set[str]:

@@ -307,14 +307,14 @@ def stopped_local_run(run_dir: Path, process: dict[str, Any] | None = None) -> P
 
 # The real command, with sbatch (here the local controller's start) taking 3 s: the window two resumes race in.
 SLOW_SBATCH = """import os, sys, time
-from hpc_train import submit
+from hpc_train import resume
 class Job:
     job_id = str(os.getpid())
 class Executor:
     def submit(self, fn, run_dir):
         time.sleep(3.0)
         return Job()
-submit.make_executor = lambda *a, **k: Executor()
+resume.make_executor = lambda *a, **k: Executor()
 from hpc_train.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -478,23 +478,23 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     that queued the job and then timed out); validate_live is tested on the real cluster."""
     import os
 
-    from hpc_train import submit
+    from hpc_train import resume
 
     bin_dir, state = fake_clients(tmp_path, FAKE_SLURM)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setattr(submit, "validate_live", lambda *a: None)
-    monkeypatch.setattr(submit.time, "sleep", lambda s: None)  # sbatch's 1, 2, 4 s backoff
+    monkeypatch.setattr(resume, "validate_live", lambda *a: None)
+    monkeypatch.setattr(resume.time, "sleep", lambda s: None)  # sbatch's 1, 2, 4 s backoff
     return state
 
 
 def test_resume_retry_adopts_the_job_a_timed_out_sbatch_queued(tmp_path: Path, fake_slurm: Path) -> None:
     """sbatch timed out but queued job 555: the retry finds it by name (100, recorded, is not it) instead of
     queueing a second copy. Before: two jobs, and the run recorded the second."""
-    from hpc_train import submit
+    from hpc_train import resume
 
     (fake_slurm / "script").write_text("queued_then_timeout\nok\n")
     run_dir = slurm_run_dir(tmp_path)
-    job, lines = submit.resume(run_dir, {})
+    job, lines = resume.resume(run_dir, {})
     assert (job.job_id, (fake_slurm / "sbatch_calls").read_text().strip()) == ("555", "1")
     assert json.loads((run_dir / "submission.json").read_text())["job_id"] == "555"
     assert [(e["event"], e["job_id"]) for e in read_events(run_dir) if e["event"] == "resume"] == [("resume", "555")]
@@ -503,12 +503,12 @@ def test_resume_retry_adopts_the_job_a_timed_out_sbatch_queued(tmp_path: Path, f
 def test_resume_event_only_once_sbatch_succeeded(tmp_path: Path, fake_slurm: Path) -> None:
     """A resume that queued nothing leaves no `resume` event (before: one, which reset the run's budgets
     and attempt count for a job that never existed)."""
-    from hpc_train import slurm, submit
+    from hpc_train import resume, slurm
 
     (fake_slurm / "script").write_text("down\n" * 4)
     run_dir = slurm_run_dir(tmp_path)
     with pytest.raises(slurm.SlurmError, match="sbatch failed 4 times"):
-        submit.resume(run_dir, {})
+        resume.resume(run_dir, {})
     assert [e["event"] for e in read_events(run_dir)] == ["stopped"]
 
 
@@ -518,7 +518,7 @@ def test_resume_refuses_when_squeue_cannot_answer_though_accounting_says_cancell
     """Accounting says CANCELLED while the controller may still show the job COMPLETING, its ranks saving in
     KillWait: with squeue unanswered, resume refuses rather than start a second job on the run (adversarial
     review: status's sacct fallback had reached resume)."""
-    from hpc_train import slurm, submit
+    from hpc_train import resume, slurm
 
     (fake_slurm.parent / "fakebin" / "squeue").write_text(
         "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
@@ -526,7 +526,7 @@ def test_resume_refuses_when_squeue_cannot_answer_though_accounting_says_cancell
     monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
     run_dir = slurm_run_dir(tmp_path)
     with pytest.raises(slurm.SlurmError, match="cannot tell whether job 100 of sl-1 is still queued or running"):
-        submit.resume(run_dir, {})
+        resume.resume(run_dir, {})
     assert not (fake_slurm / "sbatch_calls").exists()
     assert [e["event"] for e in read_events(run_dir)] == ["stopped"]
 

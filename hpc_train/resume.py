@@ -1,0 +1,264 @@
+"""`hpc-train resume RUN`: a stopped, cancelled or failed run queued again under its own identity (run
+directory, frozen config.yaml, events.jsonl), from its newest committed checkpoint. Torch-free.
+
+    hpc-train resume runs/demo-1                      # after a cancel, a spent budget, a failed node
+    hpc-train resume runs/demo-1 --max-failures 5     # with a budget raised (recorded in the resume event)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hpc_train import journal
+from hpc_train.paths import RunPaths, locked, write_atomic
+from hpc_train.sbatch import check_syntax, make_executor, render, validate_live
+from hpc_train.submit import (
+    MANIFEST,
+    _manifest_ids,
+    _sbatch_with_retry,
+    _sigint_held,
+    _stdio_to_devnull,
+    _submitit_dir,
+    job_name,
+)
+
+# Slurm states of a job that is queued, running or coming back: a run in one of them is not resumed.
+ACTIVE_STATES = (
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+)
+
+
+def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, list[str]]:
+    """`hpc-train resume RUN`: queue a stopped, cancelled or failed run again under its own identity (run
+    directory, frozen config.yaml, events.jsonl), to go on from its newest committed checkpoint. Refuses a
+    run that is queued, running or finished. `budgets` (requeue.* keys) are recorded in the `resume` event
+    and apply over the frozen config, which stays as submitted. Once sbatch succeeded, writes the `resume`
+    event (the attempt it starts, who, why) and the new job id where status finds it (submission.json, or
+    the sweep's sweep.json). Returns (the submitit job, sentences for the user)."""
+    from hpc_train.runs import find_runs
+
+    runs = find_runs(path)
+    if not runs:
+        raise ValueError(
+            f"{path} is not a run directory: it holds no run (no config.yaml, no sweep.json); see what "
+            f"it holds with hpc-train status {path}"
+        )
+    if len(runs) != 1:
+        raise ValueError(f"{path} holds {len(runs)} runs; resume one of them, e.g. hpc-train resume {runs[0].run_dir}")
+    run = runs[0]
+    if run.unreadable:
+        raise ValueError(run.unreadable)
+    # Held from the state check until the new job id is recorded: a second resume of this run is refused
+    # (it would queue a second copy), and a sweep's submit driver waits to write sweep.json.
+    target = run.log_dir.parent  # the run directory, or the sweep directory of a trial (its submitit/ and job name)
+    busy = (
+        f"{run.label} is already being resumed by another hpc-train resume; follow it with hpc-train status "
+        f"{run.run_dir}"
+    )
+    with (
+        locked(RunPaths(run.run_dir).lock, wait=False, busy=busy),
+        locked(target / (MANIFEST + ".lock")) if (target / MANIFEST).exists() else contextlib.nullcontext(),
+    ):
+        return _resume(find_runs(run.run_dir)[0], budgets, reason)
+
+
+def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[str]]:
+    import getpass
+    import socket
+
+    from hpc_train import runs, slurm
+    from hpc_train.config import check_environment, load_frozen
+    from hpc_train.job import run_job
+    from hpc_train.paths import read_marker, step_folders
+
+    events = journal.read(run.run_dir)
+    finish = journal.finished(events)
+    if finish is not None:
+        raise ValueError(
+            f"{run.label} finished at step {finish['step']}: there is nothing to resume. To train on from "
+            f"its weights, start a new run: hpc-train submit checkpoint.init_from={run.run_dir} ..."
+        )
+    cfg = load_frozen(run.run_dir)
+    check_environment(cfg)  # it still runs from here: data path, fn._target_
+    slurm.slurm_env(cfg.cluster.slurm_conf)
+    state = ""
+    if run.executor == "slurm" and run.job_id:
+        try:
+            state = slurm.job_states([run.job_id], strict=True).get(run.job_id, "")
+        except slurm.SlurmError as e:
+            raise slurm.SlurmError(
+                f"cannot tell whether job {run.job_id} of {run.label} is still queued or running "
+                f"({e}); try again once Slurm answers"
+            ) from None
+        # A job cancelled a moment ago stays COMPLETING while its ranks are killed (KillWait, 30 s by default,
+        # plus the epilog): wait that out rather than send a user who just typed cancel; resume away.
+        waited_until = time.monotonic() + 120
+        if state == "COMPLETING":
+            print(
+                f"hpc-train resume: job {run.job_id} is COMPLETING (its ranks are being stopped); waiting up to "
+                f"2 minutes for it to end",
+                file=sys.stderr,
+            )
+        while state == "COMPLETING" and time.monotonic() < waited_until:
+            time.sleep(2)
+            try:
+                state = slurm.job_states([run.job_id], strict=True).get(run.job_id, "")
+            except slurm.SlurmError:
+                break  # the state is known to be COMPLETING: refused below
+        if state in ACTIVE_STATES:
+            raise ValueError(
+                f"{run.label} is still {state} (job {run.job_id}): there is nothing to resume; follow it "
+                f"with hpc-train status {run.run_dir}, or stop it first with hpc-train cancel "
+                f"{run.run_dir}"
+            )
+    elif (
+        run.executor == "local"
+        and run.process
+        and run.process.get("host", socket.gethostname()) != socket.gethostname()
+    ):
+        raise ValueError(
+            f"{run.label} ran on host {run.process['host']}, not here ({socket.gethostname()}): its local "
+            f"controller can only be seen there; run hpc-train resume {run.run_dir} on "
+            f"{run.process['host']}"
+        )
+    elif run.executor == "local" and (pid := runs.local_pid(run)):
+        raise ValueError(
+            f"{run.label} is still running (local controller pid {pid}): there is nothing to resume; "
+            f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
+            f"{run.run_dir}"
+        )
+
+    events = journal.read(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
+    why = journal.stop_reason(events, run.job_id, state)
+    for k, v in budgets.items():
+        if v < (-1 if k == "max_preemptions" else 0):
+            flag, unlimited = f"--{k.replace('_', '-')}", " (or -1: unlimited)" if k == "max_preemptions" else ""
+            raise ValueError(f"{flag} {v}: a budget is a count >= 0{unlimited}; e.g. {flag} 4")
+    limits = replace(cfg.requeue, **{**journal.budget_changes(events), **budgets})
+    used = {
+        "max_preemptions": journal.requeues_counted(events, "preempt"),
+        "max_time_limit_requeues": journal.requeues_counted(events, "time_limit"),
+        "max_failures": 0,
+    }  # a resume resets failures in a row: a person decided the cause is fixed
+    what = {
+        "max_preemptions": "preemptions",
+        "max_time_limit_requeues": "time-limit requeues",
+        "max_failures": "failures in a row",
+    }
+    spent = [k for k in used if getattr(limits, k) != -1 and used[k] >= getattr(limits, k)]
+    budget_line = "budgets: " + ", ".join(
+        f"{what[k]} {used[k]}/{'unlimited' if getattr(limits, k) == -1 else getattr(limits, k)}"
+        f"{' (raised now)' if k in budgets else ''}"
+        for k in used
+    )
+    if failures := journal.failures_in_a_row(events):
+        budget_line += f" (was {failures}: reset by this resume)"
+    lines = [f"{run.label} stopped because {why}", budget_line]
+    lines += [
+        f"the {what[k]} budget is still spent: the next such stop ends the run; raise it with "
+        f"--{k.replace('_', '-')} {used[k] + 2}"
+        for k in spent
+    ]
+    committed = [(s, f) for s, f in step_folders(RunPaths(run.run_dir).checkpoints).items() if read_marker(f)]
+    if committed:
+        lines.append(
+            f"resuming from {committed[-1][1]}, its newest committed checkpoint (verified when the job "
+            f"starts; an older one if it does not verify)"
+        )
+    elif cfg.checkpoint.init_from:
+        if read_marker(Path(cfg.checkpoint.init_from)) is None:
+            raise ValueError(
+                f"{run.label} has no committed checkpoint of its own and its checkpoint.init_from="
+                f"{cfg.checkpoint.init_from} is no longer committed (deleted?); submit a new run instead"
+            )
+        lines.append(
+            f"no committed checkpoint of its own: starting again from checkpoint.init_from={cfg.checkpoint.init_from}"
+        )
+    else:
+        lines.append("no committed checkpoint: starting again from step 0")
+
+    code = RunPaths(run.run_dir).code
+    if code.exists():  # the job records a `code_changed` event too; say it before anything is queued
+        from hpc_train.provenance import differences
+
+        if differences(json.loads(code.read_text())):
+            lines.append(
+                f"warning: this is not the code that validated the run ({code}); the job will train with "
+                f"it and record a code_changed event"
+            )
+    target = run.log_dir.parent
+    private = bool(cfg.cluster.env)
+    if cfg.cluster.executor == "slurm":
+        script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
+        check_syntax(script)
+        validate_live(cfg.cluster, script, 1, None)
+    attempt = journal.next_attempt(events)
+    executor = make_executor(cfg.cluster, _submitit_dir(target / "submitit", private), job_name(target))
+    tried: list[int] = []
+
+    def queue() -> Any:
+        # A try that timed out may have queued the job: look it up by name (minus every id recorded) first.
+        if tried and cfg.cluster.executor == "slurm":
+            found = slurm.jobs_named(job_name(target)) - _manifest_ids(target) - {run.job_id.split("_")[0]}
+            if len(found) == 1:
+                return type("Adopted", (), {"job_id": found.pop()})()
+        tried.append(1)
+        return executor.submit(run_job, str(run.run_dir))
+
+    with _sigint_held():  # until the new job id is recorded
+        with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
+            job = _sbatch_with_retry(queue, str(run.run_dir))
+        job_id = str(job.job_id)
+        # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
+        # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
+        journal.log(
+            run.run_dir,
+            journal.RESUME,
+            committed[-1][0] if committed else 0,
+            job_id,
+            attempt,
+            by=f"{getpass.getuser()}@{socket.gethostname()}",
+            reason=reason or "hpc-train resume",
+            budgets=budgets,
+            previous_job_id=run.job_id,
+            stopped_because=why,
+        )
+        process = runs.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
+        if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
+            manifest = json.loads((target / MANIFEST).read_text())
+            mode = (target / MANIFEST).stat().st_mode & 0o777
+            for t in manifest["trials"]:
+                if Path(t["run_dir"]) == run.run_dir:
+                    t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
+                    t["job_id"], t["process"] = job_id, process
+            write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
+            os.chmod(target / MANIFEST, mode)  # as submit made it: shared, or owner-only
+        else:
+            sub = RunPaths(run.run_dir).submission
+            record = json.loads(sub.read_text()) if sub.exists() else {"executor": cfg.cluster.executor}
+            record["previous_job_ids"] = [*record.get("previous_job_ids", []), *([run.job_id] if run.job_id else [])]
+            record.update(job_id=job_id, job_name=job_name(target), resumed_at=time.time())
+            if process:  # the job id is the controller's pid, which the OS reuses
+                record["process"] = process
+            write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
+    lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
+    return job, lines
