@@ -61,8 +61,7 @@ def _kill(ask: Ask) -> str:
     allocation = slurm.allocation_id(run.job_id)  # array task -> its own id
     if not allocation:
         raise ValueError(f"job {run.job_id} is not running; nothing to kill")
-    for node, pid in targets:
-        slurm.kill(allocation, node, pid)
+    slurm.kill(allocation, targets[0][0], [pid for _, pid in targets])  # every target is on one node
     if ask.action == "kill-rank":
         return f"SIGKILL to rank {rank} (pid {pids[rank]} on {nodes[rank]})"
     return f"SIGKILL to every rank on {nodes[rank]} ({len(targets)} processes), as a lost node"

@@ -342,11 +342,13 @@ def allocation_id(job_id: str) -> str:
     return ids[0] if ids else ""
 
 
-def kill(allocation: str, node: str, pid: int) -> None:
-    """SIGKILL one process of a running job through srun into its allocation, so it reaches a real
-    cluster's compute node too; one try, of at most 60 s."""
+def kill(allocation: str, node: str, pids: list[int]) -> None:
+    """SIGKILL processes of a running job on one node through srun into its allocation, so it reaches a
+    real cluster's compute node too; one try, of at most 60 s. One step for all of them: the first SIGKILL
+    fails the job, whose requeue revokes the credential a second srun would need (on loaded cores it came
+    first: "Task launch ... failed on node node2: Job credential revoked")."""
     call(
-        ["srun", "--overlap", f"--jobid={allocation}", "-w", node, "-N1", "-n1", "kill", "-KILL", str(pid)],
+        ["srun", "--overlap", f"--jobid={allocation}", "-w", node, "-N1", "-n1", "kill", "-KILL", *map(str, pids)],
         timeout_s=60,
         retries=0,
     )
