@@ -8,16 +8,44 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+
+def worker_cluster(environ: Mapping[str, str]) -> dict[str, str]:
+    """The cluster of pytest-xdist worker gwN, beside the one HPC_TRAIN_CLUSTER_DIR and _PORT_OFFSET name (so a
+    cluster left up by hand is never touched): DIR-gwN, every port 100 x (N + 1) further. gw0 of the defaults:
+    /tmp/hpc_train_cluster-gw0, slurmctld on 16917, job ids from 1001. Nothing outside xdist (-n0)."""
+    worker = environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return {}
+    base = environ.get("HPC_TRAIN_CLUSTER_DIR") or "/tmp/hpc_train_cluster"  # tests/cluster.py's default
+    offset = int(environ.get("HPC_TRAIN_CLUSTER_PORT_OFFSET") or 0) + 100 * (int(worker[2:]) + 1)
+    return {"HPC_TRAIN_CLUSTER_DIR": f"{base}-{worker}", "HPC_TRAIN_CLUSTER_PORT_OFFSET": str(offset)}
+
+
+# Before tests/cluster.py reads them at import; every command a test starts inherits them: hpc-train (cluster=dev's
+# slurm_conf), Slurm's clients, the jobs.
+os.environ.update(worker_cluster(os.environ))
 sys.path.insert(0, str(Path(__file__).parent))
 import cluster as test_cluster  # noqa: E402  (tests/cluster.py)
 
 HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into work units
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """How pyproject's `-n 4 --dist loadgroup` spreads the suite. A test on the cluster mostly waits (33 min of
+    wall time for 3.4 min of CPU, serially): each is a unit of its own, run by whichever worker is free, on that
+    worker's own cluster. Every other test is in group `local`, all on one worker, one after another: their
+    torch ranks are CPU-bound, and 2 cores run no more of them at once. A module whose fixture runs on the
+    cluster once for all its tests names its own group (test_secrets.py)."""
+    for item in items:
+        if "slurm_env" not in item.fixturenames and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("local"))
 
 
 @pytest.fixture(scope="session")
