@@ -736,12 +736,15 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
         numeric = slurm.call(["squeue", "-h", "-j", run.job_id, "-o", "%A"]).split()  # array task -> its own id
         if not numeric:
             raise ValueError(f"job {run.job_id} is not running; nothing to kill")
-        for node, pid in targets:  # through Slurm, so it works on a real cluster's compute node too
-            slurm.call(
-                ["srun", "--overlap", f"--jobid={numeric[0]}", "-w", node, "-N1", "-n1", "kill", "-KILL", str(pid)],
-                timeout_s=60,
-                retries=0,
-            )
+        # Through Slurm, so it works on a real cluster's compute node too; one step for all of the node's ranks:
+        # the first SIGKILL fails the job, whose requeue revokes the credential a second srun needs (on loaded
+        # cores it came first: "Task launch ... failed on node node2: Job credential revoked").
+        slurm.call(
+            ["srun", "--overlap", f"--jobid={numeric[0]}", "-w", targets[0][0], "-N1", "-n1", "kill", "-KILL"]
+            + [str(pid) for _, pid in targets],
+            timeout_s=60,
+            retries=0,
+        )
         what = (
             f"SIGKILL to rank {rank} (pid {pids[rank]} on {nodes[rank]})"
             if action == "kill-rank"
