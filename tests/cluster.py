@@ -20,6 +20,8 @@ or QoS is refused by Slurm. Node features: node1,node2 have cpu,fast; node3,node
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pwd
 import shutil
@@ -28,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CLUSTER_DIR = Path(os.environ.get("HPC_TRAIN_CLUSTER_DIR", "/tmp/hpc_train_cluster"))
@@ -184,17 +187,53 @@ def _munge_ok() -> bool:
     return subprocess.run(["unmunge"], input=enc.stdout, capture_output=True, timeout=10).returncode == 0
 
 
+# munged is one per machine, shared by every cluster on it (the test suite's xdist workers each run one, side
+# by side): each `up` adds its cluster dir to MUNGE_USERS, each `down` takes it out, under one lock, and the last
+# one out stops munged if one of them started it (MUNGE_STARTED). Before, the first cluster down took munged with
+# it, and every other cluster's jobs failed to authenticate.
+MUNGE_RUN = Path("/run/munge")
+MUNGE_USERS, MUNGE_STARTED = MUNGE_RUN / "hpc_train.users", MUNGE_RUN / "munged-hpc_train.pid"
+
+
+@contextlib.contextmanager
+def _munge_lock() -> Iterator[set[str]]:
+    """The cluster dirs using munged, under an exclusive lock; what the caller leaves in the set is saved."""
+    with open(MUNGE_RUN / "hpc_train.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        users = set(MUNGE_USERS.read_text().split()) if MUNGE_USERS.exists() else set()
+        yield users
+        MUNGE_USERS.write_text("".join(f"{u}\n" for u in sorted(users)))
+
+
 def _start_munge(root: Path) -> None:
-    """Start munged only if none answers; remember that we did, so `down` stops only ours."""
-    if _munge_ok():
+    """Start munged only if none answers (remember that we did, so only ours is ever stopped); count this
+    cluster among its users."""
+    MUNGE_RUN.mkdir(parents=True, exist_ok=True)
+    with _munge_lock() as users:
+        if not _munge_ok():
+            shutil.chown(MUNGE_RUN, "munge", "munge")
+            subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, timeout=30)
+            _wait_for("munged", _munge_ok, 10, root)
+            pid = _read_pid(MUNGE_RUN / "munged.pid")
+            if pid is not None:
+                MUNGE_STARTED.write_text(f"{pid}\n")
+        users.add(str(root))
+
+
+def _stop_munge(root: Path) -> None:
+    """This cluster no longer uses munged; stop it if no other cluster does and one of ours started it."""
+    if not MUNGE_RUN.exists():
         return
-    Path("/run/munge").mkdir(parents=True, exist_ok=True)
-    shutil.chown("/run/munge", "munge", "munge")
-    subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, timeout=30)
-    _wait_for("munged", _munge_ok, 10, root)
-    pid = _read_pid(Path("/run/munge/munged.pid"))
-    if pid is not None:
-        (paths(root)["run"] / "munged.pid").write_text(f"{pid}\n")
+    with _munge_lock() as users:
+        users.discard(str(root))
+        pid = None if users else _read_pid(MUNGE_STARTED)
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and _read_pid(MUNGE_STARTED) == pid:
+                time.sleep(0.05)
+        if not users:
+            MUNGE_STARTED.unlink(missing_ok=True)
 
 
 def _start_mariadb(root: Path) -> None:
@@ -381,7 +420,7 @@ def down(root: Path = CLUSTER_DIR) -> None:
         deadline = time.monotonic() + 30  # KillWait=10 s, then SIGKILL
         while time.monotonic() < deadline and _run(["squeue", "-h", "-o", "%i"], root, check=False).stdout.strip():
             time.sleep(0.5)
-    order = [f"slurmd-{n}" for n in NODES] + ["slurmctld", "slurmdbd", "mariadb", "munged"]
+    order = [f"slurmd-{n}" for n in NODES] + ["slurmctld", "slurmdbd", "mariadb"]
     for name in order:
         pid = _read_pid(run / f"{name}.pid")
         if pid is None:
@@ -393,6 +432,7 @@ def down(root: Path = CLUSTER_DIR) -> None:
         if _read_pid(run / f"{name}.pid") == pid:
             os.kill(pid, signal.SIGKILL)
         (run / f"{name}.pid").unlink(missing_ok=True)
+    _stop_munge(root)
 
 
 def status(root: Path = CLUSTER_DIR) -> str:

@@ -7,17 +7,86 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+
+def worker_cluster(environ: Mapping[str, str]) -> dict[str, str]:
+    """The cluster of pytest-xdist worker gwN, beside the one HPC_TRAIN_CLUSTER_DIR and _PORT_OFFSET name (so a
+    cluster left up by hand is never touched): DIR-gwN, every port 100 x (N + 1) further. gw0 of the defaults:
+    /tmp/hpc_train_cluster-gw0, slurmctld on 16917, job ids from 1001. Nothing outside xdist (-n0)."""
+    worker = environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return {}
+    base = environ.get("HPC_TRAIN_CLUSTER_DIR") or "/tmp/hpc_train_cluster"  # tests/cluster.py's default
+    offset = int(environ.get("HPC_TRAIN_CLUSTER_PORT_OFFSET") or 0) + 100 * (int(worker[2:]) + 1)
+    return {"HPC_TRAIN_CLUSTER_DIR": f"{base}-{worker}", "HPC_TRAIN_CLUSTER_PORT_OFFSET": str(offset)}
+
+
+# Before tests/cluster.py reads them at import; every command a test starts inherits them: hpc-train (cluster=dev's
+# slurm_conf), Slurm's clients, the jobs.
+os.environ.update(worker_cluster(os.environ))
 sys.path.insert(0, str(Path(__file__).parent))
 import cluster as test_cluster  # noqa: E402  (tests/cluster.py)
 
 HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
+
+
+# How pyproject's `-n 4 --dist loadgroup` spreads the suite. A test on the cluster mostly waits (33 min of wall time
+# for 3.4 min of CPU, serially): each is a unit of its own, run by whichever worker is free, on that worker's own
+# cluster. Every other test is in group `local`, all on one worker, one after another: their torch ranks are
+# CPU-bound, and 2 cores run no more of them at once. A module whose fixture runs on the cluster once for all its
+# tests names its own group (test_secrets.py). xdist 3.8 passes a test's group to the scheduler by renaming the
+# test, which pytest 9.2 ignores (pytest-xdist#1386: every group silently spread); so the workers write the groups
+# to a file that the scheduler below reads.
+GROUPS_FILE = Path(tempfile.gettempdir()) / f"hpc_train-xdist-groups-{os.getpid()}.json"  # named by the controller
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput["hpc_train_groups"] = str(GROUPS_FILE)
+
+
+@pytest.hookimpl(trylast=True)  # the test ids as the controller will see them
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):
+        return
+    groups = {}
+    for item in items:
+        marks = sorted(str(m.args[0] if m.args else m.kwargs["name"]) for m in item.iter_markers("xdist_group"))
+        if marks or "slurm_env" not in item.fixturenames:
+            groups[item.nodeid] = "_".join(marks) or "local"
+    path = Path(config.workerinput["hpc_train_groups"])
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(groups))
+    os.replace(tmp, path)  # every worker collects the same tests: any one file is the whole answer
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LoadGroupFromFile(LoadScopeScheduling):
+        """xdist's loadgroup (units of work by size, largest first), with the groups the workers wrote."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            if not hasattr(self, "groups"):  # first called once every worker has collected, so written
+                self.groups = json.loads(GROUPS_FILE.read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    return LoadGroupFromFile(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        GROUPS_FILE.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -163,7 +163,8 @@ def test_overlapping_background_saves_all_commit(tmp_path: Path) -> None:
 
 def test_stop_waits_for_a_write_in_flight_only_as_long_as_slurm_leaves(tmp_path: Path) -> None:
     """A stop with 1 s left and a background write that needs 5 s: the write is given up on (it never
-    commits), the stop save is skipped (its measured write does not fit), and stop() returns in ~1 s."""
+    commits), the stop save is skipped (its measured write does not fit), and stop() returns while that
+    write is still in flight: it did not wait for it."""
     events: list = []
     saver, state = make_saver(tmp_path, events), make_state()
     save_at(saver, state, 10)
@@ -174,9 +175,9 @@ def test_stop_waits_for_a_write_in_flight_only_as_long_as_slurm_leaves(tmp_path:
     state.step = 20
     saver.periodic(state)
     state.step = 21
-    t0 = time.monotonic()
+    in_flight = saver.pending
     saver.stop(state, left_s=1.0, agree=lambda ok: ok)
-    assert time.monotonic() - t0 < 2.0
+    assert in_flight is not None and not in_flight.done()  # an order, not a speed: returned before the 5 s write
     kinds = [(e["event"], e["step"]) for e in events if e["event"] != "checkpoint_deleted"]
     assert kinds == [("checkpoint_committed", 10), ("checkpoint_abandoned", 20), ("stop_save_skipped", 21)]
     assert make_saver(tmp_path, []).resume(make_state())[0].name == "step_000010"

@@ -195,7 +195,9 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path: Path) -> None:
 
 def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     """The last rank stops at its 4th step; the others block in the next all-reduce. Within
-    train.watchdog_s every rank dumps its stack, the failure requeues, and the next attempt finishes."""
+    train.watchdog_s every rank dumps its stack, the failure requeues, and the next attempt finishes.
+    watchdog_s=20, not 4: the watchdog is armed at the rendezvous, and on 2 loaded cores (the suite runs
+    side by side) the set-up before the first step took over 4 s, so it fired there, on every rank alike."""
     proc = run(
         [
             HPC_TRAIN,
@@ -203,7 +205,7 @@ def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
             f"out_dir={tmp_path}",
             *ARGS,
             "train.steps=20",
-            "train.watchdog_s=4",
+            "train.watchdog_s=20",
             "+cluster.env.HPC_TRAIN_FAULT=hang",
         ],
         timeout_s=240,
@@ -213,7 +215,7 @@ def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     events = read_events(run_dir)
     # The blocked ranks' watchdogs fire; a rank may instead see its peer's exit first (gloo: closed peer).
     hangs = [e for e in events if e["event"] == "fail" and e["error"].startswith("hang:")]
-    assert hangs and hangs[0]["error"] == "hang: no step finished in train.watchdog_s=4 s"
+    assert hangs and hangs[0]["error"] == "hang: no step finished in train.watchdog_s=20 s"
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
     # The stopped rank (the last) is named by its heartbeats; one machine: nowhere to leave it out.
     blamed = [e for e in events if e["event"] == "node_not_excluded"]

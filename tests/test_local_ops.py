@@ -190,7 +190,6 @@ def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
 ) -> None:
     """Before: `logs -f` waited forever for a job id never recorded, or one gone from accounting. The fake
     clients answer as Slurm does for such a job: sacct prints nothing, squeue says "Invalid job id"."""
-    import time
 
     from hpc_train import logs, runs
 
@@ -205,9 +204,16 @@ def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
     log.write_text("step 1\n")
     [run_] = runs.find_runs(run_dir)
     unknown_since: list[float] = []
-    t0 = time.monotonic()
-    logs.follow([(log, 0, "out")], "out", lambda: logs.run_ended(run_, unknown_since), check_every_s=0.2, every_s=0.05)
-    assert time.monotonic() - t0 < 10
+    checks: list[bool] = []
+
+    def ended() -> bool:
+        checks.append(logs.run_ended(run_, unknown_since))
+        return checks[-1]
+
+    logs.follow([(log, 0, "out")], "out", ended, check_every_s=0.2, every_s=0.05)
+    # It gave up at the first check UNKNOWN_GIVE_UP_S after the first one: checks come >= 0.2 s apart, so that is
+    # the 6th at the latest, however slow the machine (counted, not timed).
+    assert checks[-1] and len(checks) <= logs.UNKNOWN_GIVE_UP_S / 0.2 + 2, checks
     out, err = capsys.readouterr()
     assert out == "step 1\n"
     assert (

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import HPC_TRAIN, run, submit, wait_until
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("secrets")]  # secret_runs: once, on one worker
 
 QUICK = ["cluster=dev", "train.steps=4", "checkpoint.every_steps=4"]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]

@@ -49,12 +49,13 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(
 def test_a_hung_ranks_node_is_left_out(slurm_env: dict[str, str], tmp_path) -> None:
     """The `hang` drill stops the last rank before its 4th step; the others get past their forward and
     block in backward's all-reduce. Every watchdog fires; the stopped rank's heartbeat count is behind,
-    so its node is left out and the next attempt runs elsewhere and finishes."""
+    so its node is left out and the next attempt runs elsewhere and finishes. watchdog_s=20: the watchdog is
+    armed at the rendezvous, and the set-up before the first step must not reach it on loaded cores."""
     run_dir, job_id = submit(
         [
             "cluster=dev",
             "train.steps=30",
-            "train.watchdog_s=8",
+            "train.watchdog_s=20",
             "checkpoint.every_steps=10",
             "+cluster.env.HPC_TRAIN_FAULT=hang",
             f"out_dir={tmp_path}",

@@ -250,7 +250,10 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
         return json.loads(lines[-2 if len(lines) > 1 else -1])["step"] if lines else 0  # [-1] may be mid-write
 
     wait_until(lambda: last_step() >= 1000, 240, "1,000 clean steps")
-    chaos = run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", "0.02"], env=slurm_env)
+    drill_s = 0.02
+    chaos = run(
+        [HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", str(drill_s)], env=slurm_env
+    )
     assert chaos.returncode == 0, chaos.stderr
     named = wait_until(lambda: [e for e in read_events(run_dir) if e["event"] == "straggler"], 120, "a straggler event")
     armed_at = next(e["time"] for e in read_events(run_dir) if e["event"] == "chaos")  # just after the drill file
@@ -260,7 +263,10 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
     assert [(e["rank"], e["node"]) for e in named] == [(3, start["rank_nodes"][3])]  # nobody named before the drill
     assert named[0]["step"] - armed_after <= (windows + 1) * every + 10, (named[0]["step"], armed_after)
-    assert named[0]["compute_s"] > 0.015 > named[0]["median_own_s"]
+    # The drill's CPU is in rank 3's compute time and not in the others' own time, whose median stays below rank
+    # 3's by most of it (they wait for rank 3 in comm). An order, not a speed: the others' own time per step was
+    # 7.7 ms on an idle dev cluster (straggler.py), 16.7 ms on a loaded machine, where "< 15 ms" failed.
+    assert named[0]["compute_s"] >= drill_s and named[0]["compute_s"] - named[0]["median_own_s"] > drill_s / 2, named
     status = json.loads(run([HPC_TRAIN, "status", str(run_dir), "--json"], env=slurm_env).stdout)[0]
     assert status["stragglers"] == 1 and status["last_straggler"] == f"rank 3 on {start['rank_nodes'][3]} (now)"
     run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", "0"], env=slurm_env)

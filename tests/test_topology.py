@@ -51,11 +51,19 @@ def test_tp_must_stay_inside_a_node() -> None:
 
 def test_100k_ranks() -> None:
     # 12,500 nodes x 8 ranks under 250 leaf switches, names interleaved across switches.
-    addrs = {f"n{i:05d}": f"root.spine{i % 5}.leaf{i % 250}.n{i:05d}" for i in range(12_500)}
-    t0 = time.perf_counter()
-    p = placement(addrs, ranks_per_node=8)
-    elapsed = time.perf_counter() - t0
+    def cluster(nodes: int, leaves: int) -> dict[str, str]:
+        return {f"n{i:05d}": f"root.spine{i % 5}.leaf{i % leaves}.n{i:05d}" for i in range(nodes)}
+
+    def cpu_s(addrs: dict[str, str]) -> tuple[float, dict]:
+        t0 = time.process_time()  # CPU time: another process on the cores does not count
+        p = placement(addrs, ranks_per_node=8)
+        return time.process_time() - t0, p
+
+    tenth = min(cpu_s(cluster(1_250, 25))[0] for _ in range(3))
+    whole, p = cpu_s(cluster(12_500, 250))
     assert len(p["ranks"]) == 100_000
     q = p["ring_cross_switch_edges"]
     assert q["placed"] == q["optimum"] == 250 and q["slurm_order"] == 12_500
-    assert elapsed < 30  # a sanity bound only; benchmarks/placement_bench.py reports the time
+    # A sanity bound only, as a ratio: 10x the ranks cost 11-13x the CPU (a sort), a quadratic plan would cost
+    # 100x; benchmarks/placement_bench.py reports the time.
+    assert whole < 30 * tenth, (whole, tenth)
