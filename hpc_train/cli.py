@@ -30,14 +30,14 @@ def _is_user_error(e: Exception) -> bool:
 
 
 def _print_dry_run(p: object) -> None:
-    import yaml
+    from hpc_train.submit import frozen_yaml
 
     for k, (array, script) in enumerate(zip(p.arrays, p.scripts)):  # type: ignore[attr-defined]
         print(f"# ---- array {k}: trials {array.trials[0]}..{array.trials[-1]} ({len(array.trials)}) ----")
         print(script)
     for trial, config in zip(p.trials, p.configs):  # type: ignore[attr-defined]
         print(f"# ---- trial {trial.index}: {' '.join(trial.overrides)} -> {trial.run_dir} ----")
-        print(yaml.safe_dump(config, sort_keys=False), end="")
+        print(frozen_yaml(config), end="")  # what config.yaml will hold
     why, sweep = p.unvalidated, len(p.trials) > 1  # type: ignore[attr-defined]
     if why:
         print(
