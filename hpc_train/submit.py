@@ -388,9 +388,12 @@ def plan(
     if first.executor == "local":
         result.arrays = [Array(trials=[i]) for i in range(len(runs))]  # local trials run one at a time
         return result
-    if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s)
+    facts = [["scontrol", "show", "partition", "-o"], ["scontrol", "show", "node", "-o"]] if validate else []
+    facts += [["scontrol", "show", "config"]] if multirun else []
+    # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
+    slurm.prefetch(*([["scontrol", "ping"]] if dry_run else []), *facts)
+    if dry_run and multirun:  # answer in seconds without a controller (each client call would retry for ~40 s)
         result.unvalidated = slurm.unreachable()
-        validate = validate and not result.unvalidated
     max_array = (
         1
         if not multirun
@@ -402,13 +405,26 @@ def plan(
     )
     result.arrays = group_arrays(runs, max_array)
     for array in result.arrays:
-        cluster = runs[array.trials[0]].cluster
         size = len(array.trials) if multirun else None
-        script = render(cluster, job_name(target), target / "submitit", size, max_parallel)
-        check_syntax(script)
-        if validate:
-            result.unchecked += validate_live(cluster, script, len(array.trials), max_parallel) or []
-        result.scripts.append(script)
+        result.scripts.append(
+            render(runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel)
+        )
+    if dry_run and not multirun:  # a single run's script needs no MaxArraySize: rendered before the ping is read
+        result.unvalidated = slurm.unreachable()
+    if result.unvalidated:
+        validate = False
+        slurm.drop_prefetched()
+    checked: dict[tuple[str, str], list[str]] = {}  # a 100,000-point sweep is 100 arrays of one shape and size
+    try:
+        for array, script in zip(result.arrays, result.scripts):
+            cluster = runs[array.trials[0]].cluster
+            shape = (json.dumps(vars(cluster), sort_keys=True), script)  # as group_arrays keys a shape
+            if shape not in checked:  # bash -n and 4 Slurm calls, ~30 ms: once per distinct request
+                check_syntax(script)
+                checked[shape] = validate_live(cluster, script, len(array.trials), max_parallel) if validate else []
+            result.unchecked += checked[shape]
+    finally:
+        slurm.drop_prefetched()  # what a failed check left unread: never a later call's stale answer
     return result
 
 

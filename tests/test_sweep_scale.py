@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import HPC_TRAIN, fake_clients, run
+from test_cli import FAKE_SLURM
 
 from hpc_train import submit
 from hpc_train.config import _plain_override, compose_trials
@@ -173,3 +176,66 @@ def test_a_sweeps_trials_share_one_code_json_and_keep_an_older_one(tmp_path: Pat
     assert (tmp_path / "0001" / "code.json").read_text() == '{"version": "old"}\n'
     assert (tmp_path / "0003" / "code.json").read_text() == code
     assert yaml.safe_load((tmp_path / "0003" / "config.yaml").read_text()) == {"a": 3}
+
+
+def test_a_large_sweep_is_validated_once_per_distinct_request_and_queued_array_by_array(tmp_path: Path) -> None:
+    """2,500 trials, MaxArraySize 1001: three arrays, two distinct scripts (1001 tasks, 498 tasks), so two
+    sbatch --test-only calls, three sbatch calls, and a manifest that names every task."""
+    sbatch = FAKE_SLURM["sbatch"].replace("--test-only)", '--test-only) echo >> "$STATE/test_only";', 1)
+    sbatch = sbatch.replace("*) touch", '*) echo >> "$STATE/sbatch"; touch', 1)
+    bin_dir, state = fake_clients(tmp_path, {**FAKE_SLURM, "sbatch": sbatch})
+    (tmp_path / "slurm.conf").write_text("ClusterName=fake\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    args = [HPC_TRAIN, "submit", "-m", "cluster=slurm", f"cluster.slurm_conf={tmp_path / 'slurm.conf'}"]
+    args += [f"out_dir={tmp_path / 'runs'}", "name=big", "train.seed=range(2500)"]
+    dry = run([*args, "--dry-run"], env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert "# dry run: 2500 trial(s) in 3 sbatch call(s)" in dry.stdout
+    assert (state / "test_only").read_text().count("\n") == 2
+    proc = run(args, env=env, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (state / "test_only").read_text().count("\n") == 4 and (state / "sbatch").read_text().count("\n") == 3
+    sweep = tmp_path / "runs" / "big-1"
+    manifest = json.loads((sweep / "sweep.json").read_text())
+    assert [t["job_id"] for t in manifest["trials"]][999:1002] == ["4242_999", "4242_1000", "4242_0"]
+    assert [(len(a["trials"]), a["job_id"], a["submitting"]) for a in manifest["arrays"]] == [
+        (1001, "4242", False),
+        (1001, "4242", False),
+        (498, "4242", False),
+    ]
+    assert yaml.safe_load((sweep / "2499" / "config.yaml").read_text())["train"]["seed"] == 2499
+    assert os.stat(sweep / "0000" / "code.json").st_ino == os.stat(sweep / "2499" / "code.json").st_ino
+    assert re.search(r"2500 trial\(s\) queued in 3 sbatch call\(s\)", proc.stdout), proc.stdout
+
+
+def test_a_prefetched_client_call_is_read_once_and_a_failed_one_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """plan() asks the cluster's facts while the script renders; call() must still read as it always did."""
+    import time
+
+    from hpc_train import slurm
+
+    bin_dir, state = fake_clients(
+        tmp_path,
+        {
+            "scontrol": """[ "$1" = ping ] || echo x >> "$STATE/calls"
+case "$*" in
+  "show node -o") [ "$(wc -l < "$STATE/calls")" -eq 1 ] && { echo "not yet" >&2; exit 1; }; echo NodeName=n1;;
+  "show partition -o") echo PartitionName=p;;
+  ping) exec sleep 60;;
+esac""",
+        },
+    )
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    calls = lambda: len((state / "calls").read_text().split())  # noqa: E731
+    slurm.prefetch(["scontrol", "show", "node", "-o"])
+    assert slurm.call(["scontrol", "show", "node", "-o"], retries=0) == "NodeName=n1\n"  # failed once, run again
+    assert calls() == 2
+    slurm.prefetch(["scontrol", "show", "partition", "-o"], ["scontrol", "ping"])
+    assert slurm.partitions() == {"p": {"PartitionName": "p"}} and calls() == 3
+    assert slurm.partitions() == {"p": {"PartitionName": "p"}} and calls() == 4  # read once: asked again
+    t0 = time.monotonic()
+    slurm.drop_prefetched()  # the ping nobody reads: stopped, not waited for
+    assert time.monotonic() - t0 < 10 and not slurm._PREFETCHED
