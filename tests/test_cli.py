@@ -155,6 +155,8 @@ def test_login_node_path_never_imports_torch(argv: list[str], tmp_path: Path) ->
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "hydra" in imported or argv[0].startswith("--")
     assert "torch" not in imported
+    if "--no-wait" not in argv:  # only chaos needs ops (and a local run's controller identity)
+        assert "hpc_train.ops" not in imported
     if "--no-wait" in argv:  # a single run records which code validated it
         import hpc_train
 
