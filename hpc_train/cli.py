@@ -600,6 +600,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        if argv is None:  # the program itself, about to exit (not a caller's main([...]))
+            import gc
+
+            # The interpreter's collections at exit walk every object Hydra, OmegaConf and submitit made:
+            # ~40 ms of a 0.35 s dry run, seconds after a 100,000-point sweep. Frozen, they are skipped;
+            # the memory goes back with the process, and every atexit handler still runs.
+            gc.freeze()
 
 
 def _run(args: argparse.Namespace) -> int:
