@@ -9,8 +9,11 @@ lookup, no sys.path edit); check_environment is the one step that asks this mach
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -439,42 +442,81 @@ def compose_trials(
     config-group choices and structural overrides, then set each trial's plain `key=value` overrides on a
     copy of that resolved dict (~0.1 ms), type-checked by `build`. Trials whose values could interact
     with an interpolation (`${...}` in the composed tree or in the value) take the full compose.
+    Each distinct override string is parsed once, and `key=literal` without Hydra's parser
+    (`_plain_override`): its ANTLR parse took 0.2 ms an override, 2 s of a 10,000-point sweep.
     """
-    import copy
+    import pickle
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     parser = OverridesParser.create()
     bases: dict[tuple[str, ...], tuple[dict[str, Any], bool]] = {}
+    parsed: dict[str, Any] = {}  # override string -> (key, value) when plain, else Hydra's Override
+    groups: dict[str, bool] = {}  # key -> whether it names a config group (a directory)
     out = []
     for trial in trials:
-        parsed = parser.parse_overrides(trial)
-        fast = [
-            o
-            for o in parsed
-            if o.type.name == "CHANGE"
-            and o.package is None
-            and "${" not in o.input_line
-            and not o.key_or_group.startswith("hydra.")
-            and not source.is_group(o.key_or_group)
-        ]
-        structural = tuple(o.input_line for o in parsed if o not in fast)
-        if structural not in bases:
-            cfg = compose(list(structural), source)
+        fast: list[tuple[str, Any]] = []
+        structural = []
+        for line in trial:
+            if line not in parsed:
+                parsed[line] = _plain_override(line) or parser.parse_overrides([line])[0]
+            o = parsed[line]
+            if isinstance(o, tuple):
+                key, value = o
+            elif o.type.name == "CHANGE" and o.package is None and "${" not in o.input_line:
+                key, value = o.key_or_group, o.value()
+            else:
+                structural.append(line)
+                continue
+            if key not in groups:
+                groups[key] = key.startswith("hydra.") or source.is_group(key)
+            if groups[key]:
+                structural.append(line)
+            else:
+                fast.append((key, value))
+        if tuple(structural) not in bases:
+            cfg = compose(structural, source)
             raw = OmegaConf.to_container(cfg, resolve=False)
             node_refs = re.search(r"\$\{(?!oc\.env:)", str(raw)) is not None
-            bases[structural] = (OmegaConf.to_container(cfg, resolve=True), node_refs)  # type: ignore[assignment]
-        base, node_refs = bases[structural]
+            bases[tuple(structural)] = (OmegaConf.to_container(cfg, resolve=True), node_refs)  # type: ignore[assignment]
+        base, node_refs = bases[tuple(structural)]
         if node_refs and fast:
             cfg = compose(trial, source)
             resolved = OmegaConf.to_container(cfg, resolve=True)
         else:
-            resolved = copy.deepcopy(base)
-            for o in fast:
-                _set_dotted(resolved, o.key_or_group, o.value())
+            # A plain tree of dicts, lists and scalars: pickle copies it 5x faster than copy.deepcopy.
+            resolved = pickle.loads(pickle.dumps(base, pickle.HIGHEST_PROTOCOL))
+            for key, value in fast:
+                _set_dotted(resolved, key, value)
         out.append((resolved, build(RunConfig, resolved)))  # type: ignore[arg-type]
     return out
+
+
+# `key=value` as Hydra's grammar (hydra/grammar/OverrideLexer.g4) reads it, for a subset of it only: a
+# dotted key of identifiers, and a value that is one INT, FLOAT or ID token (Hydra's int(), float(), the
+# text). BOOL, NULL, inf and nan look like IDs but are other tokens: left to Hydra's parser, as is
+# anything else (quotes, lists, functions, +/~ prefixes, @package, spaces, underscores in numbers).
+_PLAIN = re.compile(
+    r"(?P<key>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)="
+    r"(?:(?P<int>-?(?:0|[1-9][0-9]*))"
+    r"|(?P<float>-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][+-]?[0-9]+)?|[eE][+-]?[0-9]+))"
+    r"|(?P<id>[A-Za-z_][A-Za-z0-9_-]*))",
+    re.ASCII,
+)
+_NOT_IDS = ("true", "false", "null", "inf", "nan")
+
+
+def _plain_override(line: str) -> tuple[str, Any] | None:
+    """(key, value) of a plain `key=literal` override exactly as Hydra's parser types it; None otherwise."""
+    m = _PLAIN.fullmatch(line)
+    if m is None:
+        return None
+    if m["int"] is not None:
+        return m["key"], int(m["int"])
+    if m["float"] is not None:
+        return m["key"], float(m["float"])
+    return None if m["id"].lower() in _NOT_IDS else (m["key"], m["id"])
 
 
 def _nearest(word: str, options: Any) -> str | None:
@@ -512,13 +554,9 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
     """Plain dict -> dataclass instance, checking keys and value types; runs every __post_init__."""
-    import typing
-    from dataclasses import fields, is_dataclass
-
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields(cls)]
+    hints, names, nested = _fields(cls)
     for key in data:
-        if key not in names:
+        if key not in hints:
             raise ValueError(
                 f"Key '{path}{key}' is not in {cls.__name__}\n"
                 f"valid keys under {path.rstrip('.') or 'the top level'}: {', '.join(names)}"
@@ -527,18 +565,39 @@ def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         hint = hints[key]
-        if is_dataclass(hint):
-            kwargs[key] = build(hint, value, f"{path}{key}.")  # type: ignore[arg-type]
+        if key in nested:
+            kwargs[key] = build(hint, value, f"{path}{key}.")
+        elif type(value) is hint and hint in _SCALARS:  # most values: checked without building their name
+            kwargs[key] = value
         else:
             kwargs[key] = _check_type(value, hint, f"{path}{key}")
     return cls(**kwargs)
 
 
-def _check_type(value: Any, hint: Any, key: str) -> Any:
-    import typing
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], list[str], set[str]]:
+    """A dataclass's resolved type hints, its field names and those that are dataclasses themselves:
+    typing.get_type_hints evaluates every annotation string each call (~0.1 ms a class, 1 ms of each
+    trial's build), and none of it ever changes."""
+    from dataclasses import fields, is_dataclass
 
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    every = typing.get_type_hints(cls)
+    hints = {f.name: every[f.name] for f in fields(cls)}
+    return hints, list(hints), {k for k, h in hints.items() if is_dataclass(h)}
+
+
+_SCALARS = (int, float, str, bool)
+_UNIONS = (typing.Union, getattr(types, "UnionType", None))  # Optional[int], and int | None on 3.10+
+
+
+@functools.cache
+def _origin_args(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
+def _check_type(value: Any, hint: Any, key: str) -> Any:
+    origin, args = _origin_args(hint)
+    if origin in _UNIONS:
         if value is None and type(None) in args:
             return None
         return _check_type(value, next(a for a in args if a is not type(None)), key)
@@ -548,7 +607,7 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
         return {str(k): _check_type(v, args[1], f"{key}.{k}") for k, v in value.items()}
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint is Any or (hint in (int, float, str, bool) and type(value) is hint):
+    if hint is Any or (hint in _SCALARS and type(value) is hint):
         return value
     want = getattr(hint, "__name__", str(hint))
     raise ValueError(f"{key}={value!r} is a {type(value).__name__}, but {key} takes {want}")

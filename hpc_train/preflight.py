@@ -20,7 +20,6 @@ The module imports torch only inside `check`: config.py imports PreflightConfig 
 from __future__ import annotations
 
 import shutil
-import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -138,6 +137,8 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
         for key in ("disk_free_gb", "disk_needed_gb", "disk_folder", "gpus", "gpu_note"):
             if key in r:
                 n[key] = r[key]
+    import statistics  # here, not at the top: the login node imports this module for PreflightConfig
+
     rtt_s = max(r["rtt_s"] for r in results)
     median = statistics.median(n["matmul_tflops"] for n in nodes.values())
     # Skew against the median node, not rank 0: rank 0's node 10 s fast made every other node sick (3 of 4:

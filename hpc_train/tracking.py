@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import secrets
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +71,8 @@ class TrackingConfig:  # tracking.py, the `metrics` section of the root config
 def run_id(run_dir: Path) -> dict[str, Any]:
     """RUN_DIR/tracking.json, made on the first call: the run directory's name + 8 random hex digits, so
     two `demo-1` runs in different folders are two W&B runs, and a requeue finds the same one."""
+    import secrets  # here: the login node imports this module for TrackingConfig
+
     path = run_dir / TRACKING_JSON
     if not path.exists():
         _write(path, {"run_id": f"{run_dir.name[:50]}-{secrets.token_hex(4)}"})
