@@ -154,7 +154,15 @@ def test_manifest_save_serializes_only_what_changed(tmp_path: Path, monkeypatch:
     p.arrays[1].job_id = "77"
     submit._save_manifest(p, ["a=range(3000)"])
     assert len(dumped) == 1000 + 1 + 1  # the changed trials, the changed array, the head
+    trials[2000].job_id = "78_0"
+    submit._save_manifest(p, ["a=range(3000)"], changed=[2000])  # what submit() passes: only those looked at
+    assert len(dumped) == 1000 + 1 + 1 + 2
     monkeypatch.undo()
+    resumed = json.loads((tmp_path / "sweep.json").read_text())  # a resume rewrites it meanwhile
+    resumed["trials"][7].update(job_id="99", previous_job_ids=["12"])
+    (tmp_path / "sweep.json").write_text(json.dumps(resumed))
+    submit._save_manifest(p, ["a=range(3000)"], changed=[])  # the file changed: every trial is looked at
+    assert trials[7].job_id == "99" and json.loads((tmp_path / "sweep.json").read_text())["trials"][7]["job_id"] == "99"
     manifest = json.loads((tmp_path / "sweep.json").read_text())
     assert [t["job_id"] for t in manifest["trials"]][999:1001] == [None, "77_0"]
     assert [a["job_id"] for a in manifest["arrays"]] == [None, "77", None]
