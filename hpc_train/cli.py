@@ -120,6 +120,10 @@ def _submit(args: argparse.Namespace) -> int:
         p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source, dry_run=args.dry_run)
         print(f"hpc-train submit: config {source.dir / source.name}.yaml", file=sys.stderr)  # ./conf, -cp or shipped
         slurm_run = p.runs[0].cluster.executor == "slurm"
+        if not slurm_run:  # trials run here, one after another, for hours: collect as usual (see main)
+            import gc
+
+            gc.enable()
         warning = slurm_run and lead_warning(submit.previous_runs(p), p.runs[0].cluster.signal_lead_s)
         if warning:
             print(f"hpc-train submit: warning: {warning}", file=sys.stderr)
@@ -155,9 +159,6 @@ def _wait_local(job: object, run_dir: Path) -> int:
     """Local executor: this machine is the cluster, so wait and say how the run ended. Ctrl-C detaches:
     submit started the controller and its ranks ignoring SIGINT (and SIGHUP), so a Ctrl-C at the
     terminal, which reaches the whole foreground process group, stops only this wait."""
-    import gc
-
-    gc.enable()  # main() paused it for the submit; this wait may last hours
     run = _shown(run_dir)
     print(f"waiting for {run_dir.name} to finish (Ctrl-C detaches; the run goes on)", flush=True)
     try:
@@ -597,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # A sweep's plan is millions of acyclic dicts and dataclasses that live until the process exits: the
         # collector can free none of them, and walked them all at each full collection (a fifth of the CPU
-        # of a 30,000-point sweep, more the larger it is). Collected again once there is only a run to wait for.
+        # of a 30,000-point sweep, more the larger it is). On again for a local run, which submit waits for.
         gc.disable()
     try:
         return _run(args)

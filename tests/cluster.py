@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -52,9 +53,14 @@ def paths(root: Path = CLUSTER_DIR) -> dict[str, Path]:
     return {k: root / k for k in ("etc", "log", "run", "spool", "db")}
 
 
-def slurm_conf_text(root: Path, max_array_size: int = 1001, ctld_parameters: str = "") -> str:
+def slurm_conf_text(
+    root: Path, max_array_size: int = 1001, ctld_parameters: str = "", max_job_count: int | None = None
+) -> str:
+    """max_job_count: None keeps Slurm's 10,000, which counts every array task (and each cancelled one for
+    MinJobAge=300 s): benchmarks/submit_bench.py's 100,000-point sweep needs more."""
     p = paths(root)
     extra = f"SlurmctldParameters={ctld_parameters}\n" if ctld_parameters else ""
+    extra += f"MaxJobCount={max_job_count}\n" if max_job_count else ""
     return (
         extra
         + f"""\
@@ -341,7 +347,7 @@ def _nodes_idle(root: Path) -> bool:
     return all(states.get(n) == "idle" for n in NODES)
 
 
-def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001) -> float:
+def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001, max_job_count: int | None = None) -> float:
     """Start a fresh cluster (job ids restart at 1). Returns the seconds it took."""
     t0 = time.monotonic()
     down(root)  # whatever a previous `up` left running, by its pidfiles
@@ -351,7 +357,7 @@ def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001) -> float:
     for d in p.values():
         d.mkdir(parents=True, exist_ok=True)
     (p["spool"] / "ctld").mkdir()
-    (p["etc"] / "slurm.conf").write_text(slurm_conf_text(root, max_array_size))
+    (p["etc"] / "slurm.conf").write_text(slurm_conf_text(root, max_array_size, max_job_count=max_job_count))
     (p["etc"] / "topology.conf").write_text(TOPOLOGY_CONF)
     dbd = p["etc"] / "slurmdbd.conf"
     dbd.write_text(slurmdbd_conf_text(root))
@@ -375,9 +381,12 @@ def up(root: Path = CLUSTER_DIR, max_array_size: int = 1001) -> float:
 def reconfigure(root: Path = CLUSTER_DIR, max_array_size: int = 1001, ctld_parameters: str = "") -> None:
     """Rewrite slurm.conf and apply it to the running daemons (`scontrol reconfigure`, ~1 s).
 
-    E.g. ctld_parameters="preempt_send_user_signal" makes preemption send the --signal signal.
+    E.g. ctld_parameters="preempt_send_user_signal" makes preemption send the --signal signal. The
+    MaxJobCount `up` set is kept: slurmctld reads it only when it starts.
     """
-    (paths(root)["etc"] / "slurm.conf").write_text(slurm_conf_text(root, max_array_size, ctld_parameters))
+    conf = paths(root)["etc"] / "slurm.conf"
+    kept = re.search(r"^MaxJobCount=(\d+)$", conf.read_text(), re.M)
+    conf.write_text(slurm_conf_text(root, max_array_size, ctld_parameters, int(kept.group(1)) if kept else None))
     _run(["scontrol", "reconfigure"], root)
     want = ctld_parameters or "(null)"
     _wait_for(

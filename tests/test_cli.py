@@ -416,8 +416,8 @@ def test_account_and_qos_unchecked_when_slurmdbd_is_down_says_so_and_submits(tmp
 
 
 def test_the_program_skips_the_collections_at_exit_and_a_caller_keeps_them(tmp_path: Path) -> None:
-    """`hpc-train submit` collects no garbage (a sweep's plan is millions of objects, none of them garbage)
-    and freezes what is left before exiting (the interpreter's last collections walked every object Hydra,
+    """`hpc-train submit` to Slurm collects no garbage (a sweep's plan is millions of objects, none of them
+    garbage) and every command freezes what is left before exiting (the interpreter's last collections walked every object Hydra,
     OmegaConf and submitit made: ~40 ms of a dry run); main([...]) called by a program leaves gc alone."""
     code = (
         "import atexit, gc, sys\n"
@@ -426,8 +426,12 @@ def test_the_program_skips_the_collections_at_exit_and_a_caller_keeps_them(tmp_p
         "who, sys.argv = sys.argv[1], ['hpc-train', *sys.argv[2:]]\n"
         "main(sys.argv[1:]) if who == 'caller' else main()\n"
     )
-    for who, frozen in (("program", True), ("caller", False)):
-        argv = [sys.executable, "-c", code, who, "submit", "--cfg", "job", f"out_dir={tmp_path}"]
+    for who, args, frozen, paused in (
+        ("program", ["--cfg", "job"], True, True),
+        ("caller", ["--cfg", "job"], False, False),
+        ("program", ["--dry-run"], True, False),  # the local executor: submit waits for its trials, collecting
+    ):
+        argv = [sys.executable, "-c", code, who, "submit", *args, f"out_dir={tmp_path}"]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.endswith(f"frozen {frozen} {frozen}\n"), proc.stdout[-200:]
+        assert proc.stdout.endswith(f"frozen {frozen} {paused}\n"), proc.stdout[-200:]
