@@ -2,7 +2,7 @@
 
     python tests/cluster.py up        # ~4 s: munge, MariaDB, slurmdbd, slurmctld, accounts (1.6 s), 4 x slurmd
     python tests/cluster.py status    # daemons alive? prints `sinfo`
-    python tests/cluster.py down      # stops exactly what `up` started (pidfiles under the cluster dir)
+    python tests/cluster.py down      # stops exactly what `up` started (its pidfiles; munged once no cluster uses it)
     eval "$(python tests/cluster.py env)"   # export SLURM_CONF for sbatch/squeue/sacct by hand
 
 Everything lives under $HPC_TRAIN_CLUSTER_DIR (default /tmp/hpc_train_cluster): etc/, log/, run/,
