@@ -13,7 +13,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")
 
 
 def test_cancelled_job_resumes_as_a_new_job(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
-    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=res"], env=slurm_env)
+    # 1 s a step (the reference's 0.25 s sleeps longer, weights alike): after the first checkpoint the job runs 40 s
+    # more, not 10, so the two commands before the cancel find it running on loaded cores too (at load average
+    # ~50 it had finished first).
+    run_dir, job_id = submit([*RUN_ARGS, "train.min_step_time_s=1", f"out_dir={tmp_path}", "name=res"], env=slurm_env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
     busy = run([HPC_TRAIN, "resume", str(run_dir)], env=slurm_env)
     assert busy.returncode == 2 and f"res-1 is still RUNNING (job {job_id}): there is nothing to resume" in busy.stderr
