@@ -356,10 +356,11 @@ def plan(
         return result
     facts = [["scontrol", "show", "partition", "-o"], ["scontrol", "show", "node", "-o"]] if validate else []
     facts += [["scontrol", "show", "config"]] if multirun else []
-    # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
-    slurm.prefetch(*([["scontrol", "ping"]] if dry_run else []), *facts)
-    if dry_run and multirun:  # answer in seconds without a controller (each client call would retry for ~40 s)
+    if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s): one ping
         result.unvalidated = slurm.unreachable()
+    # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
+    if not result.unvalidated:
+        slurm.prefetch(*facts)
     max_array = (
         1
         if not multirun
@@ -375,8 +376,6 @@ def plan(
         result.scripts.append(
             render(runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel)
         )
-    if dry_run and not multirun:  # a single run's script needs no MaxArraySize: rendered before the ping is read
-        result.unvalidated = slurm.unreachable()
     if result.unvalidated:
         validate = False
         slurm.drop_prefetched()
