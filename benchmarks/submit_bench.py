@@ -7,8 +7,8 @@
 Figures (printed, never asserted):
   - dry run: `hpc-train submit --dry-run cluster=dev` (renders the script, validates against the live
     cluster with sbatch --test-only) vs the anchor's closest, `app.py --cfg job` (prints the config only):
-    median wall time of 7, and median CPU time (the command and the clients it runs), which the other
-    work on a shared machine disturbs less
+    median and fastest wall time of 15 runs each, the two taking turns, and median CPU time (the command
+    and the clients it runs)
   - N-point sweep: seconds until all N tasks are in the queue, CPU seconds of the submitting command,
     both per point, whether it then returns at once, sbatch calls (counted in slurmctld.log), peak RSS
 Each sweep is queued on hold (sbatch --hold, both tools), so that no task starts and loads this machine
@@ -123,28 +123,32 @@ def sweep(cmd: list[str], name: str, n: int, env: dict[str, str], manifest: Path
     }
 
 
-def medians(cmd: list[str], env: dict[str, str], repeats: int = 7) -> tuple[float, float, float]:
-    """(median wall s, fastest wall s, median CPU s of the command and its children) of `repeats` runs."""
-    walls, cpus = [], []
+def medians(cmds: list[list[str]], env: dict[str, str], repeats: int = 15) -> list[tuple[float, float, float]]:
+    """Per command, (median wall s, fastest wall s, median CPU s of it and its children) of `repeats` runs,
+    the commands taking turns: this shared machine's speed drifts, and it drifts for both alike."""
+    walls: list[list[float]] = [[] for _ in cmds]
+    cpus: list[list[float]] = [[] for _ in cmds]
     for _ in range(repeats):
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.monotonic()
-        subprocess.run(cmd, env=env, capture_output=True, check=True)
-        walls.append(time.monotonic() - t0)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpus.append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
-    return statistics.median(walls), min(walls), statistics.median(cpus)
+        for cmd, wall, cpu in zip(cmds, walls, cpus):
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.monotonic()
+            subprocess.run(cmd, env=env, capture_output=True, check=True)
+            wall.append(time.monotonic() - t0)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu.append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
+    return [(statistics.median(w), min(w), statistics.median(c)) for w, c in zip(walls, cpus)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000,10000,100000")
+    ap.add_argument("--out", default=None, help="a folder for the sweeps' directories (default: a new one in /tmp)")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]  # --sizes "": the dry run only
     started = not cluster.is_up()
     if started:
         cluster.up(max_job_count=MAX_JOB_COUNT)
-    out = Path(tempfile.mkdtemp(prefix="submit_bench_"))
+    out = Path(tempfile.mkdtemp(prefix="submit_bench_", dir=args.out))
     env = {**cluster.client_env(), "HPC_BENCH_OUT": str(out)}
     config = dict(re.findall(r"^(\w+)\s+= (\S+)", slurm(["scontrol", "show", "config"], env), re.M))
     max_array, max_jobs = int(config["MaxArraySize"]), int(config["MaxJobCount"])
@@ -155,15 +159,16 @@ def main() -> None:
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; MaxArraySize {max_array}, MaxJobCount "
         f"{max_jobs}; hpc_train's bytecode: {'cached .pyc' if pyc else 'none cached'}"
-        f"{', PYTHONDONTWRITEBYTECODE set' if sys.flags.dont_write_bytecode else ''}"
+        f"{', PYTHONDONTWRITEBYTECODE set' if sys.flags.dont_write_bytecode else ''}; sweeps in {out}"
     )
-    ours_dry = medians([HPC_TRAIN, "submit", "--dry-run", "cluster=dev", f"out_dir={out}"], env)
-    anchor_cfg = medians([PY, APP, "--cfg", "job"], env)
+    ours_dry, anchor_cfg = medians(
+        [[HPC_TRAIN, "submit", "--dry-run", "cluster=dev", f"out_dir={out}"], [PY, APP, "--cfg", "job"]], env
+    )
+    (ow, of, oc), (aw, af, ac) = ours_dry, anchor_cfg
     print(
-        f"dry run (median of 7): hpc_train {ours_dry[0]:.3f} s wall (fastest {ours_dry[1]:.3f}), {ours_dry[2]:.3f} s "
-        f"CPU; anchor (--cfg job, no script) {anchor_cfg[0]:.3f} s wall (fastest {anchor_cfg[1]:.3f}), "
-        f"{anchor_cfg[2]:.3f} s CPU; ratio {ours_dry[0] / anchor_cfg[0]:.2f}x wall (fastest "
-        f"{ours_dry[1] / anchor_cfg[1]:.2f}x), {ours_dry[2] / anchor_cfg[2]:.2f}x CPU",
+        f"dry run (median of 15, taking turns): hpc_train {ow:.3f} s wall (fastest {of:.3f}), {oc:.3f} s CPU; "
+        f"anchor (--cfg job, no script) {aw:.3f} s wall (fastest {af:.3f}), {ac:.3f} s CPU; ratio {ow / aw:.2f}x "
+        f"wall (fastest {of / af:.2f}x), {oc / ac:.2f}x CPU",
         flush=True,
     )
 
