@@ -114,22 +114,24 @@ def _submit(args: argparse.Namespace) -> int:
             check_environment(to_run_config(cfg))
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
-        from hpc_train import submit
+        from hpc_train import plan
         from hpc_train.metrics import lead_warning
 
-        p = submit.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source, dry_run=args.dry_run)
+        p = plan.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source, dry_run=args.dry_run)
         print(f"hpc-train submit: config {source.dir / source.name}.yaml", file=sys.stderr)  # ./conf, -cp or shipped
         slurm_run = p.runs[0].cluster.executor == "slurm"
         if not slurm_run:  # trials run here, one after another, for hours: collect as usual (see main)
             import gc
 
             gc.enable()
-        warning = slurm_run and lead_warning(submit.previous_runs(p), p.runs[0].cluster.signal_lead_s)
+        warning = slurm_run and lead_warning(plan.previous_runs(p), p.runs[0].cluster.signal_lead_s)
         if warning:
             print(f"hpc-train submit: warning: {warning}", file=sys.stderr)
         if args.dry_run:
             _print_dry_run(p)
             return 0
+        from hpc_train import submit
+
         with _progress(enabled=args.multirun) as progress:
             p, jobs = submit.submit(p, args.overrides, args.multirun, args.sweep_dir, args.max_parallel, progress)
     except Exception as e:

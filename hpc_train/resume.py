@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -17,16 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal
-from hpc_train.paths import RunPaths, locked, write_atomic
+from hpc_train.paths import RunPaths, locked
+from hpc_train.plan import MANIFEST, job_name
 from hpc_train.sbatch import check_syntax, make_executor, render, validate_live
 from hpc_train.submit import (
-    MANIFEST,
-    _manifest_ids,
     _sbatch_with_retry,
     _sigint_held,
     _stdio_to_devnull,
     _submitit_dir,
-    job_name,
+    adopt_lost_job,
+    record_job,
 )
 
 # Slurm states of a job that is queued, running or coming back: a run in one of them is not resumed.
@@ -218,9 +217,9 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     def queue() -> Any:
         # A try that timed out may have queued the job: look it up by name (minus every id recorded) first.
         if tried and cfg.cluster.executor == "slurm":
-            found = slurm.jobs_named(job_name(target)) - _manifest_ids(target) - {run.job_id.split("_")[0]}
-            if len(found) == 1:
-                return type("Adopted", (), {"job_id": found.pop()})()
+            lost = adopt_lost_job(target, [str(run.run_dir)], {run.job_id}, executor)
+            if lost:
+                return type("Adopted", (), {"job_id": lost})()
         tried.append(1)
         return executor.submit(run_job, str(run.run_dir))
 
@@ -243,22 +242,6 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             stopped_because=why,
         )
         process = runs.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
-        if (target / MANIFEST).exists():  # a sweep's trial: status and cancel read its job id from sweep.json
-            manifest = json.loads((target / MANIFEST).read_text())
-            mode = (target / MANIFEST).stat().st_mode & 0o777
-            for t in manifest["trials"]:
-                if Path(t["run_dir"]) == run.run_dir:
-                    t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
-                    t["job_id"], t["process"] = job_id, process
-            write_atomic(target / MANIFEST, json.dumps(manifest, indent=1) + "\n", private)
-            os.chmod(target / MANIFEST, mode)  # as submit made it: shared, or owner-only
-        else:
-            sub = RunPaths(run.run_dir).submission
-            record = json.loads(sub.read_text()) if sub.exists() else {"executor": cfg.cluster.executor}
-            record["previous_job_ids"] = [*record.get("previous_job_ids", []), *([run.job_id] if run.job_id else [])]
-            record.update(job_id=job_id, job_name=job_name(target), resumed_at=time.time())
-            if process:  # the job id is the controller's pid, which the OS reuses
-                record["process"] = process
-            write_atomic(sub, json.dumps(record, indent=1) + "\n", private)
+        record_job(target, run.run_dir, job_id, process, private, executor=cfg.cluster.executor, resumed_at=time.time())
     lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
     return job, lines

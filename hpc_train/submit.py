@@ -1,4 +1,4 @@
-"""compose -> validate -> freeze run directories -> group trials into arrays -> submitit -> sweep.json.
+"""What plan.py planned, written and queued: freeze run directories -> submitit -> job ids recorded.
 
 Torch-free: this is the login-node path. A single run gets `<out_dir>/<name>-<n>/`; a sweep gets
 `<out_dir>/<name>-<n>/` holding `sweep.json` and one run directory per trial, `0000/`, `0001/`, ...
@@ -22,7 +22,6 @@ A run directory holds everything a (re)started attempt needs and everything it l
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import re
@@ -31,70 +30,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpc_train import journal
-from hpc_train.config import ConfigSource, RunConfig, check_environment, compose_trials, expand_sweep
 from hpc_train.paths import RunPaths, locked, write_atomic
-from hpc_train.sbatch import ClusterConfig, check_syntax, make_executor, render, validate_live
-
-MANIFEST = "sweep.json"
-
-
-@dataclass
-class Trial:
-    index: int
-    overrides: list[str]
-    run_dir: str
-    job_id: str | None = None
-    process: dict[str, Any] | None = None  # a local trial: runs.process_identity of its controller
-
-
-@dataclass
-class Array:
-    """Trials with one resource request, submitted by one sbatch call (one array, or one plain job)."""
-
-    trials: list[int]
-    job_id: str | None = None
-    submitting: bool = False  # set before sbatch, cleared after: a crash in between is recoverable
-
-
-@dataclass
-class Plan:
-    target: Path  # the run directory of a single run, or the sweep directory
-    trials: list[Trial]
-    configs: list[dict[str, Any]]
-    runs: list[RunConfig]
-    arrays: list[Array] = field(default_factory=list)
-    scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
-    unvalidated: str = ""  # a dry run with no controller answering: why the live checks were skipped
-    unchecked: list[str] = field(default_factory=list)  # live checks that could not run (slurmdbd down)
-    # What _save_manifest last wrote (each record and its JSON line), so a save re-serializes only what changed
-    written: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @functools.cached_property
-    def private(self) -> bool:
-        """Owner-only files (0600, submitit/ 0700) when any cluster.env value is set: config.yaml, the
-        manifests and the batch script then hold it, and cluster.env is where API keys go. Not always:
-        runs sit in shared project folders, where teammates' `hpc-train status` should keep working. Computed
-        once: asked per trial, the scan over every run made freezing a 10,000-point sweep quadratic."""
-        return any(r.cluster.env for r in self.runs)
-
-
-def next_dir(out_dir: Path, name: str) -> Path:
-    """<out_dir>/<name>-<n> with the next free n (not created)."""
-    taken = [int(p.name.rsplit("-", 1)[1]) for p in out_dir.glob(f"{name}-*") if p.name.rsplit("-", 1)[1].isdigit()]
-    return (out_dir / f"{name}-{max(taken, default=0) + 1}").resolve()
-
-
-def job_name(target: Path) -> str:
-    """`<dir name>.<6 hex of its path>`: readable in squeue, unique across out_dirs, so a lost array can
-    be found again by its name."""
-    import hashlib
-
-    return f"{target.name}.{hashlib.sha1(str(target).encode()).hexdigest()[:6]}"
+from hpc_train.plan import MANIFEST, Array, Plan, Trial, job_name, next_dir
+from hpc_train.sbatch import make_executor
 
 
 def claim_dir(wanted: Path) -> Path:
@@ -221,51 +163,6 @@ def _code_identity(target: Path, private: bool) -> str:
 
 
 # Model fields that set a parameter's shape (n_heads only regroups the same q/k/v matrix).
-SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers")
-
-
-def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
-    """checkpoint.init_from=PATH -> the committed step folder it names: PATH itself, or the newest committed
-    one under a run directory or its checkpoints/. Raises ValueError when there is none, or when the source
-    run's config.yaml has another model shape than `config` (both the built-in trainer). The job verifies
-    the files' checksums before loading (reading them all here would take as long as a resume)."""
-    import yaml
-
-    from hpc_train.paths import MARKER, STEP_DIR, read_marker, step_folders
-
-    p = Path(path).expanduser().resolve()
-    if STEP_DIR.fullmatch(p.name):
-        if read_marker(p) is None:
-            raise ValueError(
-                f"checkpoint.init_from={path}: {p} has no valid {MARKER} manifest (a save that never "
-                f"finished, or not a checkpoint); give a committed step folder, or the run directory "
-                f"for its newest"
-            )
-        folder = p
-    else:
-        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-        committed = [f for f in step_folders(root).values() if read_marker(f) is not None]
-        if not committed:
-            raise ValueError(
-                f"checkpoint.init_from={path}: no committed checkpoint under {root} (no step_*/{MARKER}); "
-                f"give a run directory that saved one, or one of its step folders"
-            )
-        folder = committed[-1]
-    source_config = folder.parent.parent / "config.yaml"
-    theirs = yaml.safe_load(source_config.read_text()) if source_config.is_file() else None
-    if theirs and not (theirs.get("fn") or {}).get("_target_") and not config["fn"].get("_target_"):
-        model = theirs.get("model") or {}
-        differ = [k for k in SHAPE_FIELDS if k in model and model[k] != config["model"][k]]
-        if differ:
-            wrong = "; ".join(f"model.{k}={config['model'][k]} but the checkpoint has {model[k]}" for k in differ)
-            raise ValueError(
-                f"checkpoint.init_from={path}: {wrong} (its run's {source_config}); set "
-                f"{' '.join(f'model.{k}={model[k]}' for k in differ)}, or drop checkpoint.init_from to "
-                f"train from scratch"
-            )
-    return folder
-
-
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)  # instant, no space; the source run deleting its folder leaves this name
@@ -292,105 +189,6 @@ def pin_init_from(target: Path, configs: list[dict[str, Any]]) -> None:
             os.replace(tmp, pinned)  # whole or absent: the COMMITTED marker never appears in a partial copy
             write_atomic(pinned.parent / "source.json", json.dumps({"init_from": source}) + "\n", private=False)
         c["checkpoint"]["init_from"] = str(pinned)
-
-
-def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
-    """Trials grouped by identical resource request, each group split at MaxArraySize (pure)."""
-    groups: dict[str, list[int]] = {}
-    for i, run in enumerate(runs):
-        # vars, not asdict (which deep-copies, 0.1 ms a run): ClusterConfig holds no nested dataclass
-        groups.setdefault(json.dumps(vars(run.cluster), sort_keys=True), []).append(i)
-    return [
-        Array(trials=idx[k : k + max_array_size]) for idx in groups.values() for k in range(0, len(idx), max_array_size)
-    ]
-
-
-def previous_runs(p: Plan) -> list[Path]:
-    """The runs whose measurements predict this one: the sweep's trials on a resubmit, else the newest
-    earlier run directory of the same name."""
-    if (p.target / MANIFEST).exists():
-        return [Path(t.run_dir) for t in p.trials]
-    earlier = [d for d in p.target.parent.glob(f"{p.target.name.rsplit('-', 1)[0]}-*") if d.is_dir() and d != p.target]
-    return [max(earlier, key=lambda d: d.stat().st_mtime)] if earlier else []
-
-
-def plan(
-    overrides: list[str],
-    multirun: bool,
-    sweep_dir: Path | None = None,
-    max_parallel: int | None = None,
-    source: ConfigSource = ConfigSource(),
-    validate: bool = True,
-    dry_run: bool = False,
-) -> Plan:
-    """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""
-    from hpc_train import slurm
-
-    trial_overrides = expand_sweep(overrides, multirun)
-    composed = compose_trials(trial_overrides, source)
-    # This machine: fn._target_ importable, the compiler, data.path's meta.json; asked once per distinct
-    # question (a 10,000-point sweep over train.lr asks one), and the vocab size raised to the data's frozen.
-    asked: dict[str, int] = {}
-    for c, r in composed:
-        question = repr((r.train.compile, r.fn._target_, r.metrics, r.data, r.train.eval_every_steps, r.model))
-        if question not in asked:
-            check_environment(r)
-            asked[question] = r.model.vocab_size
-        r.model.vocab_size = c["model"]["vocab_size"] = asked[question]
-    configs, runs = [c for c, _ in composed], [r for _, r in composed]
-    for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
-        if c["data"].get("path"):
-            c["data"]["path"] = str(Path(c["data"]["path"]).resolve())
-        if c["checkpoint"].get("init_from"):  # frozen as one step folder: every attempt starts from the same
-            c["checkpoint"]["init_from"] = str(init_from_checkpoint(c["checkpoint"]["init_from"], c))
-    first: ClusterConfig = runs[0].cluster
-    if first.slurm_conf:
-        slurm.slurm_env(first.slurm_conf)
-    if first.executor == "slurm" and any(r.cluster.executor != "slurm" for r in runs):
-        raise ValueError("a sweep must use one executor; sweep cluster= over Slurm clusters only")
-    target = sweep_dir.resolve() if sweep_dir else next_dir(Path(runs[0].out_dir), runs[0].name)
-    trials = [Trial(i, o, str(target / f"{i:04d}") if multirun else str(target)) for i, o in enumerate(trial_overrides)]
-    result = Plan(target, trials, configs, runs)
-    if first.executor == "local":
-        result.arrays = [Array(trials=[i]) for i in range(len(runs))]  # local trials run one at a time
-        return result
-    facts = [["scontrol", "show", "partition", "-o"], ["scontrol", "show", "node", "-o"]] if validate else []
-    facts += [["scontrol", "show", "config"]] if multirun else []
-    if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s): one ping
-        result.unvalidated = slurm.unreachable()
-    # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
-    if not result.unvalidated:
-        slurm.prefetch(*facts)
-    max_array = (
-        1
-        if not multirun
-        else (
-            1001
-            if result.unvalidated  # Slurm's default
-            else int(slurm.show_config().get("MaxArraySize", "1001"))
-        )
-    )
-    result.arrays = group_arrays(runs, max_array)
-    for array in result.arrays:
-        size = len(array.trials) if multirun else None
-        result.scripts.append(
-            render(runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel)
-        )
-    if result.unvalidated:
-        validate = False
-        slurm.drop_prefetched()
-    checked: dict[tuple[str, str], list[str]] = {}  # a 100,000-point sweep is 100 arrays of one shape and size
-    try:
-        for array, script in zip(result.arrays, result.scripts):
-            cluster = runs[array.trials[0]].cluster
-            shape = (json.dumps(vars(cluster), sort_keys=True), script)  # as group_arrays keys a shape
-            if shape not in checked:  # bash -n and 4 Slurm calls, ~30 ms: once per distinct request
-                check_syntax(script)
-                checked[shape] = validate_live(cluster, script, len(array.trials), max_parallel) if validate else []
-            result.unchecked += checked[shape]
-    finally:
-        slurm.drop_prefetched()  # what a failed check left unread: never a later call's stale answer
-    return result
 
 
 def _load_manifest(sweep_dir: Path, overrides: list[str], trials: list[Trial]) -> list[Array] | None:
@@ -467,23 +265,39 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
 SUBMITIT_PICKLE_WAIT_S = 60
 
 
-def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bool:
-    """A previous submit died between sbatch and recording the array's id, perhaps before submitit renamed
-    the task pickles: find that array by its job name and give every task its pickle. Trials whose task
-    already ended without starting (it waited 60 s for a pickle, or was cancelled) go into a new array
-    appended to p.arrays, so every trial runs, or is queued again, exactly once."""
+def adopt_lost_job(target: Path, run_dirs: list[str], known: set[str], executor: Any) -> str | None:
+    """The job a submit or resume queued and never recorded (sbatch timed out after queueing, or the command
+    died between sbatch and the record): the one job under this target's job name that neither its
+    manifests nor `known` record. Gives each of its tasks (one per run_dirs, in order) the pickle submitit
+    would have renamed into place, so none waits 60 s for it and fails. Returns its id, or None when there
+    is no such job or several (then queue anew: a cancelled one was given up on)."""
     from hpc_train import slurm
 
-    known = {a.job_id for a in p.arrays if a.job_id} | _manifest_ids(p.target)  # incl. trials' resumed jobs
-    found = slurm.jobs_named(job_name) - known  # a cancelled array was given up on: resubmit instead
+    found = slurm.jobs_named(job_name(target)) - _manifest_ids(target) - {i.split("_")[0] for i in known if i}
     if len(found) != 1:
+        return None
+    job_id = found.pop()
+    for k, run_dir in enumerate(run_dirs):  # submitit queues a lone trial as a plain job
+        task = f"{job_id}_{k}" if len(run_dirs) > 1 else job_id
+        _write_task_pickle(target / "submitit" / f"{task}_submitted.pkl", run_dir, executor)
+    return job_id
+
+
+def _adopt_lost_array(p: Plan, array: Array, executor: Any) -> bool:
+    """adopt_lost_job for a sweep's array. Trials whose task already ended without starting (it waited 60 s
+    for a pickle, or was cancelled) go into a new array appended to p.arrays, so every trial runs, or is
+    queued again, exactly once."""
+    from hpc_train import slurm
+
+    known = {a.job_id for a in p.arrays if a.job_id}  # incl. trials' resumed jobs, which the manifest has
+    job_id = adopt_lost_job(p.target, [p.trials[i].run_dir for i in array.trials], known, executor)
+    if job_id is None:
         return False
-    array.job_id, array.submitting = found.pop(), False
-    for k, i in enumerate(array.trials):  # submitit queues a lone trial as a plain job
-        p.trials[i].job_id = f"{array.job_id}_{k}" if len(array.trials) > 1 else array.job_id
-        _write_task_pickle(p.target / "submitit" / f"{p.trials[i].job_id}_submitted.pkl", p.trials[i].run_dir, executor)
+    array.job_id, array.submitting = job_id, False
+    for k, i in enumerate(array.trials):
+        p.trials[i].job_id = f"{job_id}_{k}" if len(array.trials) > 1 else job_id
     written = time.time()
-    queued = slurm.queued_tasks(job_name)
+    queued = slurm.queued_tasks(job_name(p.target))
     started = {i for i in array.trials if journal.named(journal.read(Path(p.trials[i].run_dir)), journal.START)}
     # A task that gave up on its pickle just before it was written dies within seconds: look again 10 s
     # after writing when a task still waiting may have been queued that long (Slurm's start <= python's).
@@ -493,13 +307,40 @@ def _adopt_lost_array(p: Plan, array: Array, job_name: str, executor: Any) -> bo
         if i not in started
     ):
         time.sleep(max(0.0, written + 10 - time.time()))
-        queued = slurm.queued_tasks(job_name)
+        queued = slurm.queued_tasks(job_name(p.target))
     ended = [i for i in array.trials if i not in started and p.trials[i].job_id not in queued]
     for i in ended:
         p.trials[i].job_id = None
     if ended:
         p.arrays.append(Array(trials=ended))
     return True
+
+
+def record_job(
+    target: Path, run_dir: Path, job_id: str, process: dict[str, Any] | None, private: bool, **fields: Any
+) -> None:
+    """The one writer of one run's job id: its trial's line in the sweep's sweep.json, else the run's
+    submission.json (with `fields`). The id it replaces joins previous_job_ids, where status, cancel and
+    adopt_lost_job still find it. A sweep's submit records many trials at once through _save_manifest.
+    The caller holds the lock of what it writes (sweep.json.lock, or the run's .lock)."""
+    if (target / MANIFEST).exists() and target != run_dir:  # a sweep's trial
+        path = target / MANIFEST
+        manifest, mode = json.loads(path.read_text()), path.stat().st_mode & 0o777
+        for t in manifest["trials"]:
+            if Path(t["run_dir"]) == run_dir:
+                t["previous_job_ids"] = [*t.get("previous_job_ids", []), *([t["job_id"]] if t["job_id"] else [])]
+                t["job_id"], t["process"] = job_id, process
+        write_atomic(path, json.dumps(manifest, indent=1) + "\n", private)
+        os.chmod(path, mode)  # as submit made it: shared, or owner-only
+        return
+    path = RunPaths(run_dir).submission
+    record = json.loads(path.read_text()) if path.exists() else {}
+    if record.get("job_id"):
+        record["previous_job_ids"] = [*record.get("previous_job_ids", []), record["job_id"]]
+    record.update(job_id=job_id, job_name=job_name(target), **fields)
+    if process:  # a local job's id is its controller's pid, which the OS reuses
+        record["process"] = process
+    write_atomic(path, json.dumps(record, indent=1) + "\n", private)
 
 
 def _manifest_ids(target: Path) -> set[str]:
@@ -617,18 +458,21 @@ def submit(
             with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
                 job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
             p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
-            record = {
-                "executor": first.cluster.executor,
-                "job_id": str(job.job_id),
-                "job_name": job_name(run_dir),
-                "submitted_at": time.time(),
-                "overrides": overrides,
-            }
-            if first.cluster.executor == "local":  # the job id is the controller's pid, which the OS reuses
+            process = None
+            if first.cluster.executor == "local":
                 from hpc_train.runs import process_identity
 
-                record["process"] = process_identity(int(job.job_id))
-            write_atomic(run_dir / "submission.json", json.dumps(record, indent=1) + "\n", p.private)
+                process = process_identity(int(job.job_id))
+            record_job(
+                run_dir,
+                run_dir,
+                str(job.job_id),
+                process,
+                p.private,
+                executor=first.cluster.executor,
+                submitted_at=time.time(),
+                overrides=overrides,
+            )
         return p, [job]
 
     # A sweep: freeze every trial, record the manifest, then one sbatch per array.
@@ -660,7 +504,7 @@ def submit(
             cluster, _submitit_dir(p.target / "submitit", p.private), job_name(p.target), max_parallel
         )
         lost = array.submitting and cluster.executor == "slurm"  # queued, but its id never reached the manifest
-        if lost and _adopt_lost_array(p, array, job_name(p.target), executor):
+        if lost and _adopt_lost_array(p, array, executor):
             _save_manifest(p, overrides)
             continue
         array.submitting = True
@@ -687,7 +531,7 @@ def submit(
 
             def queue_array() -> list[Any]:
                 # A try that timed out may still have queued the array: look it up before trying again.
-                if tried and _adopt_lost_array(p, array, job_name(p.target), executor):
+                if tried and _adopt_lost_array(p, array, executor):
                     return []
                 tried.append(1)
                 return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])

@@ -21,13 +21,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("job", "train"),
     ("start",),
     ("runs",),  # the login side from here: which runs a path names
-    ("status", "logs", "report", "drills"),  # the commands on runs that exist
+    ("status", "logs", "report", "drills", "plan"),  # commands that write no run: on runs that exist, a dry run
     ("submit",),
     ("resume",),
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "attempt", "job", "train", "start"}
-LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "submit", "resume", "cli"}
+LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
 
 
 def imports_of(path: Path) -> set[str]:

@@ -383,13 +383,13 @@ def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> Non
 def test_submit_keeps_the_job_id_a_resume_recorded(tmp_path: Path) -> None:
     """The sweep's submit driver saves sweep.json after each trial: a trial resumed meanwhile keeps its new
     job id (before: the driver wrote back the id it knew, and status/cancel lost the resumed job)."""
-    from hpc_train import submit
+    from hpc_train import plan, submit
 
     sweep = tmp_path / "sw-1"
     sweep.mkdir()
-    p = submit.Plan(
+    p = plan.Plan(
         sweep,
-        [submit.Trial(0, ["a=1"], str(sweep / "0000"), "11"), submit.Trial(1, ["a=2"], str(sweep / "0001"), "12")],
+        [plan.Trial(0, ["a=1"], str(sweep / "0000"), "11"), plan.Trial(1, ["a=2"], str(sweep / "0001"), "12")],
         [],
         [],
     )
@@ -489,15 +489,18 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_resume_retry_adopts_the_job_a_timed_out_sbatch_queued(tmp_path: Path, fake_slurm: Path) -> None:
     """sbatch timed out but queued job 555: the retry finds it by name (100, recorded, is not it) instead of
-    queueing a second copy. Before: two jobs, and the run recorded the second."""
+    queueing a second copy, and writes the pickle submitit never renamed into place (before: two jobs, and the
+    run recorded the second; then, adopted without its pickle, the job waited 60 s for it and failed)."""
     from hpc_train import resume
 
     (fake_slurm / "script").write_text("queued_then_timeout\nok\n")
     run_dir = slurm_run_dir(tmp_path)
     job, lines = resume.resume(run_dir, {})
     assert (job.job_id, (fake_slurm / "sbatch_calls").read_text().strip()) == ("555", "1")
-    assert json.loads((run_dir / "submission.json").read_text())["job_id"] == "555"
+    record = json.loads((run_dir / "submission.json").read_text())
+    assert (record["job_id"], record["previous_job_ids"]) == ("555", ["100"])
     assert [(e["event"], e["job_id"]) for e in read_events(run_dir) if e["event"] == "resume"] == [("resume", "555")]
+    assert (run_dir / "submitit" / "555_submitted.pkl").is_file()
 
 
 def test_resume_event_only_once_sbatch_succeeded(tmp_path: Path, fake_slurm: Path) -> None:

@@ -16,7 +16,7 @@ import yaml
 from conftest import HPC_TRAIN, fake_clients, run
 from test_cli import FAKE_SLURM
 
-from hpc_train import submit
+from hpc_train import plan, submit
 from hpc_train.config import _plain_override, compose_trials
 
 # Hydra's grammar has corners a hand-written reading gets wrong: these are the ones near what it reads itself.
@@ -135,7 +135,7 @@ def test_private_is_decided_once_per_plan() -> None:
             return {}
 
     runs = [type("Run", (), {"cluster": Cluster()})() for _ in range(100)]
-    p = submit.Plan(Path("/nowhere"), [], [], runs)  # type: ignore[arg-type]
+    p = plan.Plan(Path("/nowhere"), [], [], runs)  # type: ignore[arg-type]
     assert not any(p.private for _ in range(100))
     assert Cluster.reads == 100
 
@@ -143,8 +143,8 @@ def test_private_is_decided_once_per_plan() -> None:
 def test_manifest_save_serializes_only_what_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Saved twice per array: a save that rewrote every record made a sweep's manifest writes quadratic."""
     n = 3000
-    trials = [submit.Trial(i, [f"a={i}"], str(tmp_path / f"{i:04d}")) for i in range(n)]
-    p = submit.Plan(tmp_path, trials, [], [], arrays=[submit.Array(list(range(k, k + 1000))) for k in (0, 1000, 2000)])
+    trials = [plan.Trial(i, [f"a={i}"], str(tmp_path / f"{i:04d}")) for i in range(n)]
+    p = plan.Plan(tmp_path, trials, [], [], arrays=[plan.Array(list(range(k, k + 1000))) for k in (0, 1000, 2000)])
     submit._save_manifest(p, ["a=range(3000)"])
     dumped: list[object] = []
     real = json.dumps

@@ -1,0 +1,218 @@
+"""The planner: overrides -> trials -> arrays of one resource request, each with its rendered batch script,
+validated against this machine and the live cluster. Writes nothing (submit.py writes and queues what it
+returns), so `hpc-train submit --dry-run` is this and a print. Torch-free.
+
+    from hpc_train import plan
+    p = plan.plan(["train.lr=1e-3,3e-4"], multirun=True)   # p.trials, p.arrays, p.scripts
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_train.config import ConfigSource, RunConfig, check_environment, compose_trials, expand_sweep
+from hpc_train.sbatch import ClusterConfig, check_syntax, render, validate_live
+
+MANIFEST = "sweep.json"
+
+
+@dataclass
+class Trial:
+    index: int
+    overrides: list[str]
+    run_dir: str
+    job_id: str | None = None
+    process: dict[str, Any] | None = None  # a local trial: runs.process_identity of its controller
+
+
+@dataclass
+class Array:
+    """Trials with one resource request, submitted by one sbatch call (one array, or one plain job)."""
+
+    trials: list[int]
+    job_id: str | None = None
+    submitting: bool = False  # set before sbatch, cleared after: a crash in between is recoverable
+
+
+@dataclass
+class Plan:
+    target: Path  # the run directory of a single run, or the sweep directory
+    trials: list[Trial]
+    configs: list[dict[str, Any]]
+    runs: list[RunConfig]
+    arrays: list[Array] = field(default_factory=list)
+    scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
+    unvalidated: str = ""  # a dry run with no controller answering: why the live checks were skipped
+    unchecked: list[str] = field(default_factory=list)  # live checks that could not run (slurmdbd down)
+    # What _save_manifest last wrote (each record and its JSON line), so a save re-serializes only what changed
+    written: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def private(self) -> bool:
+        """Owner-only files (0600, submitit/ 0700) when any cluster.env value is set: config.yaml, the
+        manifests and the batch script then hold it, and cluster.env is where API keys go. Not always:
+        runs sit in shared project folders, where teammates' `hpc-train status` should keep working. Computed
+        once: asked per trial, the scan over every run made freezing a 10,000-point sweep quadratic."""
+        return any(r.cluster.env for r in self.runs)
+
+
+def next_dir(out_dir: Path, name: str) -> Path:
+    """<out_dir>/<name>-<n> with the next free n (not created)."""
+    taken = [int(p.name.rsplit("-", 1)[1]) for p in out_dir.glob(f"{name}-*") if p.name.rsplit("-", 1)[1].isdigit()]
+    return (out_dir / f"{name}-{max(taken, default=0) + 1}").resolve()
+
+
+def job_name(target: Path) -> str:
+    """`<dir name>.<6 hex of its path>`: readable in squeue, unique across out_dirs, so a lost array can
+    be found again by its name."""
+    import hashlib
+
+    return f"{target.name}.{hashlib.sha1(str(target).encode()).hexdigest()[:6]}"
+
+
+SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers")
+
+
+def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
+    """checkpoint.init_from=PATH -> the committed step folder it names: PATH itself, or the newest committed
+    one under a run directory or its checkpoints/. Raises ValueError when there is none, or when the source
+    run's config.yaml has another model shape than `config` (both the built-in trainer). The job verifies
+    the files' checksums before loading (reading them all here would take as long as a resume)."""
+    import yaml
+
+    from hpc_train.paths import MARKER, STEP_DIR, read_marker, step_folders
+
+    p = Path(path).expanduser().resolve()
+    if STEP_DIR.fullmatch(p.name):
+        if read_marker(p) is None:
+            raise ValueError(
+                f"checkpoint.init_from={path}: {p} has no valid {MARKER} manifest (a save that never "
+                f"finished, or not a checkpoint); give a committed step folder, or the run directory "
+                f"for its newest"
+            )
+        folder = p
+    else:
+        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        committed = [f for f in step_folders(root).values() if read_marker(f) is not None]
+        if not committed:
+            raise ValueError(
+                f"checkpoint.init_from={path}: no committed checkpoint under {root} (no step_*/{MARKER}); "
+                f"give a run directory that saved one, or one of its step folders"
+            )
+        folder = committed[-1]
+    source_config = folder.parent.parent / "config.yaml"
+    theirs = yaml.safe_load(source_config.read_text()) if source_config.is_file() else None
+    if theirs and not (theirs.get("fn") or {}).get("_target_") and not config["fn"].get("_target_"):
+        model = theirs.get("model") or {}
+        differ = [k for k in SHAPE_FIELDS if k in model and model[k] != config["model"][k]]
+        if differ:
+            wrong = "; ".join(f"model.{k}={config['model'][k]} but the checkpoint has {model[k]}" for k in differ)
+            raise ValueError(
+                f"checkpoint.init_from={path}: {wrong} (its run's {source_config}); set "
+                f"{' '.join(f'model.{k}={model[k]}' for k in differ)}, or drop checkpoint.init_from to "
+                f"train from scratch"
+            )
+    return folder
+
+
+def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
+    """Trials grouped by identical resource request, each group split at MaxArraySize (pure)."""
+    groups: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        # vars, not asdict (which deep-copies, 0.1 ms a run): ClusterConfig holds no nested dataclass
+        groups.setdefault(json.dumps(vars(run.cluster), sort_keys=True), []).append(i)
+    return [
+        Array(trials=idx[k : k + max_array_size]) for idx in groups.values() for k in range(0, len(idx), max_array_size)
+    ]
+
+
+def previous_runs(p: Plan) -> list[Path]:
+    """The runs whose measurements predict this one: the sweep's trials on a resubmit, else the newest
+    earlier run directory of the same name."""
+    if (p.target / MANIFEST).exists():
+        return [Path(t.run_dir) for t in p.trials]
+    earlier = [d for d in p.target.parent.glob(f"{p.target.name.rsplit('-', 1)[0]}-*") if d.is_dir() and d != p.target]
+    return [max(earlier, key=lambda d: d.stat().st_mtime)] if earlier else []
+
+
+def plan(
+    overrides: list[str],
+    multirun: bool,
+    sweep_dir: Path | None = None,
+    max_parallel: int | None = None,
+    source: ConfigSource = ConfigSource(),
+    validate: bool = True,
+    dry_run: bool = False,
+) -> Plan:
+    """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""
+    from hpc_train import slurm
+
+    trial_overrides = expand_sweep(overrides, multirun)
+    composed = compose_trials(trial_overrides, source)
+    # This machine: fn._target_ importable, the compiler, data.path's meta.json; asked once per distinct
+    # question (a 10,000-point sweep over train.lr asks one), and the vocab size raised to the data's frozen.
+    asked: dict[str, int] = {}
+    for c, r in composed:
+        question = repr((r.train.compile, r.fn._target_, r.metrics, r.data, r.train.eval_every_steps, r.model))
+        if question not in asked:
+            check_environment(r)
+            asked[question] = r.model.vocab_size
+        r.model.vocab_size = c["model"]["vocab_size"] = asked[question]
+    configs, runs = [c for c, _ in composed], [r for _, r in composed]
+    for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
+        if c["data"].get("path"):
+            c["data"]["path"] = str(Path(c["data"]["path"]).resolve())
+        if c["checkpoint"].get("init_from"):  # frozen as one step folder: every attempt starts from the same
+            c["checkpoint"]["init_from"] = str(init_from_checkpoint(c["checkpoint"]["init_from"], c))
+    first: ClusterConfig = runs[0].cluster
+    if first.slurm_conf:
+        slurm.slurm_env(first.slurm_conf)
+    if first.executor == "slurm" and any(r.cluster.executor != "slurm" for r in runs):
+        raise ValueError("a sweep must use one executor; sweep cluster= over Slurm clusters only")
+    target = sweep_dir.resolve() if sweep_dir else next_dir(Path(runs[0].out_dir), runs[0].name)
+    trials = [Trial(i, o, str(target / f"{i:04d}") if multirun else str(target)) for i, o in enumerate(trial_overrides)]
+    result = Plan(target, trials, configs, runs)
+    if first.executor == "local":
+        result.arrays = [Array(trials=[i]) for i in range(len(runs))]  # local trials run one at a time
+        return result
+    facts = [["scontrol", "show", "partition", "-o"], ["scontrol", "show", "node", "-o"]] if validate else []
+    facts += [["scontrol", "show", "config"]] if multirun else []
+    if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s): one ping
+        result.unvalidated = slurm.unreachable()
+    # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
+    if not result.unvalidated:
+        slurm.prefetch(*facts)
+    max_array = (
+        1
+        if not multirun
+        else (
+            1001
+            if result.unvalidated  # Slurm's default
+            else int(slurm.show_config().get("MaxArraySize", "1001"))
+        )
+    )
+    result.arrays = group_arrays(runs, max_array)
+    for array in result.arrays:
+        size = len(array.trials) if multirun else None
+        result.scripts.append(
+            render(runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel)
+        )
+    if result.unvalidated:
+        validate = False
+        slurm.drop_prefetched()
+    checked: dict[tuple[str, str], list[str]] = {}  # a 100,000-point sweep is 100 arrays of one shape and size
+    try:
+        for array, script in zip(result.arrays, result.scripts):
+            cluster = runs[array.trials[0]].cluster
+            shape = (json.dumps(vars(cluster), sort_keys=True), script)  # as group_arrays keys a shape
+            if shape not in checked:  # bash -n and 4 Slurm calls, ~30 ms: once per distinct request
+                check_syntax(script)
+                checked[shape] = validate_live(cluster, script, len(array.trials), max_parallel) if validate else []
+            result.unchecked += checked[shape]
+    finally:
+        slurm.drop_prefetched()  # what a failed check left unread: never a later call's stale answer
+    return result
