@@ -471,8 +471,12 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
     import threading
 
     def watch() -> None:
+        renewed = time.monotonic()
         while time.monotonic() - preempt.last_beat[0] < limit_s:
             time.sleep(min(5.0, limit_s / 10))
+            if env.rank == 0 and time.monotonic() - renewed >= preempt.LEASE_RENEW_S:
+                _renew_lease(paths, env)
+                renewed = time.monotonic()
         print(
             f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow",
             file=sys.stderr,
@@ -493,6 +497,111 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
 
     preempt.beat()
     threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()
+
+
+def _read_lease(paths: RunPaths) -> dict[str, Any] | None:
+    try:
+        lease = json.loads(paths.lease.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: nobody's
+        return None
+    return lease if isinstance(lease, dict) else None
+
+
+def _write_lease(paths: RunPaths, env: Any) -> None:
+    import socket
+
+    now = time.time()
+    record = {"job_id": env.job_id, "host": socket.gethostname(), "renewed_at": now}
+    record["expires_at"] = now + preempt.LEASE_S
+    write_atomic(paths.lease, json.dumps(record) + "\n")
+
+
+def _owner_active(lease: dict[str, Any], env: Any) -> bool | None:
+    """Is the lease's job still queued or running? Slurm's answer (None when it gives none); a local
+    owner by its controller's pid, on this host only."""
+    import socket
+
+    owner = str(lease["job_id"])
+    if env.executor == "slurm":
+        from hpc_train import slurm
+
+        try:
+            return slurm.job_states([owner], retries=1).get(owner, "") in slurm.ACTIVE_STATES
+        except slurm.SlurmError:
+            return None
+    if lease.get("host") != socket.gethostname() or not owner.isdigit():
+        return None
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's: a reused pid
+        return False
+    return True
+
+
+def _claim_lease(paths: RunPaths, env: Any) -> dict[str, Any] | None:
+    """Rank 0: make this job the run directory's owner, or return the lease of the live job that owns it.
+    Two jobs on one run (two submits that queued one trial, an orphan of a lost record) both append to one
+    journal, spend its budgets twice and delete each other's checkpoints by retention: the second to start
+    refuses instead. Under a lock, so two starting at once do not both take it; after the watchdog starts,
+    which ends a wait on a lock a dead NFS client still holds."""
+    with locked(paths.run_dir / ".lease.lock"):
+        lease = _read_lease(paths)
+        now = time.time()
+        owner_active = None
+        if lease and str(lease.get("job_id")) != env.job_id and now < float(lease.get("expires_at", 0)):
+            owner_active = _owner_active(lease, env)
+        if not preempt.lease_verdict(lease, env.job_id, now, owner_active):
+            return lease
+        _write_lease(paths, env)
+    return None
+
+
+def _renew_lease(paths: RunPaths, env: Any) -> None:
+    """The watchdog thread, every LEASE_RENEW_S on rank 0: extend this job's lease, never another's (one
+    that took it after this job missed every renewal for LEASE_S). Never blocks: a busy lock waits a turn."""
+    try:
+        with locked(paths.run_dir / ".lease.lock", wait=False):
+            lease = _read_lease(paths)
+            if lease is None or str(lease.get("job_id")) == env.job_id:
+                _write_lease(paths, env)
+            else:
+                print(f"[hpc_train] warning: job {lease.get('job_id')} took this run's lease", file=sys.stderr)
+    except (OSError, ValueError):  # a full disk or a busy lock: the next turn, 30 s on
+        pass
+
+
+def _own_run_dir(paths: RunPaths, env: Any) -> None:
+    """Collective, before anything is loaded, saved or deleted: rank 0 claims the lease; when another live
+    job owns the run directory every rank leaves (exit 1, no requeue) and rank 0 says which job owns it."""
+    import torch.distributed as dist
+
+    found: list[Any] = [_claim_lease(paths, env) if env.rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    lease = found[0]
+    if lease is None:
+        return
+    if env.rank == 0:
+        journal.log(
+            paths.run_dir,
+            journal.LEASE_REFUSED,
+            -1,
+            env.job_id,
+            env.restart_count,
+            owner=str(lease["job_id"]),
+            owner_host=lease.get("host"),
+            expires_at=lease.get("expires_at"),
+        )
+        print(
+            f"[hpc_train] job {env.job_id} refuses to train: job {lease['job_id']} (on {lease.get('host')}) owns "
+            f"{paths.run_dir} and is still queued or running; this job leaves its checkpoints and budgets "
+            f"alone. Follow the owner with hpc-train status {paths.run_dir}; if it is gone, hpc-train resume "
+            f"{paths.run_dir} starts the run again",
+            file=sys.stderr,
+            flush=True,
+        )
+    _leave("stop", 0.0)
 
 
 def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, float]) -> dict[str, Any] | None:
@@ -541,6 +650,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
     env = _rendezvous(env, cfg, paths)
     phases_s["rendezvous"] = time.time() - t0
     _start_watchdog(cfg.train.watchdog_s, paths, env)
+    _own_run_dir(paths, env)
     if cfg.preflight.enabled:
         from hpc_train import preflight
 

@@ -33,6 +33,7 @@ PREFLIGHT = "preflight"  # every node's health, after the rendezvous
 SIGNAL = "signal"  # a stop signal seen at a step boundary
 FINISH = "finish"  # the run's last step; the summary
 CODE_CHANGED = "code_changed"  # the first task on a node runs other code than code.json names
+LEASE_REFUSED = "lease_refused"  # a second job on a run another live job owns: owner, expires_at; it exits
 # checkpoints
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"

@@ -87,6 +87,11 @@ class RunPaths:
         job reads its attempt number under it (shared)."""
         return self.run_dir / ".lock"
 
+    @property
+    def lease(self) -> Path:
+        """Which job owns the run directory now (job.py): {job_id, host, expires_at}, renewed by its rank 0."""
+        return self.run_dir / ".lease"
+
     def failure_claim(self, job_id: str, restart: int) -> Path:
         """Created O_EXCL by the first rank to fail in an attempt: that rank alone decides the requeue."""
         return self.run_dir / f".failed-{job_id}-{restart}"

@@ -74,6 +74,28 @@ def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:
     return signal_lead_s if reason == "time_limit" else grace_s
 
 
+# ---- who owns a run directory ---------------------------------------------------------------------------
+
+# A lease not renewed for LEASE_S is free. Its owner's rank 0 renews it every LEASE_RENEW_S from the
+# watchdog thread, which runs through saves and collectives alike: 6 renewals missed before another job
+# may take over; a suspended or partitioned owner is the only one that loses it while alive.
+LEASE_S = 180.0
+LEASE_RENEW_S = 30.0
+
+
+def lease_verdict(lease: dict[str, Any] | None, me: str, now: float, owner_active: bool | None) -> bool:
+    """May the job `me` train in a run directory whose lease says `lease`? (pure) Yes with no lease, its
+    own from an earlier attempt, an expired one, or one whose owner Slurm says is gone. No when Slurm says
+    the owner is queued or running (a requeued owner comes back to it). When nobody can say
+    (owner_active None: Slurm does not answer, or a local owner on another host), the lease's age does:
+    renewed within two renewal periods, its owner lives."""
+    if not lease or str(lease.get("job_id")) == me or now >= float(lease.get("expires_at", 0)):
+        return True
+    if owner_active is None:
+        return now - float(lease.get("renewed_at", 0)) >= 2 * LEASE_RENEW_S
+    return not owner_active
+
+
 # ---- fault drills ------------------------------------------------------------------------------------
 
 

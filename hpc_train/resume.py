@@ -19,6 +19,7 @@ from hpc_train import journal
 from hpc_train.paths import RunPaths, locked
 from hpc_train.plan import MANIFEST, job_name
 from hpc_train.sbatch import check_syntax, make_executor, render, validate_live
+from hpc_train.slurm import ACTIVE_STATES
 from hpc_train.submit import (
     _sbatch_with_retry,
     _sigint_held,
@@ -26,23 +27,6 @@ from hpc_train.submit import (
     _submitit_dir,
     adopt_lost_job,
     record_job,
-)
-
-# Slurm states of a job that is queued, running or coming back: a run in one of them is not resumed.
-ACTIVE_STATES = (
-    "PENDING",
-    "RUNNING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESV_DEL_HOLD",
-    "CONFIGURING",
-    "COMPLETING",
-    "SUSPENDED",
-    "RESIZING",
-    "SIGNALING",
-    "STAGE_OUT",
-    "STOPPED",
 )
 
 
@@ -66,16 +50,22 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     run = runs[0]
     if run.unreadable:
         raise ValueError(run.unreadable)
-    # Held from the state check until the new job id is recorded: a second resume of this run is refused
-    # (it would queue a second copy), and a sweep's submit driver waits to write sweep.json.
+    # Held from the state check until the new job id is recorded, and refused when held: a second resume of
+    # this run, or a submit still queueing its sweep, would queue a second copy of the trial.
     target = run.log_dir.parent  # the run directory, or the sweep directory of a trial (its submitit/ and job name)
     busy = (
-        f"{run.label} is already being resumed by another hpc-train resume; follow it with hpc-train status "
-        f"{run.run_dir}"
+        f"{run.label} is being submitted or resumed by another hpc-train command right now; wait for it to "
+        f"return, then follow it with hpc-train status {run.run_dir}"
+    )
+    sweep_busy = (
+        f"{target} is being submitted or resumed by another hpc-train command right now (a sweep still being "
+        f"queued, or another trial's resume); wait for it to return, then try again"
     )
     with (
         locked(RunPaths(run.run_dir).lock, wait=False, busy=busy),
-        locked(target / (MANIFEST + ".lock")) if (target / MANIFEST).exists() else contextlib.nullcontext(),
+        locked(target / (MANIFEST + ".lock"), wait=False, busy=sweep_busy)
+        if (target / MANIFEST).exists()
+        else contextlib.nullcontext(),
     ):
         return _resume(find_runs(run.run_dir)[0], budgets, reason)
 

@@ -300,6 +300,24 @@ def parse_squeue_states(text: str) -> dict[str, str]:
     return dict(line.split("|", 1) for line in text.splitlines() if "|" in line)
 
 
+# Slurm states of a job that is queued, running or coming back: a run in one of them is not resumed.
+ACTIVE_STATES = (
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+)
+
+
 def job_states(job_ids: list[str], retries: int = 3, strict: bool = False) -> dict[str, str]:
     """State per job id, the one answer every command gets (status, logs -f, resume). slurmctld first:
     squeue knows every job it holds, at once (a requeued job is PENDING there while accounting may lag the

@@ -207,8 +207,8 @@ def _load_manifest(sweep_dir: Path, overrides: list[str], trials: list[Trial]) -
 
 
 def _save_manifest(p: Plan, overrides: list[str], changed: list[int] | None = None) -> None:
-    """Under sweep.json's lock: a trial `hpc-train resume` queued meanwhile keeps the job id it recorded
-    (those with previous_job_ids), not the one this submit knew.
+    """The caller holds sweep.json.lock (submit, from reading the manifest to its last save). A trial an
+    `hpc-train resume` queued before keeps the job id it recorded (those with previous_job_ids).
 
     Saved twice per array, so O(arrays x trials) work in all: it was quadratic (a 10,000-point sweep in
     10 arrays wrote and re-read the whole manifest ~40 times). Now the file is read again only when
@@ -217,39 +217,38 @@ def _save_manifest(p: Plan, overrides: list[str], changed: list[int] | None = No
     once the sweep directory is claimed). One trial per line, so the file stays readable at 100,000.
     `changed`: the trials this submit changed since its last save, which alone are looked at (a loop over
     100,000 trials, 200 times, was 10 s of a 100,000-point sweep); None: every trial."""
-    with locked(p.target / (MANIFEST + ".lock")):
-        path = p.target / MANIFEST
-        written = p.written
-        signature = _signature(path)
-        if "records" not in written or signature != written["signature"]:  # first save, or rewritten by another process
-            disk = json.loads(path.read_text())["trials"] if signature else []
-            written.update(records={t["index"]: t for t in disk}, lines={}, arrays={})
-            changed = None
-        records, lines, array_lines = written["records"], written["lines"], written["arrays"]
-        for t in p.trials if changed is None else (p.trials[i] for i in changed):
-            saved = records.get(t.index, {})
-            if saved.get("previous_job_ids"):  # resumed: its record wins, and this submit learns it
-                t.job_id, t.process = saved["job_id"], saved.get("process")
-            if t.index not in lines or saved.get("job_id") != t.job_id or saved.get("process") != t.process:
-                records[t.index] = {**saved, **vars(t)}  # only serialized: no deep copy (asdict) needed
-                lines[t.index] = json.dumps(records[t.index])
-        for a in p.arrays:
-            key = (len(a.trials), a.job_id, a.submitting)  # an array's trials never change once it exists
-            cached = array_lines.get(id(a))
-            if cached is None or cached[0] is not a or cached[1] != key:  # the array object kept: ids are not reused
-                array_lines[id(a)] = (a, key, json.dumps(vars(a)))
-        head = {"sweep_dir": str(p.target), "job_name": job_name(p.target), "overrides": overrides}
-        head["updated_at"] = time.time()
-        text = (
-            json.dumps(head, indent=1)[: -len("\n}")]
-            + ',\n "trials": [\n  '
-            + ",\n  ".join(lines[t.index] for t in p.trials)
-            + '\n ],\n "arrays": [\n  '
-            + ",\n  ".join(array_lines[id(a)][2] for a in p.arrays)
-            + "\n ]\n}\n"
-        )
-        write_atomic(path, text, p.private)
-        written["signature"] = _signature(path)
+    path = p.target / MANIFEST
+    written = p.written
+    signature = _signature(path)
+    if "records" not in written or signature != written["signature"]:  # first save, or rewritten by another process
+        disk = json.loads(path.read_text())["trials"] if signature else []
+        written.update(records={t["index"]: t for t in disk}, lines={}, arrays={})
+        changed = None
+    records, lines, array_lines = written["records"], written["lines"], written["arrays"]
+    for t in p.trials if changed is None else (p.trials[i] for i in changed):
+        saved = records.get(t.index, {})
+        if saved.get("previous_job_ids"):  # resumed: its record wins, and this submit learns it
+            t.job_id, t.process = saved["job_id"], saved.get("process")
+        if t.index not in lines or saved.get("job_id") != t.job_id or saved.get("process") != t.process:
+            records[t.index] = {**saved, **vars(t)}  # only serialized: no deep copy (asdict) needed
+            lines[t.index] = json.dumps(records[t.index])
+    for a in p.arrays:
+        key = (len(a.trials), a.job_id, a.submitting)  # an array's trials never change once it exists
+        cached = array_lines.get(id(a))
+        if cached is None or cached[0] is not a or cached[1] != key:  # the array object kept: ids are not reused
+            array_lines[id(a)] = (a, key, json.dumps(vars(a)))
+    head = {"sweep_dir": str(p.target), "job_name": job_name(p.target), "overrides": overrides}
+    head["updated_at"] = time.time()
+    text = (
+        json.dumps(head, indent=1)[: -len("\n}")]
+        + ',\n "trials": [\n  '
+        + ",\n  ".join(lines[t.index] for t in p.trials)
+        + '\n ],\n "arrays": [\n  '
+        + ",\n  ".join(array_lines[id(a)][2] for a in p.arrays)
+        + "\n ]\n}\n"
+    )
+    write_atomic(path, text, p.private)
+    written["signature"] = _signature(path)
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:
@@ -445,43 +444,72 @@ def submit(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Plan, list[Any]]:
     """Write and queue what plan() validated. Returns (the plan with job ids, submitit jobs submitted now)."""
-    from hpc_train.job import run_job
-
-    first = p.runs[0]
     if not multirun:
         run_dir = p.target = claim_dir(p.target)
         p.trials[0].run_dir = str(run_dir)
-        pin_init_from(run_dir, p.configs)
-        _freeze(run_dir, p.configs[0], p.private, _code_identity(run_dir, p.private))
-        executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
-        with _sigint_held():
-            with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
-                job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
-            p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
-            process = None
-            if first.cluster.executor == "local":
-                from hpc_train.runs import process_identity
+        # From the claim to the recorded job id: a resume meanwhile would find no job and queue a second.
+        with locked(RunPaths(run_dir).lock, wait=False, busy=_busy(run_dir)):
+            return _submit_run(p, overrides)
 
-                process = process_identity(int(job.job_id))
-            record_job(
-                run_dir,
-                run_dir,
-                str(job.job_id),
-                process,
-                p.private,
-                executor=first.cluster.executor,
-                submitted_at=time.time(),
-                overrides=overrides,
-            )
-        return p, [job]
-
-    # A sweep: freeze every trial, record the manifest, then one sbatch per array.
+    # A sweep: one lock from reading the manifest to recording the last job id, so a second submit on
+    # this sweep directory, or a resume of one of its trials, never queues a trial this one is queueing.
     if sweep_dir is None:
         p.target = claim_dir(p.target)
         for t in p.trials:
             t.run_dir = str(p.target / Path(t.run_dir).name)
     else:
         p.target.mkdir(parents=True, exist_ok=True)
+    with locked(p.target / (MANIFEST + ".lock"), wait=False, busy=_busy(p.target)):
+        return _submit_sweep(p, overrides, sweep_dir, max_parallel, progress)
+
+
+def _busy(target: Path) -> str:
+    return (
+        f"{target} is being submitted or resumed by another hpc-train command right now; wait for it to "
+        f"return, then see what it queued with hpc-train status {target}"
+    )
+
+
+def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
+    from hpc_train.job import run_job
+
+    first, run_dir = p.runs[0], p.target
+    pin_init_from(run_dir, p.configs)
+    _freeze(run_dir, p.configs[0], p.private, _code_identity(run_dir, p.private))
+    executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
+    with _sigint_held():
+        with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
+            job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
+        p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
+        process = None
+        if first.cluster.executor == "local":
+            from hpc_train.runs import process_identity
+
+            process = process_identity(int(job.job_id))
+        record_job(
+            run_dir,
+            run_dir,
+            str(job.job_id),
+            process,
+            p.private,
+            executor=first.cluster.executor,
+            submitted_at=time.time(),
+            overrides=overrides,
+        )
+    return p, [job]
+
+
+def _submit_sweep(
+    p: Plan,
+    overrides: list[str],
+    sweep_dir: Path | None,
+    max_parallel: int | None,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[Plan, list[Any]]:
+    """Freeze every trial, record the manifest, then one sbatch per array; the caller holds sweep.json.lock."""
+    from hpc_train.job import run_job
+
+    if sweep_dir is not None:
         saved = _load_manifest(p.target, overrides, p.trials)
         if saved is not None:
             p.arrays = saved

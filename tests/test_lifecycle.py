@@ -240,3 +240,30 @@ def test_verification_shares_cover_every_file_once_and_balance() -> None:
     loads = [sum(sizes[n] for n in part) for part in split]
     assert max(loads) - min(loads) <= 500_000_000 * 0.01  # two shards each, within 1%
     assert shares(sizes, 1) == [sorted(sizes, key=lambda n: (-sizes[n], n))]
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_a_live_lease_owner_is_never_displaced(seed: int) -> None:
+    """One owner renews its lease every LEASE_RENEW_S (+ up to 5 s of watchdog polling) until it dies at a
+    random time; challengers ask at random times, with Slurm saying "active" or nothing while it lives and
+    "gone" or nothing after. While it lives no challenger may take the run; once it is gone every one may,
+    at once when Slurm says so, else within two renewal periods of its last renewal, and always once the
+    lease expires. The owner itself (a requeued attempt, same job id) always may."""
+    rng = random.Random(seed)
+    died_at = rng.uniform(0, 600)
+    renewals = [0.0]
+    while renewals[-1] + preempt.LEASE_RENEW_S < died_at:
+        renewals.append(renewals[-1] + preempt.LEASE_RENEW_S + rng.uniform(0, 5))
+    for _ in range(200):
+        now = rng.uniform(0, 900)
+        last = max(r for r in renewals if r <= now) if now >= 0 else 0.0
+        lease = {"job_id": "100", "renewed_at": last, "expires_at": last + preempt.LEASE_S}
+        alive = now < died_at
+        says = rng.choice([True, None]) if alive else rng.choice([False, None])
+        may = preempt.lease_verdict(lease, "200", now, says)
+        assert preempt.lease_verdict(lease, "100", now, says), "the owner's own next attempt"
+        if alive:
+            assert not may, f"seed {seed}: displaced a live owner at {now:.0f} s (renewed {last:.0f}, Slurm {says})"
+        elif says is False or now >= last + 2 * preempt.LEASE_RENEW_S:
+            assert may, f"seed {seed}: a gone owner still holds the run at {now:.0f} s (renewed {last:.0f})"
+    assert preempt.lease_verdict(None, "200", 0.0, None) and preempt.lease_verdict({"job_id": "1"}, "2", 0.0, True)

@@ -342,7 +342,8 @@ def test_two_resumes_at_once_queue_one_job(tmp_path: Path) -> None:
         refused[0][0] == 2
         and refused[0][2].startswith("hpc-train resume: error: demo-1 is ")
         and (
-            f"demo-1 is already being resumed by another hpc-train resume; follow it with hpc-train status {run_dir}"
+            "demo-1 is being submitted or resumed by another hpc-train command right now; wait for it to return, "
+            f"then follow it with hpc-train status {run_dir}"
             in refused[0][2]
             or "demo-1 is still running (local controller pid" in refused[0][2]
         )
@@ -352,7 +353,8 @@ def test_two_resumes_at_once_queue_one_job(tmp_path: Path) -> None:
 
 def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> None:
     """Before: a local sweep recorded its trial's controller only once the trial ended, so resume saw no
-    live process and started a second copy of a training trial."""
+    live process and started a second copy of a training trial. A local sweep runs its trials inside the
+    submit command, which holds the sweep's lock until the last one ends: resume says so."""
     import subprocess
 
     from hpc_train.runs import process_identity
@@ -369,8 +371,8 @@ def test_resume_of_a_running_local_sweep_trial_is_refused(tmp_path: Path) -> Non
         assert recorded["job_id"] and recorded["process"] == process_identity(int(recorded["job_id"]))
         busy = run([HPC_TRAIN, "resume", str(trial)])
         assert busy.returncode == 2 and busy.stderr.startswith(
-            f"hpc-train resume: error: sw-1/0000 is still running (local controller pid {recorded['job_id']}): there "
-            f"is nothing to resume"
+            f"hpc-train resume: error: {tmp_path / 'sw-1'} is being submitted or resumed by another hpc-train "
+            f"command right now"
         ), busy.stderr
     finally:
         driver.kill()
