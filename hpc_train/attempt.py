@@ -87,7 +87,15 @@ class Attempt:
                 journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **fields)
 
         writer = Writer() if cfg.checkpoint.async_save else None
-        saver = Saver(paths.checkpoints, cfg.checkpoint, paths.drills, event, float(history), writer)
+        saver = Saver(
+            paths.checkpoints,
+            cfg.checkpoint,
+            paths.drills,
+            event,
+            float(history),
+            writer,
+            share_with_group=cfg.share_with_group,
+        )
         return cls(env, cfg, paths, mesh, device, saver, process_start, phases_s)
 
     def event(self, name: str, step: int, **fields: Any) -> None:

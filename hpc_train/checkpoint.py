@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_st
 
 from hpc_train import journal
 from hpc_train.config import CheckpointConfig
-from hpc_train.paths import MARKER, read_marker, step_dir, step_folders, write_atomic
+from hpc_train.paths import MARKER, dir_mode, make_dir, read_marker, step_dir, step_folders, untrusted, write_atomic
 from hpc_train.preempt import Unrecoverable, claim_drill, drill_seconds, injected
 
 
@@ -123,6 +123,18 @@ def own_files(folder: Path, rank: int) -> list[Path]:
 
 def manifest_of(paths: list[Path]) -> dict[str, dict[str, Any]]:
     return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
+
+
+def untrusted_checkpoint(folder: Path, names: list[str], top: Path) -> str:
+    """ "" when the step folder, its COMMITTED and every file named, and each folder up to `top`, are ours
+    and writable by no one else (paths.untrusted); else why not. DCP's .metadata is a pickle, and DCP
+    unpickles the objects in its shards (torch.load, weights_only=False): a step folder someone else
+    planted, with a COMMITTED whose checksums match their files, would otherwise run their code as us.
+    Stat calls only, on rank 0, before any rank hashes or loads a byte."""
+    why = untrusted(folder, top)
+    for name in [MARKER, *names]:
+        why = why or untrusted(folder / name, folder)
+    return why
 
 
 def verify(folder: Path, files: dict[str, dict[str, Any]], advance: Callable[[int], Any] = lambda n: None) -> str:
@@ -243,17 +255,26 @@ class Pending:
     future: concurrent.futures.Future  # -> (this rank's manifest entries, seconds its write took)
     started: float
     stall_s: float  # how long the training loop was blocked by start_save
+    share_with_group: bool = False  # the folder becomes 0750 once committed
 
     def done(self) -> bool:
         return self.future.done()
 
 
 def start_save(
-    root: Path, state: TrainState, reason: str, writer: Writer | None, drills: Path, fallback_exists: bool
+    root: Path,
+    state: TrainState,
+    reason: str,
+    writer: Writer | None,
+    drills: Path,
+    fallback_exists: bool,
+    share_with_group: bool = False,
 ) -> Pending:
     """Collective. Writes this rank's rank file, then the DCP state: now, or with a Writer in a
     background thread after copying the state to host memory (the loop is blocked only for that copy).
-    Either way this rank then hashes what it wrote, in the same writer."""
+    Either way this rank then makes what it wrote 0600 (0640 shared: DCP's files take the umask, 0664
+    under umask 002) and hashes it, in the same writer. The step folder stays 0700 until commit, so no
+    one else can open a file in it before that chmod."""
     t0 = time.monotonic()
     folder = step_dir(root, state.step)
     rank = dist.get_rank()
@@ -264,7 +285,9 @@ def start_save(
                 shutil.rmtree(folder)
             elif folder.exists() or folder.is_symlink():
                 folder.unlink()
-            folder.mkdir(parents=True)
+            root.parent.mkdir(parents=True, exist_ok=True)  # the run directory (a test's fresh folder)
+            make_dir(root, dir_mode(share_with_group), exist_ok=True)
+            make_dir(folder)  # 0700 while written; commit() opens it to the group when shared
         except OSError as e:
             failed[0] = f"cannot make {folder}: {e}"
     dist.broadcast_object_list(failed, src=0)  # every rank raises, or none
@@ -284,6 +307,8 @@ def start_save(
         if rank_file_error is not None:
             raise rank_file_error
         time.sleep(drill_seconds(drills, "slow_storage"))  # a drill: storage this much slower per save
+        for f in own_files(folder, rank):
+            os.chmod(f, 0o640 if share_with_group else 0o600)
         return manifest_of(own_files(folder, rank)), time.monotonic() - t0
 
     if writer is None:
@@ -300,7 +325,7 @@ def start_save(
     last = rank == dist.get_world_size() - 1
     if last and fallback_exists and (injected("kill_rank_during_save") or claim_drill(drills, "kill_rank_during_save")):
         os.kill(os.getpid(), signal.SIGKILL)  # a drill: the last rank dies mid-save, with something to fall back on
-    return Pending(folder, state.step, reason, future, t0, time.monotonic() - t0)
+    return Pending(folder, state.step, reason, future, t0, time.monotonic() - t0, share_with_group)
 
 
 def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float]:
@@ -327,6 +352,7 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
         try:
             write_atomic(pending.folder / MARKER, json.dumps(marker, indent=1), fsync=True)
             _fsync(pending.folder)
+            os.chmod(pending.folder, dir_mode(pending.share_with_group))
         except OSError as e:
             why = f"rank 0 could not write {MARKER}: {e}"
     verdict = [why]
@@ -393,6 +419,7 @@ class Saver:
     bad: set[int] = field(default_factory=set)  # failed verification at resume
     abandoned: set[int] = field(default_factory=set)  # writes given up on: their threads may still write
     saved_world_size: int = 0  # ranks that wrote the checkpoint resume() loaded (0: none loaded)
+    share_with_group: bool = False  # the run's share_with_group: folders 0750 and files 0640, not 0700/0600
 
     def resume(self, state: TrainState) -> tuple[Path | None, float, float]:
         """Collective: load the newest committed checkpoint that verifies into `state`. Rank 0 lists the
@@ -402,17 +429,22 @@ class Saver:
 
         rank, world = dist.get_rank(), dist.get_world_size()
         listing: list[Any] = [None]
-        if rank == 0:
+        if rank == 0:  # each candidate's manifest, and why not to trust it (another user's or writable by others)
             listing[0] = [
-                (s, read_marker(p)) for s, p in reversed(step_folders(self.root).items()) if (p / MARKER).exists()
+                (s, m, untrusted_checkpoint(p, list(m["files"]) if m else [], self.root.parent))
+                for s, p in reversed(step_folders(self.root).items())
+                if (p / MARKER).exists()
+                for m in [read_marker(p)]
             ]
         dist.broadcast_object_list(listing, src=0)
         t0 = time.monotonic()
         load_failed = ""
         with Progress(disable=rank != 0 or not listing[0]) as progress:  # rank 0's share, on its log
-            for step, marker in listing[0]:
+            for step, marker, distrust in listing[0]:
                 folder = step_dir(self.root, step)
-                if marker is None:
+                if distrust:
+                    why = f"not loaded: {distrust}"
+                elif marker is None:
                     why = f"unreadable {MARKER}"
                 else:
                     share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
@@ -461,22 +493,23 @@ class Saver:
         t0 = time.monotonic()
         # Rank 0 reads, every rank gets its answer: a folder deleted meanwhile fails all ranks together,
         # none waiting in the all_gather below for one that raised (as resume lists for every rank).
+        # Pinned at submit under this run's (or its sweep's) directory: judged up to there.
+        run_dir = self.root.parent
+        top = next((d for d in (run_dir, run_dir.parent) if folder.is_relative_to(d)), folder)
         found: list[Any] = [None]
         if rank == 0:
             marker = read_marker(folder)
-            try:
-                meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata if marker else None
-            except Exception:  # .metadata gone or torn: the marker's checksums would fail it anyway
-                marker, meta = None, None
-            found[0] = (marker, meta)
+            found[0] = (marker, untrusted_checkpoint(folder, list(marker["files"]), top) if marker else "")
         dist.broadcast_object_list(found, src=0)
-        marker, meta = found[0]
+        marker, distrust = found[0]
         if marker is None:
             raise Unrecoverable(
                 f"checkpoint.init_from={folder}: no readable {MARKER} manifest there (deleted by its "
                 f"run's retention, or never committed); submit again with another committed step "
                 f"folder of that run"
             )
+        if distrust:
+            raise Unrecoverable(f"checkpoint.init_from={folder} is not loaded: {distrust}")
         share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
         whys: list[Any] = [None] * world
         dist.all_gather_object(whys, verify(folder, {n: marker["files"][n] for n in share}))
@@ -486,10 +519,23 @@ class Saver:
                 f"checkpoint.init_from={folder} does not verify: {why}; submit again with another "
                 f"committed step folder of that run"
             )
+        # Only now is the pickle read: its checksum (read_marker insists .metadata is in the manifest) matched.
+        meta: list[Any] = [None]
+        if rank == 0:
+            try:
+                meta[0] = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            except Exception as e:  # deleted since it verified: every rank raises together below
+                meta[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(meta, src=0)
+        if isinstance(meta[0], str):
+            raise Unrecoverable(
+                f"checkpoint.init_from={folder}: its .metadata is unreadable ({meta[0]}); submit again "
+                f"with another committed step folder of that run"
+            )
         verify_s, t1 = time.monotonic() - t0, time.monotonic()
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
-        wrong = shape_mismatch(meta, sd)
+        wrong = shape_mismatch(meta[0], sd)
         if wrong:
             raise Unrecoverable(
                 f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "
@@ -552,6 +598,7 @@ class Saver:
             self.writer if background else None,
             self.drills,
             fallback_exists=bool(self.verified),
+            share_with_group=self.share_with_group,
         )
         if not background:
             self.commit_pending()

@@ -268,6 +268,10 @@ class FnConfig:  # job.py: the training function, yours or the built-in one
 class RunConfig:
     name: str = "demo"
     out_dir: str = "runs"  # run directories are created below this, one per submit
+    # Folders we create (run and sweep directories, submitit/, checkpoints/, step folders) are 0700: only
+    # you. true: 0750, so your group can read a run (status, logs, init_from) but never write in it.
+    # Files are never group-writable either way; those holding cluster.env values stay 0600 (docs/cluster.md).
+    share_with_group: bool = False
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal, slurm
-from hpc_train.paths import RunPaths, read_marker, step_dir, step_folders
+from hpc_train.paths import RunPaths, make_dir, read_marker, step_dir, step_folders
 from hpc_train.runs import Run
 from hpc_train.straggler import MAX_SLOW_RANK_S
 
@@ -31,7 +31,7 @@ class Ask:
     def drill(self, name: str) -> Path:
         """RUN/drills/NAME, its folder made: the job looks for these files."""
         drills = RunPaths(self.run.run_dir).drills
-        drills.mkdir(exist_ok=True)
+        make_dir(drills, exist_ok=True)
         return drills / name
 
 

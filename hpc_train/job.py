@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal, preempt
-from hpc_train.paths import RunPaths, locked, write_atomic
+from hpc_train.paths import RunPaths, locked, make_dir, write_atomic
 
 
 def process_start_time() -> float:
@@ -321,12 +321,13 @@ def _after_failure(
 
     hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
     try:
-        hangs.mkdir(exist_ok=True)
+        make_dir(hangs, exist_ok=True)
         write_atomic(hangs / str(env.rank), str(preempt.ticks[0]))
     except OSError:
         pass  # only a hang's blame needs it
     try:
-        os.close(os.open(paths.failure_claim(env.job_id, env.restart_count), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        claim = paths.failure_claim(env.job_id, env.restart_count)
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
         # The watchdog thread decides while the main thread sees the peers' exits (gloo: closed peer), or
         # the other way round: this thread must not end the process under the deciding one, which exits.

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,13 +129,14 @@ def append_line(path: Path, record: dict[str, Any]) -> None:
 def write_atomic(path: Path, data: str | bytes, private: bool = False, fsync: bool = False) -> None:
     """Whole or absent, for every file we write whole: a temp file of a random name in the same folder,
     created O_EXCL | O_NOFOLLOW (a planted symlink is never followed, two writers never share one), then
-    os.replace. private: 0600, never readable by others, not for a moment; else 0666 less the umask (or
-    as a default ACL says), as open() does: the kernel applies it, the process umask is never touched (a
-    job's other threads create checkpoint files meanwhile). fsync: the bytes are on disk before the name
-    is (a commit marker must never name torn data)."""
+    os.replace. private: 0600, never readable by others, not for a moment; else 0644 less the umask (a
+    default ACL's mask at most r--): never writable by group or others, whatever the umask (002 made it
+    0664), and read by the group only as far as the run's folders let it (make_dir). The kernel applies
+    the mode; the process umask is never touched (a job's other threads create checkpoint files
+    meanwhile). fsync: the bytes are on disk before the name is (a commit marker must never name torn data)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(tmp, flags, 0o600 if private else 0o666)
+    fd = os.open(tmp, flags, 0o600 if private else 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -153,7 +155,7 @@ def locked(lock_file: Path, wait: bool = True, busy: str = "", shared: bool = Fa
     """flock on lock_file, a file never replaced (so every holder locks the same inode). wait=False: raise
     ValueError(busy) at once when another process holds it. A file system without flock (Lustre mounted
     without -o flock) goes on unlocked: the lock narrows a race, nothing depends on it to be correct."""
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
@@ -165,6 +167,60 @@ def locked(lock_file: Path, wait: bool = True, busy: str = "", shared: bool = Fa
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def dir_mode(share_with_group: bool) -> int:
+    """0700, or 0750 with share_with_group: never writable by anyone else (docs/cluster.md, file modes)."""
+    return 0o750 if share_with_group else 0o700
+
+
+def make_dir(path: Path, mode: int = 0o700, exist_ok: bool = False) -> Path:
+    """mkdir with exactly `mode` when this call creates it: mkdir's mode is masked by the umask (0750
+    under umask 077 is 0700) and a default ACL's mask may grant more (group write under umask 002 or a
+    project ACL), so chmod says it again. A folder that exists is left as it is: `untrusted` judges it
+    before anything in it is unpickled."""
+    try:
+        path.mkdir(mode=mode & 0o700)  # no group or other bit until the chmod: nobody else is ever let in early
+    except FileExistsError:
+        if exist_ok and path.is_dir():
+            return path
+        raise
+    os.chmod(path, mode)
+    return path
+
+
+def untrusted(path: Path, top: Path) -> str:
+    """ "" when `path` and every folder from it up to `top` (inclusive; `path` alone when it is not under
+    `top`) are owned by this user (or root, who can run anything as anyone already) and writable by no
+    one else; else what is wrong, with the fix. Asked before anything there is unpickled (DCP's .metadata,
+    submitit's job pickle): a pickle runs its author's code as whoever loads it, and a folder another user
+    can write lets them replace the file after it was checked. A default ACL's named entries show in the
+    group bits (the ACL mask), so `mode & 0o022` covers them. Follows symlinks: what is read is judged."""
+    import pwd
+
+    me = os.geteuid()
+    chain = [path, *(p for p in path.parents if p.is_relative_to(top))] if path.is_relative_to(top) else [path]
+    for p in chain:
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            return f"{p}: {e.strerror}"
+        if st.st_uid not in (me, 0):
+            try:
+                who = f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
+            except KeyError:
+                who = f"uid {st.st_uid}"
+            return (
+                f"{p} is owned by {who}, not by you (uid {me}): loading it would run their code as you; "
+                f"remove it, or copy it as yourself (cp -r) if you trust them"
+            )
+        if st.st_mode & 0o022:
+            return (
+                f"{p} is writable by {'group' if st.st_mode & 0o020 else 'others'} (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}): someone else could have replaced what is loaded from it; "
+                f"chmod go-w {p} if all in it is yours"
+            )
+    return ""
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config import ConfigSource, RunConfig, check_environment, compose_trials, expand_sweep
+from hpc_train.paths import dir_mode
 from hpc_train.sbatch import ClusterConfig, check_syntax, render, validate_live
 
 MANIFEST = "sweep.json"
@@ -58,6 +59,11 @@ class Plan:
         runs sit in shared project folders, where teammates' `hpc-train status` should keep working. Computed
         once: asked per trial, the scan over every run made freezing a 10,000-point sweep quadratic."""
         return any(r.cluster.env for r in self.runs)
+
+    @functools.cached_property
+    def dir_mode(self) -> int:
+        """The mode of every folder this submit creates: 0750 only when every trial asks to share_with_group."""
+        return dir_mode(all(r.share_with_group for r in self.runs))
 
 
 def next_dir(out_dir: Path, name: str) -> Path:

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal
-from hpc_train.paths import RunPaths, locked
+from hpc_train.paths import RunPaths, dir_mode, locked
 from hpc_train.plan import MANIFEST, job_name
 from hpc_train.sbatch import check_syntax, make_executor, render, validate_live
 from hpc_train.slurm import ACTIVE_STATES
 from hpc_train.submit import (
+    _owner_writes_only,
     _sbatch_with_retry,
     _sigint_held,
     _stdio_to_devnull,
@@ -201,7 +202,8 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         check_syntax(script)
         validate_live(cfg.cluster, script, 1, None)
     attempt = journal.next_attempt(events)
-    executor = make_executor(cfg.cluster, _submitit_dir(target / "submitit", private), job_name(target))
+    submitit_dir = _submitit_dir(target / "submitit", private, dir_mode(cfg.share_with_group))
+    executor = make_executor(cfg.cluster, submitit_dir, job_name(target))
     tried: list[int] = []
 
     def queue() -> Any:
@@ -213,7 +215,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         tried.append(1)
         return executor.submit(run_job, str(run.run_dir))
 
-    with _sigint_held():  # until the new job id is recorded
+    with _sigint_held(), _owner_writes_only():  # until the new job id is recorded
         with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(queue, str(run.run_dir))
         job_id = str(job.job_id)

@@ -39,7 +39,10 @@ def main(folder: str) -> None:
     import time
     import traceback
 
+    import cloudpickle
     from submitit.core import job_environment, utils
+
+    from hpc_train.paths import untrusted, write_atomic
 
     os.environ["SUBMITIT_FOLDER"] = folder
     paths = job_environment.JobEnvironment().paths
@@ -52,15 +55,19 @@ def main(folder: str) -> None:
             f"waited 60 s for {paths.submitted_pickle}, which submit should have written; "
             f"resubmit the run (hpc-train submit ... --sweep-dir for a sweep)"
         )
+    # The pickle runs its author's code: refuse one another user owns or could have replaced (its folder,
+    # the run or sweep directory above it). One line, no traceback: it is the run's files that are wrong.
+    why = untrusted(paths.submitted_pickle, paths.folder.parent)
+    if why:
+        raise SystemExit(f"hpc_train: refusing to load the job pickle: {why}")
     delayed = utils.DelayedSubmission.load(paths.submitted_pickle)
+    # The result through write_atomic, not submitit's fixed-name `.save_tmp`, which open() follows if planted.
     try:
         result = delayed.result()
     except Exception:
-        with utils.temporary_save_path(paths.result_pickle) as tmp:
-            utils.cloudpickle_dump(("error", traceback.format_exc()), tmp)
+        write_atomic(paths.result_pickle, cloudpickle.dumps(("error", traceback.format_exc())))
         raise
-    with utils.temporary_save_path(paths.result_pickle) as tmp:
-        utils.cloudpickle_dump(("success", result), tmp)
+    write_atomic(paths.result_pickle, cloudpickle.dumps(("success", result)))
 
 
 if __name__ == "__main__":

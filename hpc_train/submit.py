@@ -34,25 +34,31 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal
-from hpc_train.paths import RunPaths, locked, write_atomic
+from hpc_train.paths import RunPaths, locked, make_dir, untrusted, write_atomic
 from hpc_train.plan import MANIFEST, Array, Plan, Trial, job_name, next_dir
 from hpc_train.sbatch import make_executor
 
 
-def claim_dir(wanted: Path) -> Path:
-    """mkdir without exist_ok, so two submits never share a directory; on a race take the next n."""
+def claim_dir(wanted: Path, mode: int = 0o700) -> Path:
+    """mkdir without exist_ok, so two submits never share a directory; on a race take the next n. out_dir
+    itself keeps the umask's mode: it is the project's folder, which a team may share."""
     wanted.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
-            wanted.mkdir()
+            make_dir(wanted, mode)
             return wanted
         except FileExistsError:
             wanted = next_dir(wanted.parent, wanted.name.rsplit("-", 1)[0])
 
 
-def _submitit_dir(folder: Path, private: bool) -> Path:
-    """Made before submitit writes the batch script, pickles and logs into it: with umask 022 they are 0644."""
-    folder.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
+def _submitit_dir(folder: Path, private: bool, mode: int) -> Path:
+    """Made before submitit writes the batch script, pickles and logs into it: 0700 when private (the
+    script holds cluster.env), else `mode`. Raises ValueError when it, or the run or sweep directory
+    holding it, is another user's or writable by others: start.py would refuse the job pickle in it."""
+    make_dir(folder, 0o700 if private else mode, exist_ok=True)
+    why = untrusted(folder, folder.parent)
+    if why:
+        raise ValueError(f"{why}; the job would refuse to load its pickle from {folder}")
     return folder
 
 
@@ -126,14 +132,16 @@ def _yaml_block(tree: dict[str, Any], indent: str, out: list[str]) -> None:
             out.append(head + " " + _yaml_scalar(value) + "\n")
 
 
-def _freeze(run_dir: Path, config: dict[str, Any], private: bool, code: str, like: Path | None = None) -> Path | None:
+def _freeze(
+    run_dir: Path, config: dict[str, Any], private: bool, mode: int, code: str, like: Path | None = None
+) -> Path | None:
     """config.yaml and code.json, written once: a resubmit never overwrites what an attempt may already
     have read, and a job started by newer code says so (job.py compares code.json). `like`: a code.json
     this submit wrote with the same text, which this one becomes a hard link to: a sweep's trials share
     one file, as creating a file costs ~0.3 ms of kernel time on the dev machine's ext4 and a link ~10 us
     (every writer of code.json replaces it, never edits it in place). Returns the file the next trial may
     link to."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir, mode, exist_ok=True)
     if not (run_dir / "config.yaml").exists():
         write_atomic(run_dir / "config.yaml", frozen_yaml(config), private)
     path = RunPaths(run_dir).code
@@ -164,17 +172,27 @@ def _code_identity(target: Path, private: bool) -> str:
 
 # Model fields that set a parameter's shape (n_heads only regroups the same q/k/v matrix).
 def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)  # instant, no space; the source run deleting its folder leaves this name
-    except OSError:  # another file system (EXDEV), or another user's file (fs.protected_hardlinks: EPERM)
-        shutil.copy2(src, dst)
+    """A link to a file of ours no one else can write; a copy (ours, 0600) of anything else: the job
+    refuses to unpickle a file another user owns or can write (paths.untrusted), and a link would let
+    them change it after this submit."""
+    st = os.stat(src)
+    if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+        try:
+            os.link(src, dst)  # instant, no space; the source run deleting its folder leaves this name
+            return
+        except OSError:  # another file system (EXDEV)
+            pass
+    shutil.copyfile(src, dst)
+    os.chmod(dst, 0o600)
 
 
-def pin_init_from(target: Path, configs: list[dict[str, Any]]) -> None:
+def pin_init_from(target: Path, configs: list[dict[str, Any]], mode: int = 0o700) -> None:
     """Each checkpoint.init_from step folder hardlinked (else copied) into <target>/init_from/<6 hex of its
     path>/, with source.json naming the original, and the frozen config pointed there: the source run's
-    retention may delete its folder before this job starts (a job can wait in the queue for days)."""
+    retention may delete its folder before this job starts (a job can wait in the queue for days). The
+    copy is made under a random name (mkdtemp: never a path someone planted) and renamed whole."""
     import hashlib
+    import tempfile
 
     for c in configs:
         source = c["checkpoint"].get("init_from")
@@ -182,10 +200,10 @@ def pin_init_from(target: Path, configs: list[dict[str, Any]]) -> None:
             continue
         pinned = target / "init_from" / hashlib.sha1(source.encode()).hexdigest()[:6] / Path(source).name
         if not pinned.exists():  # a resubmitted sweep pinned it already
-            pinned.parent.mkdir(parents=True, exist_ok=True)
-            tmp = pinned.with_name(f".{pinned.name}.{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(source, tmp, copy_function=_link_or_copy)
+            make_dir(make_dir(target / "init_from", mode, exist_ok=True) / pinned.parent.name, mode, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{pinned.name}.", dir=pinned.parent))
+            shutil.copytree(source, tmp, copy_function=_link_or_copy, dirs_exist_ok=True)
+            os.chmod(tmp, mode)  # copytree gave it the source folder's mode
             os.replace(tmp, pinned)  # whole or absent: the COMMITTED marker never appears in a partial copy
             write_atomic(pinned.parent / "source.json", json.dumps({"init_from": source}) + "\n", private=False)
         c["checkpoint"]["init_from"] = str(pinned)
@@ -368,6 +386,20 @@ def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
 
 
 @contextlib.contextmanager
+def _owner_writes_only() -> Iterator[None]:
+    """The umask at least 022 while submitit writes the job pickle, batch script and logs (open() with
+    0666: 0664 under umask 002), and so for the job: the local controller inherits it, sbatch passes it
+    on (SLURM_UMASK). start.py refuses a job pickle the group could write. Only ever adds bits to the
+    mask, so no file another thread creates meanwhile gets more permissive than it asked."""
+    old = os.umask(0o022)
+    os.umask(old | 0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@contextlib.contextmanager
 def _sigint_held() -> Iterator[None]:
     """Ctrl-C waits from just before sbatch until the job id is on disk (submission.json, sweep.json): in
     between it would leave a queued job that no file names, so status, cancel and resume could not find it.
@@ -445,7 +477,7 @@ def submit(
 ) -> tuple[Plan, list[Any]]:
     """Write and queue what plan() validated. Returns (the plan with job ids, submitit jobs submitted now)."""
     if not multirun:
-        run_dir = p.target = claim_dir(p.target)
+        run_dir = p.target = claim_dir(p.target, p.dir_mode)
         p.trials[0].run_dir = str(run_dir)
         # From the claim to the recorded job id: a resume meanwhile would find no job and queue a second.
         with locked(RunPaths(run_dir).lock, wait=False, busy=_busy(run_dir)):
@@ -454,11 +486,15 @@ def submit(
     # A sweep: one lock from reading the manifest to recording the last job id, so a second submit on
     # this sweep directory, or a resume of one of its trials, never queues a trial this one is queueing.
     if sweep_dir is None:
-        p.target = claim_dir(p.target)
+        p.target = claim_dir(p.target, p.dir_mode)
         for t in p.trials:
             t.run_dir = str(p.target / Path(t.run_dir).name)
     else:
-        p.target.mkdir(parents=True, exist_ok=True)
+        p.target.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(p.target, p.dir_mode, exist_ok=True)
+        why = untrusted(p.target, p.target)  # before anything is written into another user's sweep
+        if why:
+            raise ValueError(f"--sweep-dir {p.target}: {why}")
     with locked(p.target / (MANIFEST + ".lock"), wait=False, busy=_busy(p.target)):
         return _submit_sweep(p, overrides, sweep_dir, max_parallel, progress)
 
@@ -474,10 +510,11 @@ def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
     from hpc_train.job import run_job
 
     first, run_dir = p.runs[0], p.target
-    pin_init_from(run_dir, p.configs)
-    _freeze(run_dir, p.configs[0], p.private, _code_identity(run_dir, p.private))
-    executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
-    with _sigint_held():
+    pin_init_from(run_dir, p.configs, p.dir_mode)
+    _freeze(run_dir, p.configs[0], p.private, p.dir_mode, _code_identity(run_dir, p.private))
+    submitit_dir = _submitit_dir(run_dir / "submitit", p.private, p.dir_mode)
+    executor = make_executor(first.cluster, submitit_dir, job_name(run_dir))
+    with _sigint_held(), _owner_writes_only():
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
         p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
@@ -514,10 +551,10 @@ def _submit_sweep(
         if saved is not None:
             p.arrays = saved
     code = _code_identity(p.target, p.private)
-    pin_init_from(p.target, p.configs)
+    pin_init_from(p.target, p.configs, p.dir_mode)
     like = None
     for t in p.trials:
-        like = _freeze(Path(t.run_dir), p.configs[t.index], p.private, code, like)
+        like = _freeze(Path(t.run_dir), p.configs[t.index], p.private, p.dir_mode, code, like)
     _save_manifest(p, overrides)
     jobs: list[Any] = []
     done = sum(1 for t in p.trials if t.job_id)
@@ -529,7 +566,7 @@ def _submit_sweep(
             continue
         cluster = p.runs[todo[0]].cluster
         executor = make_executor(
-            cluster, _submitit_dir(p.target / "submitit", p.private), job_name(p.target), max_parallel
+            cluster, _submitit_dir(p.target / "submitit", p.private, p.dir_mode), job_name(p.target), max_parallel
         )
         lost = array.submitting and cluster.executor == "slurm"  # queued, but its id never reached the manifest
         if lost and _adopt_lost_array(p, array, executor):
@@ -540,7 +577,7 @@ def _submit_sweep(
         if cluster.executor == "local":  # this machine is the cluster: one trial at a time
             from hpc_train.runs import process_identity
 
-            with _sigint_held():
+            with _sigint_held(), _owner_writes_only():
                 with _stdio_to_devnull():
                     new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
                 # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
@@ -548,8 +585,9 @@ def _submit_sweep(
                 p.trials[todo[0]].process = process_identity(int(new[0].job_id))
                 array.job_id, array.submitting = str(new[0].job_id), False
                 _save_manifest(p, overrides, changed=todo)
-            with contextlib.suppress(Exception):  # a failed trial is in its events.jsonl; go on
-                new[0].results()
+            # Waits for the trial's end, never unpickling its result (a failed trial is in its events.jsonl)
+            with contextlib.suppress(Exception):
+                new[0].wait()
         else:
             what = (
                 f"trials {todo[0]}..{todo[-1]} of {p.target} (the manifest has what is queued: rerun the same "
@@ -564,7 +602,7 @@ def _submit_sweep(
                 tried.append(1)
                 return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
 
-            with _sigint_held():
+            with _sigint_held(), _owner_writes_only():
                 new = _sbatch_with_retry(queue_array, what)
                 for i, job in zip(todo, new):
                     p.trials[i].job_id = str(job.job_id)

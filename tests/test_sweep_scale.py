@@ -178,7 +178,7 @@ def test_a_sweeps_trials_share_one_code_json_and_keep_an_older_one(tmp_path: Pat
     (tmp_path / "0001" / "code.json").write_text('{"version": "old"}\n')  # frozen by an earlier submit
     like = None
     for i in range(4):
-        like = submit._freeze(tmp_path / f"{i:04d}", {"a": i}, False, code, like)
+        like = submit._freeze(tmp_path / f"{i:04d}", {"a": i}, False, 0o700, code, like)
     inodes = [os.stat(tmp_path / f"{i:04d}" / "code.json").st_ino for i in range(4)]
     assert inodes[0] == inodes[2] == inodes[3] != inodes[1]
     assert (tmp_path / "0001" / "code.json").read_text() == '{"version": "old"}\n'
