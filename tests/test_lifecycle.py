@@ -4,6 +4,7 @@ only the cases we thought of. Each test prints its seed on failure (pytest shows
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -240,3 +241,53 @@ def test_verification_shares_cover_every_file_once_and_balance() -> None:
     loads = [sum(sizes[n] for n in part) for part in split]
     assert max(loads) - min(loads) <= 500_000_000 * 0.01  # two shards each, within 1%
     assert shares(sizes, 1) == [sorted(sizes, key=lambda n: (-sizes[n], n))]
+
+
+def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A holder of the run's lock that died on NFSv3 keeps it until its node reboots. run_job reads the
+    attempt number under it before the hang watchdog runs: it must go on without the lock after
+    job.RUN_LOCK_WAIT_S, with one warning line, not block every rank until the time limit."""
+    import fcntl
+    import os
+    import signal
+    import time
+
+    from hpc_train import env as rank_env
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    class Reached(Exception):
+        pass
+
+    def reached(environ: object) -> None:
+        raise Reached
+
+    monkeypatch.setattr(job, "RUN_LOCK_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(rank_env, "from_env", reached)  # the step right after the read: stop there
+    journal.log(tmp_path, journal.START, 0, "1", 0)
+    holder = os.fork()
+    if holder == 0:  # the child holds the lock for 20 s
+        fd = os.open(RunPaths(tmp_path).lock, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        (tmp_path / "held").touch()
+        time.sleep(20)
+        os._exit(0)
+    handlers = {s: signal.getsignal(s) for s in preempt.STOP_SIGNALS}  # run_job installs its own
+    try:
+        while not (tmp_path / "held").exists():
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(Reached):
+            job.run_job(str(tmp_path))
+        took = time.monotonic() - t0
+        assert os.waitpid(holder, os.WNOHANG) == (0, 0)  # the holder still holds it
+        assert 0.5 <= took < 5, took
+        warnings = [line for line in capfd.readouterr().err.splitlines() if "lock" in line]
+        assert len(warnings) == 1 and "RUN_LOCK_WAIT_S" not in warnings[0], warnings
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        os.kill(holder, 9)
+        os.waitpid(holder, 0)
