@@ -32,10 +32,11 @@ def test_job_fate_from_scontrol_captures() -> None:
 
 
 def test_stop_reason_and_time_to_kill() -> None:
-    # 60-minute job, 120 s lead: a USR2 in the last 120 + 120 s of slack is the time-limit warning
-    assert preempt.stop_reason(["SIGUSR2"], 3400, 60, 120) == "time_limit"
-    assert preempt.stop_reason(["SIGUSR2"], 600, 60, 120) == "preempt"  # preempt_send_user_signal, chaos
-    assert preempt.stop_reason(["SIGUSR2", "SIGTERM"], 3400, 60, 120) == "preempt"
+    # 120 s lead: a USR2 in the last 120 + 120 s of slack before Slurm's EndTime is the time-limit warning
+    assert preempt.stop_reason(["SIGUSR2"], 200, 120) == "time_limit"
+    assert preempt.stop_reason(["SIGUSR2"], 3000, 120) == "preempt"  # preempt_send_user_signal, chaos
+    assert preempt.stop_reason(["SIGUSR2"], 30, 120, preempted=True) == "preempt"  # PreemptTime set
+    assert preempt.stop_reason(["SIGUSR2", "SIGTERM"], 200, 120) == "preempt"
     # after a USR2 preemption Slurm kills after GraceTime, not signal_lead_s
     assert preempt.seconds_to_kill("preempt", 120, 30) == 30
     assert preempt.seconds_to_kill("time_limit", 120, 30) == 120
