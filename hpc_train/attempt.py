@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpc_train import journal, preempt
+from hpc_train import journal, preempt, slurm
 from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
@@ -66,6 +66,7 @@ class Attempt:
     stop_step: int = -1  # the step it stopped at
     stop_reason: str = ""  # "time_limit" | "preempt", judged once, by every rank's signals, at the stop
     kill_deadline: float = float("inf")  # time.monotonic() when Slurm's SIGKILL is due, from the first signal
+    end_at: float = 0.0  # Unix time of Slurm's EndTime as the attempt started (slurm.end_time); 0: unknown
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
     _built_at: float = field(default_factory=time.monotonic)
     _resumed_at: float | None = None
@@ -77,10 +78,12 @@ class Attempt:
     ) -> Attempt:
         """Collective: device, mesh, the background writer and what earlier attempts measured."""
         device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
-        history = torch.tensor(
-            [journal.slowest_write_s(journal.read(paths.run_dir)) if env.rank == 0 else 0.0], dtype=torch.float64
+        # Rank 0 alone asks (one slurmctld call per attempt, not one per rank), in the same all-reduce.
+        facts = torch.tensor(
+            [journal.slowest_write_s(journal.read(paths.run_dir)), _slurm_end(env)[0]] if env.rank == 0 else [0.0, 0.0],
+            dtype=torch.float64,
         )
-        dist.all_reduce(history, op=dist.ReduceOp.MAX)
+        dist.all_reduce(facts, op=dist.ReduceOp.MAX)
 
         def event(name: str, step: int, **fields: Any) -> None:
             if env.rank == 0:
@@ -92,11 +95,11 @@ class Attempt:
             cfg.checkpoint,
             paths.drills,
             event,
-            float(history),
+            float(facts[0]),
             writer,
             share_with_group=cfg.share_with_group,
         )
-        return cls(env, cfg, paths, mesh, device, saver, process_start, phases_s)
+        return cls(env, cfg, paths, mesh, device, saver, process_start, phases_s, end_at=float(facts[1]))
 
     def event(self, name: str, step: int, **fields: Any) -> None:
         """Rank 0 appends to events.jsonl; the other ranks do nothing (call it on every rank)."""
@@ -176,14 +179,22 @@ class Attempt:
         """Collective: (seconds until Slurm's SIGKILL, why) from the first stop signal any rank caught, the
         same on every rank. A USR2 near the allocation's end is the time-limit warning ("time_limit":
         cluster.signal_lead_s left); anything else, a USR2 under preempt_send_user_signal included, is a
-        preemption ("preempt": cluster.preempt_grace_s left). One rank's SIGTERM makes it a preemption."""
+        preemption ("preempt": cluster.preempt_grace_s left). One rank's SIGTERM makes it a preemption.
+        The end is Slurm's EndTime, asked again now (an administrator may have shortened the limit since
+        the start), never later than it: rank 0 asks, every rank gets its answer."""
         c = self.cfg.cluster
+        end = torch.tensor(_slurm_end(self.env) if self.env.rank == 0 else (0.0, 0.0), dtype=torch.float64)
+        dist.broadcast(end, src=0)
+        said = float(end[0]) or self.end_at  # 0: Slurm did not answer now nor at the start, or no Slurm
+        # Else the frozen limit from the allocation's start, as before Slurm was asked.
+        allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or self.process_start)
+        end_in_s = (said or allocated_at + c.timeout_min * 60) - time.time()
         left, code = float("inf"), 0.0
         if preempt.received_at:
-            allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or self.process_start)
-            reason = preempt.stop_reason(preempt.received, time.time() - allocated_at, c.timeout_min, c.signal_lead_s)
+            reason = preempt.stop_reason(preempt.received, end_in_s, c.signal_lead_s, preempted=bool(end[1]))
             kill_s = preempt.seconds_to_kill(reason, c.signal_lead_s, c.preempt_grace_s)
-            left, code = preempt.received_at[0] + kill_s - time.monotonic(), 2.0 if reason == "preempt" else 1.0
+            left = preempt.received_at[0] + kill_s - time.monotonic()
+            left, code = min(left, end_in_s) if said else left, 2.0 if reason == "preempt" else 1.0
         t = torch.tensor([-left, code], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the least time left, the strongest reason
         return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
@@ -239,3 +250,12 @@ class Attempt:
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()
         return self.finished
+
+
+def _slurm_end(env: RankEnv) -> tuple[float, float]:
+    """(Slurm's EndTime of this job as Unix s, 0 when unknown; 1.0 when Slurm is preempting it) for a
+    tensor; (0, 0) off Slurm."""
+    if env.executor != "slurm":
+        return 0.0, 0.0
+    end, preempted = slurm.end_time(env.job_id)
+    return end or 0.0, 1.0 if preempted else 0.0

@@ -56,6 +56,10 @@ def resolve(target: str) -> Callable[..., Any]:
     return fn
 
 
+# How long a starting job waits for the run's lock (paths.locked) before it reads the journal without it.
+RUN_LOCK_WAIT_S = 60.0
+
+
 def run_job(run_dir_str: str) -> dict[str, Any] | None:
     from hpc_train import env as rank_env
 
@@ -63,8 +67,17 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     process_start = process_start_time()
     phases_s = {"python": max(0.0, preempt.installed_at[0] - process_start)}
     paths = RunPaths(Path(run_dir_str))
-    with locked(paths.lock, shared=True):  # an `hpc-train resume` still recording its event: wait
+    # An `hpc-train resume` still recording its event holds the lock for a second or so: wait, but not for
+    # a holder that died on NFSv3 (its lock stays until its node reboots; the watchdog is not running yet).
+    with locked(paths.lock, shared=True, wait_s=RUN_LOCK_WAIT_S) as ok:
         events = journal.read(paths.run_dir)
+    if not ok:
+        print(
+            f"[hpc_train] warning: {paths.lock} still locked after {RUN_LOCK_WAIT_S:.0f} s (a crashed "
+            f"`hpc-train resume`?): read the attempt number without it",
+            file=sys.stderr,
+            flush=True,
+        )
     if "SLURM_PROCID" not in os.environ:  # the local controller restarts in place: attempts counted on disk
         os.environ["HPC_TRAIN_ATTEMPT"] = str(journal.new_job_attempt(events, None))
     env = rank_env.from_env(os.environ)

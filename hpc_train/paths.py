@@ -110,20 +110,25 @@ def append_line(path: Path, record: dict[str, Any]) -> None:
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        until = time.monotonic() + APPEND_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= until:
-                    break
-                time.sleep(0.01)
-            except OSError:
-                break
+        with contextlib.suppress(OSError):
+            _flock_within(fd, fcntl.LOCK_EX, APPEND_LOCK_WAIT_S)
         os.write(fd, line)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _flock_within(fd: int, operation: int, wait_s: float) -> bool:
+    """flock within wait_s, trying every 10 ms; False when another holder kept it that long (other
+    OSErrors raise: ENOLCK, EIO after a lost NFS lock, no flock on this file system)."""
+    until = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.01)
 
 
 def write_atomic(path: Path, data: str | bytes, private: bool = False, fsync: bool = False) -> None:
@@ -151,20 +156,30 @@ def write_atomic(path: Path, data: str | bytes, private: bool = False, fsync: bo
 
 
 @contextlib.contextmanager
-def locked(lock_file: Path, wait: bool = True, busy: str = "", shared: bool = False) -> Iterator[None]:
+def locked(
+    lock_file: Path, wait: bool = True, busy: str = "", shared: bool = False, wait_s: float | None = None
+) -> Iterator[bool]:
     """flock on lock_file, a file never replaced (so every holder locks the same inode). wait=False: raise
-    ValueError(busy) at once when another process holds it. A file system without flock (Lustre mounted
-    without -o flock) goes on unlocked: the lock narrows a race, nothing depends on it to be correct."""
+    ValueError(busy) at once when another process holds it. wait_s: wait at most that long, then go on
+    unlocked and yield False (a holder that died on NFSv3 keeps its lock until its node reboots); True
+    otherwise. A file system without flock (Lustre mounted without -o flock) goes on unlocked, yielding
+    True (no other process can hold it either): the lock narrows a race, nothing depends on it to be correct."""
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    operation = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+            if wait_s is not None:
+                ok = _flock_within(fd, operation, wait_s)
+            else:
+                fcntl.flock(fd, operation | (0 if wait else fcntl.LOCK_NB))
+                ok = True
         except BlockingIOError:
             raise ValueError(busy) from None
         except OSError as e:
             if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
                 raise
-        yield
+            ok = True
+        yield ok
     finally:
         os.close(fd)  # closing releases the lock
 

@@ -61,11 +61,15 @@ def install_handlers() -> None:
         installed_at[0] = time.time()
 
 
-def stop_reason(signals: list[str], elapsed_s: float, timeout_min: int, signal_lead_s: int) -> str:
-    """ "time_limit" for a USR2 near the end of the allocation, else "preempt" (SIGTERM, or USR2 sent
-    early by preempt_send_user_signal, scancel --signal, the batch-shell relay or `hpc-train chaos`)."""
-    near_end = elapsed_s >= timeout_min * 60 - signal_lead_s - TIME_LIMIT_SLACK_S
-    return "time_limit" if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end else "preempt"
+def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempted: bool = False) -> str:
+    """ "time_limit" for a USR2 near the allocation's end (end_in_s: seconds from now to Slurm's EndTime,
+    slurm.end_time, which follows --time-min, --deadline and `scontrol update TimeLimit=`; not
+    cluster.timeout_min), else "preempt": SIGTERM, a job Slurm is preempting (PreemptTime set), or USR2
+    sent early by preempt_send_user_signal, scancel --signal, the batch-shell relay or `hpc-train chaos`."""
+    near_end = end_in_s <= signal_lead_s + TIME_LIMIT_SLACK_S
+    return (
+        "time_limit" if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end and not preempted else "preempt"
+    )
 
 
 def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:

@@ -580,6 +580,16 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
             f"{max_time:.0f} min; use cluster.timeout_min<={max_time:.0f} (the run requeues "
             f"itself at the limit and resumes)"
         )
+    # A preempted run whose own requeue fails stays alive preempt_grace_s + 60 s for Slurm to kill and
+    # requeue it (job._leave); with a longer GraceTime it exits first, and Slurm requeues no job that
+    # ended on its own. Not on a partition Slurm never preempts (PreemptMode=OFF).
+    grace = part.get("GraceTime", "0")
+    if part.get("PreemptMode") != "OFF" and grace.isdigit() and int(grace) > cluster.preempt_grace_s:
+        raise ValueError(
+            f"cluster.preempt_grace_s={cluster.preempt_grace_s} is shorter than partition {name}'s GraceTime "
+            f"of {grace} s: a preempted run whose requeue fails would exit before Slurm requeues it; set "
+            f"cluster.preempt_grace_s={grace}"
+        )
     node_info = slurm.nodes()
     in_partition = _expand(part.get("Nodes", ""))
     members = [n for n in node_info if n in in_partition]

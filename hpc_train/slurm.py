@@ -260,6 +260,33 @@ def job_fate(job_id: str, restart_count: int) -> str:
         return "unknown"
 
 
+def parse_end_time(text: str) -> tuple[float | None, bool]:
+    """`scontrol show job -o` of one job -> (EndTime as Unix s, None when Slurm names none; whether Slurm
+    is preempting it) (pure). EndTime follows every change of the time limit: sbatch --time-min (the limit
+    the scheduler chose), --deadline, an administrator's `scontrol update TimeLimit=`. Once Slurm preempts
+    the job it sets PreemptTime and moves EndTime to PreemptTime + GraceTime (on the dev cluster: 12:36:16
+    + 30 s on `low`), so that EndTime is the preemption's, not the time limit's. Times are the controller's
+    local time, as in parse_queue."""
+    from datetime import datetime
+
+    fields = parse_key_values(text)
+    try:
+        end: float | None = datetime.fromisoformat(fields.get("EndTime", "")).timestamp()
+    except ValueError:  # Unknown, None: pending, or no limit
+        end = None
+    return end, fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+
+
+def end_time(job_id: str, timeout_s: float = 3) -> tuple[float | None, bool]:
+    """parse_end_time of the live job; (None, False) when scontrol is missing or does not answer. One try of
+    3 s: it answers in ~10 ms, and every rank waits in a collective meanwhile, inside a stop's time left."""
+    try:
+        text = call(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s, retries=0, ignore_term=True)
+    except SlurmError:
+        return None, False
+    return parse_end_time(text)
+
+
 def requeue(job_id: str) -> str:
     """`scontrol requeue` this job (`<array>_<task>` for an array task): "" on success, else why not.
     A preempted job is being requeued by Slurm already; scontrol then refuses at once, and that is harmless."""

@@ -4,6 +4,7 @@ only the cases we thought of. Each test prints its seed on failure (pytest shows
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -31,10 +32,11 @@ def test_job_fate_from_scontrol_captures() -> None:
 
 
 def test_stop_reason_and_time_to_kill() -> None:
-    # 60-minute job, 120 s lead: a USR2 in the last 120 + 120 s of slack is the time-limit warning
-    assert preempt.stop_reason(["SIGUSR2"], 3400, 60, 120) == "time_limit"
-    assert preempt.stop_reason(["SIGUSR2"], 600, 60, 120) == "preempt"  # preempt_send_user_signal, chaos
-    assert preempt.stop_reason(["SIGUSR2", "SIGTERM"], 3400, 60, 120) == "preempt"
+    # 120 s lead: a USR2 in the last 120 + 120 s of slack before Slurm's EndTime is the time-limit warning
+    assert preempt.stop_reason(["SIGUSR2"], 200, 120) == "time_limit"
+    assert preempt.stop_reason(["SIGUSR2"], 3000, 120) == "preempt"  # preempt_send_user_signal, chaos
+    assert preempt.stop_reason(["SIGUSR2"], 30, 120, preempted=True) == "preempt"  # PreemptTime set
+    assert preempt.stop_reason(["SIGUSR2", "SIGTERM"], 200, 120) == "preempt"
     # after a USR2 preemption Slurm kills after GraceTime, not signal_lead_s
     assert preempt.seconds_to_kill("preempt", 120, 30) == 30
     assert preempt.seconds_to_kill("time_limit", 120, 30) == 120
@@ -267,3 +269,53 @@ def test_a_live_lease_owner_is_never_displaced(seed: int) -> None:
         elif says is False or now >= last + 2 * preempt.LEASE_RENEW_S:
             assert may, f"seed {seed}: a gone owner still holds the run at {now:.0f} s (renewed {last:.0f})"
     assert preempt.lease_verdict(None, "200", 0.0, None) and preempt.lease_verdict({"job_id": "1"}, "2", 0.0, True)
+
+
+def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A holder of the run's lock that died on NFSv3 keeps it until its node reboots. run_job reads the
+    attempt number under it before the hang watchdog runs: it must go on without the lock after
+    job.RUN_LOCK_WAIT_S, with one warning line, not block every rank until the time limit."""
+    import fcntl
+    import os
+    import signal
+    import time
+
+    from hpc_train import env as rank_env
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    class Reached(Exception):
+        pass
+
+    def reached(environ: object) -> None:
+        raise Reached
+
+    monkeypatch.setattr(job, "RUN_LOCK_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(rank_env, "from_env", reached)  # the step right after the read: stop there
+    journal.log(tmp_path, journal.START, 0, "1", 0)
+    holder = os.fork()
+    if holder == 0:  # the child holds the lock for 20 s
+        fd = os.open(RunPaths(tmp_path).lock, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        (tmp_path / "held").touch()
+        time.sleep(20)
+        os._exit(0)
+    handlers = {s: signal.getsignal(s) for s in preempt.STOP_SIGNALS}  # run_job installs its own
+    try:
+        while not (tmp_path / "held").exists():
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(Reached):
+            job.run_job(str(tmp_path))
+        took = time.monotonic() - t0
+        assert os.waitpid(holder, os.WNOHANG) == (0, 0)  # the holder still holds it
+        assert 0.5 <= took < 5, took
+        warnings = [line for line in capfd.readouterr().err.splitlines() if "lock" in line]
+        assert len(warnings) == 1 and "RUN_LOCK_WAIT_S" not in warnings[0], warnings
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        os.kill(holder, 9)
+        os.waitpid(holder, 0)

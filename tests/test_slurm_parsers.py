@@ -53,16 +53,42 @@ def test_gpu_count(gres: str, gpus: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "signals, elapsed_s, reason",
+    "signals, end_in_s, preempted, reason",
     [
-        (["SIGTERM"], 3500, "preempt"),
-        (["SIGUSR2"], 5, "preempt"),  # early USR2: preempt_send_user_signal or a drill, not the time limit
-        (["SIGUSR2"], 3600 - 120 - 100, "time_limit"),  # within lead + 120 s of the 60 min limit
-        (["SIGUSR2", "SIGTERM"], 3500, "preempt"),
+        (["SIGTERM"], 100, False, "preempt"),
+        (["SIGUSR2"], 3595, False, "preempt"),  # early USR2: preempt_send_user_signal or a drill, not the time limit
+        (["SIGUSR2"], 120 + 100, False, "time_limit"),  # within lead + 120 s of Slurm's EndTime
+        (["SIGUSR2"], 30, True, "preempt"),  # preempt_send_user_signal: EndTime is PreemptTime + GraceTime
+        (["SIGUSR2", "SIGTERM"], 100, False, "preempt"),
     ],
 )
-def test_stop_reason(signals: list[str], elapsed_s: float, reason: str) -> None:
-    assert stop_reason(signals, elapsed_s, timeout_min=60, signal_lead_s=120) == reason
+def test_stop_reason(signals: list[str], end_in_s: float, preempted: bool, reason: str) -> None:
+    assert stop_reason(signals, end_in_s, signal_lead_s=120, preempted=preempted) == reason
+
+
+# `scontrol show job -o` on the dev cluster (Slurm 22.05), trimmed: a running job whose TimeLimit an
+# administrator cut from 10 to 3 min, the same job 7 s later once a `high` job preempted it, and a pending one.
+SHORTENED = (
+    "JobId=30003 JobName=wrap JobState=RUNNING Reason=None Restarts=0 RunTime=00:00:03 TimeLimit=00:03:00 "
+    "TimeMin=N/A SubmitTime=2026-12-01T12:36:09 StartTime=2026-12-01T12:36:09 EndTime=2026-12-01T12:39:09 "
+    "Deadline=N/A PreemptEligibleTime=2026-12-01T12:36:09 PreemptTime=None SuspendTime=None Partition=low"
+)
+PREEMPTED = SHORTENED.replace("EndTime=2026-12-01T12:39:09", "EndTime=2026-12-01T12:36:46").replace(
+    "PreemptTime=None", "PreemptTime=2026-12-01T12:36:16"
+)
+PENDING = "JobId=30005 JobState=PENDING Reason=Priority StartTime=Unknown EndTime=Unknown PreemptTime=None"
+
+
+def test_parse_end_time() -> None:
+    from datetime import datetime
+
+    from hpc_train.slurm import parse_end_time
+
+    at = lambda text: datetime.fromisoformat(text).timestamp()  # noqa: E731  (the controller's local time)
+    assert parse_end_time(SHORTENED) == (at("2026-12-01T12:39:09"), False)
+    assert parse_end_time(PREEMPTED) == (at("2026-12-01T12:36:46"), True)
+    assert parse_end_time(PENDING) == (None, False)
+    assert parse_end_time("slurm_load_jobs error: Invalid job id specified") == (None, False)
 
 
 def test_budgets_count_only_their_own_reason() -> None:

@@ -134,3 +134,46 @@ def test_array_task_preempted_while_siblings_run(slurm_env: dict[str, str], tmp_
     assert first_start(victim)["job_id"] == manifest["trials"][0]["job_id"]  # "<array>_<task>"
     twin = json.loads((sibling / "summary.json").read_text())
     assert json.loads((victim / "summary.json").read_text()) == twin
+
+
+def test_a_time_limit_shortened_after_the_start_is_judged_the_time_limit(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """An administrator's `scontrol update TimeLimit=` (like sbatch --time-min or --deadline) ends the job
+    long before the frozen cluster.timeout_min=10: its USR2 is the time-limit warning (signal_lead_s left,
+    a stop save, the time-limit budget), not a preemption (30 s, the preemption budget). With no
+    time-limit requeue left the run stops and says why."""
+    import math
+
+    from hpc_train.slurm import parse_key_values, time_limit_min
+
+    run_dir, job_id = submit(
+        [
+            *RUN_ARGS,
+            "cluster.partition=debug",
+            "train.steps=2000",
+            "requeue.max_time_limit_requeues=0",
+            f"out_dir={tmp_path}",
+            "name=shortened",
+        ],
+        env=slurm_env,
+    )
+    try:
+        wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
+        job = parse_key_values(run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout)
+        # 150-210 s from now: the 90 s warning comes within ~2 min, far inside the frozen 10 min
+        limit = math.ceil(time_limit_min(job["RunTime"]) + 2.5)
+        proc = run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"], env=slurm_env)
+        assert proc.returncode == 0, proc.stderr
+        decided = lambda: any(e["event"] in ("stopped", "requeue") for e in read_events(run_dir))  # noqa: E731
+        wait_until(decided, 240, "the run's requeue-or-stop decision")
+    finally:
+        run(["scancel", job_id], env=slurm_env)
+    events = read_events(run_dir)
+    signal = next(e for e in events if e["event"] == "signal")
+    assert signal["signals"] == ["SIGUSR2"] and signal["reason"] == "time_limit", signal
+    assert 40 < signal["left_s"] <= 90, signal  # signal_lead_s, or less when the end came nearer
+    assert any(e["event"] == "checkpoint_committed" and e["reason"] == "stop" for e in events)
+    stopped = next(e for e in events if e["event"] == "stopped")
+    assert stopped["reason"].startswith("time_limit budget spent"), stopped
+    assert not any(e["event"] == "requeue" for e in events)

@@ -93,6 +93,8 @@ def test_preempted_with_preempt_send_user_signal(slurm_env: dict[str, str], tmp_
     assert summary["params_sha256"] == reference["params_sha256"]
     signals = [e for e in events if e["event"] == "signal"]
     assert signals and signals[0]["signals"][0] == "SIGUSR2"
+    # Slurm moved EndTime to PreemptTime + GraceTime (30 s): near the end, yet a preemption (PreemptTime set)
+    assert signals[0]["reason"] == "preempt" and signals[0]["left_s"] <= 30, signals[0]
     assert [e["restart"] for e in events if e["event"] == "start"] == [0, 1]
 
 

@@ -187,13 +187,18 @@ def test_lost_array_whose_pickles_were_never_renamed_runs_every_trial_once(
             "cluster.mem_gb=100",
             r"sbatch --test-only refused the request for partition debug: .*Requested node configuration is not available",
         ),
+        (  # `low` preempts with GraceTime=30 (tests/cluster.py): the wait for Slurm's requeue would end first
+            "cluster.partition=low cluster.preempt_grace_s=10",
+            r"cluster.preempt_grace_s=10 is shorter than partition low's GraceTime of 30 s: a preempted run whose "
+            r"requeue fails would exit before Slurm requeues it; set cluster.preempt_grace_s=30",
+        ),
     ],
 )
 def test_validation_errors_queue_nothing(
     slurm_env: dict[str, str], tmp_path: Path, override: str, message: str
 ) -> None:
     before = set(run(["squeue", "-h", "-o", "%i"], env=slurm_env).stdout.split())
-    proc = run([HPC_TRAIN, "submit", "cluster=dev", f"out_dir={tmp_path}", override], env=slurm_env)
+    proc = run([HPC_TRAIN, "submit", "cluster=dev", f"out_dir={tmp_path}", *override.split()], env=slurm_env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert re.search(message, proc.stderr), proc.stderr
     assert list(tmp_path.iterdir()) == []
