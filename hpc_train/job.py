@@ -514,11 +514,17 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
 
 
 def _read_lease(paths: RunPaths) -> dict[str, Any] | None:
+    """The lease, or None when there is none or it is not one (torn, hand-edited: nobody's). An unreadable
+    file (ESTALE, EIO) raises OSError: whether another job owns the run is then unknown."""
     try:
         lease = json.loads(paths.lease.read_text())
-    except (OSError, ValueError):  # none yet, or damaged: nobody's
+    except FileNotFoundError:
         return None
-    return lease if isinstance(lease, dict) else None
+    except ValueError:
+        return None
+    ok = isinstance(lease, dict) and isinstance(lease.get("job_id"), str) and lease["job_id"]
+    numbers = ok and all(isinstance(lease.get(k), (int, float)) for k in ("renewed_at", "expires_at"))
+    return lease if numbers else None
 
 
 def _write_lease(paths: RunPaths, env: Any) -> None:
@@ -539,8 +545,8 @@ def _owner_active(lease: dict[str, Any], env: Any) -> bool | None:
     if env.executor == "slurm":
         from hpc_train import slurm
 
-        try:
-            return slurm.job_states([owner], retries=1).get(owner, "") in slurm.ACTIVE_STATES
+        try:  # one short try (squeue, then sacct): every other rank waits in a collective meanwhile
+            return slurm.job_states([owner], retries=1, timeout_s=5).get(owner, "") in slurm.ACTIVE_STATES
         except slurm.SlurmError:
             return None
     if lease.get("host") != socket.gethostname() or not owner.isdigit():
@@ -560,11 +566,11 @@ def _claim_lease(paths: RunPaths, env: Any) -> dict[str, Any] | None:
     journal, spend its budgets twice and delete each other's checkpoints by retention: the second to start
     refuses instead. Under a lock, so two starting at once do not both take it; after the watchdog starts,
     which ends a wait on a lock a dead NFS client still holds."""
-    with locked(paths.run_dir / ".lease.lock"):
+    with locked(paths.run_dir / ".lease.lock", wait_s=5):  # a dead NFS holder: decide unlocked after 5 s
         lease = _read_lease(paths)
         now = time.time()
         owner_active = None
-        if lease and str(lease.get("job_id")) != env.job_id and now < float(lease.get("expires_at", 0)):
+        if lease and lease["job_id"] != env.job_id:
             owner_active = _owner_active(lease, env)
         if not preempt.lease_verdict(lease, env.job_id, now, owner_active):
             return lease
@@ -574,7 +580,8 @@ def _claim_lease(paths: RunPaths, env: Any) -> dict[str, Any] | None:
 
 def _renew_lease(paths: RunPaths, env: Any) -> None:
     """The watchdog thread, every LEASE_RENEW_S on rank 0: extend this job's lease, never another's (one
-    that took it after this job missed every renewal for LEASE_S). Never blocks: a busy lock waits a turn."""
+    that took it after Slurm said this job was gone, or this job missed renewals for 60 s while Slurm did not
+    answer). Never blocks: a busy lock, or a lease it cannot read (ESTALE), waits a turn."""
     try:
         with locked(paths.run_dir / ".lease.lock", wait=False):
             lease = _read_lease(paths)

@@ -201,6 +201,11 @@ def make_dir(path: Path, mode: int = 0o700, exist_ok: bool = False) -> Path:
             return path
         raise
     os.chmod(path, mode)
+    # A default ACL inherited from the project folder would give every file created in here (submitit's
+    # job pickle: 0664 through the ACL mask, whatever the umask) group write, and the job refuses such a
+    # pickle: files in what we own take their mode from us alone.
+    with contextlib.suppress(OSError):
+        os.removexattr(path, "system.posix_acl_default")
     return path
 
 

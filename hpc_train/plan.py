@@ -90,7 +90,7 @@ def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
     the files' checksums before loading (reading them all here would take as long as a resume)."""
     import yaml
 
-    from hpc_train.paths import MARKER, STEP_DIR, read_marker, step_folders
+    from hpc_train.paths import MARKER, STEP_DIR, read_marker, step_folders, untrusted
 
     p = Path(path).expanduser().resolve()
     if STEP_DIR.fullmatch(p.name):
@@ -110,6 +110,13 @@ def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
                 f"give a run directory that saved one, or one of its step folders"
             )
         folder = committed[-1]
+    files = (read_marker(folder) or {}).get("files", {})
+    why = untrusted(folder, folder) or next((w for n in [MARKER, *files] if (w := untrusted(folder / n, folder))), "")
+    if why:  # its .metadata is a pickle: run by the job as you, though another user wrote it
+        raise ValueError(
+            f"checkpoint.init_from={path}: {why}. Its .metadata is a pickle, and loading it runs its author's "
+            f"code as you: if you trust them, copy it (cp -r {folder} <a folder of yours>) and give the copy"
+        )
     source_config = folder.parent.parent / "config.yaml"
     theirs = yaml.safe_load(source_config.read_text()) if source_config.is_file() else None
     if theirs and not (theirs.get("fn") or {}).get("_target_") and not config["fn"].get("_target_"):

@@ -89,11 +89,12 @@ LEASE_RENEW_S = 30.0
 
 def lease_verdict(lease: dict[str, Any] | None, me: str, now: float, owner_active: bool | None) -> bool:
     """May the job `me` train in a run directory whose lease says `lease`? (pure) Yes with no lease, its
-    own from an earlier attempt, an expired one, or one whose owner Slurm says is gone. No when Slurm says
-    the owner is queued or running (a requeued owner comes back to it). When nobody can say
-    (owner_active None: Slurm does not answer, or a local owner on another host), the lease's age does:
-    renewed within two renewal periods, its owner lives."""
-    if not lease or str(lease.get("job_id")) == me or now >= float(lease.get("expires_at", 0)):
+    own from an earlier attempt, or one whose owner Slurm says is gone. No when Slurm says the owner is
+    queued or running, however old its lease: a requeued owner comes back to it, and one suspended or on a
+    full disk stops renewing while alive. When nobody can say (owner_active None: Slurm does not answer, or
+    a local owner on another host), the lease's age does: renewed within two renewal periods (60 s), its
+    owner lives; expires_at is for people reading the file."""
+    if not lease or str(lease.get("job_id")) == me:
         return True
     if owner_active is None:
         return now - float(lease.get("renewed_at", 0)) >= 2 * LEASE_RENEW_S

@@ -11,6 +11,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,18 @@ from hpc_train.submit import (
     adopt_lost_job,
     record_job,
 )
+
+# A resume of another trial holds the sweep's lock for a few seconds: several trials resumed at once wait
+# their turn. A submit still queueing the sweep (a local sweep: until its last trial ends) holds it longer.
+SWEEP_LOCK_WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def _sweep_lock(lock_file: Path, busy: str) -> Iterator[None]:
+    with locked(lock_file, wait_s=SWEEP_LOCK_WAIT_S) as got:
+        if not got:
+            raise ValueError(busy)
+        yield
 
 
 def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, list[str]]:
@@ -64,7 +77,7 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
     )
     with (
         locked(RunPaths(run.run_dir).lock, wait=False, busy=busy),
-        locked(target / (MANIFEST + ".lock"), wait=False, busy=sweep_busy)
+        _sweep_lock(target / (MANIFEST + ".lock"), sweep_busy)
         if (target / MANIFEST).exists()
         else contextlib.nullcontext(),
     ):
@@ -200,7 +213,9 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
     if cfg.cluster.executor == "slurm":
         script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
         check_syntax(script)
-        validate_live(cfg.cluster, script, 1, None)
+        grace: list[str] = []
+        validate_live(cfg.cluster, script, 1, None, warnings=grace)
+        lines += [f"warning: {w}" for w in grace]
     attempt = journal.next_attempt(events)
     submitit_dir = _submitit_dir(target / "submitit", private, dir_mode(cfg.share_with_group))
     executor = make_executor(cfg.cluster, submitit_dir, job_name(target))

@@ -548,9 +548,13 @@ def check_syntax(script: str) -> None:
         )
 
 
-def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_parallel: int | None) -> list[str]:
+def validate_live(
+    cluster: ClusterConfig, script: str, array_size: int, max_parallel: int | None, warnings: list[str] | None = None
+) -> list[str]:
     """Check the request against the running cluster; ValueError names key, value, limit and fix.
-    Returns what could not be checked (also printed as a warning): sbatch --test-only then judges it."""
+    Returns what could not be checked (also printed as a warning): sbatch --test-only then judges it.
+    `warnings`: where a check that cannot be fixed any more goes instead of raising (resume: the frozen
+    config's preempt_grace_s, which a site may have outgrown since the submit)."""
     from hpc_train import slurm
 
     parts = slurm.partitions()
@@ -585,11 +589,13 @@ def validate_live(cluster: ClusterConfig, script: str, array_size: int, max_para
     # ended on its own. Not on a partition Slurm never preempts (PreemptMode=OFF).
     grace = part.get("GraceTime", "0")
     if part.get("PreemptMode") != "OFF" and grace.isdigit() and int(grace) > cluster.preempt_grace_s:
-        raise ValueError(
+        short = (
             f"cluster.preempt_grace_s={cluster.preempt_grace_s} is shorter than partition {name}'s GraceTime "
-            f"of {grace} s: a preempted run whose requeue fails would exit before Slurm requeues it; set "
-            f"cluster.preempt_grace_s={grace}"
+            f"of {grace} s: a preempted run whose requeue fails would exit before Slurm requeues it"
         )
+        if warnings is None:
+            raise ValueError(f"{short}; set cluster.preempt_grace_s={grace}")
+        warnings.append(f"{short} (frozen at submit; a new run can set cluster.preempt_grace_s={grace})")
     node_info = slurm.nodes()
     in_partition = _expand(part.get("Nodes", ""))
     members = [n for n in node_info if n in in_partition]

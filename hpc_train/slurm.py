@@ -345,7 +345,7 @@ ACTIVE_STATES = (
 )
 
 
-def job_states(job_ids: list[str], retries: int = 3, strict: bool = False) -> dict[str, str]:
+def job_states(job_ids: list[str], retries: int = 3, strict: bool = False, timeout_s: float = 30) -> dict[str, str]:
     """State per job id, the one answer every command gets (status, logs -f, resume). slurmctld first:
     squeue knows every job it holds, at once (a requeued job is PENDING there while accounting may lag the
     controller by seconds). sacct for the ids squeue no longer holds (the controller forgets a job
@@ -362,7 +362,8 @@ def job_states(job_ids: list[str], retries: int = 3, strict: bool = False) -> di
     listed: dict[str, str] = {}
     unanswered: SlurmError | None = None
     try:
-        listed = parse_squeue_states(call(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"], retries=retries))
+        squeue = ["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"]
+        listed = parse_squeue_states(call(squeue, timeout_s, retries))
     except SlurmError as e:
         if "invalid job id" not in str(e).lower():  # squeue's answer for a job it no longer holds
             if strict:
@@ -376,7 +377,7 @@ def job_states(job_ids: list[str], retries: int = 3, strict: bool = False) -> di
     missing = [j for j in ids if j not in out]
     if missing:
         sacct = ["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobID,State"]
-        out.update(parse_sacct_states(call(sacct, retries=retries), missing))
+        out.update(parse_sacct_states(call(sacct, timeout_s, retries), missing))
     if unanswered and any(j not in out for j in ids):
         raise unanswered
     return out

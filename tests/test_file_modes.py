@@ -201,6 +201,25 @@ def test_a_teammates_init_from_checkpoint_is_copied_at_submit_so_it_is_ours(tmp_
     assert [p.name for p in target.glob("init_from/*/.*")] == []  # no temp folder left behind
 
 
+def test_submit_refuses_an_init_from_another_user_could_have_written(tmp_path: Path) -> None:
+    """Copied at submit, a teammate's checkpoint would be ours, and its .metadata pickle with it: the job's
+    owner check could no longer see whose code it is (adversarial review). Refused, with the explicit way."""
+    from hpc_train.plan import init_from_checkpoint
+
+    source = make_saver(tmp_path / "theirs", [])
+    state = make_state()
+    state.step = 40
+    source.save(state, "final", background=False)
+    folder = step_dir(tmp_path / "theirs" / "checkpoints", 40)
+    config = {"fn": {"_target_": "x"}, "model": {}}
+    assert init_from_checkpoint(str(folder), config) == folder  # our own: fine
+    chown_tree(tmp_path / "theirs", NOBODY)
+    with pytest.raises(ValueError) as e:
+        init_from_checkpoint(str(folder), config)
+    assert str(e.value).startswith(f"checkpoint.init_from={folder}: {folder} is owned by nobody")
+    assert f"if you trust them, copy it (cp -r {folder} <a folder of yours>) and give the copy" in str(e.value)
+
+
 def start_task(folder: Path, job_id: str = "123") -> subprocess.CompletedProcess:
     """start.py as submitit's local controller runs it, for task 0 of job `job_id`."""
     env = {
@@ -279,3 +298,27 @@ def test_a_real_run_skips_a_planted_step_folder_and_their_code_never_runs(tmp_pa
     assert not marker.exists()
     assert [mode(p) for p in (run_dir, run_dir / "submitit", ckpts, step_dir(ckpts, 40))] == [0o700] * 4
     assert mode(step_dir(ckpts, 40) / ".metadata") == 0o600
+
+
+def test_a_default_acl_on_the_project_folder_does_not_reach_into_our_folders(tmp_path: Path) -> None:
+    """`setfacl -d -m g::rwx project/` (a common shared-project setup) made every file created in a run
+    folder group-writable through the ACL mask, whatever the umask: submitit's job pickle came out 0664 and
+    every task refused it (adversarial review). make_dir drops the inherited default ACL."""
+    import struct
+
+    # system.posix_acl_default, version 2: user::rwx group::rwx mask::rwx other::r-x (no setfacl here)
+    entries = [(0x01, 7), (0x04, 7), (0x10, 7), (0x20, 5)]
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF) for tag, perm in entries)
+    project = tmp_path / "project"
+    project.mkdir()
+    try:
+        os.setxattr(project, "system.posix_acl_default", acl)
+    except OSError as e:
+        pytest.skip(f"this file system takes no POSIX ACL ({e})")
+    with umask(0o022):
+        (project / "plain").mkdir()
+        (project / "plain" / "f").write_text("x")
+        run = make_dir(project / "run", 0o700)
+        (run / "job.pkl").write_text("x")
+    assert mode(project / "plain" / "f") == 0o664  # what the ACL does to a folder we did not make
+    assert mode(run / "job.pkl") == 0o644 and untrusted(run / "job.pkl", run) == ""

@@ -249,8 +249,9 @@ def test_a_live_lease_owner_is_never_displaced(seed: int) -> None:
     """One owner renews its lease every LEASE_RENEW_S (+ up to 5 s of watchdog polling) until it dies at a
     random time; challengers ask at random times, with Slurm saying "active" or nothing while it lives and
     "gone" or nothing after. While it lives no challenger may take the run; once it is gone every one may,
-    at once when Slurm says so, else within two renewal periods of its last renewal, and always once the
-    lease expires. The owner itself (a requeued attempt, same job id) always may."""
+    at once when Slurm says so, else within two renewal periods of its last renewal. A live owner Slurm
+    names is not displaced even when its lease expired (suspended, or its renewals failing on a full disk).
+    The owner itself (a requeued attempt, same job id) always may."""
     rng = random.Random(seed)
     died_at = rng.uniform(0, 600)
     renewals = [0.0]
@@ -268,7 +269,9 @@ def test_a_live_lease_owner_is_never_displaced(seed: int) -> None:
             assert not may, f"seed {seed}: displaced a live owner at {now:.0f} s (renewed {last:.0f}, Slurm {says})"
         elif says is False or now >= last + 2 * preempt.LEASE_RENEW_S:
             assert may, f"seed {seed}: a gone owner still holds the run at {now:.0f} s (renewed {last:.0f})"
-    assert preempt.lease_verdict(None, "200", 0.0, None) and preempt.lease_verdict({"job_id": "1"}, "2", 0.0, True)
+    stale = {"job_id": "100", "renewed_at": 0.0, "expires_at": preempt.LEASE_S}
+    assert not preempt.lease_verdict(stale, "200", 10 * preempt.LEASE_S, True), "an expired lease of a live owner"
+    assert preempt.lease_verdict(stale, "200", 10 * preempt.LEASE_S, None) and preempt.lease_verdict(None, "2", 0, None)
 
 
 def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(

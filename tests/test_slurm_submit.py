@@ -205,6 +205,29 @@ def test_validation_errors_queue_nothing(
     assert set(run(["squeue", "-h", "-o", "%i"], env=slurm_env).stdout.split()) <= before  # nothing new queued
 
 
+def test_resume_only_warns_of_a_grace_time_raised_since_the_submit(
+    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run frozen with preempt_grace_s=10 before the site raised `low`'s GraceTime to 30: resume cannot
+    change the frozen value, so refusing would strand the run for good (adversarial review). It checks the
+    rest as submit does and says what the short grace costs."""
+    from hpc_train import sbatch
+
+    for k, v in slurm_env.items():
+        monkeypatch.setenv(k, v)
+    cluster = sbatch.ClusterConfig(executor="slurm", partition="low", tasks_per_node=1, preempt_grace_s=10)
+    script = sbatch.render(cluster, "grace", tmp_path / "submitit")
+    with pytest.raises(ValueError, match="set cluster.preempt_grace_s=30"):
+        sbatch.validate_live(cluster, script, 1, None)
+    warnings: list[str] = []
+    assert sbatch.validate_live(cluster, script, 1, None, warnings=warnings) == []
+    assert warnings == [
+        "cluster.preempt_grace_s=10 is shorter than partition low's GraceTime of 30 s: a preempted run whose "
+        "requeue fails would exit before Slurm requeues it (frozen at submit; a new run can set "
+        "cluster.preempt_grace_s=30)"
+    ]
+
+
 def test_max_parallel_must_be_positive(slurm_env: dict[str, str], tmp_path: Path) -> None:
     proc = run(
         [HPC_TRAIN, "submit", "-m", *QUICK, f"out_dir={tmp_path}", "train.seed=1,2", "--max-parallel", "0"],
