@@ -391,7 +391,7 @@ def _owner_writes_only() -> Iterator[None]:
     0666: 0664 under umask 002), and so for the job: the local controller inherits it, sbatch passes it
     on (SLURM_UMASK). start.py refuses a job pickle the group could write. Only ever adds bits to the
     mask, so no file another thread creates meanwhile gets more permissive than it asked."""
-    old = os.umask(0o022)
+    old = os.umask(0o077)  # the strictest while reading it: 022 for an instant loosened an old 077
     os.umask(old | 0o022)
     try:
         yield
