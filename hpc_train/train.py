@@ -97,8 +97,10 @@ def parallelize(model: GPT, tc: TrainConfig, mesh: DeviceMesh, bf16: bool = Fals
 
 def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     """The parameters, one AdamW group per device mesh. FSDP2 x TP puts block matmuls on (dp, tp) and norms
-    and embeddings on dp, and AdamW's foreach path (the default on CUDA; off on CPU, where the tests
-    missed it) calls one _foreach op over a group's tensors, which DTensor refuses across meshes."""
+    and embeddings on dp, and AdamW's foreach path (the default on CUDA, off on CPU) calls one _foreach op
+    over a group's tensors: per mesh, each call sees one mesh whatever a torch version's DTensor does with
+    several (issue 19 read it failing "cross-mesh"; torch 2.13 ran a mixed group with foreach=True on 4 CPU
+    ranks, so this is a guard for the torch>=2.4 the package allows, not a fix measured here)."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[object, list[torch.nn.Parameter]] = {}

@@ -127,10 +127,15 @@ def test_judge_allreduce_warns_without_naming_a_node() -> None:
 def test_gpu_counters() -> None:
     text = "0, NVIDIA H200, 0, [N/A], No, No\n1, NVIDIA H200, 3, [N/A], Yes, No\n"
     gpus, problems, unknown = gpu_problems(text, GPU_FIELDS)
-    assert len(gpus) == 2 and unknown == [] and problems == [
-        "GPU 1: 3 uncorrected ECC errors since boot",
-        "GPU 1: remapped_rows.pending=Yes (needs a reset)",
-    ]
+    assert (
+        len(gpus) == 2
+        and unknown == []
+        and problems
+        == [
+            "GPU 1: 3 uncorrected ECC errors since boot",
+            "GPU 1: remapped_rows.pending=Yes (needs a reset)",
+        ]
+    )
 
 
 def test_gpu_counters_nvidia_smi_cannot_read_are_unknown_not_healthy() -> None:
