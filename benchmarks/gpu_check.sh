@@ -41,19 +41,24 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs it, its output in OUT/NAME.log,
   echo "$name rc=$rc $(($(date +%s) - t0))s" | tee -a "$out/steps.txt"
 }
 
-# install: only what does not import already (torch is the machine's own and is never installed)
-if ! "$python" -c "import submitit, hydra, omegaconf, rich, hpc_train" 2>/dev/null; then
-  # --system-site-packages sees a system torch; a .pth file also sees one installed in a venv or conda
+# install: only what does not import already (torch is the machine's own and is never installed). Every
+# wheel of the folder with --no-deps: pip then never resolves torch's own requirements (torch 2.13 asks for
+# setuptools>=77, which an offline venv lacks). --system-site-packages sees a system torch; a .pth file
+# also sees one installed in a venv or conda.
+if ! "$python" -c "import submitit, hydra, omegaconf, rich" 2>/dev/null; then
   step install 120 bash -c "
     set -e
     torch_site=\$('$python' -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
     '$python' -m venv --system-site-packages '$scratch/venv'
     venv_site=\$('$scratch/venv/bin/python' -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')
     echo \"\$torch_site\" > \"\$venv_site/_machine_torch.pth\"
-    '$scratch/venv/bin/pip' install --quiet --no-index --find-links wheels hpc_train
-    '$scratch/venv/bin/python' -c 'import torch, submitit, hydra, hpc_train; print(hpc_train.__file__)'"
+    PIP_CONFIG_FILE=/dev/null '$scratch/venv/bin/pip' install --quiet --no-index --no-deps wheels/*.whl
+    cd /  # not this tree's hpc_train: the installed one
+    '$scratch/venv/bin/python' -c 'import torch, submitit, hydra, omegaconf, rich, numpy, hpc_train; print(hpc_train.__file__)'
+    # the wheel must hold this tree's code, or the check would test an older copy
+    diff -rq --exclude=__pycache__ '$PWD/hpc_train' \"\$venv_site/hpc_train\" | grep -v 'Only in .*venv' \
+      && { echo 'wheels/hpc_train-*.whl is not this tree: run bash benchmarks/gpu_wheels.sh again'; exit 1; } || true"
   python=$scratch/venv/bin/python
-  # the venv's hpc_train is the wheel's copy of this tree; benchmarks/ runs from here
 else
   echo "install skipped: the dependencies import already" | tee -a "$out/steps.txt"
 fi
@@ -93,6 +98,7 @@ if [ $dry = 0 ]; then
   step resume 150 "$python" benchmarks/gpu_resume.py --out "$out/resume"
 else
   step mfu_eager 120 "$python" benchmarks/gpu_mfu.py --cpu --steps 4 --batch 2 --out "$out/mfu_eager"
+  step mfu_compile 180 "$python" benchmarks/gpu_mfu.py --cpu --steps 4 --batch 2 --compile --out "$out/mfu_compile"
   step resume 240 "$python" benchmarks/gpu_resume.py --cpu --steps 8 --out "$out/resume"
 fi
 echo "total $(($(date +%s) - started))s" | tee -a "$out/steps.txt"
