@@ -46,7 +46,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs it, its output in OUT/NAME.log,
 # setuptools>=77, which an offline venv lacks). --system-site-packages sees a system torch; a .pth file
 # also sees one installed in a venv or conda.
 if ! "$python" -c "import submitit, hydra, omegaconf, rich" 2>/dev/null; then
-  step install 120 bash -c "
+  step install 60 bash -c "
     set -e
     torch_site=\$('$python' -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
     '$python' -m venv --system-site-packages '$scratch/venv'
@@ -64,7 +64,7 @@ else
 fi
 export PATH="$(dirname "$python"):$PATH"
 
-step versions 60 "$python" - "$out/versions.json" <<'EOF'
+step versions 30 "$python" - "$out/versions.json" <<'EOF'
 import json, platform, subprocess, sys
 import torch
 info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -87,15 +87,15 @@ open(sys.argv[1], "w").write(json.dumps(info, indent=1) + "\n")
 EOF
 
 if [ $dry = 0 ]; then
-  step smi 60 bash -c "
+  step smi 30 bash -c "
     nvidia-smi --query-gpu=index,name,ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.pending,remapped_rows.failure,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > '$out/nvidia_smi.csv'
     nvidia-smi -q > '$out/nvidia_smi_q.txt'
     cat '$out/nvidia_smi.csv'
     '$python' -c 'from hpc_train.metrics import peak_tflops; import subprocess; n = subprocess.run([\"nvidia-smi\", \"--query-gpu=name\", \"--format=csv,noheader\"], capture_output=True, text=True).stdout.splitlines()[0]; print(repr(n), \"peak bf16 TFLOP/s:\", peak_tflops(n))'
     journalctl -k -q --no-pager --since=-24h -g 'NVRM: Xid' | tail -n 20 || echo 'journalctl -k: not readable here'"
-  step mfu_eager 150 "$python" benchmarks/gpu_mfu.py --steps 30 --out "$out/mfu_eager"
-  step mfu_compile 240 "$python" benchmarks/gpu_mfu.py --steps 30 --compile --out "$out/mfu_compile"
-  step resume 150 "$python" benchmarks/gpu_resume.py --out "$out/resume"
+  step mfu_eager 120 "$python" benchmarks/gpu_mfu.py --steps 30 --out "$out/mfu_eager"
+  step mfu_compile 150 "$python" benchmarks/gpu_mfu.py --steps 30 --compile --out "$out/mfu_compile"
+  step resume 90 "$python" benchmarks/gpu_resume.py --out "$out/resume"
 else
   step mfu_eager 120 "$python" benchmarks/gpu_mfu.py --cpu --steps 4 --batch 2 --out "$out/mfu_eager"
   step mfu_compile 180 "$python" benchmarks/gpu_mfu.py --cpu --steps 4 --batch 2 --compile --out "$out/mfu_compile"
