@@ -148,8 +148,10 @@ class Attempt:
                     else ""
                 )
             )
-        pids = [torch.zeros(1, dtype=torch.int64) for _ in range(self.env.world_size)]
-        dist.all_gather(pids, torch.tensor([os.getpid()]))  # `hpc-train chaos kill-rank`, post-mortems
+        # pid (`hpc-train chaos kill-rank`, post-mortems) and whether the rank computes on a GPU (benchmarks
+        # refuse a "GPU" figure that a CPU produced)
+        pids = [torch.zeros(2, dtype=torch.int64) for _ in range(self.env.world_size)]
+        dist.all_gather(pids, torch.tensor([os.getpid(), self.device.type == "cuda"]))
         self.event(
             journal.START,
             state.step,
@@ -161,7 +163,8 @@ class Attempt:
             world_size=self.env.world_size,
             nodes=list(self.env.nodes),
             launched_at=self.process_start,
-            pids=[int(p) for p in pids],
+            pids=[int(p[0]) for p in pids],
+            devices=["cuda" if p[1] else "cpu" for p in pids],
             rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
             phases_s={k: round(v, 3) for k, v in self.phases_s.items()},
             tokens_seen=state.tokens_seen,

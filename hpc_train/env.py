@@ -145,3 +145,41 @@ def torchrun_vars(env: RankEnv) -> dict[str, str]:
         "MASTER_ADDR": env.master_addr,
         "MASTER_PORT": str(env.master_port),
     }
+
+
+def gpu_sharing_error(visible_gpus: int, local_ranks: int) -> str:
+    """Why this node's ranks cannot each have a GPU, or "" (pure). One visible GPU per task is Slurm's
+    per-task binding (each task sees its own); 2..local_ranks-1 GPUs for local_ranks tasks would put two
+    ranks on one GPU, where NCCL fails ("Duplicate GPU detected") or one GPU does two ranks' work."""
+    if 1 < visible_gpus < local_ranks:
+        return (
+            f"{visible_gpus} GPUs visible (CUDA_VISIBLE_DEVICES) for {local_ranks} ranks on this node: two ranks "
+            f"would share a GPU; set cluster.tasks_per_node={visible_gpus} and cluster.gpus_per_node={visible_gpus}"
+            f", or ask for {local_ranks} GPUs per node"
+        )
+    return ""
+
+
+# A hung NCCL collective: the job's own watchdog (job.py, train.watchdog_s) names the hang and decides the
+# requeue in a thread of the same process, so NCCL must not kill that process under it.
+#  2 = CleanUpOnly: a timed-out collective aborts its communicator and raises in the thread waiting on it
+#      (job.py's failure path, which waits while the watchdog thread decides); torch 2.13's default 3
+#      (SkipCleanUp) and torchrun's 1 (TearDown) end the process with SIGABRT, mid-decision.
+#  Flight recorder: the last 2000 collectives of every rank, dumped to RUN/nccl_trace/rank_N at a timeout
+#      (torch's own file writer; read with `python -m torch.distributed.flight_recorder.fr_trace`).
+#  Heartbeat: after a dump torch's monitor thread ends the process once this many seconds pass; 900 s
+#      leaves the decision (<= 30 s of heartbeat counts + ~66 s of scontrol) far inside it.
+NCCL_TRACE_ENTRIES = 2000
+NCCL_HEARTBEAT_TIMEOUT_S = 900
+
+
+def nccl_env(trace_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The NCCL variables a job sets before its process group starts (pure): error handling always ours,
+    the dump settings unless the site set them already (cluster.env, the template)."""
+    defaults = {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{trace_dir}/rank_",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(NCCL_HEARTBEAT_TIMEOUT_S),
+    }
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", **{k: v for k, v in defaults.items() if k not in environ}}

@@ -667,6 +667,13 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
     # made 4 ranks on 2 cores 35x slower per step on the dev cluster (350 ms vs 10 ms).
     cores = os.environ.get("SLURM_CPUS_PER_TASK") or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(int(cores))
+    if torch.cuda.is_available():  # before the process group: NCCL reads these when it starts
+        from hpc_train.env import gpu_sharing_error, nccl_env
+
+        if why := gpu_sharing_error(torch.cuda.device_count(), env.local_world_size):
+            raise preempt.Unrecoverable(f"{os.environ.get('SLURMD_NODENAME', env.nodes[env.node_rank])}: {why}")
+        make_dir(paths.nccl_trace, exist_ok=True)
+        os.environ.update(nccl_env(str(paths.nccl_trace), os.environ))
     t0 = time.time()
     env = _rendezvous(env, cfg, paths)
     phases_s["rendezvous"] = time.time() - t0

@@ -26,7 +26,7 @@ Event = dict[str, Any]
 
 # ---- the events -----------------------------------------------------------------------------------------
 # an attempt (rank 0 unless said)
-START = "start"  # at.resume: step, resumed_from, world_size, nodes, rank_nodes, pids, phases_s, ...
+START = "start"  # at.resume: step, resumed_from, world_size, nodes, rank_nodes, pids, devices, phases_s, ...
 FIRST_STEP = "first_step"  # step_time_s: resume -> first step
 BATCH_CHANGED = "batch_changed"  # the global batch does not divide over this attempt's ranks
 PREFLIGHT = "preflight"  # every node's health, after the rendezvous

@@ -63,3 +63,33 @@ def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
         f"{max(saves):.1f} s and the slowest step {max(steps, default=0.0):.1f} s, and Slurm may signal up to "
         f"{SLURM_SIGNAL_SLACK_S} s early; use cluster.signal_lead_s>={int(needed) + 1}"
     )
+
+
+# Dense bf16 peak per GPU, TFLOP/s (vendor datasheets, no sparsity), by the exact name that
+# `nvidia-smi --query-gpu=name` and torch.cuda.get_device_name() report. Exact, not by substring: "H100"
+# is in the PCIe (756) and NVL (835) names as well as the SXM one (989).
+PEAK_TFLOPS = {
+    "NVIDIA B200": 2250.0,
+    "NVIDIA GB200": 2500.0,
+    "NVIDIA H200": 989.0,  # SXM
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA GH200 480GB": 989.0,
+    "NVIDIA H100 80GB HBM3": 989.0,  # SXM
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA L40": 181.0,
+    "NVIDIA L4": 121.0,
+    "NVIDIA A10": 125.0,
+}
+
+
+def peak_tflops(gpu_name: str) -> float | None:
+    """The GPU's dense bf16 peak by its exact name (surrounding spaces and case aside); None for a name
+    not in the table (MFU is then "n/a": set train.peak_tflops_per_device)."""
+    wanted = gpu_name.strip().casefold()
+    return next((tf for name, tf in PEAK_TFLOPS.items() if name.casefold() == wanted), None)

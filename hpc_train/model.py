@@ -53,4 +53,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing else block(x)
         logits = self.ln_f(x) @ self.tok.weight.T  # tied head: vocab 256 x d_model weights shared
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        # The loss in fp32 (a no-op in fp32): bf16 parameters (FSDP2's MixedPrecisionPolicy) give bf16
+        # logits, whose log-softmax over the vocabulary would round to bf16's 8 bits of mantissa.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -75,6 +75,10 @@ class RunPaths:
         return self.run_dir / "placement.json"
 
     @property
+    def nccl_trace(self) -> Path:  # NCCL's flight recorder dumps at a collective's timeout (env.nccl_env)
+        return self.run_dir / "nccl_trace"
+
+    @property
     def report_png(self) -> Path:
         return self.run_dir / "report.png"
 

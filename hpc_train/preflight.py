@@ -19,9 +19,12 @@ The module imports torch only inside `check`: config.py imports PreflightConfig 
 
 from __future__ import annotations
 
+import math
+import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +65,14 @@ ALLREDUCE_BYTES = 4 * 2**20
 SICK_DRILL = "sick_node"  # RUN/drills/sick_node.<node>, written by `hpc-train chaos RUN sick-node`
 
 
-def gpu_problems(csv_text: str, fields: tuple[str, ...]) -> tuple[list[dict[str, str]], list[str]]:
-    """nvidia-smi --format=csv,noheader,nounits lines -> (one dict per GPU, what is wrong) (pure).
-    "[N/A]" / "[Not Supported]" (a counter this GPU does not keep) is no problem."""
-    gpus, problems = [], []
+MEMORY_FIELDS = ("retired_pages.pending", "remapped_rows.pending", "remapped_rows.failure")
+
+
+def gpu_problems(csv_text: str, fields: tuple[str, ...]) -> tuple[list[dict[str, str]], list[str], list[str]]:
+    """nvidia-smi --format=csv,noheader,nounits lines -> (one dict per GPU, what is wrong, what could not
+    be read) (pure). "[N/A]" / "[Not Supported]" is not "healthy": the ECC count, or the memory's pending
+    retirement (page retirement before Ampere, row remapping since: one of them is enough), is "unknown"."""
+    gpus, problems, unknown = [], [], []
     for line in csv_text.strip().splitlines():
         gpu = dict(zip(fields, (v.strip() for v in line.split(","))))
         gpus.append(gpu)
@@ -73,10 +80,43 @@ def gpu_problems(csv_text: str, fields: tuple[str, ...]) -> tuple[list[dict[str,
         ecc = gpu.get("ecc.errors.uncorrected.volatile.total", "")
         if ecc.isdigit() and int(ecc) > 0:
             problems.append(f"{name}: {ecc} uncorrected ECC errors since boot")
-        for key in ("retired_pages.pending", "remapped_rows.pending", "remapped_rows.failure"):
+        elif not ecc.isdigit():
+            unknown.append(f"{name}: uncorrected ECC errors unknown ({ecc or 'not queried'})")
+        for key in MEMORY_FIELDS:
             if gpu.get(key) == "Yes":
                 problems.append(f"{name}: {key}=Yes (needs a reset)")
-    return gpus, problems
+        if not any(gpu.get(key) in ("Yes", "No") for key in MEMORY_FIELDS):
+            unknown.append(f"{name}: pending page retirement / row remapping unknown (neither field read)")
+    return gpus, problems, unknown
+
+
+# Kernel-log XIDs of the NVIDIA driver that mean the GPU or its memory failed (NVIDIA's XID catalogue):
+# 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fell off the bus, 92 high single-bit ECC rate,
+# 94/95 contained/uncontained ECC, 119/120 GSP. Others (13, 31, 43: a program's own fault) are not the node's.
+HARDWARE_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
+XID_LINE = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+),(.*)")
+
+
+def xids(kernel_log: str) -> list[str]:
+    """The hardware XIDs in kernel log lines, one "PCI:...: XID N, text" each, oldest first (pure)."""
+    found = []
+    for line in kernel_log.splitlines():
+        m = XID_LINE.search(line)
+        if m and int(m.group(2)) in HARDWARE_XIDS:
+            found.append(f"{m.group(1)}: XID {m.group(2)},{m.group(3)[:120]}")
+    return found
+
+
+def read_xids() -> tuple[list[str], str]:
+    """(hardware XIDs the kernel logged in the last 24 h, note). From journald without dmesg's privilege:
+    readable where the user may read the kernel log (group adm or systemd-journal); else the note says so.
+    Recorded in the event, never a verdict: an XID logged before a GPU reset says nothing of it now."""
+    if shutil.which("journalctl") is None:
+        return [], "XIDs not read: no journalctl"
+    answer = _ask(["journalctl", "-k", "-q", "--no-pager", "--since=-24h", "-g", "NVRM: Xid"], NVIDIA_SMI_TIMEOUT_S)
+    if answer is None or answer[0] not in (0, 1):  # 1: no line matched
+        return [], "XIDs not read: journalctl -k " + ("timed out" if answer is None else f"failed (rc {answer[0]})")
+    return xids(answer[1]), ""
 
 
 def _ask(args: list[str], timeout_s: float) -> tuple[int, str, str] | None:
@@ -97,7 +137,8 @@ def _ask(args: list[str], timeout_s: float) -> tuple[int, str, str] | None:
 
 
 def query_gpus() -> tuple[list[dict[str, str]], list[str], str]:
-    """(GPUs, problems, note) from nvidia-smi; the note says why nothing was read."""
+    """(GPUs, problems, note) from nvidia-smi; the note says what was not read (nothing, or the counters
+    this GPU or driver does not report: "unknown", not "healthy")."""
     if shutil.which("nvidia-smi") is None:
         return [], [], "no nvidia-smi on PATH: GPU counters not read"
     for fields in (GPU_FIELDS, BASIC_GPU_FIELDS):
@@ -108,8 +149,9 @@ def query_gpus() -> tuple[list[dict[str, str]], list[str], str]:
             return [], [f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s"], ""
         rc, out, err = answer
         if rc == 0:
-            gpus, problems = gpu_problems(out, fields)
-            return gpus, problems, "" if fields == GPU_FIELDS else "driver lacks the ECC/remap fields"
+            gpus, problems, unknown = gpu_problems(out, fields)
+            lacks = "" if fields == GPU_FIELDS else "driver lacks the ECC/remap fields; "
+            return gpus, problems, (lacks + "unknown: " + "; ".join(unknown)) if unknown else ""
         if "not a valid field" not in (out + err):
             break
     return [], [f"nvidia-smi failed (rc {rc}): {(err or out).strip()[:200]}"], ""
@@ -134,7 +176,7 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
         n["wall_s"] = max(n["wall_s"], r["wall_s"])
         n["device"] = r["device"]
         n["skew_s"] = r["skew_s"] if abs(r["skew_s"]) > abs(n.get("skew_s", 0.0)) else n.get("skew_s", 0.0)
-        for key in ("disk_free_gb", "disk_needed_gb", "disk_folder", "gpus", "gpu_note"):
+        for key in ("disk_free_gb", "disk_needed_gb", "disk_folder", "gpus", "gpu_note", "xids"):
             if key in r:
                 n[key] = r[key]
     import statistics  # here, not at the top: the login node imports this module for PreflightConfig
@@ -211,9 +253,24 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
     return nodes, warnings, stop
 
 
+MATMUL_MIN_GPU_S = 0.1  # an idle GPU's clocks ramp up over tens of ms: ~1 ms of matmuls read a healthy GPU as slow
+
+
+def timed_reps(run: Callable[[int], float], min_s: float, reps: int = 5) -> tuple[int, float]:
+    """Run `run(reps)` (-> seconds it took), with more reps each time (x2 to x16, aiming at 1.2 x min_s)
+    until one run takes >= min_s: the shorter runs before it are the warm-up. Returns (reps, seconds) of
+    that last run (pure but for `run`)."""
+    seconds = run(reps)
+    while seconds < min_s:
+        reps = min(16 * reps, max(2 * reps, math.ceil(1.2 * min_s / max(seconds, 1e-9) * reps)))
+        seconds = run(reps)
+    return reps, seconds
+
+
 def _matmul_tflops(device: Any) -> float:
-    """A square matmul on the device: 4096^3 in bf16 on GPU (~0.2 ms each on an H200), 512^3 in fp32 on
-    CPU (~10-30 ms with one thread); 2 warm-up and 5 timed."""
+    """A square matmul on the device, TFLOP/s. GPU: 4096^3 in bf16 (~0.2 ms each on an H200), 2 warm-up,
+    then timed by CUDA events until one run lasts >= 100 ms. CPU: 512^3 in fp32 (~10-30 ms with one
+    thread), 2 warm-up and 5 timed by the wall clock."""
     import torch
 
     cuda = device.type == "cuda"
@@ -221,14 +278,23 @@ def _matmul_tflops(device: Any) -> float:
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
         a @ b
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    if cuda:
-        torch.cuda.synchronize()
-    return 5 * 2 * n**3 / (time.perf_counter() - t0) / 1e12
+
+    def run(reps: int) -> float:
+        if not cuda:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            a @ b
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    reps, seconds = timed_reps(run, MATMUL_MIN_GPU_S if cuda else 0.0)
+    return reps * 2 * n**3 / seconds / 1e12
 
 
 def _allreduce_gbps(device: Any, world_size: int) -> float:
@@ -270,6 +336,9 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
         if device.type == "cuda" and torch.cuda.device_count() < env.local_world_size and not gpus:
             problems.append(f"{torch.cuda.device_count()} GPUs visible for {env.local_world_size} tasks")
         mine.update(gpus=len(gpus), gpu_note=note or (f"{len(gpus)} GPUs healthy" if not problems else ""))
+        if device.type == "cuda":
+            mine["xids"], xid_note = read_xids()
+            mine["gpu_note"] = "; ".join(n for n in (mine["gpu_note"], xid_note) if n)
         mine["problems"] += problems
         folder = paths.checkpoints if paths.checkpoints.exists() else paths.run_dir
         mine["disk_folder"] = str(folder)

@@ -83,6 +83,13 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{key}={getattr(self, key)} must be >= 1")
         if self.gpus_per_node < 0:
             raise ValueError(f"cluster.gpus_per_node={self.gpus_per_node} must be >= 0")
+        if self.gpus_per_node and self.gpus_per_node != self.tasks_per_node:
+            # One rank per GPU: 2 ranks on one GPU make NCCL fail ("Duplicate GPU detected"); fewer ranks idle GPUs.
+            raise ValueError(
+                f"cluster.gpus_per_node={self.gpus_per_node} but cluster.tasks_per_node={self.tasks_per_node}: "
+                f"hpc_train runs one rank per GPU; set cluster.tasks_per_node={self.gpus_per_node}, or "
+                f"cluster.gpus_per_node={self.tasks_per_node}"
+            )
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
             raise ValueError(
                 f"cluster.min_nodes={self.min_nodes} must be between 1 and cluster.nodes={self.nodes}; "
@@ -458,8 +465,11 @@ def setup_lines(cluster: ClusterConfig) -> list[str]:
 def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int | None = None) -> dict[str, Any]:
     """submitit parameters for this cluster config (pure)."""
     if cluster.executor == "local":
+        # gpus_per_node always: submitit's local executor sets CUDA_VISIBLE_DEVICES to the first that many
+        # GPUs, and to "" (none: a CPU run) without it.
         return {
             "tasks_per_node": cluster.tasks_per_node,
+            "gpus_per_node": cluster.gpus_per_node,
             "timeout_min": cluster.timeout_min,
             "signal_delay_s": cluster.signal_lead_s,
         }

@@ -29,6 +29,7 @@ from hpc_train import data, journal, preempt, prometheus, straggler, tracking
 from hpc_train.attempt import Attempt
 from hpc_train.checkpoint import TrainState
 from hpc_train.config import RunConfig, TrainConfig
+from hpc_train.metrics import peak_tflops
 from hpc_train.model import GPT
 from hpc_train.paths import append_line
 
@@ -63,11 +64,14 @@ def grad_accum_for(global_batch_seqs: int, dp_size: int, batch_seqs_per_rank: in
     return max(1, round(global_batch_seqs / (dp_size * batch_seqs_per_rank)))
 
 
-def parallelize(model: GPT, tc: TrainConfig, mesh: DeviceMesh) -> torch.nn.Module:
+def parallelize(model: GPT, tc: TrainConfig, mesh: DeviceMesh, bf16: bool = False) -> torch.nn.Module:
     """DDP; or FSDP2 over dp, each block's matmuls first split over tp (Megatron's layout: qkv and
     fc by columns, proj and fc_out by rows, so one all-reduce per attention and per MLP). Embeddings,
-    norms and the tied head stay whole on every tp rank. Returns the module to call."""
-    from torch.distributed.fsdp import fully_shard
+    norms and the tied head stay whole on every tp rank. Returns the module to call.
+    bf16 under FSDP2: its MixedPrecisionPolicy, not autocast. FSDP2 then all-gathers bf16 (half the bytes
+    of fp32) and computes in bf16, and reduce-scatters gradients in fp32 into the fp32 shards AdamW steps;
+    under autocast it all-gathered fp32 and autocast kept a bf16 copy of each weight besides."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if tc.tp > 1:
@@ -84,9 +88,25 @@ def parallelize(model: GPT, tc: TrainConfig, mesh: DeviceMesh) -> torch.nn.Modul
             block.compile()
     if tc.parallelism == "ddp":
         return DDP(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kw: dict[str, Any] = {"mesh": mesh["dp"], **({"mp_policy": mp} if mp else {})}
     for block in model.blocks:  # one all-gather per block in forward, freed after: peak = one block's params
-        fully_shard(block, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The parameters, one AdamW group per device mesh. FSDP2 x TP puts block matmuls on (dp, tp) and norms
+    and embeddings on dp, and AdamW's foreach path (the default on CUDA, off on CPU) calls one _foreach op
+    over a group's tensors: per mesh, each call sees one mesh whatever a torch version's DTensor does with
+    several (issue 19 read it failing "cross-mesh"; torch 2.13 ran a mixed group with foreach=True on 4 CPU
+    ranks, so this is a guard for the torch>=2.4 the package allows, not a fix measured here)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{"params": params} for params in groups.values()]
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -118,6 +138,15 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def step_clock(device: torch.device) -> float:
+    """time.monotonic() once the device's queued work is done: on a GPU the host only queues kernels, and
+    a clock read without torch.cuda.synchronize() measures the queueing, not the step. The sync costs the
+    next step's launch overlap (~tens of us per step against a 1B model's ~1 s)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic()
+
+
 def global_mean(value: torch.Tensor) -> float:
     t = value.detach().to(torch.float64).reshape(1)
     dist.all_reduce(t)
@@ -132,18 +161,15 @@ def model_flops_per_token(model: torch.nn.Module, cfg: RunConfig) -> float:
     return 6 * n + 12 * m.n_layers * m.d_model * m.seq_len
 
 
-# Dense bf16 peak per device, TFLOP/s (vendor datasheets, no sparsity).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
-
-
 def peak_flops_per_device(configured_tflops: float) -> float | None:
-    """Configured, else looked up by the GPU's name; None on CPU (MFU is then "n/a", not invented)."""
+    """Configured, else looked up by the GPU's exact name (metrics.PEAK_TFLOPS); None on CPU or for a GPU
+    the table lacks (MFU is then "n/a", not invented)."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+    tflops = peak_tflops(torch.cuda.get_device_name())
+    return None if tflops is None else tflops * 1e12
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | None) -> float | None:
@@ -160,6 +186,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     device: torch.device
     bf16: bool
+    autocast: bool  # bf16 by autocast (DDP); FSDP2 casts by its MixedPrecisionPolicy instead (parallelize)
     dp_rank: int  # a tp group reads one batch
     dp_size: int
     batch_seqs: int
@@ -169,7 +196,7 @@ class Parts:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, module: torch.nn.Module | None = None) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             try:
                 return (self.net if module is None else module)(x, y)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # train.compile: a requeue would fail alike
@@ -185,17 +212,25 @@ def build(at: Attempt) -> Parts:
     torch.manual_seed(tc.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = GPT(at.cfg.model).to(at.device)
     model.activation_checkpointing = on_gpu if tc.activation_checkpointing is None else tc.activation_checkpointing
-    net = parallelize(model, tc, at.mesh)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
+    bf16 = on_gpu if tc.bf16 is None else tc.bf16
+    net = parallelize(model, tc, at.mesh, bf16)
+    optimizer = make_optimizer(model, tc)
+    dp, autocast = at.mesh["dp"], bf16 and tc.parallelism == "ddp"
+    return Parts(
+        model, net, optimizer, at.device, bf16, autocast, dp.get_local_rank(), dp.size(), tc.batch_seqs_per_rank
+    )
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig, foreach: bool | None = None) -> torch.optim.AdamW:
+    """AdamW over param_groups (one per mesh); foreach=None: torch's choice (on for CUDA tensors)."""
+    return torch.optim.AdamW(
+        param_groups(model),
         lr=tc.lr,
         betas=(tc.adam_beta1, tc.adam_beta2),
         eps=tc.adam_eps,
         weight_decay=tc.weight_decay,
+        foreach=foreach,
     )
-    bf16 = on_gpu if tc.bf16 is None else tc.bf16
-    dp = at.mesh["dp"]
-    return Parts(model, net, optimizer, at.device, bf16, dp.get_local_rank(), dp.size(), tc.batch_seqs_per_rank)
 
 
 def rebucket_ddp(p: Parts, sampler: data.Sampler) -> None:
@@ -501,7 +536,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
         window.add(time.thread_time() - cpu0 - data_cpu_s, data_s, time.monotonic() - t0)
         if tc.min_step_time_s > 0:
             time.sleep(max(0.0, tc.min_step_time_s - (time.monotonic() - t0)))
-        step_time_s = time.monotonic() - t0
+        step_time_s = step_clock(p.device) - t0
 
         # Evaluation, then the stop check right after it: a stop signal that came during a long evaluation
         # is acted on now. One caught during the step skips the evaluation: the stop save comes first.

@@ -12,7 +12,16 @@ import pytest
 
 from hpc_train import journal, preempt
 from hpc_train.config import RequeueConfig
-from hpc_train.preflight import GPU_FIELDS, PreflightConfig, gpu_problems, judge
+from hpc_train.preflight import (
+    BASIC_GPU_FIELDS,
+    GPU_FIELDS,
+    MATMUL_MIN_GPU_S,
+    PreflightConfig,
+    gpu_problems,
+    judge,
+    timed_reps,
+    xids,
+)
 
 
 def ev(event: str, **fields: object) -> dict:
@@ -117,11 +126,64 @@ def test_judge_allreduce_warns_without_naming_a_node() -> None:
 
 def test_gpu_counters() -> None:
     text = "0, NVIDIA H200, 0, [N/A], No, No\n1, NVIDIA H200, 3, [N/A], Yes, No\n"
-    gpus, problems = gpu_problems(text, GPU_FIELDS)
-    assert len(gpus) == 2 and problems == [
-        "GPU 1: 3 uncorrected ECC errors since boot",
-        "GPU 1: remapped_rows.pending=Yes (needs a reset)",
+    gpus, problems, unknown = gpu_problems(text, GPU_FIELDS)
+    assert (
+        len(gpus) == 2
+        and unknown == []
+        and problems
+        == [
+            "GPU 1: 3 uncorrected ECC errors since boot",
+            "GPU 1: remapped_rows.pending=Yes (needs a reset)",
+        ]
+    )
+
+
+def test_gpu_counters_nvidia_smi_cannot_read_are_unknown_not_healthy() -> None:
+    """A GPU without ECC (ECC off, or a consumer card) answers "[N/A]" for the ECC count, and one too
+    old for row remapping with page retirement off answers "[N/A]" for both memory fields: before, the
+    event then said "N GPUs healthy". Pure (nvidia-smi's CSV as text): no GPU needed."""
+    text = "0, NVIDIA L40S, [N/A], [N/A], No, No\n1, NVIDIA L40S, 0, [N/A], [N/A], [Not Supported]\n"
+    gpus, problems, unknown = gpu_problems(text, GPU_FIELDS)
+    assert problems == [] and unknown == [
+        "GPU 0: uncorrected ECC errors unknown ([N/A])",
+        "GPU 1: pending page retirement / row remapping unknown (neither field read)",
     ]
+    _, _, basic = gpu_problems("0, NVIDIA A10\n", BASIC_GPU_FIELDS)  # an older driver: only index and name
+    assert basic == [
+        "GPU 0: uncorrected ECC errors unknown (not queried)",
+        "GPU 0: pending page retirement / row remapping unknown (neither field read)",
+    ]
+
+
+def test_xids_from_the_kernel_log() -> None:
+    """Lines as the NVIDIA driver logs them (journalctl -k): hardware XIDs kept, a program's own (13, 31)
+    left out. Pure: whether journalctl may read the kernel log on a GPU node is for gpu_check.sh."""
+    log = (
+        "Mar 03 10:00:01 gpu01 kernel: NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, Graphics Exception\n"
+        "Mar 03 10:00:02 gpu01 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.\n"
+        "Mar 03 10:00:03 gpu01 kernel: NVRM: Xid (PCI:0000:5e:00): 31, pid=4242, MMU Fault\n"
+        "Mar 03 10:00:04 gpu01 kernel: NVRM: Xid (PCI:0000:5e:00): 94, pid=4242, Contained ECC error.\n"
+    )
+    assert xids(log) == [
+        "PCI:0000:3b:00: XID 79, pid=0, GPU has fallen off the bus.",
+        "PCI:0000:5e:00: XID 94, pid=4242, Contained ECC error.",
+    ]
+
+
+def test_matmul_timing_runs_until_100_ms() -> None:
+    """timed_reps with a device whose every matmul takes 0.2 ms (an H200's 4096^3 bf16): the timed run
+    lasts >= 100 ms (before: 5 matmuls, ~1 ms, read at a GPU's idle clocks). With a fake clock: CUDA
+    events themselves need a GPU (benchmarks/gpu_check.sh runs the real one)."""
+    calls: list[int] = []
+
+    def run(reps: int) -> float:
+        calls.append(reps)
+        return reps * 0.2e-3
+
+    reps, seconds = timed_reps(run, MATMUL_MIN_GPU_S)
+    assert seconds >= 0.1 and reps * 0.2e-3 == seconds and len(calls) >= 2  # the runs before: warm-up
+    assert seconds < 0.25  # aimed at 1.2 x 100 ms, not far past it
+    assert timed_reps(run, 0.0) == (5, 5 * 0.2e-3)  # CPU: one run of 5, as before
 
 
 @pytest.mark.parametrize(

@@ -182,7 +182,7 @@ def test_lost_array_whose_pickles_were_never_renamed_runs_every_trial_once(
             "cluster.tasks_per_node=8",
             r"cluster.tasks_per_node=8 x cluster.cpus_per_task=1 = 8 CPUs per node, but partition debug's nodes have at most 4",
         ),
-        ("cluster.gpus_per_node=1", r"cluster.gpus_per_node=1 but partition debug's nodes have at most 0 GPUs"),
+        ("cluster.gpus_per_node=2", r"cluster.gpus_per_node=2 but partition debug's nodes have at most 0 GPUs"),
         (
             "cluster.mem_gb=100",
             r"sbatch --test-only refused the request for partition debug: .*Requested node configuration is not available",
