@@ -176,7 +176,7 @@ def test_stop_waits_for_a_write_in_flight_only_as_long_as_slurm_leaves(tmp_path:
     saver.periodic(state)
     state.step = 21
     in_flight = saver.pending
-    saver.stop(state, left_s=1.0, agree=lambda ok: ok)
+    saver.stop(state, budget_s=1.0, agree=lambda ok: ok)
     assert in_flight is not None and not in_flight.done()  # an order, not a speed: returned before the 5 s write
     kinds = [(e["event"], e["step"]) for e in events if e["event"] != "checkpoint_deleted"]
     assert kinds == [("checkpoint_committed", 10), ("checkpoint_abandoned", 20), ("stop_save_skipped", 21)]
@@ -184,14 +184,54 @@ def test_stop_waits_for_a_write_in_flight_only_as_long_as_slurm_leaves(tmp_path:
     saver.writer.pool.shutdown(wait=True)
 
 
-def test_first_stop_save_of_a_run_is_never_skipped(tmp_path: Path) -> None:
-    """Nothing committed yet: no time is too short, since nothing is lost by trying."""
+def test_a_stop_with_no_time_left_starts_no_save_even_with_nothing_committed(tmp_path: Path) -> None:
+    """Nothing committed yet and no time left: the save used to be tried anyway ("nothing is lost by
+    trying"), but a save SIGKILL cuts loses the requeue that must follow it (a TIMEOUT job is not
+    requeued); the stop requeues from step 0 instead."""
     events: list = []
     saver, state = make_saver(tmp_path, events), make_state()
-    saver.expected_write_s = 100.0
     state.step = 3
-    saver.stop(state, left_s=0.0, agree=lambda ok: ok)
-    assert [(e["event"], e["step"], e["reason"]) for e in events] == [("checkpoint_committed", 3, "stop")]
+    saver.stop(state, budget_s=0.0, agree=lambda ok: ok)
+    assert [(e["event"], e["step"]) for e in events] == [("stop_save_skipped", 3)]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_first_write_still_running_at_the_stop_is_not_followed_by_a_save(tmp_path: Path) -> None:
+    """Issue 18, defect 1: the first attempt, nothing committed, its first background write (5 s) still
+    running at the signal, 1 s of budget. The write is waited for that 1 s and given up on; no save starts
+    after it (one was started with -0.01 s left, and ran 5 s past SIGKILL's time)."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    saver.writer = Writer()
+    (tmp_path / "drills").mkdir()
+    (tmp_path / "drills" / "slow_storage").write_text("5")
+    state.step = 20
+    saver.periodic(state)
+    state.step = 21
+    t0 = time.monotonic()
+    saver.stop(state, budget_s=1.0, agree=lambda ok: ok)
+    took = time.monotonic() - t0
+    assert [(e["event"], e["step"]) for e in events] == [("checkpoint_abandoned", 20), ("stop_save_skipped", 21)]
+    assert events[1]["left_s"] <= 0.0 and took < 4.0, took  # the 5 s save after the wait would take >= 6 s
+    saver.writer.pool.shutdown(wait=True)
+
+
+def test_a_stop_save_of_unknown_length_is_waited_for_only_its_budget(tmp_path: Path) -> None:
+    """No write measured yet: the stop save is tried, in the background writer, and given up on when the
+    budget runs out (a synchronous save ran its 5 s whatever the budget said); the stop then returns, to
+    requeue, and the save's folder never counts."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    saver.writer = Writer()
+    (tmp_path / "drills").mkdir()
+    (tmp_path / "drills" / "slow_storage").write_text("5")
+    state.step = 7
+    t0 = time.monotonic()
+    saver.stop(state, budget_s=1.0, agree=lambda ok: ok)
+    assert time.monotonic() - t0 < 4.0
+    assert [(e["event"], e["step"], e["reason"]) for e in events] == [("checkpoint_abandoned", 7, "stop")]
+    assert "not written within" in events[0]["error"]
+    saver.writer.pool.shutdown(wait=True)
 
 
 def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path: Path) -> None:
@@ -211,11 +251,14 @@ def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path
             json.dumps({"step": step, "reason": reason, "world_size": 1, "files": files})
         )
     step_dir(root, 45).mkdir()  # torn, older than the anchor
-    step_dir(root, 55).mkdir()  # maybe still being written: left alone
+    step_dir(root, 55).mkdir()  # a write of this attempt given up on, maybe still writing: left alone
+    step_dir(root, 60).mkdir()  # torn above the anchor: an earlier attempt's stop save on a full disk
+    (step_dir(root, 60) / "__0_0.distcp").write_bytes(b"x" * 1000)
     cfg = CheckpointConfig(keep_last=2, keep_every_steps=20)
-    assert apply_retention(root, cfg, verified={50}, bad=set(), keep=set()) == [10, 23, 30, 33, 45]
+    assert apply_retention(root, cfg, verified={50}, bad=set(), keep={55}) == [10, 23, 30, 33, 45, 60]
     assert names(tmp_path) == ["step_000020", "step_000040", "step_000050", "step_000055"]
-    assert apply_retention(root, cfg, verified=set(), bad=set(), keep=set()) == []  # no anchor: nothing goes
+    # no anchor: no committed folder goes, torn ones still do
+    assert apply_retention(root, cfg, verified=set(), bad=set(), keep=set()) == [55]
 
 
 def test_local_crash_loop_stops_after_failure_budget(tmp_path: Path) -> None:

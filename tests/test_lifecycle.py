@@ -170,11 +170,15 @@ def test_retention_plan_invariants(seed: int) -> None:
     cfg = CheckpointConfig(keep_last=rng.randint(1, 4), keep_every_steps=rng.choice([0, 7, 70]))
     doomed = retention_plan(folders, cfg, verified, bad, keep)
     assert doomed <= set(folders) and not doomed & keep
+    # A folder without COMMITTED that no write of this attempt holds is garbage wherever it is: a stop save
+    # torn by a full disk above the anchor held its space for good, and the next preflight refused.
+    torn = {s for s, r in folders.items() if r == "" and s not in keep}
+    assert torn <= doomed
     if not verified:
-        assert doomed == set()  # no checkpoint known good in this attempt: nothing may go
+        assert doomed == torn  # no checkpoint known good in this attempt: no committed one may go
         return
     anchor = max(verified)
-    assert all(s < anchor for s in doomed)  # a committed checkpoint goes only once a newer one is known good
+    assert all(s < anchor for s in doomed - torn)  # a committed checkpoint goes only once a newer one is known good
     good_periodic = sorted(s for s, r in folders.items() if s <= anchor and r and r != "stop" and s not in bad)
     assert not doomed & set(good_periodic[-cfg.keep_last :])
     if cfg.keep_every_steps:
