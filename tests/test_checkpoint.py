@@ -296,14 +296,14 @@ def our_handlers():
     preempt.received_at.clear()
 
 
-def make_attempt(tmp_path: Path) -> Any:
+def make_attempt(tmp_path: Path, reserve_s: float = 0.0) -> Any:
     from hpc_train.attempt import Attempt
     from hpc_train.config import RunConfig
     from hpc_train.env import RankEnv
     from hpc_train.paths import RunPaths
 
     env = RankEnv("local", 0, 0, 1, 1, 0, 1, ("127.0.0.1",), "127.0.0.1", 0, "1", 0)
-    return Attempt.build(env, RunConfig(), RunPaths(tmp_path), time.time(), {})
+    return Attempt.build(env, RunConfig(), RunPaths(tmp_path), time.time(), {}, reserve_s)
 
 
 def test_a_signal_at_the_last_step_finishes_instead_of_requeueing(tmp_path: Path, our_handlers: Any) -> None:
@@ -327,16 +327,17 @@ def test_a_signal_at_the_last_step_finishes_instead_of_requeueing(tmp_path: Path
 
 def test_an_early_usr2_leaves_the_grace_time_not_the_signal_lead(tmp_path: Path, our_handlers: Any) -> None:
     """preempt_send_user_signal: USR2 at preemption, SIGKILL after GraceTime (preempt_grace_s=30), not
-    after signal_lead_s=120; the stop save is budgeted against 30 s."""
+    after signal_lead_s=120; the stop save is budgeted against 30 s, with no requeue reserve: Slurm
+    requeues a preempted job itself when it kills it."""
     import signal
 
-    at, state = make_attempt(tmp_path), make_state()
+    at, state = make_attempt(tmp_path, reserve_s=35.0), make_state()
     at.resume(state)
     state.step = 7
     os.kill(os.getpid(), signal.SIGUSR2)
     assert at.step_end(state, last_step=60) is True and at.stopped and at.stop_step == 7
     sig = next(e for e in read_events(tmp_path) if e["event"] == "signal")
-    assert 29 <= sig["left_s"] <= 30
+    assert 29 <= sig["left_s"] <= 30 and sig["reserve_s"] == 0.0
     assert [(e["step"], e["reason"]) for e in read_events(tmp_path) if e["event"] == "checkpoint_committed"] == [
         (7, "stop")
     ]
@@ -439,3 +440,81 @@ def test_failed_writes_are_abandoned_and_training_goes_on(tmp_path: Path) -> Non
     ]
     assert "File too large" in next(e["error"] for e in events if e["event"] == "checkpoint_abandoned")
     assert make_saver(tmp_path, []).resume(make_state())[0].name == "step_000004"
+
+
+def test_a_time_limit_stop_keeps_the_requeue_reserve(tmp_path: Path, our_handlers: Any, monkeypatch: Any) -> None:
+    """Issue 18, defect 1: the time-limit warning leaves signal_lead_s=120 s before SIGKILL, and the requeue
+    decision after the save may take job.REQUEUE_RESERVE_S (35 s). A save measured at 100 s "fit" the 120 s,
+    so SIGKILL could land before `scontrol requeue` (a TIMEOUT job is not requeued: the run just ended).
+    Now it is skipped and the stop requeues from step 5; the signal event names the reserve."""
+    import signal
+
+    from hpc_train import job, journal
+    from hpc_train.config import RunConfig
+
+    first, state = make_attempt(tmp_path), make_state()
+    first.resume(state)
+    save_at(first.saver, state, 5)
+    journal.log(tmp_path, "checkpoint_committed", 5, "1", 0, reason="periodic", write_s=100.0)  # as measured then
+    c = RunConfig().cluster
+    monkeypatch.setenv("HPC_TRAIN_ALLOCATED_AT", str(time.time() - (c.timeout_min * 60 - c.signal_lead_s)))
+    second, state = make_attempt(tmp_path, reserve_s=job.REQUEUE_RESERVE_S), make_state()
+    second.resume(state)
+    state.step = 6
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert second.step_end(state, last_step=60) is True and second.stop_reason == "time_limit"
+    events = read_events(tmp_path)
+    sig = next(e for e in events if e["event"] == "signal")
+    assert sig["reason"] == "time_limit" and sig["reserve_s"] == 35.0 and sig["left_s"] > 100
+    skipped = [e for e in events if e["event"] == "stop_save_skipped"]
+    assert [(e["step"], e["expected_save_s"]) for e in skipped] == [(6, 100.0)] and skipped[0]["left_s"] <= 85
+
+
+def test_a_stop_save_torn_by_a_full_disk_goes_at_the_next_resume(tmp_path: Path) -> None:
+    """Issue 18, defect 6b: a stop save failing as on a full disk (RLIMIT_FSIZE: EFBIG past 1 KiB) leaves a
+    folder without COMMITTED above the newest committed one. Retention kept everything above its anchor,
+    so that folder (and the space it holds) stayed for good; the next attempt's resume deletes it."""
+    import resource
+    import signal
+
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    save_at(saver, state, 10)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+        state.step = 12
+        saver.stop(state, budget_s=60.0, agree=lambda ok: ok)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert [(e["event"], e["step"]) for e in events[1:]] == [("checkpoint_abandoned", 12)]
+    assert names(tmp_path) == ["step_000010", "step_000012"]  # the attempt that tore it leaves it: maybe writing
+    resumer = make_saver(tmp_path, events)
+    assert resumer.resume(make_state())[0].name == "step_000010"
+    assert names(tmp_path) == ["step_000010"]
+    assert [(e["step"], e["anchor"]) for e in events if e["event"] == "checkpoint_deleted"] == [(12, 10)]
+
+
+def test_checkpoint_io_feeds_the_hang_watchdog_only_while_bytes_move(tmp_path: Path) -> None:
+    """Issue 18, defect 4: a save, a wait for a background write or a resume longer than train.watchdog_s
+    was judged a hang. Inside checkpoint I/O the watchdog's clock restarts while this process moves bytes
+    (the slow-storage drill trickles them), with no heartbeat tick (a hang's blame compares ticks); a write
+    stuck in the kernel moves none and is left to the watchdog."""
+    from hpc_train import checkpoint, preempt
+
+    data = tmp_path / "rank_00000.pt"
+    data.write_bytes(b"x" * 8192)
+    ticks, long_ago = preempt.ticks[0], time.monotonic() - 1000
+    try:
+        preempt.last_beat[0] = long_ago
+        with checkpoint._fed_while_bytes_move():
+            checkpoint._trickle(2.5, data)
+        assert preempt.last_beat[0] > long_ago + 990 and preempt.ticks[0] == ticks
+        preempt.last_beat[0] = long_ago
+        with checkpoint._fed_while_bytes_move():
+            time.sleep(2.5)  # nothing moves
+        assert preempt.last_beat[0] == long_ago
+    finally:
+        preempt.beat()
