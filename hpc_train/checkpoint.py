@@ -14,8 +14,9 @@ point before the replace leaves a folder without COMMITTED, which resume ignores
 newest committed folder with every rank hashing a share of its files, falling back to older ones.
 
 The Saver at the bottom owns the policy: one save in flight at a time, periodic saves in the
-background, stop and final saves synchronous and bounded by the time Slurm leaves, and retention that
-never deletes a committed checkpoint before a newer one is known good.
+background, final saves synchronous, stop saves bounded by the time Slurm leaves less the requeue's
+reserve, retention that never deletes a committed checkpoint before a newer one is known good, and the
+hang watchdog fed while checkpoint I/O moves bytes.
 """
 
 from __future__ import annotations
@@ -437,8 +438,8 @@ def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: 
 class Saver:
     """This attempt's checkpoints. One save in flight at a time: a periodic save due while the previous
     background write still runs first waits for that write and commits it (before, the older save was
-    silently replaced and never committed). Stop and final saves are synchronous; a stop save is bounded
-    by the time Slurm leaves before SIGKILL."""
+    silently replaced and never committed). Final saves are synchronous; a stop save is bounded by the
+    time Slurm leaves before SIGKILL less the requeue decision's reserve (stop)."""
 
     root: Path
     cfg: CheckpointConfig
