@@ -169,6 +169,7 @@ class Attempt:
             **resharded,
             **start_fields,
         )
+        self.saver.retain()  # before any save: the stop path left it to this attempt, and torn folders go
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         return folder is not None

@@ -418,8 +418,11 @@ def retention_plan(
     return torn | {s for s in folders if s < anchor and s not in stay and s not in keep}
 
 
-def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: set[int], keep: set[int]) -> list[int]:
-    """Delete what retention_plan says; returns the steps deleted."""
+def apply_retention(
+    root: Path, cfg: CheckpointConfig, verified: set[int], bad: set[int], keep: set[int]
+) -> dict[int, str | None]:
+    """Delete what retention_plan says; returns the steps deleted, in order, with their commit reason
+    ("" for a torn folder, None for an unreadable COMMITTED)."""
     folders = step_folders(root)
     described = {
         s: (m.get("reason", "periodic") if (m := read_marker(p)) else None) if (p / MARKER).exists() else ""
@@ -428,7 +431,7 @@ def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: 
     doomed = sorted(retention_plan(described, cfg, verified, bad, keep))
     for s in doomed:
         shutil.rmtree(folders[s], ignore_errors=True)
-    return doomed
+    return {s: described[s] for s in doomed}
 
 
 # ---- the saver: policy for one attempt -----------------------------------------------------------------
@@ -500,7 +503,6 @@ class Saver:
                             )  # no pickle runs
                         self.verified.add(step)
                         self.saved_world_size = int(marker["world_size"])
-                        self._retain()  # before any save: the stop path left it to us, and torn folders go
                         return folder, verify_s, time.monotonic() - t1
                     except CheckpointException as e:
                         why = load_failed = f"verified but did not load: {str(e).splitlines()[0][:300]}"
@@ -511,7 +513,6 @@ class Saver:
                 f"no checkpoint loaded and a partial load may have changed the model ({load_failed}); "
                 f"the next attempt starts clean"
             )
-        self._retain()  # nothing committed verifies: only torn folders go
         return None, time.monotonic() - t0, 0.0
 
     def init_from(self, state: TrainState) -> tuple[dict[str, Any], float, float]:
@@ -600,14 +601,16 @@ class Saver:
             waited_s=round(time.monotonic() - t0, 4),
         )
         if retain:
-            self._retain()
+            self.retain()
         return True
 
-    def _retain(self) -> None:
-        """Rank 0 deletes what retention_plan says (no collective); one event per folder."""
+    def retain(self) -> None:
+        """Rank 0 deletes what retention_plan says (no collective); one event per folder, `torn` for one
+        that was never committed. After each commit but a stop's, and once resumed (Attempt.resume)."""
         if dist.get_rank() == 0:
-            for s in apply_retention(self.root, self.cfg, self.verified, self.bad, self.abandoned):
-                self.event(journal.CHECKPOINT_DELETED, s, anchor=max(self.verified, default=None))
+            for s, reason in apply_retention(self.root, self.cfg, self.verified, self.bad, self.abandoned).items():
+                torn = {"torn": True} if reason == "" else {}
+                self.event(journal.CHECKPOINT_DELETED, s, anchor=max(self.verified, default=None), **torn)
 
     def save(self, state: TrainState, reason: str, background: bool) -> None:
         """Collective: start a save of this step (a step already known good is not saved twice), after

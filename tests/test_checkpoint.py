@@ -255,10 +255,10 @@ def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path
     step_dir(root, 60).mkdir()  # torn above the anchor: an earlier attempt's stop save on a full disk
     (step_dir(root, 60) / "__0_0.distcp").write_bytes(b"x" * 1000)
     cfg = CheckpointConfig(keep_last=2, keep_every_steps=20)
-    assert apply_retention(root, cfg, verified={50}, bad=set(), keep={55}) == [10, 23, 30, 33, 45, 60]
+    assert list(apply_retention(root, cfg, verified={50}, bad=set(), keep={55})) == [10, 23, 30, 33, 45, 60]
     assert names(tmp_path) == ["step_000020", "step_000040", "step_000050", "step_000055"]
     # no anchor: no committed folder goes, torn ones still do
-    assert apply_retention(root, cfg, verified=set(), bad=set(), keep=set()) == [55]
+    assert apply_retention(root, cfg, verified=set(), bad=set(), keep=set()) == {55: ""}
 
 
 def test_local_crash_loop_stops_after_failure_budget(tmp_path: Path) -> None:
@@ -493,8 +493,10 @@ def test_a_stop_save_torn_by_a_full_disk_goes_at_the_next_resume(tmp_path: Path)
     assert names(tmp_path) == ["step_000010", "step_000012"]  # the attempt that tore it leaves it: maybe writing
     resumer = make_saver(tmp_path, events)
     assert resumer.resume(make_state())[0].name == "step_000010"
+    resumer.retain()  # as Attempt.resume does, once its start event is written
     assert names(tmp_path) == ["step_000010"]
-    assert [(e["step"], e["anchor"]) for e in events if e["event"] == "checkpoint_deleted"] == [(12, 10)]
+    deleted = [(e["step"], e["anchor"], e.get("torn")) for e in events if e["event"] == "checkpoint_deleted"]
+    assert deleted == [(12, 10, True)]
 
 
 def test_checkpoint_io_feeds_the_hang_watchdog_only_while_bytes_move(tmp_path: Path) -> None:
