@@ -67,6 +67,9 @@ class Attempt:
     stop_reason: str = ""  # "time_limit" | "preempt", judged once, by every rank's signals, at the stop
     kill_deadline: float = float("inf")  # time.monotonic() when Slurm's SIGKILL is due, from the first signal
     end_at: float = 0.0  # Unix time of Slurm's EndTime as the attempt started (slurm.end_time); 0: unknown
+    # Seconds a time-limit stop keeps after its save for the requeue decision (job.decision_reserve_s): a
+    # TIMEOUT job is not requeued by Slurm, so SIGKILL must not land before `scontrol requeue` answered.
+    reserve_s: float = 0.0
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
     _built_at: float = field(default_factory=time.monotonic)
     _resumed_at: float | None = None
@@ -74,7 +77,13 @@ class Attempt:
 
     @classmethod
     def build(
-        cls, env: RankEnv, cfg: RunConfig, paths: RunPaths, process_start: float, phases_s: dict[str, float]
+        cls,
+        env: RankEnv,
+        cfg: RunConfig,
+        paths: RunPaths,
+        process_start: float,
+        phases_s: dict[str, float],
+        reserve_s: float = 0.0,
     ) -> Attempt:
         """Collective: device, mesh, the background writer and what earlier attempts measured."""
         device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
@@ -99,7 +108,9 @@ class Attempt:
             writer,
             share_with_group=cfg.share_with_group,
         )
-        return cls(env, cfg, paths, mesh, device, saver, process_start, phases_s, end_at=float(facts[1]))
+        return cls(
+            env, cfg, paths, mesh, device, saver, process_start, phases_s, end_at=float(facts[1]), reserve_s=reserve_s
+        )
 
     def event(self, name: str, step: int, **fields: Any) -> None:
         """Rank 0 appends to events.jsonl; the other ranks do nothing (call it on every rank)."""
@@ -174,6 +185,7 @@ class Attempt:
             **resharded,
             **start_fields,
         )
+        self.saver.retain()  # before any save: the stop path left it to this attempt, and torn folders go
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         return folder is not None
@@ -210,8 +222,9 @@ class Attempt:
     def step_end(self, state: TrainState, last_step: int) -> bool:
         """Collective, after each optimizer step. One all-reduce answers both "did any rank catch a stop
         signal" and "is the background write done on every rank" (then it commits). On a stop: save
-        this step (if it fits before SIGKILL) and return True; the caller returns. Else a periodic save
-        every checkpoint.every_steps. A signal at the last step finishes the run instead."""
+        this step (if it fits before SIGKILL, less reserve_s before a time limit's) and return True; the
+        caller returns. Else a periodic save every checkpoint.every_steps. A signal at the last step
+        finishes the run instead."""
         preempt.beat(state.step)  # the hang watchdog (job.py) restarts its clock
         if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
             self.event(journal.FIRST_STEP, state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4))
@@ -222,18 +235,22 @@ class Attempt:
         if stop and not self._signalled:
             self._signalled = True
             left, reason = self.time_left_s()
+            # A preempted job is requeued by Slurm itself when it kills it at GraceTime's end: only a time
+            # limit's SIGKILL (TIMEOUT, never requeued) must wait for our requeue.
+            reserve = self.reserve_s if reason == "time_limit" else 0.0
             self.event(
                 journal.SIGNAL,
                 state.step,
                 signals=list(preempt.received),
                 reason=reason,
                 left_s=round(left, 2),
+                reserve_s=reserve,
                 finishing=state.step >= last_step,
             )
             if state.step < last_step:
                 self.stopped, self.stop_step, self.stop_reason = True, state.step, reason
                 self.kill_deadline = time.monotonic() + left
-                self.saver.stop(state, left, self._agree)
+                self.saver.stop(state, left - reserve, self._agree)
                 return True
         if self.saver.pending is not None and not unwritten:
             self.saver.commit_pending()

@@ -14,8 +14,9 @@ point before the replace leaves a folder without COMMITTED, which resume ignores
 newest committed folder with every rank hashing a share of its files, falling back to older ones.
 
 The Saver at the bottom owns the policy: one save in flight at a time, periodic saves in the
-background, stop and final saves synchronous and bounded by the time Slurm leaves, and retention that
-never deletes a committed checkpoint before a newer one is known good.
+background, final saves synchronous, stop saves bounded by the time Slurm leaves less the requeue's
+reserve, retention that never deletes a committed checkpoint before a newer one is known good, and the
+hang watchdog fed while checkpoint I/O moves bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import shutil
 import signal
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_st
 from hpc_train import journal
 from hpc_train.config import CheckpointConfig
 from hpc_train.paths import MARKER, dir_mode, make_dir, read_marker, step_dir, step_folders, untrusted, write_atomic
-from hpc_train.preempt import Unrecoverable, claim_drill, drill_seconds, injected
+from hpc_train.preempt import Unrecoverable, alive, claim_drill, drill_seconds, injected
 
 
 @dataclass
@@ -101,6 +103,46 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _io_bytes(fd: int) -> tuple[int, int]:
+    """(bytes this process passed to read() and write() so far, every thread and the page cache
+    included, as /proc/self/io counts them; the length of this read of it, which that count will include)."""
+    text = os.pread(fd, 4096, 0)
+    fields = dict(line.split(b": ") for line in text.splitlines() if b": " in line)
+    return int(fields[b"rchar"]) + int(fields[b"wchar"]), len(text)
+
+
+@contextmanager
+def _fed_while_bytes_move() -> Iterator[None]:
+    """Checkpoint I/O is not a hang while it moves bytes. The hang watchdog (job.py) fires train.watchdog_s
+    after the loop's last heartbeat; a save, a wait for a background write or a resume longer than that
+    (100 GB to slow storage) was judged a hang in every attempt. While this block runs, a thread feeds the
+    watchdog (preempt.alive) each second in which this process read or wrote anything besides its own
+    look at /proc/self/io: a write stuck in the kernel moves nothing and is caught watchdog_s later, as
+    before. Without /proc/self/io nothing is fed."""
+    done = threading.Event()
+
+    def feed() -> None:
+        try:
+            fd = os.open("/proc/self/io", os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            seen, own = _io_bytes(fd)
+            while not done.wait(1.0):
+                now, read = _io_bytes(fd)
+                if now - seen > own:
+                    alive()
+                seen, own = now, read
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=feed, daemon=True, name="hpc_train-io-feed").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def _sha256(path: Path, advance: Callable[[int], Any] = lambda n: None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -135,6 +177,14 @@ def untrusted_checkpoint(folder: Path, names: list[str], top: Path) -> str:
     for name in [MARKER, *names]:
         why = why or untrusted(folder / name, folder)
     return why
+
+
+def _ours(paths: list[Path]) -> bool:
+    """Every one of them is this user's (a mode another user could have set: never theirs to plant)."""
+    try:
+        return all(p.stat().st_uid == os.geteuid() for p in paths)
+    except OSError:
+        return False
 
 
 def verify(folder: Path, files: dict[str, dict[str, Any]], advance: Callable[[int], Any] = lambda n: None) -> str:
@@ -261,6 +311,16 @@ class Pending:
         return self.future.done()
 
 
+def _trickle(seconds: float, path: Path) -> None:
+    """The slow_storage drill: this rank's save takes `seconds` longer, as on storage that slow, moving a
+    few bytes every 0.2 s (re-reading its rank file) rather than none, as a stuck write would."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        with open(path, "rb") as f:
+            f.read(4096)
+        time.sleep(min(0.2, max(0.0, until - time.monotonic())))
+
+
 def start_save(
     root: Path,
     state: TrainState,
@@ -306,7 +366,7 @@ def start_save(
             write.result()  # raises if the background write failed: no marker, nothing counts
         if rank_file_error is not None:
             raise rank_file_error
-        time.sleep(drill_seconds(drills, "slow_storage"))  # a drill: storage this much slower per save
+        _trickle(drill_seconds(drills, "slow_storage"), folder / rank_file(rank))
         for f in own_files(folder, rank):
             os.chmod(f, 0o640 if share_with_group else 0o600)
         return manifest_of(own_files(folder, rank)), time.monotonic() - t0
@@ -314,9 +374,10 @@ def start_save(
     if writer is None:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:  # a failed write or hash is this save's error, reported at commit on every rank
-            with _helper_threads_single_threaded():
-                dcp.save(sd, checkpoint_id=folder)  # fsyncs its files; raises on every rank alike
-            future.set_result(hashed(None))
+            with _fed_while_bytes_move():
+                with _helper_threads_single_threaded():
+                    dcp.save(sd, checkpoint_id=folder)  # fsyncs its files; raises on every rank alike
+                future.set_result(hashed(None))
         except (Exception, CheckpointException) as e:
             future.set_exception(e)
     else:
@@ -333,7 +394,8 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
     entries and, if every rank wrote, rank 0 writes the marker. Returns ("", slowest rank's write
     seconds) once committed, else (why not, 0). Never hangs on a failed rank: each rank sends its error."""
     try:
-        files, write_s = pending.future.result(timeout=timeout_s)
+        with _fed_while_bytes_move():
+            files, write_s = pending.future.result(timeout=timeout_s)
         mine: dict[str, Any] = {"files": files, "write_s": write_s}
     except concurrent.futures.TimeoutError:
         mine = {"error": f"not written within {timeout_s:.1f} s"}
@@ -368,25 +430,33 @@ def retention_plan(
 ) -> set[int]:
     """Steps whose folders to delete (pure). folders: step -> its commit reason ("periodic", "stop",
     "final"), "" without COMMITTED, None for an unreadable COMMITTED; verified: steps known good in
-    this attempt (resumed from, or committed by it); bad: failed verification; keep: writes in flight.
+    this attempt (resumed from, or committed by it); bad: failed verification; keep: this attempt's
+    writes given up on (their threads may still write).
 
-    The anchor is the newest verified checkpoint. Nothing at or above it is deleted (a newer folder may
-    be torn, bad or still being written, but deleting it gains nothing), so a committed checkpoint goes
-    only once a newer one is known good. Below it: the last `keep_last` periodic (and final) ones and
-    every `keep_every_steps`-th stay; stop saves, torn and bad folders go."""
+    A folder without COMMITTED and not in keep goes wherever it is: no write of this attempt owns it
+    (the Saver runs retention with no save in flight), so it is an earlier attempt's torn save and can
+    never be committed (a stop save torn by a full disk sat above the anchor and held that space for
+    good). Committed folders: the anchor is the newest verified checkpoint, and none at or above it is
+    deleted, so a committed checkpoint goes only once a newer one is known good. Below it: the last
+    `keep_last` periodic (and final) ones and every `keep_every_steps`-th stay; stop saves and bad
+    folders go."""
+    torn = {s for s, r in folders.items() if r == "" and s not in keep}
     if not verified:
-        return set()
+        return torn
     anchor = max(verified)
     good = [s for s, r in folders.items() if s <= anchor and r and s not in bad]
     periodic = sorted(s for s in good if folders[s] != "stop")
     stay = {anchor, *periodic[-cfg.keep_last :]}
     if cfg.keep_every_steps:
         stay |= {s for s in periodic if s % cfg.keep_every_steps == 0}
-    return {s for s in folders if s < anchor and s not in stay and s not in keep}
+    return torn | {s for s in folders if s < anchor and s not in stay and s not in keep}
 
 
-def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: set[int], keep: set[int]) -> list[int]:
-    """Delete what retention_plan says; returns the steps deleted."""
+def apply_retention(
+    root: Path, cfg: CheckpointConfig, verified: set[int], bad: set[int], keep: set[int]
+) -> dict[int, str | None]:
+    """Delete what retention_plan says; returns the steps deleted, in order, with their commit reason
+    ("" for a torn folder, None for an unreadable COMMITTED)."""
     folders = step_folders(root)
     described = {
         s: (m.get("reason", "periodic") if (m := read_marker(p)) else None) if (p / MARKER).exists() else ""
@@ -395,7 +465,7 @@ def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: 
     doomed = sorted(retention_plan(described, cfg, verified, bad, keep))
     for s in doomed:
         shutil.rmtree(folders[s], ignore_errors=True)
-    return doomed
+    return {s: described[s] for s in doomed}
 
 
 # ---- the saver: policy for one attempt -----------------------------------------------------------------
@@ -405,8 +475,8 @@ def apply_retention(root: Path, cfg: CheckpointConfig, verified: set[int], bad: 
 class Saver:
     """This attempt's checkpoints. One save in flight at a time: a periodic save due while the previous
     background write still runs first waits for that write and commits it (before, the older save was
-    silently replaced and never committed). Stop and final saves are synchronous; a stop save is bounded
-    by the time Slurm leaves before SIGKILL."""
+    silently replaced and never committed). Final saves are synchronous; a stop save is bounded by the
+    time Slurm leaves before SIGKILL less the requeue decision's reserve (stop)."""
 
     root: Path
     cfg: CheckpointConfig
@@ -429,19 +499,28 @@ class Saver:
 
         rank, world = dist.get_rank(), dist.get_world_size()
         listing: list[Any] = [None]
-        if rank == 0:  # each candidate's manifest, and why not to trust it (another user's or writable by others)
+        if rank == 0:  # each candidate's manifest, why not to trust it (another user's or writable by others), ours
             listing[0] = [
-                (s, m, untrusted_checkpoint(p, list(m["files"]) if m else [], self.root.parent))
+                (s, m, untrusted_checkpoint(p, names, self.root.parent), _ours([p, *(p / n for n in [MARKER, *names])]))
                 for s, p in reversed(step_folders(self.root).items())
                 if (p / MARKER).exists()
                 for m in [read_marker(p)]
+                for names in [list(m["files"]) if m else []]
             ]
         dist.broadcast_object_list(listing, src=0)
         t0 = time.monotonic()
         load_failed = ""
-        with Progress(disable=rank != 0 or not listing[0]) as progress:  # rank 0's share, on its log
-            for step, marker, distrust in listing[0]:
+        loose: list[Path] = []
+        with (
+            _fed_while_bytes_move(),
+            Progress(disable=rank != 0 or not listing[0]) as progress,  # rank 0's share, on its log
+        ):
+            for step, marker, distrust, ours in listing[0]:
                 folder = step_dir(self.root, step)
+                if distrust and ours:  # this run's own, left writable (older hpc_train, a chmod -R g+w since)
+                    loose.append(folder)
+                    self.event(journal.CHECKPOINT_SKIPPED, step, reason=f"{folder.name}: not loaded: {distrust}")
+                    continue  # not `bad`: retention must not delete what may be this run's only progress
                 if distrust:
                     why = f"not loaded: {distrust}"
                 elif marker is None:
@@ -475,6 +554,12 @@ class Saver:
                         why = load_failed = f"verified but did not load: {str(e).splitlines()[0][:300]}"
                 self.bad.add(step)
                 self.event(journal.CHECKPOINT_SKIPPED, step, reason=f"{folder.name}: {why}")
+        if loose:  # starting over would lose them to this attempt's saves and retention: a person decides
+            raise Unrecoverable(
+                f"{len(loose)} committed checkpoint(s) of this run, newest {loose[0]}, are not loaded: others "
+                f"can write them, and whoever can write them can run code as you. If nobody else did: chmod -R "
+                f"go-w {self.root} and hpc-train resume {self.root.parent}"
+            )
         if load_failed:  # the model may hold part of that checkpoint: a fresh start would not be one
             raise RuntimeError(
                 f"no checkpoint loaded and a partial load may have changed the model ({load_failed}); "
@@ -512,7 +597,8 @@ class Saver:
             raise Unrecoverable(f"checkpoint.init_from={folder} is not loaded: {distrust}")
         share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
         whys: list[Any] = [None] * world
-        dist.all_gather_object(whys, verify(folder, {n: marker["files"][n] for n in share}))
+        with _fed_while_bytes_move():
+            dist.all_gather_object(whys, verify(folder, {n: marker["files"][n] for n in share}))
         why = next((w for w in whys if w), "")
         if why:
             raise Unrecoverable(
@@ -541,7 +627,7 @@ class Saver:
                 f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "
                 f"trained with (its run's config.yaml), or drop checkpoint.init_from"
             )
-        with _helper_threads_single_threaded():
+        with _fed_while_bytes_move(), _helper_threads_single_threaded():
             dcp.load(sd, checkpoint_id=folder)  # only the keys asked for: a partial load of that checkpoint
         if with_optim:
             set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
@@ -554,9 +640,10 @@ class Saver:
         """This rank's part of the save in flight is written (or none is in flight); no collective."""
         return self.pending is None or self.pending.done()
 
-    def commit_pending(self, timeout_s: float | None = None) -> bool:
-        """Collective: commit the save in flight (waiting up to timeout_s for its writes); on failure
-        record why and leave its folder to a later attempt's retention."""
+    def commit_pending(self, timeout_s: float | None = None, retain: bool = True) -> bool:
+        """Collective: commit the save in flight (waiting up to timeout_s for its writes), then apply
+        retention (unless retain=False: the stop path leaves it to the next resume); on failure record why
+        and leave its folder to a later attempt's retention."""
         p, self.pending = self.pending, None
         if p is None:
             return True
@@ -579,10 +666,17 @@ class Saver:
             stall_s=round(p.stall_s, 4),
             waited_s=round(time.monotonic() - t0, 4),
         )
-        if dist.get_rank() == 0:
-            for s in apply_retention(self.root, self.cfg, self.verified, self.bad, self.abandoned):
-                self.event(journal.CHECKPOINT_DELETED, s, anchor=max(self.verified))
+        if retain:
+            self.retain()
         return True
+
+    def retain(self) -> None:
+        """Rank 0 deletes what retention_plan says (no collective); one event per folder, `torn` for one
+        that was never committed. After each commit but a stop's, and once resumed (Attempt.resume)."""
+        if dist.get_rank() == 0:
+            for s, reason in apply_retention(self.root, self.cfg, self.verified, self.bad, self.abandoned).items():
+                torn = {"torn": True} if reason == "" else {}
+                self.event(journal.CHECKPOINT_DELETED, s, anchor=max(self.verified, default=None), **torn)
 
     def save(self, state: TrainState, reason: str, background: bool) -> None:
         """Collective: start a save of this step (a step already known good is not saved twice), after
@@ -606,24 +700,32 @@ class Saver:
     def periodic(self, state: TrainState) -> None:
         self.save(state, "periodic", background=self.writer is not None)  # waits for a write still running
 
-    def stop(self, state: TrainState, left_s: float, agree: Callable[[bool], bool]) -> None:
-        """Collective, at a stop signal with left_s (the same on every rank) before SIGKILL: commit the
-        write in flight if it finishes in time, then save this step if the slowest write this run has
-        seen fits in what is left. With nothing committed yet, save regardless: nothing is lost by trying."""
+    def stop(self, state: TrainState, budget_s: float, agree: Callable[[bool], bool]) -> None:
+        """Collective, at a stop signal. budget_s, the same on every rank: the time Slurm leaves before
+        SIGKILL less what the requeue decision needs after the save (Attempt.reserve_s). Nothing here runs
+        past it: the write in flight is committed if it finishes in time (leaving room for this step's
+        save once something is committed to fall back on), and this step is saved only if time is left
+        and the slowest write this run has seen fits in it; with a background writer the save is waited
+        for only that long. A stop whose save does not fit requeues from the last committed checkpoint.
+        Retention is left to the next attempt's resume: its deletes would run before the requeue."""
         t0 = time.monotonic()
-        need = self.expected_write_s
+
+        def left() -> float:
+            return budget_s - (time.monotonic() - t0)
+
+        busy = False  # a write given up on below still holds the writer's one thread and its host buffers
         if self.pending is not None:
-            self.commit_pending(timeout_s=max(0.0, left_s - need) if self.verified else left_s)
-        fits = agree(not self.verified or need <= left_s - (time.monotonic() - t0))
-        if not fits and state.step not in self.verified:
-            self.event(
-                journal.STOP_SAVE_SKIPPED,
-                state.step,
-                expected_save_s=round(need, 3),
-                left_s=round(left_s - (time.monotonic() - t0), 3),
-            )
+            room = budget_s - self.expected_write_s if self.verified else budget_s
+            busy = not self.commit_pending(timeout_s=max(0.0, room), retain=False)
+        if state.step in self.verified:
             return
-        self.save(state, "stop", background=False)
+        need = self.expected_write_s  # the write just committed counts too
+        if not agree(0.0 < left() and need <= left()):
+            self.event(journal.STOP_SAVE_SKIPPED, state.step, expected_save_s=round(need, 3), left_s=round(left(), 3))
+            return
+        writer = None if busy else self.writer  # in the background when it can be, so the wait below bounds it
+        self.pending = start_save(self.root, state, "stop", writer, self.drills, fallback_exists=bool(self.verified))
+        self.commit_pending(timeout_s=max(0.0, left()), retain=False)
 
     def final(self, state: TrainState) -> None:
         self.save(state, "final", background=False)

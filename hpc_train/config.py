@@ -206,7 +206,8 @@ class CheckpointConfig:  # checkpoint.py
     keep_last: int = 2  # periodic checkpoints kept below the newest verified one; older stop saves go
     keep_every_steps: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
     # Periodic saves write in the background: the loop waits only while state is copied to host memory.
-    # Stop saves (signal, last step) are always synchronous.
+    # Final saves are synchronous; a stop save uses the background writer too, so that it can be given
+    # up on when the time before SIGKILL runs out (Saver.stop).
     async_save: bool = True
     # A new run starting from another run's committed checkpoint: a run directory (its newest), its
     # checkpoints/ folder or one step folder. Frozen at submit as the absolute step folder; used only

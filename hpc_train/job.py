@@ -32,7 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal, preempt
+from hpc_train import journal, preempt, slurm
 from hpc_train.paths import RunPaths, locked, make_dir, write_atomic
 
 
@@ -116,7 +116,6 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
 def spare_nodes(env: Any, cluster: Any) -> int | None:
     """Nodes of the job's partition in a usable state beyond those the run needs and cluster.exclude
     (preempt.spare_nodes); None when Slurm does not say. The local executor has one machine: none spare."""
-    from hpc_train import slurm
     from hpc_train.env import parse_nodelist
 
     if env.executor != "slurm":
@@ -129,18 +128,41 @@ def spare_nodes(env: Any, cluster: Any) -> int | None:
     return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
+# What rank 0 runs between a stop save and the answer of `scontrol requeue`, at its worst: the job's fate
+# (slurm.STOP_FATE, 10 s), the requeue (slurm.STOP_REQUEUE, 21 s) and 4 s for reading and appending
+# events.jsonl and broadcasting the verdict: 35 s, kept out of a time-limit stop save's budget
+# (Attempt.step_end). With the failure path's policies (33 s + 33 s) it was 70 s of the default
+# signal_lead_s=120. Retention deletes nothing on the stop path (the next resume does), and `scontrol
+# update` comes after the requeue, under KillWait, either way.
+REQUEUE_RESERVE_S = slurm.worst_s(*slurm.STOP_FATE) + slurm.worst_s(*slurm.STOP_REQUEUE) + 4.0
+# An elastic run's queue snapshot before the requeue: 3 calls under slurm.STOP_SNAPSHOT, 15 s more.
+ELASTIC_RESERVE_S = 3 * slurm.worst_s(*slurm.STOP_SNAPSHOT)
+
+
+def decision_reserve_s(env: Any, cfg: Any) -> float:
+    """Seconds a time-limit stop keeps after its save for the requeue (REQUEUE_RESERVE_S, + ELASTIC_RESERVE_S
+    for an elastic run); the local executor's decision calls no Slurm client: only its 4 s of records."""
+    if env.executor != "slurm":
+        return 4.0
+    return REQUEUE_RESERVE_S + (ELASTIC_RESERVE_S if elastic(env, cfg) else 0.0)
+
+
 def requeue_or_stop(
     paths: RunPaths, env: Any, cfg: Any, reason: str, step: int, sick: dict[str, str] | None = None
 ) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
     (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
     "requeue" (the job comes back, without the run's excluded nodes), "wait" (only Slurm can bring it
-    back: stay alive until it ends the job) or "stop"."""
-    from hpc_train import slurm
-
+    back: stay alive until it ends the job) or "stop". After a stop signal ("time_limit", "preempt") the
+    Slurm calls take the stop path's shorter policies, whose worst case REQUEUE_RESERVE_S reserves."""
+    stopping = reason in ("time_limit", "preempt")
     events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
-    fate = slurm.job_fate(env.job_id, restarts) if env.executor == "slurm" else journal.local_fate(events)
+    fate = (
+        slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE if stopping else slurm.FATE)
+        if env.executor == "slurm"
+        else journal.local_fate(events)
+    )
     budgets = dataclasses.replace(cfg.requeue, **journal.budget_changes(events))  # raised by `hpc-train resume`
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
@@ -163,7 +185,7 @@ def requeue_or_stop(
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop"
     if action == "slurm":
-        size, facts = next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded))
+        size, facts = next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded, stopping))
         err = _update_next_attempt(env, cfg.cluster, excluded, size, record)
         record(
             journal.REQUEUE,
@@ -174,10 +196,9 @@ def requeue_or_stop(
             **({"nodes_update_error": err} if err and size else {}),
         )
         return "requeue"
-    wait = queue_wait_s(
-        env, cfg, excluded
-    )  # before the requeue: after it, Slurm's SIGTERM reaches our client calls too
-    err = slurm.requeue(env.job_id) if env.executor == "slurm" else ""
+    wait = queue_wait_s(env, cfg, excluded, stopping)  # before the requeue, as the reserve counts it
+    policy = slurm.STOP_REQUEUE if stopping else slurm.REQUEUE
+    err = slurm.requeue(env.job_id, policy) if env.executor == "slurm" else ""
     if not err:
         size, facts = next_attempt_size(env, cfg, wait)
         err = _update_next_attempt(
@@ -218,8 +239,6 @@ def _update_next_attempt(
     requeue while the run has excluded nodes: it also survives a lost first try. Returns "" or the error."""
     if env.executor != "slurm" or not (nodes or size):
         return ""
-    from hpc_train import slurm
-
     value = ",".join([*nodes, *([cluster.exclude] if cluster.exclude else [])])
     err = slurm.update_job(env.job_id, {**({"ExcNodeList": value} if nodes else {}), **size})
     if nodes:
@@ -233,18 +252,19 @@ def elastic(env: Any, cfg: Any) -> bool:
     return env.executor == "slurm" and (cfg.cluster.min_nodes or cfg.cluster.nodes) < cfg.cluster.nodes
 
 
-def queue_wait_s(env: Any, cfg: Any, excluded: list[str]) -> tuple[float | None, dict[str, Any]]:
+def queue_wait_s(
+    env: Any, cfg: Any, excluded: list[str], stopping: bool = False
+) -> tuple[float | None, dict[str, Any]]:
     """(seconds until the job's full size could run, None if unknown; the snapshot's facts for the requeue
     event) from one queue snapshot (preempt.full_size_wait_s), not counting the run's excluded nodes among
     its own. Facts: free_nodes (counted free now) and not_free (node -> state of those neither free nor held
-    by a running job: why a node was not counted), or queue_error. (None, {}) for a job not elastic."""
-    from hpc_train import slurm
-
+    by a running job: why a node was not counted), or queue_error. (None, {}) for a job not elastic.
+    stopping: the stop path's shorter policy (slurm.STOP_SNAPSHOT)."""
     if not elastic(env, cfg):
         return None, {}
     partition = cfg.cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
     try:
-        states, jobs = slurm.queue_snapshot(partition, env.job_id)
+        states, jobs = slurm.queue_snapshot(partition, env.job_id, slurm.STOP_SNAPSHOT if stopping else (10.0, 1))
     except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
         return None, {"queue_error": str(e)}
     # The run's own exclusions count wherever Slurm's ExcNodeList does: an update that failed, or a requeue
@@ -688,7 +708,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         if sick:
             _decide_together(paths, env, cfg, "node_health", -1, sick=sick)
     fn = resolve(cfg.fn._target_)
-    at = Attempt.build(env, cfg, paths, process_start, phases_s)
+    at = Attempt.build(env, cfg, paths, process_start, phases_s, decision_reserve_s(env, cfg))
     result = fn(at, **cfg.fn.kwargs)
     if at.finished is None and not at.stopped and at.should_stop():  # returned at its own stop check
         at.stopped, at.stop_reason = True, at.time_left_s()[1]

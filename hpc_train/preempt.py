@@ -47,6 +47,13 @@ def beat(step: int | None = None) -> None:
         step_reached[0] = step
 
 
+def alive() -> None:
+    """Progress that is not a step (checkpoint I/O moving bytes): the hang watchdog's clock restarts, but no
+    tick is counted, since a hang's blame compares the ranks' ticks. Not once the watchdog was stood down."""
+    if last_beat[0] != float("inf"):
+        last_beat[0] = time.monotonic()
+
+
 def _record(signum: int, frame: object) -> None:
     received_at.append(time.monotonic())
     received.append(signal.Signals(signum).name)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hpc_train.paths import RunPaths, read_marker, step_folders
+from hpc_train.paths import MARKER, RunPaths, read_marker, step_folders
 
 
 @dataclass
@@ -163,6 +163,27 @@ def needed_disk_gb(paths: RunPaths, min_free_disk_gb: float) -> float:
     return min_free_disk_gb + sum(e["bytes"] for e in newest[0]["files"].values()) / 1e9 if newest else min_free_disk_gb
 
 
+def torn_gb(paths: RunPaths) -> float:
+    """What the step folders without COMMITTED take on disk: earlier attempts' torn saves (a stop save on a
+    full disk), which this attempt's resume deletes before its first save (checkpoint.retention_plan), so
+    their space counts as free here (it held the run's folder short for good)."""
+    blocks = 0
+    for folder in step_folders(paths.checkpoints).values():
+        try:
+            if not (folder / MARKER).exists():
+                blocks += sum(f.lstat().st_blocks for f in folder.iterdir())
+        except OSError:  # deleted meanwhile, or unreadable: nothing counted
+            pass
+    return blocks * 512 / 1e9
+
+
+def _free(node: dict[str, Any]) -> str:
+    torn = node.get("disk_torn_gb", 0.0)
+    return f"{node['disk_free_gb']:.1f} GB free" + (
+        f" (counting {torn:.1f} GB of torn step folders resume deletes)" if torn else ""
+    )
+
+
 def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str, dict[str, Any]], list[str], str]:
     """Every rank's result -> ({node: its figures, with "sick": why or ""}, group warnings, why the whole run
     stops or "") (pure).
@@ -176,7 +197,7 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
         n["wall_s"] = max(n["wall_s"], r["wall_s"])
         n["device"] = r["device"]
         n["skew_s"] = r["skew_s"] if abs(r["skew_s"]) > abs(n.get("skew_s", 0.0)) else n.get("skew_s", 0.0)
-        for key in ("disk_free_gb", "disk_needed_gb", "disk_folder", "gpus", "gpu_note", "xids"):
+        for key in ("disk_free_gb", "disk_torn_gb", "disk_needed_gb", "disk_folder", "gpus", "gpu_note", "xids"):
             if key in r:
                 n[key] = r[key]
     import statistics  # here, not at the top: the login node imports this module for PreflightConfig
@@ -215,7 +236,7 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
     if short and len(short) == len(nodes):
         f = min(short, key=lambda n: n["disk_free_gb"])
         stop = (
-            f"{f['disk_free_gb']:.1f} GB free in the checkpoint folder {f.get('disk_folder', '')} on every node "
+            f"{_free(f)} in the checkpoint folder {f.get('disk_folder', '')} on every node "
             f"< {f['disk_needed_gb']:.1f} GB needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the "
             f"newest checkpoint): no node is to blame, and a requeue would find the folder as full, so the run "
             f"stops; free space there (or keep fewer checkpoints with checkpoint.keep_last, or lower "
@@ -226,7 +247,7 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
         why = list(dict.fromkeys(n.pop("problems")))
         if any(n is s for s in short):  # node-local folders: this node's is short, others' are not
             why.append(
-                f"{n['disk_free_gb']:.1f} GB free in the checkpoint folder < {n['disk_needed_gb']:.1f} GB "
+                f"{_free(n)} in the checkpoint folder < {n['disk_needed_gb']:.1f} GB "
                 f"needed (preflight.min_free_disk_gb={cfg.min_free_disk_gb:g} + the newest checkpoint)"
             )
         if name in skewed:
@@ -342,7 +363,9 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
         mine["problems"] += problems
         folder = paths.checkpoints if paths.checkpoints.exists() else paths.run_dir
         mine["disk_folder"] = str(folder)
-        mine["disk_free_gb"] = round(shutil.disk_usage(folder).free / 1e9, 1)
+        torn = torn_gb(paths)
+        mine["disk_free_gb"] = round(shutil.disk_usage(folder).free / 1e9 + torn, 1)  # torn folders: freed at resume
+        mine["disk_torn_gb"] = round(torn, 3)
         mine["disk_needed_gb"] = round(needed_disk_gb(paths, cfg.min_free_disk_gb), 3)
         if (paths.drills / f"{SICK_DRILL}.{node}").exists():
             mine["problems"].append(f"marked sick by `hpc-train chaos sick-node` (drills/{SICK_DRILL}.{node})")

@@ -130,6 +130,11 @@ def call(
     raise SlurmError(f"`{' '.join(args)}` failed: {err}")
 
 
+def worst_s(timeout_s: float, retries: int) -> float:
+    """The longest call() can take with this policy: every try times out, with the backoffs between them."""
+    return (retries + 1) * timeout_s + sum(2**a for a in range(retries))
+
+
 def parse_key_values(text: str) -> dict[str, str]:
     """`scontrol show ... -o` / `show config` text -> {key: value}. Values may hold spaces in `show config`."""
     out: dict[str, str] = {}
@@ -251,11 +256,21 @@ def parse_fate(text: str, restart_count: int) -> str:
     return "running"
 
 
-def job_fate(job_id: str, restart_count: int) -> str:
+# (timeout s, retries) of each call the job makes; the stop path's are shorter, since they run between the
+# stop save and Slurm's SIGKILL (job.REQUEUE_RESERVE_S adds them up). The failure path has no deadline.
+FATE, REQUEUE = (10.0, 2), (10.0, 2)  # 33 s each at worst
+STOP_FATE = (10.0, 0)  # 10 s: a fate that does not answer is "unknown", and the run requeues anyway
+STOP_REQUEUE = (10.0, 1)  # 10 + 1 + 10 = 21 s: the one call a time-limit stop cannot do without
+STOP_SNAPSHOT = (5.0, 0)  # each of an elastic run's 3 queue-snapshot calls: 15 s in all
+
+
+def job_fate(job_id: str, restart_count: int, policy: tuple[float, int] = FATE) -> str:
     """parse_fate of the live job; "unknown" when scontrol is missing (containers) or does not answer.
-    10 s per try, 2 retries: at most ~33 s, inside the 120 s signal lead."""
+    Shielded from the stop signals: a second SIGTERM killed scontrol mid-answer."""
+    timeout_s, retries = policy
     try:
-        return parse_fate(call(["scontrol", "show", "job", "-o", job_id], timeout_s=10, retries=2), restart_count)
+        text = call(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s, retries=retries, ignore_term=True)
+        return parse_fate(text, restart_count)
     except SlurmError:
         return "unknown"
 
@@ -287,11 +302,13 @@ def end_time(job_id: str, timeout_s: float = 3) -> tuple[float | None, bool]:
     return parse_end_time(text)
 
 
-def requeue(job_id: str) -> str:
+def requeue(job_id: str, policy: tuple[float, int] = REQUEUE) -> str:
     """`scontrol requeue` this job (`<array>_<task>` for an array task): "" on success, else why not.
-    A preempted job is being requeued by Slurm already; scontrol then refuses at once, and that is harmless."""
+    A preempted job is being requeued by Slurm already; scontrol then refuses at once, and that is harmless.
+    Shielded from the stop signals: the requeue itself has Slurm send the job SIGTERM."""
+    timeout_s, retries = policy
     try:
-        call(["scontrol", "requeue", job_id], timeout_s=10, retries=2)
+        call(["scontrol", "requeue", job_id], timeout_s=timeout_s, retries=retries, ignore_term=True)
         return ""
     except SlurmError as e:
         return str(e)
@@ -519,19 +536,24 @@ def short_state(state: str) -> str:
     return short + ("*" if "NOT_RESPONDING" in flags else "")
 
 
-def queue_snapshot(partition: str, job_id: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
+def queue_snapshot(
+    partition: str, job_id: str, policy: tuple[float, int] = (10.0, 1)
+) -> tuple[dict[str, str], list[dict[str, Any]]]:
     """(the partition's nodes and their short states, from the controller's own node records; running jobs,
     any partition, holding its nodes, and job `job_id` with what it excludes) for preempt.full_size_wait_s.
-    Node lists keep only the partition's nodes."""
+    Node lists keep only the partition's nodes. Three calls, each under `policy` (timeout s, retries)."""
+    timeout_s, retries = policy
     states = {}
-    for line in call(["scontrol", "show", "node", "-o"], timeout_s=10, retries=1, ignore_term=True).splitlines():
+    for line in call(
+        ["scontrol", "show", "node", "-o"], timeout_s=timeout_s, retries=retries, ignore_term=True
+    ).splitlines():
         node = parse_key_values(line)
         if "NodeName" in node and partition in node.get("Partitions", "").split(","):
             states[node["NodeName"]] = short_state(node.get("State", ""))
     form = ["-o", "%i|%T|%e|%N|%x"]
     jobs = parse_queue(
-        call(["squeue", "-h", "-t", "R", *form], timeout_s=10, retries=1, ignore_term=True)
-        + call(["squeue", "-h", "-j", job_id, *form], timeout_s=10, retries=1, ignore_term=True)
+        call(["squeue", "-h", "-t", "R", *form], timeout_s=timeout_s, retries=retries, ignore_term=True)
+        + call(["squeue", "-h", "-j", job_id, *form], timeout_s=timeout_s, retries=retries, ignore_term=True)
     )
     for j in jobs:
         j["nodes"] = [n for n in j["nodes"] if n in states]

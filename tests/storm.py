@@ -229,7 +229,7 @@ def check(storm: Storm) -> list[str]:
             good.setdefault(r, set()).add(int(Path(e["resumed_from"]).name.split("_")[1]))
         elif e["event"] == "checkpoint_committed":
             good.setdefault(r, set()).add(e["step"])
-        elif e["event"] == "checkpoint_deleted":
+        elif e["event"] == "checkpoint_deleted" and not e.get("torn"):  # a folder never committed may go any time
             if not (e["anchor"] > e["step"] and e["anchor"] in good.get(r, set())):
                 bad.append(
                     f"step {e['step']} deleted in attempt {r} with anchor {e['anchor']}, not a newer verified one"

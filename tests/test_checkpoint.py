@@ -176,7 +176,7 @@ def test_stop_waits_for_a_write_in_flight_only_as_long_as_slurm_leaves(tmp_path:
     saver.periodic(state)
     state.step = 21
     in_flight = saver.pending
-    saver.stop(state, left_s=1.0, agree=lambda ok: ok)
+    saver.stop(state, budget_s=1.0, agree=lambda ok: ok)
     assert in_flight is not None and not in_flight.done()  # an order, not a speed: returned before the 5 s write
     kinds = [(e["event"], e["step"]) for e in events if e["event"] != "checkpoint_deleted"]
     assert kinds == [("checkpoint_committed", 10), ("checkpoint_abandoned", 20), ("stop_save_skipped", 21)]
@@ -184,14 +184,54 @@ def test_stop_waits_for_a_write_in_flight_only_as_long_as_slurm_leaves(tmp_path:
     saver.writer.pool.shutdown(wait=True)
 
 
-def test_first_stop_save_of_a_run_is_never_skipped(tmp_path: Path) -> None:
-    """Nothing committed yet: no time is too short, since nothing is lost by trying."""
+def test_a_stop_with_no_time_left_starts_no_save_even_with_nothing_committed(tmp_path: Path) -> None:
+    """Nothing committed yet and no time left: the save used to be tried anyway ("nothing is lost by
+    trying"), but a save SIGKILL cuts loses the requeue that must follow it (a TIMEOUT job is not
+    requeued); the stop requeues from step 0 instead."""
     events: list = []
     saver, state = make_saver(tmp_path, events), make_state()
-    saver.expected_write_s = 100.0
     state.step = 3
-    saver.stop(state, left_s=0.0, agree=lambda ok: ok)
-    assert [(e["event"], e["step"], e["reason"]) for e in events] == [("checkpoint_committed", 3, "stop")]
+    saver.stop(state, budget_s=0.0, agree=lambda ok: ok)
+    assert [(e["event"], e["step"]) for e in events] == [("stop_save_skipped", 3)]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_first_write_still_running_at_the_stop_is_not_followed_by_a_save(tmp_path: Path) -> None:
+    """Issue 18, defect 1: the first attempt, nothing committed, its first background write (5 s) still
+    running at the signal, 1 s of budget. The write is waited for that 1 s and given up on; no save starts
+    after it (one was started with -0.01 s left, and ran 5 s past SIGKILL's time)."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    saver.writer = Writer()
+    (tmp_path / "drills").mkdir()
+    (tmp_path / "drills" / "slow_storage").write_text("5")
+    state.step = 20
+    saver.periodic(state)
+    state.step = 21
+    t0 = time.monotonic()
+    saver.stop(state, budget_s=1.0, agree=lambda ok: ok)
+    took = time.monotonic() - t0
+    assert [(e["event"], e["step"]) for e in events] == [("checkpoint_abandoned", 20), ("stop_save_skipped", 21)]
+    assert events[1]["left_s"] <= 0.0 and took < 4.0, took  # the 5 s save after the wait would take >= 6 s
+    saver.writer.pool.shutdown(wait=True)
+
+
+def test_a_stop_save_of_unknown_length_is_waited_for_only_its_budget(tmp_path: Path) -> None:
+    """No write measured yet: the stop save is tried, in the background writer, and given up on when the
+    budget runs out (a synchronous save ran its 5 s whatever the budget said); the stop then returns, to
+    requeue, and the save's folder never counts."""
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    saver.writer = Writer()
+    (tmp_path / "drills").mkdir()
+    (tmp_path / "drills" / "slow_storage").write_text("5")
+    state.step = 7
+    t0 = time.monotonic()
+    saver.stop(state, budget_s=1.0, agree=lambda ok: ok)
+    assert time.monotonic() - t0 < 4.0
+    assert [(e["event"], e["step"], e["reason"]) for e in events] == [("checkpoint_abandoned", 7, "stop")]
+    assert "not written within" in events[0]["error"]
+    saver.writer.pool.shutdown(wait=True)
 
 
 def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path: Path) -> None:
@@ -211,11 +251,14 @@ def test_retention_keeps_last_k_every_nth_and_only_the_newest_stop_save(tmp_path
             json.dumps({"step": step, "reason": reason, "world_size": 1, "files": files})
         )
     step_dir(root, 45).mkdir()  # torn, older than the anchor
-    step_dir(root, 55).mkdir()  # maybe still being written: left alone
+    step_dir(root, 55).mkdir()  # a write of this attempt given up on, maybe still writing: left alone
+    step_dir(root, 60).mkdir()  # torn above the anchor: an earlier attempt's stop save on a full disk
+    (step_dir(root, 60) / "__0_0.distcp").write_bytes(b"x" * 1000)
     cfg = CheckpointConfig(keep_last=2, keep_every_steps=20)
-    assert apply_retention(root, cfg, verified={50}, bad=set(), keep=set()) == [10, 23, 30, 33, 45]
+    assert list(apply_retention(root, cfg, verified={50}, bad=set(), keep={55})) == [10, 23, 30, 33, 45, 60]
     assert names(tmp_path) == ["step_000020", "step_000040", "step_000050", "step_000055"]
-    assert apply_retention(root, cfg, verified=set(), bad=set(), keep=set()) == []  # no anchor: nothing goes
+    # no anchor: no committed folder goes, torn ones still do
+    assert apply_retention(root, cfg, verified=set(), bad=set(), keep=set()) == {55: ""}
 
 
 def test_local_crash_loop_stops_after_failure_budget(tmp_path: Path) -> None:
@@ -253,14 +296,14 @@ def our_handlers():
     preempt.received_at.clear()
 
 
-def make_attempt(tmp_path: Path) -> Any:
+def make_attempt(tmp_path: Path, reserve_s: float = 0.0) -> Any:
     from hpc_train.attempt import Attempt
     from hpc_train.config import RunConfig
     from hpc_train.env import RankEnv
     from hpc_train.paths import RunPaths
 
     env = RankEnv("local", 0, 0, 1, 1, 0, 1, ("127.0.0.1",), "127.0.0.1", 0, "1", 0)
-    return Attempt.build(env, RunConfig(), RunPaths(tmp_path), time.time(), {})
+    return Attempt.build(env, RunConfig(), RunPaths(tmp_path), time.time(), {}, reserve_s)
 
 
 def test_a_signal_at_the_last_step_finishes_instead_of_requeueing(tmp_path: Path, our_handlers: Any) -> None:
@@ -284,16 +327,17 @@ def test_a_signal_at_the_last_step_finishes_instead_of_requeueing(tmp_path: Path
 
 def test_an_early_usr2_leaves_the_grace_time_not_the_signal_lead(tmp_path: Path, our_handlers: Any) -> None:
     """preempt_send_user_signal: USR2 at preemption, SIGKILL after GraceTime (preempt_grace_s=30), not
-    after signal_lead_s=120; the stop save is budgeted against 30 s."""
+    after signal_lead_s=120; the stop save is budgeted against 30 s, with no requeue reserve: Slurm
+    requeues a preempted job itself when it kills it."""
     import signal
 
-    at, state = make_attempt(tmp_path), make_state()
+    at, state = make_attempt(tmp_path, reserve_s=35.0), make_state()
     at.resume(state)
     state.step = 7
     os.kill(os.getpid(), signal.SIGUSR2)
     assert at.step_end(state, last_step=60) is True and at.stopped and at.stop_step == 7
     sig = next(e for e in read_events(tmp_path) if e["event"] == "signal")
-    assert 29 <= sig["left_s"] <= 30
+    assert 29 <= sig["left_s"] <= 30 and sig["reserve_s"] == 0.0
     assert [(e["step"], e["reason"]) for e in read_events(tmp_path) if e["event"] == "checkpoint_committed"] == [
         (7, "stop")
     ]
@@ -396,3 +440,83 @@ def test_failed_writes_are_abandoned_and_training_goes_on(tmp_path: Path) -> Non
     ]
     assert "File too large" in next(e["error"] for e in events if e["event"] == "checkpoint_abandoned")
     assert make_saver(tmp_path, []).resume(make_state())[0].name == "step_000004"
+
+
+def test_a_time_limit_stop_keeps_the_requeue_reserve(tmp_path: Path, our_handlers: Any, monkeypatch: Any) -> None:
+    """Issue 18, defect 1: the time-limit warning leaves signal_lead_s=120 s before SIGKILL, and the requeue
+    decision after the save may take job.REQUEUE_RESERVE_S (35 s). A save measured at 100 s "fit" the 120 s,
+    so SIGKILL could land before `scontrol requeue` (a TIMEOUT job is not requeued: the run just ended).
+    Now it is skipped and the stop requeues from step 5; the signal event names the reserve."""
+    import signal
+
+    from hpc_train import job, journal
+    from hpc_train.config import RunConfig
+
+    first, state = make_attempt(tmp_path), make_state()
+    first.resume(state)
+    save_at(first.saver, state, 5)
+    journal.log(tmp_path, "checkpoint_committed", 5, "1", 0, reason="periodic", write_s=100.0)  # as measured then
+    c = RunConfig().cluster
+    monkeypatch.setenv("HPC_TRAIN_ALLOCATED_AT", str(time.time() - (c.timeout_min * 60 - c.signal_lead_s)))
+    second, state = make_attempt(tmp_path, reserve_s=job.REQUEUE_RESERVE_S), make_state()
+    second.resume(state)
+    state.step = 6
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert second.step_end(state, last_step=60) is True and second.stop_reason == "time_limit"
+    events = read_events(tmp_path)
+    sig = next(e for e in events if e["event"] == "signal")
+    assert sig["reason"] == "time_limit" and sig["reserve_s"] == 35.0 and sig["left_s"] > 100
+    skipped = [e for e in events if e["event"] == "stop_save_skipped"]
+    assert [(e["step"], e["expected_save_s"]) for e in skipped] == [(6, 100.0)] and skipped[0]["left_s"] <= 85
+
+
+def test_a_stop_save_torn_by_a_full_disk_goes_at_the_next_resume(tmp_path: Path) -> None:
+    """Issue 18, defect 6b: a stop save failing as on a full disk (RLIMIT_FSIZE: EFBIG past 1 KiB) leaves a
+    folder without COMMITTED above the newest committed one. Retention kept everything above its anchor,
+    so that folder (and the space it holds) stayed for good; the next attempt's resume deletes it."""
+    import resource
+    import signal
+
+    events: list = []
+    saver, state = make_saver(tmp_path, events), make_state()
+    save_at(saver, state, 10)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+        state.step = 12
+        saver.stop(state, budget_s=60.0, agree=lambda ok: ok)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert [(e["event"], e["step"]) for e in events[1:]] == [("checkpoint_abandoned", 12)]
+    assert names(tmp_path) == ["step_000010", "step_000012"]  # the attempt that tore it leaves it: maybe writing
+    resumer = make_saver(tmp_path, events)
+    assert resumer.resume(make_state())[0].name == "step_000010"
+    resumer.retain()  # as Attempt.resume does, once its start event is written
+    assert names(tmp_path) == ["step_000010"]
+    deleted = [(e["step"], e["anchor"], e.get("torn")) for e in events if e["event"] == "checkpoint_deleted"]
+    assert deleted == [(12, 10, True)]
+
+
+def test_checkpoint_io_feeds_the_hang_watchdog_only_while_bytes_move(tmp_path: Path) -> None:
+    """Issue 18, defect 4: a save, a wait for a background write or a resume longer than train.watchdog_s
+    was judged a hang. Inside checkpoint I/O the watchdog's clock restarts while this process moves bytes
+    (the slow-storage drill trickles them), with no heartbeat tick (a hang's blame compares ticks); a write
+    stuck in the kernel moves none and is left to the watchdog."""
+    from hpc_train import checkpoint, preempt
+
+    data = tmp_path / "rank_00000.pt"
+    data.write_bytes(b"x" * 8192)
+    ticks, long_ago = preempt.ticks[0], time.monotonic() - 1000
+    try:
+        preempt.last_beat[0] = long_ago
+        with checkpoint._fed_while_bytes_move():
+            checkpoint._trickle(2.5, data)
+        assert preempt.last_beat[0] > long_ago + 990 and preempt.ticks[0] == ticks
+        preempt.last_beat[0] = long_ago
+        with checkpoint._fed_while_bytes_move():
+            time.sleep(2.5)  # nothing moves
+        assert preempt.last_beat[0] == long_ago
+    finally:
+        preempt.beat()

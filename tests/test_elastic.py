@@ -327,7 +327,7 @@ def test_the_runs_own_exclusions_are_not_counted_free(monkeypatch: pytest.Monkey
         [{"id": "7", "state": "RUNNING", "end": None, "nodes": ["node1", "node2", "node3"], "excluded": []}],
         [],
     ):  # the job in squeue's answer, or not
-        monkeypatch.setattr(slurm, "queue_snapshot", lambda partition, job_id: (states, snapshot_jobs))
+        monkeypatch.setattr(slurm, "queue_snapshot", lambda partition, job_id, policy: (states, snapshot_jobs))
         env = SimpleNamespace(executor="slurm", job_id="7", nodes=("node1", "node2", "node3", "node4"))
         cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
         wait = job.queue_wait_s(env, cfg, ["node4"])

@@ -151,7 +151,31 @@ def test_a_planted_step_folder_is_skipped_and_never_unpickled(tmp_path: Path, ho
         f"from it; chmod go-w {target}"
     )
     assert skipped[0]["reason"].startswith(f"step_000020: not loaded: {target} {why}"), skipped[0]["reason"]
-    assert 20 in resumed.bad
+    assert (20 in resumed.bad) == ("foreign" in how)  # our own loose folder is never retention's to delete
+
+
+def test_a_run_whose_own_checkpoints_are_all_writable_by_others_stops_instead_of_starting_over(tmp_path: Path) -> None:
+    """Checkpoints an older hpc_train wrote under umask 002 (or a chmod -R g+w since) are not loaded. Before
+    (adversarial review): every one went into `bad`, training began again at step 0, and retention and the
+    new saves deleted them, the run's whole progress. Now the attempt stops and says the one command."""
+    from hpc_train.preempt import Unrecoverable
+
+    saver = make_saver(tmp_path, [])
+    state = make_state()
+    for step in (10, 20):
+        state.step = step
+        saver.save(state, "periodic", background=False)
+    root = tmp_path / "checkpoints"
+    for folder in root.iterdir():
+        folder.chmod(0o770)
+    resumed = make_saver(tmp_path, [])
+    with pytest.raises(Unrecoverable) as e:
+        resumed.resume(make_state(seed=1))
+    assert str(e.value).startswith(
+        f"2 committed checkpoint(s) of this run, newest {step_dir(root, 20)}, are not loaded"
+    )
+    assert str(e.value).endswith(f"chmod -R go-w {root} and hpc-train resume {tmp_path}")
+    assert sorted(p.name for p in root.iterdir()) == ["step_000010", "step_000020"] and not resumed.bad
 
 
 def test_init_from_refuses_another_users_checkpoint_and_verifies_before_unpickling(tmp_path: Path) -> None:

@@ -172,11 +172,15 @@ def test_retention_plan_invariants(seed: int) -> None:
     cfg = CheckpointConfig(keep_last=rng.randint(1, 4), keep_every_steps=rng.choice([0, 7, 70]))
     doomed = retention_plan(folders, cfg, verified, bad, keep)
     assert doomed <= set(folders) and not doomed & keep
+    # A folder without COMMITTED that no write of this attempt holds is garbage wherever it is: a stop save
+    # torn by a full disk above the anchor held its space for good, and the next preflight refused.
+    torn = {s for s, r in folders.items() if r == "" and s not in keep}
+    assert torn <= doomed
     if not verified:
-        assert doomed == set()  # no checkpoint known good in this attempt: nothing may go
+        assert doomed == torn  # no checkpoint known good in this attempt: no committed one may go
         return
     anchor = max(verified)
-    assert all(s < anchor for s in doomed)  # a committed checkpoint goes only once a newer one is known good
+    assert all(s < anchor for s in doomed - torn)  # a committed checkpoint goes only once a newer one is known good
     good_periodic = sorted(s for s, r in folders.items() if s <= anchor and r and r != "stop" and s not in bad)
     assert not doomed & set(good_periodic[-cfg.keep_last :])
     if cfg.keep_every_steps:
@@ -322,3 +326,54 @@ def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(
             signal.signal(s, h)
         os.kill(holder, 9)
         os.waitpid(holder, 0)
+
+
+def test_the_stop_paths_requeue_outlives_a_second_sigterm(tmp_path, monkeypatch) -> None:
+    """Issue 18, defect 1: after the stop save rank 0 asks the job's fate and requeues it while Slurm may
+    TERM every process of the job again (the time limit itself, the requeue's own TERM). A client killed
+    by it (rc -15) made the fate "unknown" and the requeue fail: `requeue_failed`, and a TIMEOUT job is
+    never requeued. Here each scontrol call TERMs itself first; the whole decision stays inside the reserve."""
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from conftest import fake_clients, read_events
+
+    from hpc_train import job
+    from hpc_train.config import compose, to_run_config
+    from hpc_train.paths import RunPaths
+
+    bin_dir, _ = fake_clients(
+        tmp_path,
+        {
+            "scontrol": 'kill -TERM $$\n[ "$1" = show ] && echo "JobId=7 JobState=RUNNING Reason=None Restarts=0"\nexit 0'
+        },
+    )
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path('/usr/bin')}:{Path('/bin')}")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("node1",))
+    cfg = to_run_config(compose(["cluster=dev"]))
+    t0 = time.monotonic()
+    assert job.requeue_or_stop(RunPaths(tmp_path), env, cfg, "time_limit", 12) == "requeue"
+    assert time.monotonic() - t0 < job.decision_reserve_s(env, cfg)
+    decided = [e for e in read_events(tmp_path) if e["event"] in ("requeue", "requeue_failed", "stopped")]
+    assert [(e["event"], e["by"], e["fate"]) for e in decided] == [("requeue", "hpc_train", "running")]
+
+
+def test_the_requeue_reserve_is_the_stop_paths_worst_case() -> None:
+    """The reserve adds up what the stop path's Slurm calls may take (every try timing out, 1 s backoff)
+    and stays well inside the default signal_lead_s=120; the failure path's policies alone were 66 s."""
+    from types import SimpleNamespace
+
+    from hpc_train import job, slurm
+    from hpc_train.config import compose, to_run_config
+    from hpc_train.sbatch import ClusterConfig
+
+    assert slurm.worst_s(*slurm.FATE) + slurm.worst_s(*slurm.REQUEUE) == 66.0
+    assert job.REQUEUE_RESERVE_S == 10.0 + 21.0 + 4.0 and job.ELASTIC_RESERVE_S == 15.0
+    on_slurm = SimpleNamespace(executor="slurm")
+    assert job.decision_reserve_s(on_slurm, to_run_config(compose(["cluster=dev"]))) == 35.0
+    elastic = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
+    assert job.decision_reserve_s(on_slurm, elastic) == 50.0 < ClusterConfig().signal_lead_s / 2
+    assert job.decision_reserve_s(SimpleNamespace(executor="local"), elastic) == 4.0

@@ -225,6 +225,31 @@ def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     assert any("Thread 0x" in p.read_text() and "in train" in p.read_text() for p in log)  # the stack dump
 
 
+def test_saves_slower_than_the_hang_watchdog_are_not_a_hang(tmp_path: Path) -> None:
+    """Issue 18, defect 4: storage so slow that each save takes 25 s (the slow-storage drill, which
+    trickles bytes as such storage would) with train.watchdog_s=20. The final save, and the wait for the
+    periodic write before it, were judged a hang in every attempt (nothing in checkpoint.py fed the
+    watchdog) until the failure budget stopped the run; now both commit and the run finishes."""
+    run_dir, _ = submit(
+        [
+            f"out_dir={tmp_path}",
+            *ARGS,
+            "train.steps=20",
+            "train.watchdog_s=20",
+            "train.min_step_time_s=0.3",
+            "--no-wait",
+        ]
+    )
+    (run_dir / "drills").mkdir(exist_ok=True)
+    (run_dir / "drills" / "slow_storage").write_text("25")  # `hpc-train chaos RUN slow-storage --seconds 25`
+    fails = lambda: [e for e in read_events(run_dir) if e["event"] == "fail"]  # noqa: E731
+    wait_until(lambda: (run_dir / "summary.json").exists() or fails(), 300, "the run's end or a failure")
+    assert not fails(), fails()
+    wait_until(lambda: (run_dir / "summary.json").exists(), 60, "summary.json")
+    commits = [e for e in read_events(run_dir) if e["event"] == "checkpoint_committed"]
+    assert (commits[-1]["step"], commits[-1]["reason"]) == (20, "final") and commits[-1]["write_s"] >= 25
+
+
 def test_stop_save_that_cannot_fit_is_skipped(tmp_path: Path) -> None:
     """With no grace left (cluster.preempt_grace_s=0) a SIGTERM skips the stop save: the run requeues
     at once and resumes from its last periodic checkpoint, still bit-exact."""

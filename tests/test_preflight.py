@@ -403,3 +403,33 @@ def test_chaos_sick_node_refuses_a_rank_or_node_the_run_does_not_have(tmp_path) 
 )
 def test_hung_ranks_are_a_minority_behind_the_others(counts: dict, world: int, blamed: list) -> None:
     assert preempt.hung_ranks(counts, world) == blamed
+
+
+def test_a_torn_step_folder_counts_as_free_space(tmp_path, monkeypatch) -> None:
+    """Issue 18, defect 6b: a stop save torn by a full disk (no COMMITTED) held its space, and the next
+    preflight stopped the run for the lack of it (`hpc-train resume` met the same folder). The attempt's
+    resume deletes it before any save (checkpoint.retention_plan), so it counts as free: 0.9 GB free + a
+    150 MB torn folder >= the 1 GB needed. The `preflight` event says how much was torn."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpc_train import preflight
+    from hpc_train.env import RankEnv
+    from hpc_train.paths import RunPaths
+
+    torn = tmp_path / "checkpoints" / "step_000012"
+    torn.mkdir(parents=True)
+    (torn / "__0_0.distcp").write_bytes(b"\1" * 150_000_000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=900_000_000))
+    env = RankEnv("local", 0, 0, 1, 1, 0, 1, ("127.0.0.1",), "127.0.0.1", 0, "1", 0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert preflight.check(env, PreflightConfig(), RunPaths(tmp_path)) == {}
+    finally:
+        dist.destroy_process_group()
+    event = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
+    assert event["event"] == "preflight" and "stop" not in event
+    assert event["nodes"]["127.0.0.1"]["disk_torn_gb"] == 0.15 and event["nodes"]["127.0.0.1"]["disk_free_gb"] >= 1.0
