@@ -413,6 +413,8 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
         }
         try:
             write_atomic(pending.folder / MARKER, json.dumps(marker, indent=1), fsync=True)
+            if pending.share_with_group:  # as the files: a teammate's init_from reads it under any umask (077: 0600)
+                os.chmod(pending.folder / MARKER, 0o640)
             _fsync(pending.folder)
             os.chmod(pending.folder, dir_mode(pending.share_with_group))
         except OSError as e:

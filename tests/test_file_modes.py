@@ -122,6 +122,10 @@ def test_folders_and_files_are_ours_alone_whatever_the_umask(tmp_path: Path) -> 
     assert {mode(p) for p in shared_step.iterdir() if p.name != MARKER} == {0o640}
     with umask(0o077):  # mkdir's mode is masked by the umask: 0750 is asked for again
         assert mode(make_dir(tmp_path / "g", 0o750)) == 0o750
+        strict = make_saver(tmp_path / "strict", [], share=True)
+        strict.save(make_state(), "final", background=False)
+    # shared under umask 077: the marker too is the group's to read (0600 made a teammate's init_from fail)
+    assert {mode(p) for p in step_dir(tmp_path / "strict" / "checkpoints", 0).iterdir()} == {0o640}
 
 
 @pytest.mark.parametrize("how", ["foreign folder", "foreign metadata", "group-writable folder", "writable metadata"])
