@@ -87,3 +87,17 @@ def test_a_submit_or_resume_while_another_holds_the_sweep_is_refused(slurm_env: 
         os.close(fd)
     assert [t["job_id"] for t in json.loads((sweep_dir / "sweep.json").read_text())["trials"]] == ids
     assert run([HPC_TRAIN, "cancel", str(sweep_dir)], env=slurm_env).returncode == 0
+
+
+def test_team_storm_keeps_every_invariant(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """Two shells on one 3-trial sweep (submit, --sweep-dir resubmit, resume, cancel, status) while faults
+    hit its trials (tests/team_storm.py). HPC_TRAIN_TEAM_STORM_SEED replays another sequence; the seed is
+    printed."""
+    import team_storm
+
+    seed = int(os.environ.get("HPC_TRAIN_TEAM_STORM_SEED", "2026"))
+    print(f"\nteam storm seed {seed} (replay: HPC_TRAIN_TEAM_STORM_SEED={seed})")
+    result = team_storm.run_storm(slurm_env, tmp_path, seed, actions=10, faults=4, steps=200, settle_s=150)
+    print(f"team storm figures: {team_storm.figures(result)}")
+    violations = team_storm.check(result)
+    assert not violations, f"seed {seed}: {violations}"
