@@ -7,10 +7,14 @@ tests/test_slurm_team.py runs a short one in CI; benchmarks/team_storm_bench.py 
 
 What a shell does, one action at a time, with a pause of 0.5-4 s between:
     submit     shell A's first act: `hpc-train submit -m ... train.seed=1,2,3` (the sweep)
-    resubmit   `hpc-train submit -m ... --sweep-dir SWEEP` (shell B's first act, racing A's lock)
+    resubmit   `hpc-train submit -m ... --sweep-dir SWEEP` (shell B's first act, as soon as the folder
+               shows, racing A's lock)
     resume     `hpc-train resume SWEEP/000k` (refused with exit 2 while it runs, is queued, or is held)
     cancel     `hpc-train cancel SWEEP/000k`; cancel-sweep: `hpc-train cancel SWEEP`
     status     `hpc-train status SWEEP`
+    hangup     a resume or resubmit sent SIGHUP (its process group) 0.3-2 s after it started
+    race       two of these started at the same moment: resume+resume of one trial, resume+resubmit,
+               resumes of two trials, cancel+resume of one trial
 Faults, once a trial's running attempt committed a checkpoint since the last fault on it: `hpc-train chaos
 TRIAL time-limit|requeue|batch-term`, or preempt (a `high` job on the trial's node). The storm's last act
 resumes every trial cancelled (or ended without a word) until every trial finished or stopped with a
@@ -29,8 +33,12 @@ Invariants (check):
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -48,7 +56,9 @@ FAULTS = ("time-limit", "requeue", "batch-term", "preempt")
 STEP_S = 0.1
 BUSY = "is being submitted or resumed by another hpc-train command right now"
 # What a shell picks, with weights: status and resume are what people type most.
-ACTIONS = {"status": 3, "resume": 3, "cancel": 2, "resubmit": 1.5, "cancel-sweep": 0.5}
+ACTIONS = {"status": 3, "resume": 3, "cancel": 2, "resubmit": 1.5, "cancel-sweep": 0.5, "race": 2, "hangup": 1}
+# A race: two commands started at once, on one trial (k) or two (k, j).
+RACES = (("resume", "resume"), ("resume", "resubmit"), ("resume", "resume-other"), ("cancel", "resume"))
 
 
 def sweep_args(out: Path, steps: int) -> list[str]:
@@ -99,10 +109,24 @@ class TeamStorm:
         return self.sweep_dir / f"{k:04d}"
 
 
-def _hpc(storm: TeamStorm, env: dict[str, str], shell: str, kind: str, *args: str) -> Command:
+def _hpc(
+    storm: TeamStorm, env: dict[str, str], shell: str, kind: str, *args: str, hangup_s: float | None = None
+) -> Command:
+    """`hpc-train ARGS`; hangup_s: SIGHUP to its process group that much later, as a closed terminal or a
+    dropped ssh session sends it (to sbatch too, if it is running then)."""
     t0 = time.time()
-    proc = run([HPC_TRAIN, *args], env=env, timeout_s=300)
-    cmd = Command(shell, kind, [*args], proc.returncode, proc.stdout, proc.stderr, t0, time.time())
+    proc = subprocess.Popen(
+        [HPC_TRAIN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=hangup_s if hangup_s is not None else 300)
+    except subprocess.TimeoutExpired:
+        if hangup_s is None:
+            raise
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGHUP)
+        out, err = proc.communicate(timeout=300)
+    cmd = Command(shell, kind, [*args], proc.returncode, out, err, t0, time.time())
     with storm.lock:
         storm.commands.append(cmd)
     return cmd
@@ -121,31 +145,57 @@ def _shell(storm: TeamStorm, env: dict[str, str], name: str, rng: random.Random,
         plan.append("submit")
         _hpc(storm, env, name, "submit", "submit", *args)
     deadline = time.monotonic() + 300
-    while _sweep_dir(storm.out) is None or not (_sweep_dir(storm.out) / "sweep.json").exists():
+    while (sweep := _sweep_dir(storm.out)) is None:
         assert time.monotonic() < deadline, "shell A's submit made no sweep directory in 300 s"
-        time.sleep(0.2)
-    sweep = _sweep_dir(storm.out)
-    assert sweep is not None
-    if name == "B":  # a teammate's retry while the first submit may still be queueing: the lock decides
-        time.sleep(rng.uniform(0, 1.5))
+        time.sleep(0.05)
+    if name == "B":  # a teammate's retry as soon as the folder shows, while the first may be queueing
+        time.sleep(rng.uniform(0, 1.0))
         plan.append("resubmit")
-        _hpc(storm, env, name, "resubmit", "submit", *args, "--sweep-dir", str(sweep))
+        _act(storm, env, name, "resubmit", sweep, 0)
+    while not (sweep / "sweep.json").exists():  # B's retry may have taken the sweep over
+        assert time.monotonic() < deadline, f"no {sweep}/sweep.json in 300 s"
+        time.sleep(0.2)
     for _ in range(actions):
         time.sleep(rng.uniform(0.5, 4.0))
         kind = rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
         k = rng.randrange(TRIALS)
-        plan.append(kind if kind in ("status", "resubmit", "cancel-sweep") else f"{kind} {k}")
-        trial = str(sweep / f"{k:04d}")
-        if kind == "status":
-            _hpc(storm, env, name, kind, "status", str(sweep))
-        elif kind == "resume":
-            _hpc(storm, env, name, kind, "resume", trial)
-        elif kind == "cancel":
-            _hpc(storm, env, name, kind, "cancel", trial)
-        elif kind == "cancel-sweep":
-            _hpc(storm, env, name, kind, "cancel", str(sweep))
-        else:
-            _hpc(storm, env, name, kind, "submit", *args, "--sweep-dir", str(sweep))
+        if kind == "hangup":  # a resume or resubmit whose terminal closes a moment after it started
+            what, after_s = rng.choice(("resume", "resubmit")), rng.uniform(0.3, 2.0)
+            plan.append(f"hangup {what} {k} after {after_s:.2f} s")
+            trial = str(sweep / f"{k:04d}")
+            argv = ["resume", trial] if what == "resume" else ["submit", *args, "--sweep-dir", str(sweep)]
+            _hpc(storm, env, name, f"hangup-{what}", *argv, hangup_s=after_s)
+            continue
+        if kind != "race":
+            plan.append(kind if kind in ("status", "resubmit", "cancel-sweep") else f"{kind} {k}")
+            _act(storm, env, name, kind, sweep, k)
+            continue
+        # Two commands at the same moment (two terminals, or both people at once): the locks decide.
+        pair = rng.choice(RACES)
+        j = (k + rng.randrange(1, TRIALS)) % TRIALS if pair[1] == "resume-other" else k
+        plan.append(f"race {pair[0]} {k} + {pair[1]} {j}")
+        both = [
+            threading.Thread(target=_act, args=(storm, env, name, pair[0], sweep, k)),
+            threading.Thread(target=_act, args=(storm, env, name, pair[1], sweep, j)),
+        ]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join()
+
+
+def _act(storm: TeamStorm, env: dict[str, str], shell: str, kind: str, sweep: Path, k: int) -> None:
+    trial = str(sweep / f"{k:04d}")
+    if kind == "status":
+        _hpc(storm, env, shell, kind, "status", str(sweep))
+    elif kind in ("resume", "resume-other"):
+        _hpc(storm, env, shell, "resume", "resume", trial)
+    elif kind == "cancel":
+        _hpc(storm, env, shell, kind, "cancel", trial)
+    elif kind == "cancel-sweep":
+        _hpc(storm, env, shell, kind, "cancel", str(sweep))
+    else:
+        _hpc(storm, env, shell, kind, "submit", *sweep_args(storm.out, storm.steps), "--sweep-dir", str(sweep))
 
 
 def _recorded_job(trial: Path) -> str:
@@ -172,7 +222,7 @@ def _ready(storm: TeamStorm, k: int, after: float) -> dict | None:
 
 def _faults(storm: TeamStorm, env: dict[str, str], rng: random.Random, n: int, stop: threading.Event) -> None:
     last: dict[int, float] = {}
-    for i in range(n):
+    for _ in range(n):
         if stop.wait(rng.uniform(3.0, 8.0)):
             return
         fault, order = rng.choice(FAULTS), rng.sample(range(TRIALS), TRIALS)
@@ -298,9 +348,7 @@ def run_storm(
             errors.append(e)
             stop.set()
 
-    shells = [
-        threading.Thread(target=guarded, args=(_shell, storm, env, n, r, actions)) for n, r in shell_rngs.items()
-    ]
+    shells = [threading.Thread(target=guarded, args=(_shell, storm, env, n, r, actions)) for n, r in shell_rngs.items()]
     for s in shells:
         s.start()
     while storm.sweep_dir is None and any(s.is_alive() for s in shells):
@@ -367,14 +415,15 @@ def check(storm: TeamStorm) -> list[str]:
                 if e["event"] == journal.REQUEUE and e.get("reason") == reason and e.get("by") != "slurm"
             }
             if journal.requeues_counted(events, reason) != len(attempts):
-                bad.append(f"{label}: {journal.requeues_counted(events, reason)} {reason} requeues counted for "
-                           f"{len(attempts)} attempts")
-        if not (trial / "summary.json").exists() and not (
-            journal.stopped(events) and not journal.cancelled(events)
-        ):
+                bad.append(
+                    f"{label}: {journal.requeues_counted(events, reason)} {reason} requeues counted for "
+                    f"{len(attempts)} attempts"
+                )
+        if not (trial / "summary.json").exists() and not (journal.stopped(events) and not journal.cancelled(events)):
             bad.append(f"{label} neither finished nor stopped with a reason: {journal.stop_reason(events)}")
     for c in storm.commands:
-        if "Traceback" in c.out + c.err or c.rc not in (0, 2):
+        hung_up = c.kind.startswith("hangup") and c.rc == -signal.SIGHUP
+        if "Traceback" in c.out + c.err or not (c.rc in (0, 2) or hung_up):
             bad.append(f"shell {c.shell}: hpc-train {' '.join(c.argv[:3])} exited {c.rc}: {(c.err or c.out)[-400:]}")
     bad += [f"not settled: {t}" for t in storm.unsettled]
     return bad
@@ -392,7 +441,8 @@ def figures(storm: TeamStorm) -> dict[str, Any]:
         "commands": dict(Counter(c.kind for c in storm.commands)),
         "refused": dict(Counter(c.kind for c in storm.commands if c.rc == 2)),
         "command_s_max": {
-            k: round(max(c.t1 - c.t0 for c in storm.commands if c.kind == k), 1) for k in {c.kind for c in storm.commands}
+            k: round(max(c.t1 - c.t0 for c in storm.commands if c.kind == k), 1)
+            for k in {c.kind for c in storm.commands}
         },
         "refused_busy": sum(1 for c in storm.commands if BUSY in c.err),
         "lease_refused": per(journal.LEASE_REFUSED),
