@@ -367,26 +367,37 @@ def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
     write_atomic(path, cloudpickle.dumps(delayed))  # a waiting task never loads half a pickle
 
 
+# Held from just before sbatch until the job id is on disk: Ctrl-C, and the hang-up a closed terminal or a
+# dropped ssh session sends the whole process group (sbatch too). SIGTERM is not held: the local
+# executor's controller inherits the mask, and `hpc-train cancel` stops it with SIGTERM.
+HELD_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+
+
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
-    """Ctrl-C waits from just before sbatch until the job id is on disk (submission.json, sweep.json): in
-    between it would leave a queued job that no file names, so status, cancel and resume could not find it.
-    Blocked in this thread, so sbatch (a child: it inherits the mask) is not killed mid-request either; a
-    handler records one that another thread (the progress bar) takes. Raised as KeyboardInterrupt after."""
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C and a hang-up wait from just before sbatch until the job id is on disk (submission.json,
+    sweep.json): in between they left a queued job that no file names, so status, cancel and resume could
+    not find it, and the next resume queued a second job for the run. Blocked in this thread, so sbatch (a
+    child: it inherits the mask) is not killed mid-request either; a handler records one that another
+    thread (the progress bar) takes. After: a hang-up ends the process as it would have (unless ignored,
+    nohup), a Ctrl-C is raised as KeyboardInterrupt."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(1))
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = {s: signal.signal(s, lambda sig, _: caught.append(sig)) for s in HELD_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(HELD_SIGNALS))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C is delivered here
-    if caught:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(HELD_SIGNALS))  # a pending one is delivered here
+    if signal.SIGHUP in caught:
+        os.kill(os.getpid(), signal.SIGHUP)
+    if signal.SIGINT in caught:
         raise KeyboardInterrupt
 
 
@@ -477,7 +488,7 @@ def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
     pin_init_from(run_dir, p.configs)
     _freeze(run_dir, p.configs[0], p.private, _code_identity(run_dir, p.private))
     executor = make_executor(first.cluster, _submitit_dir(run_dir / "submitit", p.private), job_name(run_dir))
-    with _sigint_held():
+    with _interrupts_held():
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
         p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
@@ -540,7 +551,7 @@ def _submit_sweep(
         if cluster.executor == "local":  # this machine is the cluster: one trial at a time
             from hpc_train.runs import process_identity
 
-            with _sigint_held():
+            with _interrupts_held():
                 with _stdio_to_devnull():
                     new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
                 # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
@@ -564,7 +575,7 @@ def _submit_sweep(
                 tried.append(1)
                 return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
 
-            with _sigint_held():
+            with _interrupts_held():
                 new = _sbatch_with_retry(queue_array, what)
                 for i, job in zip(todo, new):
                     p.trials[i].job_id = str(job.job_id)

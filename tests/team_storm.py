@@ -12,7 +12,7 @@ What a shell does, one action at a time, with a pause of 0.5-4 s between:
     resume     `hpc-train resume SWEEP/000k` (refused with exit 2 while it runs, is queued, or is held)
     cancel     `hpc-train cancel SWEEP/000k`; cancel-sweep: `hpc-train cancel SWEEP`
     status     `hpc-train status SWEEP`
-    hangup     a resume or resubmit sent SIGHUP (its process group) 0.3-2 s after it started
+    hangup     a resume or resubmit sent SIGHUP (its process group) 0.05-0.8 s after it started
     race       two of these started at the same moment: resume+resume of one trial, resume+resubmit,
                resumes of two trials, cancel+resume of one trial
 Faults, once a trial's running attempt committed a checkpoint since the last fault on it: `hpc-train chaos
@@ -160,7 +160,7 @@ def _shell(storm: TeamStorm, env: dict[str, str], name: str, rng: random.Random,
         kind = rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
         k = rng.randrange(TRIALS)
         if kind == "hangup":  # a resume or resubmit whose terminal closes a moment after it started
-            what, after_s = rng.choice(("resume", "resubmit")), rng.uniform(0.3, 2.0)
+            what, after_s = rng.choice(("resume", "resubmit")), rng.uniform(0.05, 0.8)
             plan.append(f"hangup {what} {k} after {after_s:.2f} s")
             trial = str(sweep / f"{k:04d}")
             argv = ["resume", trial] if what == "resume" else ["submit", *args, "--sweep-dir", str(sweep)]
