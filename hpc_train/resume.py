@@ -22,9 +22,9 @@ from hpc_train.plan import MANIFEST, job_name
 from hpc_train.sbatch import check_syntax, make_executor, render, validate_live
 from hpc_train.slurm import ACTIVE_STATES
 from hpc_train.submit import (
+    _interrupts_held,
     _owner_writes_only,
     _sbatch_with_retry,
-    _sigint_held,
     _stdio_to_devnull,
     _submitit_dir,
     adopt_lost_job,
@@ -230,7 +230,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
         tried.append(1)
         return executor.submit(run_job, str(run.run_dir))
 
-    with _sigint_held(), _owner_writes_only():  # until the new job id is recorded
+    with _interrupts_held(), _owner_writes_only():  # until the new job id is recorded
         with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(queue, str(run.run_dir))
         job_id = str(job.job_id)

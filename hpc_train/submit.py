@@ -385,6 +385,12 @@ def _write_task_pickle(path: Path, run_dir: str, executor: Any) -> None:
     write_atomic(path, cloudpickle.dumps(delayed))  # a waiting task never loads half a pickle
 
 
+# Held from just before sbatch until the job id is on disk: Ctrl-C, and the hang-up a closed terminal or a
+# dropped ssh session sends the whole process group (sbatch too). SIGTERM is not held: the local
+# executor's controller inherits the mask, and `hpc-train cancel` stops it with SIGTERM.
+HELD_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+
+
 @contextlib.contextmanager
 def _owner_writes_only() -> Iterator[None]:
     """The umask at least 022 while submitit writes the job pickle, batch script and logs (open() with
@@ -400,7 +406,7 @@ def _owner_writes_only() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
+def _interrupts_held() -> Iterator[None]:
     """Ctrl-C waits from just before sbatch until the job id is on disk (submission.json, sweep.json): in
     between it would leave a queued job that no file names, so status, cancel and resume could not find it.
     Blocked in this thread, so sbatch (a child: it inherits the mask) is not killed mid-request either; a
@@ -411,14 +417,17 @@ def _sigint_held() -> Iterator[None]:
         yield
         return
     caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(1))
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = {s: signal.signal(s, lambda sig, _: caught.append(sig)) for s in HELD_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(HELD_SIGNALS))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C is delivered here
-    if caught:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(HELD_SIGNALS))  # a pending one is delivered here
+    if signal.SIGHUP in caught:
+        os.kill(os.getpid(), signal.SIGHUP)
+    if signal.SIGINT in caught:
         raise KeyboardInterrupt
 
 
@@ -514,7 +523,7 @@ def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
     _freeze(run_dir, p.configs[0], p.private, p.dir_mode, _code_identity(run_dir, p.private))
     submitit_dir = _submitit_dir(run_dir / "submitit", p.private, p.dir_mode)
     executor = make_executor(first.cluster, submitit_dir, job_name(run_dir))
-    with _sigint_held(), _owner_writes_only():
+    with _interrupts_held(), _owner_writes_only():
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
         p.trials[0].job_id = p.arrays[0].job_id = str(job.job_id)
@@ -577,7 +586,7 @@ def _submit_sweep(
         if cluster.executor == "local":  # this machine is the cluster: one trial at a time
             from hpc_train.runs import process_identity
 
-            with _sigint_held(), _owner_writes_only():
+            with _interrupts_held(), _owner_writes_only():
                 with _stdio_to_devnull():
                     new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
                 # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
@@ -602,7 +611,7 @@ def _submit_sweep(
                 tried.append(1)
                 return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
 
-            with _sigint_held(), _owner_writes_only():
+            with _interrupts_held(), _owner_writes_only():
                 new = _sbatch_with_retry(queue_array, what)
                 for i, job in zip(todo, new):
                     p.trials[i].job_id = str(job.job_id)
