@@ -484,7 +484,7 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     bin_dir, state = fake_clients(tmp_path, FAKE_SLURM)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setattr(resume, "validate_live", lambda *a: None)
+    monkeypatch.setattr(resume, "validate_live", lambda *a, **k: None)
     monkeypatch.setattr(resume.time, "sleep", lambda s: None)  # sbatch's 1, 2, 4 s backoff
     return state
 
