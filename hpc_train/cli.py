@@ -201,8 +201,9 @@ def _local_outcome(run_dir: Path) -> tuple[int, str]:
     if paths.summary.exists():
         summary = json.loads(paths.summary.read_text())
         loss = summary.get("final_loss")  # a script without script_helper.log reports none
+        steps = f": {summary['final_step']} steps" if summary.get("final_step") is not None else ""
         return 0, (
-            f"finished {run_dir.name}: {summary.get('final_step')} steps"
+            f"finished {run_dir.name}{steps}"
             f"{f', final loss {loss:.4f}' if isinstance(loss, (int, float)) else ''}; "
             f"the run lives in {run}\n"
             f"next: hpc-train report {run}   # where the time went, and {run}/report.png\n"

@@ -387,7 +387,7 @@ def finish(env: Any, paths: RunPaths, outcome: dict[str, Any]) -> dict[str, Any]
     losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
     step = max([outcome["step"], *(int(r["step"]) for r in rows)])
     summary = {
-        "final_step": step,
+        "final_step": step or None,  # None: the script told us no step (script_helper.log does)
         "exit_codes": outcome["exit_codes"],
         **({"final_loss": losses[-1]} if losses else {}),
     }

@@ -32,8 +32,9 @@ def starts(run_dir: Path) -> list[dict]:
 
 
 def wait_progress(run_dir: Path, restart: int) -> None:
-    """Attempt `restart` started and its script saved a checkpoint since (rank 0's log says so)."""
-    wait_until(lambda: any(e["restart"] == restart for e in starts(run_dir)), 120, f"attempt {restart}")
+    """An attempt numbered `restart` or later started and its script saved a checkpoint since. (Or later: an
+    attempt may fail before it starts, e.g. its rendezvous port taken by another cluster's job on this host.)"""
+    wait_until(lambda: any(e["restart"] >= restart for e in starts(run_dir)), 120, f"attempt {restart}")
     began = time.time()
     ckpt = run_dir / "script_checkpoints" / "ckpt.pt"
     wait_until(lambda: ckpt.exists() and ckpt.stat().st_mtime > began, 60, f"a save in attempt {restart}")
@@ -44,18 +45,22 @@ def test_a_ddp_script_with_a_handler_survives_three_kinds_of_interruption(
 ) -> None:
     common = ["cluster=dev", f"out_dir={tmp_path}"]
     ref_dir, ref_id = submit([*common, "cluster.partition=debug", "name=ref", *ddp()], env=slurm_env)
-    run_dir, job_id = submit([*common, "cluster.partition=low", "name=storm", *ddp()], env=slurm_env)
+    # script.checkpoint only names the file, for the start event's resumed_from: the script resumes by itself
+    storm = [*common, "cluster.partition=low", "name=storm", "script.checkpoint=script_checkpoints/ckpt.pt"]
+    run_dir, job_id = submit([*storm, *ddp()], env=slurm_env)
     chaos = lambda action: run([HPC_TRAIN, "chaos", str(run_dir), action], env=slurm_env)  # noqa: E731
     wait_progress(run_dir, 0)
     assert chaos("time-limit").returncode == 0
     wait_progress(run_dir, 1)
     assert chaos("requeue").returncode == 0
-    wait_progress(run_dir, 2)
+    wait_progress(run_dir, starts(run_dir)[-1]["restart"] + 1)
     high_job_preempting(slurm_env, [], nodes=",".join(sorted(set(starts(run_dir)[-1]["nodes"]))))(job_id)
     wait_until(lambda: (run_dir / "summary.json").exists(), 240, "the interrupted run's end")
     wait_until(lambda: (ref_dir / "summary.json").exists(), 120, "the reference's end")
     ours, ref = final(run_dir), final(ref_dir)
     assert ours["step"] == ref["step"] == STEPS
+    # Not bit-exact: DDP rebuilds its buckets after the first step of each attempt, which changes the order of
+    # gloo's sums (3e-8 relative seen at 4 ranks; issue 19 part 4f). The same step, the same loss to 1e-6.
     assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     events = read_events(run_dir)
     assert len(starts(run_dir)) >= 4

@@ -47,19 +47,21 @@ model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.
 opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 os.makedirs(args.out, exist_ok=True)
 ckpt = os.path.join(args.out, "ckpt.pt")
-step = 0
+step, loss = 0, torch.tensor(float("nan"))
 if os.path.exists(ckpt) and (args.resume or not args.no_handler):
     state = torch.load(ckpt)
     model.module.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
-    step = state["step"]
+    step, loss = state["step"], state["loss"]
     print(f"rank {rank}: resumed at step {step}", flush=True)
 
 
 def save():
     if rank == 0:
         tmp = ckpt + ".tmp"
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+        torch.save(
+            {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step, "loss": loss.detach()}, tmp
+        )
         os.replace(tmp, ckpt)
         print(f"saved step {step}", flush=True)
     dist.barrier()
@@ -97,4 +99,4 @@ if rank == 0:
     with open(os.path.join(args.out, "final.json"), "w") as f:
         json.dump(result, f)
     print(f"final {json.dumps(result)}", flush=True)
-dist.destroy_process_group()
+dist.barrier()  # no destroy_process_group at the very end: gloo's teardown raced a peer's (SIGABRT, 1 in 4)
