@@ -7,6 +7,7 @@ hpc-train submit -m cluster=dev train.lr=1e-3,3e-3 cluster.nodes=1,2   # 4 trial
 hpc-train submit -m ... --sweep-dir runs/demo-3           # complete a half-submitted sweep
 hpc-train submit --dry-run -m cluster=dev train.seed=range(8)          # print scripts, queue nothing
 hpc-train submit --cfg job model.d_model=128              # print the composed config
+hpc-train submit cluster=dev -- python train.py --lr 3e-4 # your own script on every rank (docs/scripts.md)
 hpc-train results runs/demo-3 --sort train.lr             # a sweep's trials: overrides, state, loss
 hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
 hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
@@ -38,6 +39,17 @@ def _print_dry_run(p: object) -> None:
     for trial, config in zip(p.trials, p.configs):  # type: ignore[attr-defined]
         print(f"# ---- trial {trial.index}: {' '.join(trial.overrides)} -> {trial.run_dir} ----")
         print(frozen_yaml(config), end="")  # what config.yaml will hold
+        if config["script"]["cmd"]:
+            import shlex
+
+            from hpc_train.script import checkpoint_path, command
+
+            print(f"# every rank runs: {shlex.join(command(config, trial.run_dir, resuming=False))}")
+            if config["script"]["resume_args"]:
+                print(
+                    f"# once {checkpoint_path(config, trial.run_dir)} exists: "
+                    f"{shlex.join(command(config, trial.run_dir, resuming=True))}"
+                )
     why, sweep = p.unvalidated, len(p.trials) > 1  # type: ignore[attr-defined]
     if why:
         print(
@@ -188,8 +200,11 @@ def _local_outcome(run_dir: Path) -> tuple[int, str]:
     run, paths, events = _shown(run_dir), RunPaths(run_dir), journal.read(run_dir)
     if paths.summary.exists():
         summary = json.loads(paths.summary.read_text())
+        loss = summary.get("final_loss")  # a script without script_helper.log reports none
+        steps = f": {summary['final_step']} steps" if summary.get("final_step") is not None else ""
         return 0, (
-            f"finished {run_dir.name}: {summary['final_step']} steps, final loss {summary['final_loss']:.4f}; "
+            f"finished {run_dir.name}{steps}"
+            f"{f', final loss {loss:.4f}' if isinstance(loss, (int, float)) else ''}; "
             f"the run lives in {run}\n"
             f"next: hpc-train report {run}   # where the time went, and {run}/report.png\n"
             f"      hpc-train logs {run}     # rank 0's log"
@@ -594,7 +609,19 @@ def main(argv: list[str] | None = None) -> int:
         help="hold out this share of the tokens, the last ones, as val_*.bin for train.eval_every_steps",
     )
     p.set_defaults(func=_prepare_data)
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    script_cmd = None
+    if words[:1] == ["submit"] and "--" in words:  # everything after -- is the command every rank runs
+        script_cmd, words = words[words.index("--") + 1 :], words[: words.index("--")]
+    args = parser.parse_args(words)
+    if script_cmd is not None:
+        from hpc_train.script import override
+
+        try:
+            args.overrides.append(override(script_cmd))
+        except ValueError as e:
+            print(f"hpc-train submit: error: {e}", file=sys.stderr)
+            return 2
     if argv is None and args.func is _submit:
         import gc
 

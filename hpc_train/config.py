@@ -21,6 +21,7 @@ from typing import Any
 from hpc_train import shipped_dir
 from hpc_train.preflight import PreflightConfig
 from hpc_train.sbatch import ClusterConfig
+from hpc_train.script import ScriptConfig
 from hpc_train.straggler import StragglerConfig
 from hpc_train.tracking import TrackingConfig
 
@@ -281,6 +282,7 @@ class RunConfig:
     requeue: RequeueConfig = field(default_factory=RequeueConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)  # node health at attempt start
     fn: FnConfig = field(default_factory=FnConfig)
+    script: ScriptConfig = field(default_factory=ScriptConfig)  # your own command on every rank (script.py)
     metrics: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow (tracking.py)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)  # slow ranks named (straggler.py)
 
@@ -292,6 +294,11 @@ class RunConfig:
         if tp > 1 and self.model.n_heads % tp:
             raise ValueError(
                 f"train.tp={tp} must divide model.n_heads={self.model.n_heads}: each rank holds whole attention heads"
+            )
+        if self.script.cmd and self.fn._target_:
+            raise ValueError(
+                f"fn._target_={self.fn._target_!r} and a command after -- (script.cmd) both say what every rank "
+                f"runs; give one of them"
             )
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):

@@ -32,7 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal, preempt, slurm
+from hpc_train import journal, preempt, script, slurm
 from hpc_train.paths import RunPaths, locked, make_dir, write_atomic
 
 
@@ -309,6 +309,7 @@ def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) ->
     kills the job at GraceTime's end (+ 60 s; KillWait defaults to 30 s), which requeues a preempted job;
     one that exits inside its grace time is not requeued."""
     preempt.last_beat[0] = float("inf")  # the hang watchdog has nothing left to watch
+    script.end_children()  # a script's process never outlives the rank that started it
     if verdict == "wait":
         start = preempt.received_at[0] if preempt.received_at else time.monotonic()
         until = min(kill_deadline, start + grace_s) + 60
@@ -707,6 +708,16 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         phases_s["preflight"] = time.time() - t0
         if sick:
             _decide_together(paths, env, cfg, "node_health", -1, sick=sick)
+    if cfg.script.cmd:  # the user's own command, one child per rank (script.py), then the one decision
+        out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start)
+        if out["outcome"] != "finished":
+            _decide_together(
+                paths, env, cfg, out["reason"], out["step"], out.get("kill_deadline", float("inf")), out.get("sick")
+            )
+        summary = script.finish(env, paths, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return summary if env.rank == 0 else None
     fn = resolve(cfg.fn._target_)
     at = Attempt.build(env, cfg, paths, process_start, phases_s, decision_reserve_s(env, cfg))
     result = fn(at, **cfg.fn.kwargs)

@@ -17,6 +17,7 @@ from typing import Any
 from hpc_train.config import ConfigSource, RunConfig, check_environment, compose_trials, expand_sweep
 from hpc_train.paths import dir_mode
 from hpc_train.sbatch import ClusterConfig, check_syntax, render, validate_live
+from hpc_train.script import check as check_script
 
 MANIFEST = "sweep.json"
 
@@ -188,6 +189,8 @@ def plan(
         raise ValueError("a sweep must use one executor; sweep cluster= over Slurm clusters only")
     target = sweep_dir.resolve() if sweep_dir else next_dir(Path(runs[0].out_dir), runs[0].name)
     trials = [Trial(i, o, str(target / f"{i:04d}") if multirun else str(target)) for i, o in enumerate(trial_overrides)]
+    for trial, c in zip(trials, configs):  # every placeholder names a key, before anything is written
+        check_script(c, trial.run_dir)
     result = Plan(target, trials, configs, runs)
     if first.executor == "local":
         result.arrays = [Array(trials=[i]) for i in range(len(runs))]  # local trials run one at a time

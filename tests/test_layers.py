@@ -14,7 +14,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("__init__", "paths", "env", "topology", "tokenizer", "straggler"),  # facts and names, torch-free
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
     ("metrics", "preempt", "provenance", "data"),
-    ("tracking", "prometheus", "preflight", "sbatch"),
+    # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;
+    # script_helper: what a user's script imports (torch-free)
+    ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
     ("config",),  # the root config, composed from the dataclasses beside their code
     ("model", "checkpoint"),  # the job side from here
     ("attempt",),

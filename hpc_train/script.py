@@ -1,0 +1,398 @@
+"""Launch an existing script unchanged: every rank runs the command after `--` as a child process with
+torchrun's variables, gets script.stop_signal at a stop, and the job takes the usual requeue decision.
+
+    hpc-train submit cluster=dev -- python train.py --lr 3e-4
+    hpc-train submit -m cluster=dev train.lr=1e-3,3e-4 -- python train.py --lr {train.lr} --out {ckpt_dir}
+    hpc-train submit cluster=dev "script.checkpoint='{ckpt_dir}/ckpt.pt'" \\
+        'script.resume_args=[--init_from=resume]' -- python train.py --out_dir {ckpt_dir}
+    hpc-train submit --dry-run cluster=dev -- python train.py        # the exact command of every rank
+
+Placeholders `{train.lr}` (any key of the composed config; `+script.vars.NAME=VALUE` adds your own),
+`{run_dir}` and `{ckpt_dir}` are filled in the command, resume_args and checkpoint; `{{` and `}}` are
+literal braces. docs/scripts.md has a worked example. Torch-free at import: config.py holds ScriptConfig;
+`supervise` (the job side, called by job.py on every rank) imports torch when the job runs.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_train import journal, preempt
+from hpc_train.paths import RunPaths, make_dir, write_atomic
+
+STOP_SIGNALS = ("TERM", "USR1", "USR2", "INT")
+
+
+@dataclass
+class ScriptConfig:  # script.py: a command every rank runs in place of a training function
+    cmd: list[str] = field(default_factory=list)  # empty: fn._target_ (or the built-in trainer) runs instead
+    # What every rank's process gets at a time-limit warning or a preemption, at the same moment; SIGKILL
+    # follows when it has not exited within what Slurm leaves (signal_lead_s or preempt_grace_s).
+    stop_signal: str = "TERM"
+    resume_args: list[str] = field(default_factory=list)  # appended only when `checkpoint` exists
+    checkpoint: str = ""  # a path or glob the script writes (relative to the run directory, or absolute)
+    vars: dict[str, Any] = field(default_factory=dict)  # your own values for placeholders: {script.vars.NAME}
+
+    def __post_init__(self) -> None:
+        if self.stop_signal.upper().removeprefix("SIG") not in STOP_SIGNALS:
+            raise ValueError(
+                f"script.stop_signal={self.stop_signal!r} is not one of {STOP_SIGNALS}; the signal your script "
+                f"handles to save and exit, e.g. script.stop_signal=TERM (its default, as torchrun sends)"
+            )
+        self.stop_signal = self.stop_signal.upper().removeprefix("SIG")
+        if self.resume_args and not self.checkpoint:
+            raise ValueError(
+                f"script.resume_args={self.resume_args} needs script.checkpoint=PATH (the file or glob your "
+                f"script writes, e.g. '{{ckpt_dir}}/ckpt.pt'): they are appended only once it exists"
+            )
+        if any(not isinstance(a, str) for a in self.cmd) or (self.cmd and not self.cmd[0].strip()):
+            raise ValueError(f"script.cmd={self.cmd!r} must be a list of strings starting with a program")
+
+
+def override(cmd: list[str]) -> str:
+    """The Hydra override that sets script.cmd to exactly these words (what cli makes of `-- CMD...`):
+    each word single-quoted, its quotes and the backslashes before them escaped (Hydra's quoted strings)."""
+    if not cmd:
+        raise ValueError(
+            "nothing after --: give the command every rank runs, e.g. hpc-train submit cluster=dev -- python train.py"
+        )
+
+    def quoted(word: str) -> str:
+        return "'" + re.sub(r"(\\*)(?='|$)", r"\1\1", word).replace("'", "\\'") + "'"
+
+    return f"script.cmd=[{','.join(quoted(w) for w in cmd)}]"
+
+
+def ckpt_dir(run_dir: str | Path) -> Path:
+    """The per-run folder a script may keep its checkpoints in (HPC_TRAIN_CKPT_DIR, {ckpt_dir})."""
+    return Path(run_dir) / "script_checkpoints"
+
+
+_PLACE = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\}")
+
+
+def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "script.cmd") -> str:
+    """`text` with every {dotted.key} replaced by the config's value, {run_dir} and {ckpt_dir} by the run's
+    folders (pure). Raises ValueError naming a placeholder that names no config key, and the fix."""
+    own = {"run_dir": str(run_dir), "ckpt_dir": str(ckpt_dir(run_dir))}
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) in ("{{", "}}"):
+            return m.group(0)[0]
+        key = m.group(1)
+        if key in own:
+            return own[key]
+        node: Any = config
+        for i, part in enumerate(key.split(".")):
+            if not isinstance(node, dict) or part not in node:
+                above = ".".join(key.split(".")[:i]) or "the top level"
+                keys = ", ".join(node) if isinstance(node, dict) else f"none: {above} is a value"
+                raise ValueError(
+                    f"{where}: {text!r} names {{{key}}}, which is not a config key (keys under {above}: {keys}); "
+                    f"write an existing key such as {{train.lr}}, {{run_dir}} or {{ckpt_dir}}, add your own with "
+                    f"+script.vars.NAME=VALUE and write {{script.vars.NAME}}, or {{{{ }}}} for literal braces"
+                )
+            node = node[part]
+        return json.dumps(node) if isinstance(node, (dict, list)) else str(node)
+
+    return _PLACE.sub(one, text)
+
+
+def command(config: dict[str, Any], run_dir: str | Path, resuming: bool) -> list[str]:
+    """The exact command every rank runs (pure): script.cmd, plus resume_args when resuming, filled."""
+    s = config["script"]
+    args = [*s["cmd"], *(s["resume_args"] if resuming else [])]
+    return [fill(a, config, run_dir) for a in args]
+
+
+def checkpoint_path(config: dict[str, Any], run_dir: str | Path) -> str:
+    """script.checkpoint filled and made absolute (relative ones are under the run directory); "" if unset."""
+    raw = config["script"]["checkpoint"]
+    if not raw:
+        return ""
+    filled = fill(raw, config, run_dir, "script.checkpoint")
+    return filled if os.path.isabs(filled) else str(Path(run_dir) / filled)
+
+
+def found_checkpoint(pattern: str) -> str:
+    """The newest file the checkpoint path or glob names, "" when none exists yet."""
+    hits = [p for p in glob.glob(pattern) if os.path.exists(p)] if pattern else []
+    return max(hits, key=os.path.getmtime) if hits else ""
+
+
+def check(config: dict[str, Any], run_dir: str | Path) -> None:
+    """At submit, before anything is queued: an empty command or a placeholder naming no key is a sentence."""
+    s = config.get("script") or {}
+    if not s.get("cmd"):
+        if s.get("resume_args") or s.get("checkpoint"):
+            raise ValueError(
+                "script.resume_args and script.checkpoint need a command: put it after --, e.g. "
+                "hpc-train submit cluster=dev -- python train.py"
+            )
+        return
+    command(config, run_dir, resuming=True)
+    checkpoint_path(config, run_dir)
+
+
+# ---- the job side: one child per rank ------------------------------------------------------------------
+
+# The child ignores the stop signals Slurm sends that are not script.stop_signal (USR2 is Slurm's time-limit
+# warning, TERM a preemption; proctrack delivers both to every process of the task, ours included): an
+# unhandled USR2 would kill a script at the warning, before our ranks agree. It dies with us (PDEATHSIG).
+_SHIM = (
+    "import ctypes,os,signal,sys\n"
+    "for s in sys.argv[1].split(','):\n"
+    "    s and signal.signal(getattr(signal,'SIG'+s),signal.SIG_IGN)\n"
+    "signal.signal(getattr(signal,'SIG'+sys.argv[2]),signal.SIG_DFL)\n"
+    "try: ctypes.CDLL(None).prctl(1,9)\n"
+    "except Exception: pass\n"
+    "os.execvp(sys.argv[3],sys.argv[3:])\n"
+)
+POLL_S = 0.25  # our ranks agree 4 times a second: the stop signal reaches every child within ~0.25 s
+# After a stop signal, the child's SIGKILL comes this much before Slurm's, for the requeue decision (two
+# scontrol calls, ~0.1 s on a healthy controller): at most a quarter of what is left.
+DECIDE_RESERVE_S = 10.0
+children: list[subprocess.Popen[bytes]] = []  # this rank's child, for job._leave to end with us
+
+
+def end_children() -> None:
+    """SIGKILL the child's process group (its data-loader workers too); job._leave calls it before exiting."""
+    for child in children:
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _echo(stream: Any, out: Any, tail: deque[str]) -> None:
+    """Copy the child's lines to our own stream (the rank's log) and take each as a heartbeat."""
+    for line in iter(stream.readline, b""):
+        out.write(line)
+        out.flush()
+        tail.append(line.decode(errors="replace"))
+        _last_output[0] = time.time()
+
+
+_last_output = [time.time()]
+
+
+def child_env(env: Any, placed_master: tuple[str, int], paths: RunPaths, stop_signal: str) -> dict[str, str]:
+    """torchrun's variables for this placed rank, with the script's own rendezvous, and ours (pure but
+    for os.environ)."""
+    addr, port = placed_master
+    return {
+        **os.environ,
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": str(env.restart_count),
+        "HPC_TRAIN_RESTART_COUNT": str(env.restart_count),
+        "HPC_TRAIN_RUN_DIR": str(paths.run_dir),
+        "HPC_TRAIN_CKPT_DIR": str(ckpt_dir(paths.run_dir)),
+        "HPC_TRAIN_JOB_ID": env.job_id,
+        "HPC_TRAIN_STOP_SIGNAL": stop_signal,
+        "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),  # a pipe is block-buffered: lines late
+    }
+
+
+def _free_port() -> int:
+    """A port free on this host now, for the script's own rendezvous (its rank 0 binds it within ~1 s). Not
+    ours: our TCPStore holds MASTER_PORT for the whole attempt, so init_process_group("env://") there fails."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def supervise(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float) -> dict[str, Any]:
+    """Collective, on every rank once placed: run the command as this rank's child until every child exits
+    or a stop signal ends them. Returns {"outcome": "finished" | "stopped" | "failed", "reason", "step",
+    "kill_deadline", "sick"} for job.py's one decision."""
+    import torch
+    import torch.distributed as dist
+
+    s = cfg.script
+    facts: list[Any] = [None]
+    if env.rank == 0:
+        make_dir(ckpt_dir(paths.run_dir), exist_ok=True)
+        found = found_checkpoint(checkpoint_path(config, paths.run_dir))
+        # HPC_TRAIN_MASTER_ADDR names our rendezvous host; the script's rank 0 is the placed first node
+        addr = os.environ.get("HPC_TRAIN_MASTER_ADDR") if env.nodes[0] == env.master_addr else None
+        facts[0] = {"addr": addr or env.nodes[0], "port": _free_port(), "found": found}
+    dist.broadcast_object_list(facts, src=0)  # one answer: a checkpoint written meanwhile resumes no rank alone
+    found = facts[0]["found"]
+    cmd = command(config, paths.run_dir, resuming=bool(found))
+    ignore = ",".join(x for x in ("USR2", "TERM") if x != s.stop_signal)
+    child = subprocess.Popen(
+        [sys.executable, "-S", "-c", _SHIM, ignore, s.stop_signal, *cmd],
+        env=child_env(env, (facts[0]["addr"], facts[0]["port"]), paths, s.stop_signal),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: end_children reaches its workers too
+    )
+    children[:] = [child]
+    tail: deque[str] = deque(maxlen=40)
+    for stream, out in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
+        threading.Thread(target=_echo, args=(stream, out, tail), daemon=True).start()
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
+    dist.all_gather(pids, torch.tensor([child.pid]))
+    events = journal.read(paths.run_dir) if env.rank == 0 else []
+    step = journal.committed_step(events) or 0
+    if env.rank == 0:
+        journal.log(
+            paths.run_dir,
+            journal.START,
+            step,
+            env.job_id,
+            env.restart_count,
+            resumed_from=found or None,
+            target="script",
+            cmd=cmd,
+            world_size=env.world_size,
+            nodes=list(env.nodes),
+            launched_at=launched_at,
+            pids=[int(p) for p in pids],
+            rank_nodes=[env.nodes[r // env.local_world_size] for r in range(env.world_size)],
+            master=f"{facts[0]['addr']}:{facts[0]['port']}",
+        )
+        print(f"[hpc_train] every rank runs: {' '.join(cmd)}", flush=True)
+    stopped_at, kill_at, reason, kill_deadline = None, float("inf"), "", float("inf")
+    killed = False  # this rank ended its child: a peer's failure, or the stop's grace ran out
+    while True:
+        time.sleep(POLL_S)
+        code = child.poll()
+        metrics_t = os.path.getmtime(paths.metrics) if env.rank == 0 and paths.metrics.exists() else 0.0
+        # [any stop signal, any child failed, not every child exited, the newest output anywhere]
+        t = torch.tensor(
+            [
+                1.0 if preempt.received else 0.0,
+                1.0 if code not in (None, 0) else 0.0,
+                1.0 if code is None else 0.0,
+                max(_last_output[0], metrics_t),
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if t[3] > time.time() - 2 * POLL_S:  # any rank's output beats every rank's watchdog (rank 0 prints)
+            preempt.last_beat[0] = time.monotonic()
+        if t[0] and stopped_at is None:
+            left, reason = _time_left_s(cfg, launched_at)
+            stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
+            kill_at = stopped_at + max(0.0, left - min(DECIDE_RESERVE_S, left / 4))
+            if code is None:
+                os.killpg(child.pid, getattr(signal, f"SIG{s.stop_signal}"))
+            if env.rank == 0:
+                journal.log(
+                    paths.run_dir,
+                    journal.SIGNAL,
+                    step,
+                    env.job_id,
+                    env.restart_count,
+                    signals=list(preempt.received),
+                    reason=reason,
+                    left_s=round(left, 2),
+                    sent=s.stop_signal,
+                    kill_after_s=round(kill_at - stopped_at, 2),
+                )
+        if stopped_at is None and t[1]:  # a child failed: the others would block on it in a collective
+            killed = child.poll() is None
+            end_children()
+            break
+        if not t[2]:
+            break
+        if time.monotonic() >= kill_at:
+            print(
+                f"[hpc_train] rank {env.rank}: the script did not exit within {kill_at - stopped_at:.0f} s of "
+                f"SIG{s.stop_signal}: SIGKILL",
+                file=sys.stderr,
+                flush=True,
+            )
+            end_children()
+            kill_at = float("inf")
+    code = child.wait()
+    time.sleep(0.2)  # the echo threads' last lines
+    step = (journal.committed_step(journal.read(paths.run_dir)) or 0) if env.rank == 0 else 0
+    if stopped_at is not None:
+        return {"outcome": "stopped", "reason": reason, "step": step, "kill_deadline": kill_deadline}
+    failed = [None] * env.world_size
+    node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
+    mine = {"rank": env.rank, "code": code, "node": node, "tail": "".join(tail)[-2000:], "killed": killed}
+    dist.all_gather_object(failed, mine)
+    bad = [f for f in failed if f and f["code"] not in (0, None)]
+    if not bad:
+        return {"outcome": "finished", "step": step, "exit_codes": [f["code"] for f in failed]}
+    bad = [f for f in bad if not f["killed"]] or bad  # the ranks that failed first, not those we ended
+    first = min(bad, key=lambda f: f["rank"])
+    if env.rank == first["rank"]:
+        journal.log(
+            paths.run_dir,
+            journal.FAIL,
+            step,
+            env.job_id,
+            env.restart_count,
+            rank=env.rank,
+            error=f"script exited with code {code} on rank {env.rank} ({node})",
+            output=mine["tail"][-1000:],
+        )
+    sick = {}
+    for f in bad:
+        marker = preempt.hardware_error(f["tail"])
+        if marker:
+            sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
+    return {"outcome": "failed", "reason": "failure", "step": step, "sick": sick or None}
+
+
+def _time_left_s(cfg: Any, launched_at: float) -> tuple[float, str]:
+    """Collective: (seconds until Slurm's SIGKILL, "time_limit" | "preempt"), as Attempt.time_left_s judges
+    it, the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    c = cfg.cluster
+    left, code = float("inf"), 0.0
+    if preempt.received_at:
+        allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or launched_at)
+        reason = preempt.stop_reason(preempt.received, time.time() - allocated_at, c.timeout_min, c.signal_lead_s)
+        kill_s = preempt.seconds_to_kill(reason, c.signal_lead_s, c.preempt_grace_s)
+        left, code = preempt.received_at[0] + kill_s - time.monotonic(), 2.0 if reason == "preempt" else 1.0
+    t = torch.tensor([-left, code], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
+
+
+def finish(env: Any, paths: RunPaths, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Every child exited 0 without a stop signal: summary.json and the finish event (rank 0)."""
+    from hpc_train.metrics import read_metrics
+
+    rows = read_metrics(paths.run_dir) if env.rank == 0 else []
+    losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
+    step = max([outcome["step"], *(int(r["step"]) for r in rows)])
+    summary = {
+        "final_step": step or None,  # None: the script told us no step (script_helper.log does)
+        "exit_codes": outcome["exit_codes"],
+        **({"final_loss": losses[-1]} if losses else {}),
+    }
+    if env.rank == 0:
+        write_atomic(paths.summary, json.dumps(summary, indent=1) + "\n")
+        journal.log(paths.run_dir, journal.FINISH, step, env.job_id, env.restart_count, **summary)
+        print(f"[hpc_train] the script finished: {json.dumps(summary)}", flush=True)
+    return summary

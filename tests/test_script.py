@@ -1,0 +1,122 @@
+"""A script launched unchanged (script.py): the command line after --, placeholders, the sentences for bad
+input, the dry run's exact command, and one local run of a torchrun-style DDP script to its end."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_train.config import ConfigSource, compose, to_run_config
+from hpc_train.script import ScriptConfig, command, fill, override
+
+ROOT = Path(__file__).resolve().parent.parent
+HPC_TRAIN = [sys.executable, "-m", "hpc_train.cli"]
+DDP = str(ROOT / "tests" / "scripts" / "ddp_train.py")
+
+
+def test_any_words_after_the_double_dash_reach_the_script_exactly() -> None:
+    """Random words of quotes, backslashes, braces-free punctuation and spaces survive Hydra's override."""
+    rng = random.Random(19)
+    alphabet = "ab '\"\\=,[]():$-_./"
+    for _ in range(40):
+        words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 5))]
+        words = [w.replace("${", "$ {") for w in words]  # ${...} is Hydra's interpolation, on purpose
+        cfg = to_run_config(compose([override(words)], ConfigSource()))
+        assert cfg.script.cmd == words
+
+
+def test_placeholders_take_config_values_and_run_folders() -> None:
+    config = {"train": {"lr": 0.0003}, "script": {"vars": {"wd": 0.1}}}
+    assert fill("--lr={train.lr}", config, "/r") == "--lr=0.0003"
+    assert fill("{script.vars.wd} {ckpt_dir} {{train.lr}}", config, "/r") == "0.1 /r/script_checkpoints {train.lr}"
+    assert fill('{"a": 1}', config, "/r") == '{"a": 1}'  # JSON is not a placeholder
+    with pytest.raises(ValueError, match=r"names \{train.lrr\}, which is not a config key .*keys under train: lr"):
+        fill("--lr={train.lrr}", config, "/r")
+
+
+def test_resume_args_only_when_resuming() -> None:
+    config = {"script": {"cmd": ["python", "t.py"], "resume_args": ["--init_from=resume"], "checkpoint": "x"}}
+    assert command(config, "/r", resuming=False) == ["python", "t.py"]
+    assert command(config, "/r", resuming=True) == ["python", "t.py", "--init_from=resume"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stop_signal": "HUP"}, r"script.stop_signal='HUP' is not one of \('TERM', 'USR1', 'USR2', 'INT'\)"),
+        ({"resume_args": ["--resume"]}, r"needs script.checkpoint=PATH"),
+    ],
+)
+def test_bad_script_config_is_a_sentence(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ScriptConfig(cmd=["python"], **kwargs)
+    assert ScriptConfig(cmd=["python"], stop_signal="sigusr1").stop_signal == "USR1"
+
+
+def _submit(tmp_path: Path, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*HPC_TRAIN, "submit", *flags, f"out_dir={tmp_path}", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+
+
+def test_the_dry_run_shows_every_ranks_command_of_each_trial(tmp_path: Path) -> None:
+    proc = _submit(
+        tmp_path,
+        "train.lr=1e-3,3e-4",
+        "script.checkpoint='{ckpt_dir}/ckpt.pt'",  # quoted: Hydra reads an unquoted { as a dict
+        "script.resume_args=[--resume]",
+        "--",
+        "python",
+        "train.py",
+        "--lr={train.lr}",
+        "--out",
+        "{ckpt_dir}",
+        flags=("--dry-run", "-m"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "runs:" in line or "exists:" in line]
+    assert lines == [
+        f"# every rank runs: python train.py --lr=0.001 --out {tmp_path}/demo-1/0000/script_checkpoints",
+        f"# once {tmp_path}/demo-1/0000/script_checkpoints/ckpt.pt exists: python train.py --lr=0.001 --out "
+        f"{tmp_path}/demo-1/0000/script_checkpoints --resume",
+        f"# every rank runs: python train.py --lr=0.0003 --out {tmp_path}/demo-1/0001/script_checkpoints",
+        f"# once {tmp_path}/demo-1/0001/script_checkpoints/ckpt.pt exists: python train.py --lr=0.0003 --out "
+        f"{tmp_path}/demo-1/0001/script_checkpoints --resume",
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--"], r"error: nothing after --: give the command every rank runs"),
+        (["--", "python", "t.py", "--lr={train.lrr}"], r"error: script.cmd: '--lr=\{train.lrr\}' names \{train.lrr\}"),
+        (["script.stop_signal=KILL", "--", "python"], r"error: script.stop_signal='KILL' is not one of"),
+        (["fn._target_=a.b", "--", "python"], r"fn._target_='a.b' and a command after -- \(script.cmd\) both"),
+    ],
+)
+def test_bad_input_is_one_sentence_before_anything_is_queued(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = _submit(tmp_path, *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert __import__("re").search(message, proc.stderr), proc.stderr
+    assert not list(tmp_path.glob("demo-*")), "nothing written"
+
+
+def test_a_ddp_script_runs_to_its_end_on_the_local_executor(tmp_path: Path) -> None:
+    """Two ranks on this machine: env:// finds the script's own port (ours is held by our TCPStore)."""
+    proc = _submit(tmp_path, "--", sys.executable, DDP, "--steps", "20", "--out", "{ckpt_dir}", "--step-time", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "demo-1"
+    final = json.loads((run_dir / "script_checkpoints" / "final.json").read_text())
+    assert final["step"] == 20
+    assert json.loads((run_dir / "summary.json").read_text())["exit_codes"] == [0, 0]
+    start = next(json.loads(line) for line in (run_dir / "events.jsonl").open() if '"start"' in line)
+    assert start["target"] == "script" and start["cmd"][-1] == "0"
