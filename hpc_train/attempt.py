@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpc_train import journal, preempt, slurm
+from hpc_train import journal, preempt
 from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
@@ -89,7 +89,9 @@ class Attempt:
         device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
         # Rank 0 alone asks (one slurmctld call per attempt, not one per rank), in the same all-reduce.
         facts = torch.tensor(
-            [journal.slowest_write_s(journal.read(paths.run_dir)), _slurm_end(env)[0]] if env.rank == 0 else [0.0, 0.0],
+            [journal.slowest_write_s(journal.read(paths.run_dir)), preempt.slurm_end(env.executor, env.job_id)[0]]
+            if env.rank == 0
+            else [0.0, 0.0],
             dtype=torch.float64,
         )
         dist.all_reduce(facts, op=dist.ReduceOp.MAX)
@@ -197,19 +199,13 @@ class Attempt:
         preemption ("preempt": cluster.preempt_grace_s left). One rank's SIGTERM makes it a preemption.
         The end is Slurm's EndTime, asked again now (an administrator may have shortened the limit since
         the start), never later than it: rank 0 asks, every rank gets its answer."""
-        c = self.cfg.cluster
-        end = torch.tensor(_slurm_end(self.env) if self.env.rank == 0 else (0.0, 0.0), dtype=torch.float64)
+        end = torch.tensor(
+            preempt.slurm_end(self.env.executor, self.env.job_id) if self.env.rank == 0 else (0.0, 0.0),
+            dtype=torch.float64,
+        )
         dist.broadcast(end, src=0)
-        said = float(end[0]) or self.end_at  # 0: Slurm did not answer now nor at the start, or no Slurm
-        # Else the frozen limit from the allocation's start, as before Slurm was asked.
         allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or self.process_start)
-        end_in_s = (said or allocated_at + c.timeout_min * 60) - time.time()
-        left, code = float("inf"), 0.0
-        if preempt.received_at:
-            reason = preempt.stop_reason(preempt.received, end_in_s, c.signal_lead_s, preempted=bool(end[1]))
-            kill_s = preempt.seconds_to_kill(reason, c.signal_lead_s, c.preempt_grace_s)
-            left = preempt.received_at[0] + kill_s - time.monotonic()
-            left, code = min(left, end_in_s) if said else left, 2.0 if reason == "preempt" else 1.0
+        left, code = preempt.time_left(self.cfg.cluster, float(end[0]), bool(end[1]), self.end_at, allocated_at)
         t = torch.tensor([-left, code], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the least time left, the strongest reason
         return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
@@ -270,12 +266,3 @@ class Attempt:
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()
         return self.finished
-
-
-def _slurm_end(env: RankEnv) -> tuple[float, float]:
-    """(Slurm's EndTime of this job as Unix s, 0 when unknown; 1.0 when Slurm is preempting it) for a
-    tensor; (0, 0) off Slurm."""
-    if env.executor != "slurm":
-        return 0.0, 0.0
-    end, preempted = slurm.end_time(env.job_id)
-    return end or 0.0, 1.0 if preempted else 0.0

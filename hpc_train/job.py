@@ -709,7 +709,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         if sick:
             _decide_together(paths, env, cfg, "node_health", -1, sick=sick)
     if cfg.script.cmd:  # the user's own command, one child per rank (script.py), then the one decision
-        out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start)
+        out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start, decision_reserve_s(env, cfg))
         if out["outcome"] != "finished":
             _decide_together(
                 paths, env, cfg, out["reason"], out["step"], out.get("kill_deadline", float("inf")), out.get("sick")

@@ -79,6 +79,34 @@ def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempt
     )
 
 
+def time_left(
+    cluster: Any, end_s: float, preempted: bool, start_end_s: float, allocated_at: float
+) -> tuple[float, float]:
+    """This rank's (seconds from now until Slurm's SIGKILL, 1.0 for a time limit | 2.0 for a preemption)
+    from its first stop signal; (inf, 0.0) with none. The end is Slurm's EndTime asked now (end_s; 0: no
+    answer), else as the attempt started (start_end_s), else the frozen cluster.timeout_min from
+    allocated_at; never later than Slurm's EndTime. One judgement for the built-in trainer's Attempt and a
+    user's script (script.py): callers all-reduce it (the least time left, the strongest reason)."""
+    said = end_s or start_end_s
+    end_in_s = (said or allocated_at + cluster.timeout_min * 60) - time.time()
+    if not received_at:
+        return float("inf"), 0.0
+    reason = stop_reason(received, end_in_s, cluster.signal_lead_s, preempted=preempted)
+    left = received_at[0] + seconds_to_kill(reason, cluster.signal_lead_s, cluster.preempt_grace_s) - time.monotonic()
+    return (min(left, end_in_s) if said else left), 2.0 if reason == "preempt" else 1.0
+
+
+def slurm_end(executor: str, job_id: str) -> tuple[float, float]:
+    """(Slurm's EndTime of this job as Unix s, 0 when unknown; 1.0 when Slurm is preempting it), for a
+    tensor; (0, 0) off Slurm. Rank 0 alone asks (one slurmctld call, not one per rank)."""
+    from hpc_train import slurm
+
+    if executor != "slurm":
+        return 0.0, 0.0
+    end, preempting = slurm.end_time(job_id)
+    return end or 0.0, 1.0 if preempting else 0.0
+
+
 def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:
     """From the first signal to Slurm's SIGKILL: the time limit comes signal_lead_s after its warning; a
     preemption (SIGTERM, or USR2 under preempt_send_user_signal) kills after the partition's GraceTime."""

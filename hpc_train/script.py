@@ -161,8 +161,8 @@ _SHIM = (
     "os.execvp(sys.argv[3],sys.argv[3:])\n"
 )
 POLL_S = 0.25  # our ranks agree 4 times a second: the stop signal reaches every child within ~0.25 s
-# After a stop signal, the child's SIGKILL comes this much before Slurm's, for the requeue decision (two
-# scontrol calls, ~0.1 s on a healthy controller): at most a quarter of what is left.
+# After a preemption's signal, the child's SIGKILL comes this much before Slurm's, for the records (Slurm
+# requeues a preempted job itself): at most a quarter of what is left. A time limit keeps job.py's reserve.
 DECIDE_RESERVE_S = 10.0
 children: list[subprocess.Popen[bytes]] = []  # this rank's child, for job._leave to end with us
 
@@ -222,7 +222,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def supervise(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float) -> dict[str, Any]:
+def supervise(
+    env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float, reserve_s: float = 10.0
+) -> dict[str, Any]:
     """Collective, on every rank once placed: run the command as this rank's child until every child exits
     or a stop signal ends them. Returns {"outcome": "finished" | "stopped" | "failed", "reason", "step",
     "kill_deadline", "sick"} for job.py's one decision."""
@@ -295,9 +297,12 @@ def supervise(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launc
         if t[3] > time.time() - 2 * POLL_S:  # any rank's output beats every rank's watchdog (rank 0 prints)
             preempt.last_beat[0] = time.monotonic()
         if t[0] and stopped_at is None:
-            left, reason = _time_left_s(cfg, launched_at)
+            left, reason = _time_left_s(env, cfg, launched_at)
             stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
-            kill_at = stopped_at + max(0.0, left - min(DECIDE_RESERVE_S, left / 4))
+            # A time limit's TIMEOUT is never requeued by Slurm: keep the decision's worst case (job.py's
+            # reserve, 35 s). A preempted job Slurm requeues itself: a little for the records.
+            keep = reserve_s if reason == "time_limit" else min(DECIDE_RESERVE_S, left / 4)
+            kill_at = stopped_at + max(0.0, left - keep)
             if code is None:
                 os.killpg(child.pid, getattr(signal, f"SIG{s.stop_signal}"))
             if env.rank == 0:
@@ -361,19 +366,18 @@ def supervise(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launc
     return {"outcome": "failed", "reason": "failure", "step": step, "sick": sick or None}
 
 
-def _time_left_s(cfg: Any, launched_at: float) -> tuple[float, str]:
-    """Collective: (seconds until Slurm's SIGKILL, "time_limit" | "preempt"), as Attempt.time_left_s judges
-    it, the same on every rank."""
+def _time_left_s(env: Any, cfg: Any, launched_at: float) -> tuple[float, str]:
+    """Collective: (seconds until Slurm's SIGKILL, "time_limit" | "preempt"), judged as for the built-in
+    trainer (preempt.time_left: Slurm's EndTime, asked by rank 0 now), the same on every rank."""
     import torch
     import torch.distributed as dist
 
-    c = cfg.cluster
-    left, code = float("inf"), 0.0
-    if preempt.received_at:
-        allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or launched_at)
-        reason = preempt.stop_reason(preempt.received, time.time() - allocated_at, c.timeout_min, c.signal_lead_s)
-        kill_s = preempt.seconds_to_kill(reason, c.signal_lead_s, c.preempt_grace_s)
-        left, code = preempt.received_at[0] + kill_s - time.monotonic(), 2.0 if reason == "preempt" else 1.0
+    end = torch.tensor(
+        preempt.slurm_end(env.executor, env.job_id) if env.rank == 0 else (0.0, 0.0), dtype=torch.float64
+    )
+    dist.broadcast(end, src=0)
+    allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or launched_at)
+    left, code = preempt.time_left(cfg.cluster, float(end[0]), bool(end[1]), 0.0, allocated_at)
     t = torch.tensor([-left, code], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
