@@ -717,7 +717,10 @@ class Saver:
 
         busy = False  # a write given up on below still holds the writer's one thread and its host buffers
         if self.pending is not None:
-            room = budget_s - self.expected_write_s if self.verified else budget_s
+            # Room for this step's save after it only when that save can fit at all: else the write in
+            # flight gets the whole budget (it abandoned a write 5 s from done when the save would not fit).
+            fits = self.verified and self.expected_write_s <= budget_s
+            room = budget_s - self.expected_write_s if fits else budget_s
             busy = not self.commit_pending(timeout_s=max(0.0, room), retain=False)
         if state.step in self.verified:
             return

@@ -158,7 +158,10 @@ _SHIM = (
     "signal.signal(getattr(signal,'SIG'+sys.argv[2]),signal.SIG_DFL)\n"
     "try: ctypes.CDLL(None).prctl(1,9)\n"
     "except Exception: pass\n"
-    "os.execvp(sys.argv[3],sys.argv[3:])\n"
+    "try: os.execvp(sys.argv[3],sys.argv[3:])\n"
+    "except OSError as e:\n"
+    "    sys.exit(f'[hpc_train] cannot run {sys.argv[3]!r}: {e.strerror}; check the command after --"
+    " (installed on every node? on the PATH? executable?)')\n"
 )
 POLL_S = 0.25  # our ranks agree 4 times a second: the stop signal reaches every child within ~0.25 s
 # After a preemption's signal, the child's SIGKILL comes this much before Slurm's, for the records (Slurm
@@ -169,12 +172,11 @@ children: list[subprocess.Popen[bytes]] = []  # this rank's child, for job._leav
 
 def end_children() -> None:
     """SIGKILL the child's process group (its data-loader workers too); job._leave calls it before exiting."""
-    for child in children:
-        if child.poll() is None:
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except OSError:
-                pass
+    for child in children:  # its group even once it exited: its data loaders and daemons may live on
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except OSError:  # ESRCH: the whole group is gone
+            pass
 
 
 def _echo(stream: Any, out: Any, tail: deque[str]) -> None:

@@ -120,3 +120,15 @@ def test_a_ddp_script_runs_to_its_end_on_the_local_executor(tmp_path: Path) -> N
     assert json.loads((run_dir / "summary.json").read_text())["exit_codes"] == [0, 0]
     start = next(json.loads(line) for line in (run_dir / "events.jsonl").open() if '"start"' in line)
     assert start["target"] == "script" and start["cmd"][-1] == "0"
+
+
+def test_a_command_that_cannot_run_is_one_sentence_not_a_traceback() -> None:
+    """A mistyped program after `--`: before (adversarial review), every rank printed a bare FileNotFoundError
+    traceback naming no program."""
+    from hpc_train.script import _SHIM
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHIM, "", "TERM", "no-such-train-prog", "--lr=1"], capture_output=True, text=True
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("[hpc_train] cannot run 'no-such-train-prog': No such file or directory; check the")
