@@ -208,11 +208,10 @@ def test_a_first_write_still_running_at_the_stop_is_not_followed_by_a_save(tmp_p
     state.step = 20
     saver.periodic(state)
     state.step = 21
-    t0 = time.monotonic()
     saver.stop(state, budget_s=1.0, agree=lambda ok: ok)
-    took = time.monotonic() - t0
+    # no save of step 21 was started once the budget was spent (a timing assert was here: events suffice)
     assert [(e["event"], e["step"]) for e in events] == [("checkpoint_abandoned", 20), ("stop_save_skipped", 21)]
-    assert events[1]["left_s"] <= 0.0 and took < 4.0, took  # the 5 s save after the wait would take >= 6 s
+    assert events[1]["left_s"] <= 0.0 and saver.pending is None and 21 not in saver.verified
     saver.writer.pool.shutdown(wait=True)
 
 
