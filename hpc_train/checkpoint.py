@@ -3,9 +3,10 @@
 Layout of one checkpoint (one folder per step):
     checkpoints/step_000040/
         .metadata, __0_0.distcp, ...   DCP: model, optimizer, progress (step, tokens), data position
-        rank_00000.pt ...              each rank's own state (RNG), torch.save of plain tensors
-        COMMITTED                      JSON manifest: step, reason, world size, size and sha256 of every
-                                       file; written last
+        rank_00000.pt ...              each rank's own state (torch's, Python's and numpy's RNG),
+                                       torch.save of plain tensors
+        COMMITTED                      JSON manifest: format (paths.FORMAT), step, reason, world size, size
+                                       and sha256 of every file; written last
 
 Write order: every rank writes and fsyncs its files (a periodic save in a background thread) and hashes
 what it wrote, in that same writer -> at a step boundary the ranks gather their file lists -> rank 0
@@ -24,7 +25,9 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import math
 import os
+import random
 import shutil
 import signal
 import stat
@@ -40,11 +43,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
-from hpc_train import journal
+from hpc_train import __version__, journal
 from hpc_train.config import CheckpointConfig
-from hpc_train.paths import MARKER, dir_mode, make_dir, read_marker, step_dir, step_folders, untrusted, write_atomic
+from hpc_train.paths import (
+    FORMAT,
+    MARKER,
+    dir_mode,
+    make_dir,
+    marker_format,
+    read_marker,
+    step_dir,
+    step_folders,
+    untrusted,
+    write_atomic,
+)
 from hpc_train.preempt import Unrecoverable, alive, claim_drill, drill_seconds, injected
 
 
@@ -80,16 +100,42 @@ class TrainState:
 
     @staticmethod
     def rank_state() -> dict[str, torch.Tensor]:
-        state = {"rng": torch.get_rng_state()}
+        """This rank's RNGs: torch's (CUDA's too), Python's `random` and numpy's global one (if numpy is
+        installed), as plain tensors: the rank file is read with torch.load(weights_only=True)."""
+        version, words, gauss = random.getstate()  # (3, 624 Mersenne Twister words + position, cached gauss)
+        state = {
+            "rng": torch.get_rng_state(),
+            "py_rng": torch.tensor([version, *words], dtype=torch.int64),  # words < 2**32
+            "py_rng_gauss": torch.tensor(math.nan if gauss is None else gauss, dtype=torch.float64),
+        }
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state()
+        try:
+            import numpy as np
+        except ImportError:
+            return state
+        _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # ("MT19937", 624 uint32, ...)
+        state["np_rng"] = torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64)
+        state["np_rng_gauss"] = torch.tensor(cached, dtype=torch.float64)
         return state
 
     @staticmethod
     def load_rank_state(state: dict[str, torch.Tensor]) -> None:
+        """The RNGs rank_state saved; one a rank file has no entry for (written before it was saved:
+        Python's and numpy's) stays as it is."""
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
+        if "py_rng" in state:
+            version, *words = state["py_rng"].tolist()
+            gauss = float(state["py_rng_gauss"])
+            random.setstate((version, tuple(words), None if math.isnan(gauss) else gauss))
+        if "np_rng" in state:
+            import numpy as np
+
+            *keys, pos, has_gauss = state["np_rng"].tolist()
+            keys_u32 = np.array(keys, dtype=np.uint32)
+            np.random.set_state(("MT19937", keys_u32, pos, has_gauss, float(state["np_rng_gauss"])))
 
 
 # ---- files and hashes ---------------------------------------------------------------------------------
@@ -218,45 +264,96 @@ def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
 
 
 def shape_mismatch(saved: dict[str, Any], sd: dict[str, Any]) -> str:
-    """ "" when every tensor of `sd` (nested, as DCP flattens it: "model.tok.weight") is in the checkpoint's
-    metadata with the same global shape and no model tensor of the checkpoint is left over; else the
-    first few differences, in words."""
+    """ "" when every entry of `sd` (nested, as DCP flattens it: "model.tok.weight") is in the checkpoint's
+    metadata, each tensor a tensor of the same global shape there, and no entry of the checkpoint under a
+    part `sd` loads ("model", "optim" ...) is left over; else the first few differences, in words. One
+    judgement for init_from and resume: DCP itself raises on a missing key ("CheckpointException ranks:
+    dict_keys([0])") and loads a partial state without a word when the checkpoint has more."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(sd)
     wrong = []
     for key, t in flat.items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        have = getattr(saved.get(key), "size", None)  # TensorStorageMetadata.size: the global shape
-        if have is None:
+        if key not in saved:
             wrong.append(f"{key} is not in the checkpoint")
-        elif tuple(have) != tuple(t.shape):
-            wrong.append(f"{key} is {list(have)} in the checkpoint but {list(t.shape)} here")
+        elif isinstance(t, torch.Tensor):
+            have = getattr(saved[key], "size", None)  # TensorStorageMetadata.size: the global shape
+            if have is None:
+                wrong.append(f"{key} is not a tensor in the checkpoint")
+            elif tuple(have) != tuple(t.shape):
+                wrong.append(f"{key} is {list(have)} in the checkpoint but {list(t.shape)} here")
     wrong += [
-        f"{key} of the checkpoint has no place here" for key in saved if key.startswith("model.") and key not in flat
+        f"{key} of the checkpoint has no place here" for key in saved if key.split(".", 1)[0] in sd and key not in flat
     ]
     return "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
+
+
+def unknown_format(folder: Path, marker: dict[str, Any]) -> str:
+    """ "" when this code reads the layout the manifest names (paths.FORMAT), else what it is, in words."""
+    if marker_format(marker) == FORMAT:
+        return ""
+    by = f"hpc_train {marker['hpc_train']}" if isinstance(marker.get("hpc_train"), str) else "another hpc_train"
+    return (
+        f"{folder} is a checkpoint of format {marker_format(marker)}, written by {by}; this hpc_train "
+        f"({__version__}) reads format {FORMAT}"
+    )
+
+
+def saved_metadata(folder: Path) -> dict[str, Any] | str:
+    """Collective: the DCP metadata of a verified folder (key -> storage metadata), read by rank 0 and
+    broadcast, so a folder deleted meanwhile fails every rank alike; else why not, in words. Only after
+    verification: .metadata is a pickle, read once its checksum matched the manifest."""
+    meta: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            meta[0] = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        except Exception as e:  # deleted since it verified: every rank learns it below
+            meta[0] = f"its .metadata is unreadable ({type(e).__name__}: {e})"
+    dist.broadcast_object_list(meta, src=0)
+    return meta[0]
 
 
 # ---- writing ------------------------------------------------------------------------------------------
 
 
+def _layout(obj: Any) -> Any:
+    """What host buffers made for `obj` fit (compared with ==): each container's keys or length and each
+    tensor's type, dtype, shape and device (a DTensor's local shape, placements and mesh too), walked as
+    torch's _create_cpu_state_dict walks it. Other leaves (int, float, str ...) count by type only: torch's
+    _copy_state_dict takes their values from each save."""
+    if isinstance(obj, DTensor):
+        return (DTensor, obj.dtype, obj.shape, obj.to_local().shape, obj.placements, obj.device_mesh)
+    if isinstance(obj, torch.Tensor):
+        return (type(obj), obj.dtype, obj.shape, obj.device)
+    if isinstance(obj, dict):
+        return {k: _layout(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_layout(v) for v in obj]
+    return type(obj)
+
+
 class _ReusedHostBuffers:
-    """DCP's AsyncStager protocol: copy into buffers allocated on the first save and reused after.
-    (torch's BlockingAsyncStager caches too, but pins memory, which fails on CPU-only machines.)
-    Safe because at most one background save is in flight (Saver.periodic waits for the previous)."""
+    """DCP's AsyncStager protocol: copy into host buffers reused from save to save, made again whenever
+    the state's layout (_layout) differs from the one they were made for. torch's _copy_state_dict copies
+    into whatever it is given: a tensor that shrank to 1 element was broadcast into the old size, one of
+    another dtype cast to the old one, and the wrong values committed and verified. (torch's
+    BlockingAsyncStager caches too, but pins memory, which fails on CPU-only machines.) Safe because at
+    most one background save is in flight (Saver.periodic waits for the previous)."""
 
     should_synchronize_after_execute = False
 
     def __init__(self) -> None:
         self.buffers: Any = None
+        self.layout: Any = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-        if self.buffers is None:
+        layout = _layout(state_dict)  # ~2.5 us a tensor, compare included: 20 ms for 8000, beside GBs copied
+        if self.buffers is None or layout != self.layout:
+            self.buffers = None  # the old ones go before the new ones are made: one state's worth of host memory
             self.buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self.layout = layout
         return _copy_state_dict(state_dict, self.buffers)
 
     def synchronize_staging(self) -> None:
@@ -406,6 +503,8 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
     why = next((f"rank {r}: {p['error']}" for r, p in enumerate(pieces) if "error" in p), "")
     if dist.get_rank() == 0 and not why:
         marker = {
+            "format": FORMAT,
+            "hpc_train": __version__,  # who wrote it: what to install when another version cannot read it
             "step": pending.step,
             "reason": pending.reason,
             "world_size": len(pieces),
@@ -527,6 +626,11 @@ class Saver:
                     why = f"not loaded: {distrust}"
                 elif marker is None:
                     why = f"unreadable {MARKER}"
+                elif unknown_format(folder, marker):  # judged alike on every rank: all have the same listing
+                    raise Unrecoverable(  # falling back would have this attempt's saves and retention bury it
+                        f"{unknown_format(folder, marker)}. Resume with the hpc_train that wrote it (install "
+                        f"it, then hpc-train resume {self.root.parent}); nothing was loaded or deleted"
+                    )
                 else:
                     share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
                     task = progress.add_task(
@@ -538,8 +642,20 @@ class Saver:
                 why = next((w for w in whys if w), "")
                 if not why:
                     verify_s, t1 = time.monotonic() - t0, time.monotonic()
+                    sd = state.state_dict()
+                    meta = saved_metadata(folder)
+                    why = meta if isinstance(meta, str) else ""
+                    wrong = "" if why else shape_mismatch(meta, sd)
+                    if wrong:  # every older folder was written by the same code: a fallback would not fit either
+                        raise Unrecoverable(
+                            f"{folder} does not fit this run's state: {wrong}. It was written by other code (a "
+                            f"parameter, buffer, optimizer state or state.data added, removed or reshaped since). "
+                            f"Run the code that wrote it (then hpc-train resume {self.root.parent}), or start a "
+                            f"new run from its weights with checkpoint.init_from={folder} (when the model still "
+                            f"fits them); nothing was loaded or deleted"
+                        )
+                if not why:
                     try:  # DCP raises on every rank alike, so every rank goes on to the next folder
-                        sd = state.state_dict()
                         with _helper_threads_single_threaded():
                             dcp.load(sd, checkpoint_id=folder)
                         state.load_state_dict(sd)
@@ -597,6 +713,11 @@ class Saver:
             )
         if distrust:
             raise Unrecoverable(f"checkpoint.init_from={folder} is not loaded: {distrust}")
+        if unknown_format(folder, marker):
+            raise Unrecoverable(
+                f"checkpoint.init_from={folder}: {unknown_format(folder, marker)}; submit with the hpc_train "
+                f"that wrote it, or with another committed step folder"
+            )
         share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
         whys: list[Any] = [None] * world
         with _fed_while_bytes_move():
@@ -608,22 +729,21 @@ class Saver:
                 f"committed step folder of that run"
             )
         # Only now is the pickle read: its checksum (read_marker insists .metadata is in the manifest) matched.
-        meta: list[Any] = [None]
-        if rank == 0:
-            try:
-                meta[0] = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-            except Exception as e:  # deleted since it verified: every rank raises together below
-                meta[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(meta, src=0)
-        if isinstance(meta[0], str):
+        meta = saved_metadata(folder)
+        if isinstance(meta, str):
             raise Unrecoverable(
-                f"checkpoint.init_from={folder}: its .metadata is unreadable ({meta[0]}); submit again "
-                f"with another committed step folder of that run"
+                f"checkpoint.init_from={folder}: {meta}; submit again with another committed step folder of that run"
             )
         verify_s, t1 = time.monotonic() - t0, time.monotonic()
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        sd: dict[str, Any] = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
-        wrong = shape_mismatch(meta[0], sd)
+        # Without the optimizer, the model's state dict alone: get_state_dict(model, optimizer) gives a fresh
+        # AdamW state by a zero-lr step (torch's _init_optim_state), so training began at step 2 of Adam's
+        # bias correction, with zero moments, unlike a fresh optimizer.
+        if with_optim:
+            model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+            sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        else:
+            sd = {"model": get_model_state_dict(state.model)}
+        wrong = shape_mismatch(meta, sd)
         if wrong:
             raise Unrecoverable(
                 f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "

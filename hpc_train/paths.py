@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "COMMITTED"  # a checkpoint folder counts once this manifest is in it (checkpoint.py writes it last)
+# The layout of a step folder that this code writes and reads (checkpoint.py): COMMITTED's "format". A
+# manifest without one is format 1: every checkpoint written before the key existed has this layout.
+FORMAT = 1
 STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -262,7 +265,8 @@ def step_folders(root: Path) -> dict[int, Path]:
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """The COMMITTED manifest, or None when it is missing, torn, or not of our shape (never raises): every
     entry a plain file name in this folder with an int size and a sha256, DCP's .metadata and one rank
-    file per rank among them, an int world size. A foreign or damaged manifest is skipped, not trusted."""
+    file per rank among them, an int world size, an int format if any (marker_format). A foreign or damaged
+    manifest is skipped, not trusted."""
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
@@ -281,9 +285,15 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
         for n, e in files.items()
     )
     complete = (
-        type(world) is int
+        type(marker.get("format", FORMAT)) is int
+        and type(world) is int
         and world >= 1
         and ".metadata" in files
         and all(f"rank_{r:05d}.pt" in files for r in range(world))
     )
     return marker if shaped and complete else None
+
+
+def marker_format(marker: dict[str, Any]) -> int:
+    """The layout a manifest read_marker accepted describes; FORMAT is the one this code reads."""
+    return int(marker.get("format", 1))

@@ -541,3 +541,93 @@ def test_a_scripts_stop_is_judged_as_the_trainers(our_handlers: Any, monkeypatch
     os.kill(os.getpid(), signal.SIGTERM)  # one rank's SIGTERM: a preemption, its grace time
     left, reason = script._time_left_s(env, RunConfig(), time.time())
     assert reason == "preempt" and left <= c.preempt_grace_s
+
+
+# ---- a user's own state survives exactly (issue 19, part 4) ---------------------------------------------
+
+
+class ChangingData:
+    """A user's `state.data` whose state_dict changes between saves as real ones do: a tensor that shrinks,
+    grows or changes dtype, keys that come and go, plain ints, floats and strings, a list of tensors."""
+
+    def __init__(self) -> None:
+        self.sd: dict[str, Any] = {}
+        self.extras: list[str] = []
+        self.seen = 1
+
+    def mutate(self, rng: Any) -> None:
+        if rng.random() < 0.3:  # keys and lengths change less often than shapes, dtypes and values
+            self.extras, self.seen = [f"extra_{i}" for i in range(3) if rng.random() < 0.5], rng.randint(1, 3)
+        shape = rng.choice([(), (0,), (1,), (rng.randint(2, 6),), (rng.randint(1, 3), rng.randint(1, 3))])
+        dtype = rng.choice([torch.float32, torch.int64, torch.bfloat16])
+        self.sd = {
+            "buf": (torch.rand(shape) * 100).to(dtype),
+            "count": rng.randint(0, 10**6),
+            "ratio": rng.random(),
+            "name": rng.choice(["a", "bb", "shard_0003"]),
+            "seen": [torch.randint(0, 99, (rng.randint(1, 4),)) for _ in range(self.seen)],
+            **{k: torch.rand(2) for k in self.extras},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.sd = sd
+
+
+def same(a: Any, b: Any, where: str = "") -> list[str]:
+    """Where a and b differ: keys, lengths, tensors' dtype, shape and values, other values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(a)} != {sorted(b)}"]
+        return [d for k in a for d in same(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in same(x, y, f"{where}.{i}")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        ok = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return (
+            [] if ok else [f"{where}: {a.dtype} {list(a.shape)} {a.tolist()} != {b.dtype} {list(b.shape)} {b.tolist()}"]
+        )
+    return [] if a == b and type(a) is type(b) else [f"{where}: {a!r} != {b!r}"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_changing_state_is_written_as_it_was_at_each_save(tmp_path: Path, seed: int) -> None:
+    """Background saves (a Writer: host buffers reused from save to save) of a state that changes between
+    saves in a seeded random sequence: a data tensor of another shape or dtype, keys that come and go, new
+    plain values, a layer unfrozen so the optimizer gains its state. Invariant: each committed checkpoint,
+    read back whole, is what state_dict() was at its save. Before: every save was staged into the first
+    save's buffers (a tensor that shrank to 1 element was written broadcast to the old size, one of another
+    dtype cast to the old one, and both committed and verified; a key more or a larger tensor failed the save)."""
+    import copy
+    import random
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].requires_grad_(False)  # unfrozen at a random save below
+    data = ChangingData()
+    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data=data)
+    events: list = []
+    saver = make_saver(tmp_path, events, keep_last=100)
+    saver.writer = Writer()
+    unfreeze_at, saved = rng.randint(2, 6), {}
+    for step in range(1, 9):
+        model[1].requires_grad_(step >= unfreeze_at)
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+        data.mutate(rng)
+        state.step = step
+        saved[step] = copy.deepcopy(state.state_dict())
+        saver.periodic(state)
+        saver.commit_pending()  # read back at once: a wrong checkpoint is named before a later save fails loudly
+        dcp_to_torch_save(step_dir(tmp_path / "checkpoints", step), tmp_path / f"{step}.pt")
+        assert same(torch.load(tmp_path / f"{step}.pt", weights_only=False), saved[step], f"step {step}") == []
+    assert [e["step"] for e in events if e["event"] == "checkpoint_committed"] == list(saved)
+    assert set(saved[1]["optim"]["state"]) == {"0.weight", "0.bias"} and len(saved[8]["optim"]["state"]) == 4
