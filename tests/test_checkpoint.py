@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from conftest import HPC_TRAIN, read_events, run
 
-from hpc_train.checkpoint import MARKER, Saver, TrainState, Writer, apply_retention, step_dir, step_folders
+from hpc_train.checkpoint import MARKER, Saver, TrainState, Writer, _sha256, apply_retention, step_dir, step_folders
 from hpc_train.config import CheckpointConfig
 
 
@@ -631,3 +631,139 @@ def test_a_changing_state_is_written_as_it_was_at_each_save(tmp_path: Path, seed
         assert same(torch.load(tmp_path / f"{step}.pt", weights_only=False), saved[step], f"step {step}") == []
     assert [e["step"] for e in events if e["event"] == "checkpoint_committed"] == list(saved)
     assert set(saved[1]["optim"]["state"]) == {"0.weight", "0.bias"} and len(saved[8]["optim"]["state"]) == 4
+
+
+def test_a_checkpoint_of_another_format_stops_with_a_sentence(tmp_path: Path) -> None:
+    """COMMITTED names its layout's format. One this code does not know is a clear stop (Unrecoverable: no
+    requeue), not a fallback to an older folder that this attempt's saves and retention would then bury;
+    a manifest without the key (every checkpoint written before it existed) is format 1 and loads."""
+    from hpc_train import __version__
+    from hpc_train.preempt import Unrecoverable
+
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=5), make_state()
+    save_at(saver, state, 10)
+    save_at(saver, state, 20)
+    marker_path = step_dir(tmp_path / "checkpoints", 20) / MARKER
+    marker = json.loads(marker_path.read_text())
+    assert (marker["format"], marker["hpc_train"]) == (1, __version__)
+    marker_path.write_text(json.dumps({k: v for k, v in marker.items() if k not in ("format", "hpc_train")}))
+    assert make_saver(tmp_path, events).resume(make_state(seed=1))[0].name == "step_000020"  # written before
+    marker_path.write_text(json.dumps({**marker, "format": 2, "hpc_train": "0.9.0"}))
+    with pytest.raises(Unrecoverable) as e:
+        make_saver(tmp_path, events).resume(make_state(seed=1))
+    folder = step_dir(tmp_path / "checkpoints", 20)
+    assert str(e.value) == (
+        f"{folder} is a checkpoint of format 2, written by hpc_train 0.9.0; this hpc_train ({__version__}) reads "
+        f"format 1. Resume with the hpc_train that wrote it (install it, then hpc-train resume {tmp_path}); "
+        f"nothing was loaded or deleted"
+    )
+    assert names(tmp_path) == ["step_000010", "step_000020"]
+    (tmp_path / "new").mkdir()
+    with pytest.raises(Unrecoverable, match=rf"^checkpoint.init_from={folder}: {folder} is a checkpoint of format 2"):
+        make_saver(tmp_path / "new", [], init_from=str(folder)).init_from(make_state(seed=1))
+
+
+def test_a_checkpoint_that_does_not_fit_the_state_stops_with_a_sentence(tmp_path: Path) -> None:
+    """The user's code gained a buffer and a `state.data` since its checkpoints were written: resume stops
+    with the missing keys and the fix, once, before loading anything. Before: DCP raised "CheckpointException
+    ranks: dict_keys([0])" on every folder, the attempt failed and the requeue did the same again until the
+    failure budget was spent. Every older folder has the same layout: none is tried, none deleted."""
+    from hpc_train.preempt import Unrecoverable
+
+    class Position:
+        def state_dict(self) -> dict[str, Any]:
+            return {"position": torch.tensor(7)}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    events: list = []
+    saver, state = make_saver(tmp_path, events, keep_last=5), make_state()
+    save_at(saver, state, 10)
+    save_at(saver, state, 20)
+    grown = make_state(seed=1)
+    grown.model.register_buffer("scale", torch.ones(8))
+    grown.data = Position()
+    with pytest.raises(Unrecoverable) as e:
+        make_saver(tmp_path, events).resume(grown)
+    folder = step_dir(tmp_path / "checkpoints", 20)
+    assert str(e.value) == (
+        f"{folder} does not fit this run's state: model.scale is not in the checkpoint; data.position is not in "
+        f"the checkpoint. It was written by other code (a parameter, buffer, optimizer state or state.data added, "
+        f"removed or reshaped since). Run the code that wrote it (then hpc-train resume {tmp_path}), or start a new "
+        f"run from its weights with checkpoint.init_from={folder} (when the model still fits them); nothing was "
+        f"loaded or deleted"
+    )
+    assert not torch.equal(grown.model.weight, state.model.weight)  # nothing loaded
+    assert not [e for e in events if e["event"] == "checkpoint_skipped"] and len(names(tmp_path)) == 2
+    model = torch.nn.Linear(8, 8, bias=False)  # a parameter removed: the checkpoint's has no place
+    shrunk = TrainState(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(
+        Unrecoverable, match=r"does not fit this run's state: model.bias of the checkpoint has no place"
+    ):
+        make_saver(tmp_path, events).resume(shrunk)
+
+
+def test_python_and_numpy_rngs_resume_where_they_were(tmp_path: Path) -> None:
+    """A user's function drawing from `random` and numpy's global RNG (a data order, a dropout of its own)
+    draws after a resume what the uninterrupted process would have drawn, a cached Gaussian included. A
+    rank file written before these were saved still loads; those RNGs then stay as they are."""
+    import random
+
+    import numpy as np
+
+    saver, state = make_saver(tmp_path, []), make_state()
+    random.seed(1)
+    np.random.seed(2)
+    random.gauss(0, 1)  # each caches its second Gaussian: part of the state
+    np.random.randn()
+    save_at(saver, state, 10)
+    uninterrupted = (random.random(), random.gauss(0, 1), np.random.randn(3).tolist(), np.random.randint(1 << 30))
+    random.seed(99)  # a new process: other seeds
+    np.random.seed(99)
+    make_saver(tmp_path, []).resume(make_state(seed=1))
+    assert (random.random(), random.gauss(0, 1), np.random.randn(3).tolist(), np.random.randint(1 << 30)) == (
+        uninterrupted
+    )
+    rank_path = step_dir(tmp_path / "checkpoints", 10) / "rank_00000.pt"
+    rank_path.chmod(0o600)
+    torch.save({"rng": torch.get_rng_state()}, rank_path)  # an older rank file: torch's RNG alone
+    marker = json.loads((rank_path.parent / MARKER).read_text())
+    marker["files"][rank_path.name] = {"bytes": rank_path.stat().st_size, "sha256": _sha256(rank_path)}
+    (rank_path.parent / MARKER).write_text(json.dumps(marker))
+    random.seed(5)
+    before = random.getstate()
+    assert make_saver(tmp_path, []).resume(make_state(seed=1))[0] == rank_path.parent
+    assert random.getstate() == before
+
+
+def test_init_from_without_the_optimizer_leaves_a_fresh_optimizer(tmp_path: Path) -> None:
+    """checkpoint.init_from without init_from_optimizer: N steps from there are bit-identical to N steps of
+    the same weights loaded by hand with a fresh AdamW. Before: the load asked for the optimizer's state
+    dict too, whose first call on a fresh optimizer takes a zero-lr step (torch's _init_optim_state): AdamW
+    began at step 2 of its bias correction with zero moments, its first update 0.74x a fresh one's."""
+    source = make_state()
+    make_saver(tmp_path / "src", []).save(source, "final", background=False)
+    folder = step_dir(tmp_path / "src" / "checkpoints", 0)
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(7)
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(5):
+            model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    by_hand = fresh()
+    by_hand[0].load_state_dict(source.model.state_dict())
+    model, opt = fresh()
+    (tmp_path / "new").mkdir()
+    make_saver(tmp_path / "new", [], init_from=str(folder)).init_from(TrainState(model, opt))
+    assert not opt.state  # as fresh as by_hand's
+    assert all(torch.equal(a, b) for a, b in zip(train(model, opt), train(*by_hand)))
