@@ -322,7 +322,7 @@ def _layout(obj: Any) -> Any:
     torch's _create_cpu_state_dict walks it. Other leaves (int, float, str ...) count by type only: torch's
     _copy_state_dict takes their values from each save."""
     if isinstance(obj, DTensor):
-        return (DTensor, obj.dtype, obj.shape, obj.to_local().shape, obj.placements, obj.device_mesh)
+        return (DTensor, obj.dtype, obj.shape, obj._local_tensor.shape, obj.placements, obj.device_mesh)
     if isinstance(obj, torch.Tensor):
         return (type(obj), obj.dtype, obj.shape, obj.device)
     if isinstance(obj, dict):

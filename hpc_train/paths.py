@@ -285,7 +285,7 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
         for n, e in files.items()
     )
     complete = (
-        type(marker.get("format", FORMAT)) is int
+        type(marker.get("format", 1)) is int
         and type(world) is int
         and world >= 1
         and ".metadata" in files
