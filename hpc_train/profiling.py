@@ -110,9 +110,10 @@ class Profile:
             f"(hpc-train report {self.paths.run_dir} says how to open them)"
         )
 
-    def close(self, write: bool = True) -> None:
-        """Stop the profiler if it runs: write what it recorded, or (write=False, a stop) drop it. At the
-        window's end, at finish, and before a requeue decision; never raises (the stop path must go on)."""
+    def close(self, write: bool = True, first: str = "the stop save") -> None:
+        """Stop the profiler if it runs: write what it recorded, or (write=False, a stop) drop it because
+        `first` must not wait. At the window's end, at finish, before a stop save or a requeue decision;
+        never raises (the stop path must go on)."""
         prof, self.torch = self.torch, None
         if prof is None:
             return
@@ -127,5 +128,5 @@ class Profile:
         if not write:
             self.say(
                 f"[hpc_train] profile: a stop inside steps {self.first}-{self.last} (warm-up included): this "
-                f"attempt's recording is dropped (the stop save comes first); the attempt that resumes records the rest"
+                f"attempt's recording is dropped ({first} comes first); the attempt that resumes records the rest"
             )

@@ -153,6 +153,7 @@ def test_a_stop_inside_the_window_saves_requeues_and_the_resumed_attempt_records
     assert profiled_steps(run_dir / "profile" / files(run_dir)[0]) == list(range(first, 25))
     text = log.read_text()
     assert (
-        "[hpc_train] profile: a stop inside steps 4-24 (warm-up included): this attempt's recording is dropped" in text
-    )
+        "[hpc_train] profile: a stop inside steps 4-24 (warm-up included): this attempt's recording is dropped "
+        "(the stop save comes first)"  # step_end stopped it, not job.py after the function returned
+    ) in text
     assert f"[hpc_train] profiling steps {first}-24 on every rank (this attempt resumed at step {stop}" in text
