@@ -73,7 +73,7 @@ class Attempt:
     reserve_s: float = 0.0
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
     # profile.*: torch.profiler over a window of steps, stepped by step_end (profiling.py); `profile.torch` is
-    # the running torch.profiler.profile inside the window (None outside it), for your own record_function marks
+    # the running torch.profiler.profile inside the window, None outside it
     profile: Profile = field(init=False)
     _built_at: float = field(default_factory=time.monotonic)
     _resumed_at: float | None = None

@@ -58,7 +58,7 @@ class Profile:
                 self.close(write=not stopping)
             else:
                 self.torch.step()
-        elif self.cfg.active_steps and self.first <= done + 1 <= self.last and not stopping:
+        elif self.cfg.active_steps and self.first <= done + 1 <= self.last and not stopping and done != end:
             self._start(done)
 
     def _start(self, done: int) -> None:

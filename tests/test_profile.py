@@ -65,6 +65,7 @@ def test_the_window_is_in_global_steps_whatever_the_attempt_runs(tmp_path: Path)
     # Attempt 2 resumed past it: nothing. A run that ends inside it (train.steps=5): what it recorded.
     run_steps(make(tmp_path, 2, start_step=4, active_steps=3), 8, 10)
     run_steps(make(tmp_path, 3, start_step=4, active_steps=3), 1, 5)
+    run_steps(make(tmp_path, 4, start_step=4, active_steps=3, warmup_steps=0), 1, 3)  # ends just before it
     assert profiled_steps(tmp_path / "profile" / "attempt_3.steps_4-5.rank_00000.pt.trace.json") == [4, 5]
     assert len(files(tmp_path)) == 3
 
@@ -104,6 +105,12 @@ def test_off_costs_nothing_and_memory_on_cpu_is_one_line(tmp_path: Path) -> None
             ["profile.memory=true"],
             "profile.memory=true snapshots CUDA memory over the profiled steps, and profile.active_steps=0 "
             "profiles none; e.g. profile.active_steps=3",
+        ),
+        (
+            ["profile.active_steps=3", "--", "python", "train.py"],
+            "profile.active_steps=3 profiles the built-in trainer and functions (fn._target_) through "
+            "Attempt.step_end; a command after -- runs its own loop: use torch.profiler in the script "
+            "(docs/profiling.md), or set profile.active_steps=0",
         ),
         (
             ["profile.active_steps=3", "profile.start_step=100", "train.steps=60"],
