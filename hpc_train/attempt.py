@@ -35,6 +35,7 @@ from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
 from hpc_train.paths import RunPaths, write_atomic
+from hpc_train.profiling import Profile
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,9 +72,23 @@ class Attempt:
     # TIMEOUT job is not requeued by Slurm, so SIGKILL must not land before `scontrol requeue` answered.
     reserve_s: float = 0.0
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
+    # profile.*: torch.profiler over a window of steps, stepped by step_end (profiling.py); `profile.torch` is
+    # the running torch.profiler.profile inside the window, None outside it
+    profile: Profile = field(init=False)
     _built_at: float = field(default_factory=time.monotonic)
     _resumed_at: float | None = None
     _signalled: bool = False
+
+    def __post_init__(self) -> None:
+        self.profile = Profile(
+            self.cfg.profile,
+            self.paths,
+            self.env.rank,
+            self.env.restart_count,
+            self.device.type == "cuda",
+            self.say,
+            self.cfg.share_with_group,
+        )
 
     @classmethod
     def build(
@@ -190,6 +205,7 @@ class Attempt:
         self.saver.retain()  # before any save: the stop path left it to this attempt, and torn folders go
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
+        self.profile.step(state.step)  # profile.*: the window may begin with the next step
         return folder is not None
 
     def time_left_s(self) -> tuple[float, str]:
@@ -228,6 +244,7 @@ class Attempt:
         flags = torch.tensor([1 if preempt.received else 0, 0 if self.saver.written_here() else 1], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, unwritten = bool(flags[0]), bool(flags[1])
+        self.profile.step(state.step, last_step, stop and state.step < last_step)  # profile.*; a stop drops it
         if stop and not self._signalled:
             self._signalled = True
             left, reason = self.time_left_s()
@@ -256,6 +273,7 @@ class Attempt:
 
     def finish(self, state: TrainState | None, **summary: Any) -> dict[str, Any]:
         """Collective: the final save (waiting for any write in flight), summary.json, the finish event."""
+        self.profile.close()  # a window the run ends inside: what it recorded, written before the final save
         if state is not None:
             self.saver.final(state)
         step = state.step if state is not None else max(self.saver.verified, default=0)

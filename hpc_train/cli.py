@@ -413,6 +413,8 @@ def _report(args: argparse.Namespace) -> int:
                     "-" if r["cleared_step"] is None else str(r["cleared_step"]),
                 )
             console.print(named)
+        for line in report.profile_lines(run.run_dir):  # profile.*: the traces, and how to open them
+            print(line)
         print(f"picture: {made}" if made.endswith(".png") else made)
     return 0
 

@@ -231,6 +231,38 @@ class CheckpointConfig:  # checkpoint.py
 
 
 @dataclass
+class ProfileConfig:  # profiling.py, driven by Attempt.step_end: the built-in trainer and every function
+    # torch.profiler records global steps start_step .. start_step + active_steps - 1 (step 1 is the first
+    # optimizer step), one Chrome/Perfetto trace per rank under profile/; the warmup_steps before them run
+    # it unrecorded, so its start-up cost is not in the first recorded step. active_steps=0: off, at no cost.
+    start_step: int = 10
+    active_steps: int = 0
+    warmup_steps: int = 1
+    memory: bool = False  # also a CUDA memory snapshot of those steps per rank (GPU only; pytorch.org/memory_viz)
+
+    def __post_init__(self) -> None:
+        check_at_least(
+            "profile",
+            self,
+            {
+                "active_steps": (0, "steps recorded, 0 = off (a trace of 3 steps is the usual size)"),
+                "warmup_steps": (0, "steps the profiler runs unrecorded before start_step"),
+            },
+        )
+        if self.active_steps and not self.start_step > self.warmup_steps:
+            raise ValueError(
+                f"profile.start_step={self.start_step} must be >= {self.warmup_steps + 1}: the first step is 1 "
+                f"and profile.warmup_steps={self.warmup_steps} steps come before the first recorded one; "
+                f"e.g. profile.start_step={self.warmup_steps + 1}, or profile.warmup_steps=0"
+            )
+        if self.memory and not self.active_steps:
+            raise ValueError(
+                "profile.memory=true snapshots CUDA memory over the profiled steps, and profile.active_steps=0 "
+                "profiles none; e.g. profile.active_steps=3"
+            )
+
+
+@dataclass
 class RequeueConfig:  # job.py: how often a run may requeue itself; counted in its events.jsonl
     max_preemptions: int = -1  # -1: unlimited; a preemption is the cluster's choice, not the run's fault
     max_time_limit_requeues: int = 100  # each one is a full time limit of progress
@@ -285,6 +317,7 @@ class RunConfig:
     script: ScriptConfig = field(default_factory=ScriptConfig)  # your own command on every rank (script.py)
     metrics: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard, W&B, MLflow (tracking.py)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)  # slow ranks named (straggler.py)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # torch.profiler traces (profiling.py)
 
     def __post_init__(self) -> None:
         from hpc_train.topology import mesh_shape
@@ -299,6 +332,18 @@ class RunConfig:
             raise ValueError(
                 f"fn._target_={self.fn._target_!r} and a command after -- (script.cmd) both say what every rank "
                 f"runs; give one of them"
+            )
+        if self.profile.active_steps and self.script.cmd:
+            raise ValueError(
+                f"profile.active_steps={self.profile.active_steps} profiles the built-in trainer and functions "
+                f"(fn._target_) through Attempt.step_end; a command after -- runs its own loop: use "
+                f"torch.profiler in the script (docs/profiling.md), or set profile.active_steps=0"
+            )
+        pc = self.profile
+        if pc.active_steps and not self.fn._target_ and pc.start_step > self.train.steps:
+            raise ValueError(
+                f"profile.start_step={pc.start_step} is past train.steps={self.train.steps}: nothing would be "
+                f"profiled; e.g. profile.start_step={max(pc.warmup_steps + 1, self.train.steps // 2)}"
             )
         # The name becomes a directory and the Slurm job name: keep it to characters that need no quoting.
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):

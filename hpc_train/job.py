@@ -724,6 +724,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
     if at.finished is None and not at.stopped and at.should_stop():  # returned at its own stop check
         at.stopped, at.stop_reason = True, at.time_left_s()[1]
     if at.stopped and at.finished is None:
+        at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check
         _decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     dist.barrier()

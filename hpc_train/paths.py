@@ -12,6 +12,7 @@ node (submit, status, report) and the job read and write the same names through 
         summary.json      final_step, final_loss, params_sha256, written at the end
         placement.json    the rank order the planner chose
         drills/           fault drills armed by `hpc-train chaos` (kill-rank-during-save, slow-storage)
+        profile/          profile.*: attempt_A.steps_F-L.rank_R.pt.trace.json per rank (+ .memory.pickle on GPU)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ MARKER = "COMMITTED"  # a checkpoint folder counts once this manifest is in it (
 # manifest without one is format 1: every checkpoint written before the key existed has this layout.
 FORMAT = 1
 STEP_DIR = re.compile(r"step_(\d+)")
+TRACE, MEMORY = "pt.trace.json", "memory.pickle"  # a profile's files: Perfetto / chrome://tracing; memory_viz
+PROFILE_FILE = re.compile(r"attempt_(\d+)\.steps_(\d+)-(\d+)\.rank_(\d+)\.(pt\.trace\.json|memory\.pickle)")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,15 @@ class RunPaths:
     @property
     def nccl_trace(self) -> Path:  # NCCL's flight recorder dumps at a collective's timeout (env.nccl_env)
         return self.run_dir / "nccl_trace"
+
+    @property
+    def profile(self) -> Path:  # profile.*'s traces and memory snapshots (profiling.py)
+        return self.run_dir / "profile"
+
+    def profile_file(self, restart: int, first: int, last: int, rank: int, kind: str) -> Path:
+        """One rank's trace (kind TRACE) or CUDA memory snapshot (MEMORY) of steps first..last. The attempt is
+        in the name: an attempt that runs the same steps again (after a failure) writes beside, not over, it."""
+        return self.profile / f"attempt_{restart}.steps_{first}-{last}.rank_{rank:05d}.{kind}"
 
     @property
     def report_png(self) -> Path:
@@ -138,20 +150,26 @@ def _flock_within(fd: int, operation: int, wait_s: float) -> bool:
             time.sleep(0.01)
 
 
-def write_atomic(path: Path, data: str | bytes, private: bool = False, fsync: bool = False) -> None:
+def write_atomic(
+    path: Path, data: str | bytes | Callable[[str], object], private: bool = False, fsync: bool = False
+) -> None:
     """Whole or absent, for every file we write whole: a temp file of a random name in the same folder,
     created O_EXCL | O_NOFOLLOW (a planted symlink is never followed, two writers never share one), then
     os.replace. private: 0600, never readable by others, not for a moment; else 0644 less the umask (a
     default ACL's mask at most r--): never writable by group or others, whatever the umask (002 made it
     0664), and read by the group only as far as the run's folders let it (make_dir). The kernel applies
     the mode; the process umask is never touched (a job's other threads create checkpoint files
-    meanwhile). fsync: the bytes are on disk before the name is (a commit marker must never name torn data)."""
+    meanwhile). fsync: the bytes are on disk before the name is (a commit marker must never name torn data).
+    A callable `data` writes the temp file by its name itself (torch's export_chrome_trace, _dump_snapshot)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, 0o600 if private else 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(str(tmp))
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -248,6 +266,14 @@ def untrusted(path: Path, top: Path) -> str:
                 f"chmod go-w {p} if all in it is yours"
             )
     return ""
+
+
+def profile_files(root: Path) -> list[tuple[int, int, int, int, str, Path]]:
+    """(attempt, first step, last step, rank, kind, path) of every profile file under root, in that order."""
+    if not root.is_dir():
+        return []
+    found = [(p, PROFILE_FILE.fullmatch(p.name)) for p in root.iterdir()]
+    return sorted((int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5], p) for p, m in found if m)
 
 
 def step_dir(root: Path, step: int) -> Path:

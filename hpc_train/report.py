@@ -9,6 +9,7 @@ from typing import Any
 
 from hpc_train import journal
 from hpc_train.metrics import read_metrics
+from hpc_train.paths import MEMORY, RunPaths, profile_files
 from hpc_train.runs import Run
 
 
@@ -29,6 +30,28 @@ def batch_text(atts: list[dict[str, Any]]) -> list[str] | None:
     return [
         f"{a['global_batch_seqs']} seqs x{a['grad_accum_steps']}" if a.get("global_batch_seqs") else "-" for a in atts
     ]
+
+
+def profile_lines(run_dir: Path) -> list[str]:
+    """Where profile.* wrote its files, one line per attempt and window, and how to open them ([] if none)."""
+    folder = RunPaths(run_dir).profile
+    groups: dict[tuple[int, int, int, str], list[tuple[int, Path]]] = {}
+    for attempt, first, last, rank, kind, path in profile_files(folder):
+        groups.setdefault((attempt, first, last, kind), []).append((rank, path))
+    if not groups:
+        return []
+    lines = [f"profiles in {folder}:"]
+    for (attempt, first, last, kind), ranks in groups.items():
+        what = "memory snapshots" if kind == MEMORY else "traces"
+        numbers = [r for r, _ in ranks]
+        span = f"{numbers[0]}-{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) else numbers
+        lines.append(
+            f"  attempt {attempt}, steps {first}-{last}: {len(ranks)} {what} (ranks {span}), e.g. {ranks[0][1].name}"
+        )
+    lines.append("  open a trace at https://ui.perfetto.dev (Open trace file) or in Chrome at chrome://tracing (Load)")
+    if any(kind == MEMORY for *_, kind in groups):
+        lines.append("  open a memory snapshot at https://pytorch.org/memory_viz (drag the .memory.pickle in)")
+    return lines
 
 
 def report_marks(atts: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:

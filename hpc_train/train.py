@@ -4,6 +4,7 @@ stop check and save through the Attempt). `main` tells that in one screen; each 
     hpc-train submit                                # 2 ranks on this machine (local executor)
     hpc-train submit cluster=dev train.steps=200    # 2 nodes x 2 ranks on the test cluster
     hpc-train submit train.parallelism=fsdp train.tp=2 cluster.tasks_per_node=4   # FSDP2 x TP on a 2x2 mesh
+    hpc-train submit profile.start_step=10 profile.active_steps=3   # a torch.profiler trace per rank, steps 10-12
 
 `main(at)` is a client of the Attempt (attempt.py) exactly as a bring-your-own function is: job.py
 calls it on every rank and decides what happens after it returns. Bit-exact on CPU: a run stopped and

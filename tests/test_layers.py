@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     # script_helper: what a user's script imports (torch-free)
     ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
     ("config",),  # the root config, composed from the dataclasses beside their code
-    ("model", "checkpoint"),  # the job side from here
+    ("model", "checkpoint", "profiling"),  # the job side from here; profiling: profile.*, which Attempt steps
     ("attempt",),
     ("job", "train"),
     ("start",),
@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("resume",),
     ("cli",),
 ]
-JOB_SIDE = {"model", "checkpoint", "attempt", "job", "train", "start"}
+JOB_SIDE = {"model", "checkpoint", "profiling", "attempt", "job", "train", "start"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
 
 
