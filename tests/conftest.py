@@ -39,17 +39,27 @@ HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
 
 # How pyproject's `-n 4 --dist loadgroup` spreads the suite. A test on the cluster mostly waits (33 min of wall time
 # for 3.4 min of CPU, serially): each is a unit of its own, run by whichever worker is free, on that worker's own
-# cluster. Every other test is in group `local`, all on one worker, one after another: their torch ranks are
-# CPU-bound, and 2 cores run no more of them at once. A module whose fixture runs on the cluster once for all its
-# tests names its own group (test_secrets.py). xdist 3.8 passes a test's group to the scheduler by renaming the
-# test, which pytest 9.2 ignores (pytest-xdist#1386: every group silently spread); so the workers write the groups
-# to a file that the scheduler below reads.
+# cluster. Every other test runs with the rest of its module (module fixtures once), except SPREAD's tests, each a
+# local-executor run of minutes. Units start longest first, by tests/durations.json (a measured run's seconds per
+# test; 1 s for a test it does not know): with one `local` group on one worker, that worker ran 2,381 s while the
+# three others were done after 1,400-1,700 s. A module whose fixture runs on the cluster once for all its tests names
+# its own group (test_secrets.py). xdist 3.8 passes a test's group to the scheduler by renaming the test, which
+# pytest 9.2 ignores (pytest-xdist#1386: every group silently spread); so the workers write the groups to a file that
+# the scheduler below reads.
 GROUPS_FILE = Path(tempfile.gettempdir()) / f"hpc_train-xdist-groups-{os.getpid()}.json"  # named by the controller
+DURATIONS = Path(__file__).with_name("durations.json")  # refresh: HPC_TRAIN_DURATIONS_OUT=tests/durations.json pytest
+SPREAD = {"tests/test_local.py"}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     node.workerinput["hpc_train_groups"] = str(GROUPS_FILE)
+
+
+def unit_of(nodeid: str, marks: list[str], on_cluster: bool) -> str:
+    """The unit of work a test belongs to: its xdist_group, itself, or its module."""
+    module = nodeid.split("::")[0]
+    return "_".join(marks) or (nodeid if on_cluster or module in SPREAD else module)
 
 
 @pytest.hookimpl(trylast=True)  # the test ids as the controller will see them
@@ -59,12 +69,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = {}
     for item in items:
         marks = sorted(str(m.args[0] if m.args else m.kwargs["name"]) for m in item.iter_markers("xdist_group"))
-        if marks or "slurm_env" not in item.fixturenames:
-            groups[item.nodeid] = "_".join(marks) or "local"
+        groups[item.nodeid] = unit_of(item.nodeid, marks, "slurm_env" in item.fixturenames)
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    weight: dict[str, float] = {}
+    for nodeid, unit in groups.items():
+        weight[unit] = weight.get(unit, 0.0) + seconds.get(nodeid, 1.0)
+    first = {unit: i for i, unit in reversed(list(enumerate(groups.values())))}
+    # Longest unit first, a unit's tests together and in their own order (--no-loadscope-reorder keeps it).
+    items.sort(key=lambda item: (-weight[groups[item.nodeid]], first[groups[item.nodeid]]))
     path = Path(config.workerinput["hpc_train_groups"])
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(groups))
     os.replace(tmp, path)  # every worker collects the same tests: any one file is the whole answer
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("HPC_TRAIN_DURATIONS_OUT"):
+        _seconds[report.nodeid] = round(_seconds.get(report.nodeid, 0.0) + report.duration, 1)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -87,6 +111,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         GROUPS_FILE.unlink(missing_ok=True)
+        if os.environ.get("HPC_TRAIN_DURATIONS_OUT") and _seconds:
+            Path(os.environ["HPC_TRAIN_DURATIONS_OUT"]).write_text(
+                json.dumps(_seconds, indent=0, sort_keys=True) + "\n"
+            )
 
 
 @pytest.fixture(scope="session")
