@@ -540,6 +540,13 @@ class Saver:
                     verify_s, t1 = time.monotonic() - t0, time.monotonic()
                     try:  # DCP raises on every rank alike, so every rank goes on to the next folder
                         sd = state.state_dict()
+                        if "data" in sd:  # a data key newer than the checkpoint (data.fingerprint) is not asked for
+                            held = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+                            sd["data"] = {
+                                k: v
+                                for k, v in sd["data"].items()
+                                if any(f == f"data.{k}" or f.startswith(f"data.{k}.") for f in held)
+                            }
                         with _helper_threads_single_threaded():
                             dcp.load(sd, checkpoint_id=folder)
                         state.load_state_dict(sd)

@@ -10,7 +10,7 @@ import pytest
 from conftest import HPC_TRAIN, run
 
 from hpc_train.config import DataConfig
-from hpc_train.data import Sampler, open_sampler, prepare
+from hpc_train.data import Sampler, fingerprint, open_sampler, prepare
 
 
 def write_texts(folder: Path) -> list[bytes]:
@@ -104,6 +104,32 @@ def test_sampler_resumes_from_its_position() -> None:
     batches = [straight.next_batch(1, 2, 4)[0] for _ in range(6)]
     resumed = Sampler(corpus, 16, seed=0, position=Sampler(corpus, 16, seed=0).position + 3 * 2 * 4)
     assert all((resumed.next_batch(1, 2, 4)[0] == b).all() for b in batches[3:])
+
+
+def test_fingerprint_tells_every_change_of_shards_and_nothing_else() -> None:
+    """Seeded random shard lists, each changed one way at a time: a shard added, removed, resized (one token
+    more or fewer), renamed, or two swapped gives another digest; the same list, opened again, the same one."""
+    rng = np.random.default_rng(19)
+    for _ in range(200):
+        lengths = [int(n) for n in rng.integers(1, 5000, int(rng.integers(1, 8)))]
+        names = [f"shard_{i:05d}.bin" for i in range(len(lengths))]
+
+        def fp(names: list[str], lengths: list[int]) -> tuple[int, int, int]:
+            return fingerprint(names, [np.zeros(n, dtype=np.uint16) for n in lengths])
+
+        digest, shards, tokens = base = fp(names, lengths)
+        assert (shards, tokens) == (len(lengths), sum(lengths)) and base == fp(list(names), list(lengths))
+        assert -(2**63) <= digest < 2**63  # an int64 checkpoint tensor holds it
+        i = int(rng.integers(len(lengths)))
+        grown = [*lengths[:i], lengths[i] + int(rng.choice([-1, 1]) if lengths[i] > 1 else 1), *lengths[i + 1 :]]
+        changes = [
+            fp([*names, f"shard_{len(names):05d}.bin"], [*lengths, int(rng.integers(1, 5000))]),  # appended
+            fp(names[:i] + names[i + 1 :], lengths[:i] + lengths[i + 1 :]) if len(names) > 1 else None,  # removed
+            fp(names, grown),  # resized by one token
+            fp([*names[:i], "other.bin", *names[i + 1 :]], lengths),  # renamed
+            fp(names[::-1], lengths[::-1]) if len(names) > 1 else None,  # reordered
+        ]
+        assert all(c[0] != digest for c in changes if c is not None), (lengths, i)
 
 
 def test_open_sampler_reads_prepared_shards_by_memmap(tmp_path: Path) -> None:
