@@ -2,7 +2,7 @@
 
 Layout of one checkpoint (one folder per step):
     checkpoints/step_000040/
-        .metadata, __0_0.distcp, ...   DCP: model, optimizer, progress (step, tokens), data position
+        .metadata, __0_0.distcp, ...   DCP: model, optimizer, progress (step, tokens), data position + fingerprint
         rank_00000.pt ...              each rank's own state (RNG), torch.save of plain tensors
         COMMITTED                      JSON manifest: step, reason, world size, size and sha256 of every
                                        file; written last
@@ -90,6 +90,20 @@ class TrainState:
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
+
+
+def _held_data_keys(sd: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`sd` without the keys of its `data` that the checkpoint in `folder` lacks: one written before a key
+    existed (data.fingerprint) still loads, and the data object sees that key absent. DCP refuses any key a
+    checkpoint lacks ("Missing key in checkpoint state_dict"); model, optimizer and progress stay asked in full."""
+    if "data" not in sd:
+        return sd
+    try:
+        held = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: dcp.load reads it again and fails on every rank together
+        return sd
+    keep = {k: v for k, v in sd["data"].items() if any(f == f"data.{k}" or f.startswith(f"data.{k}.") for f in held)}
+    return {**sd, "data": keep}
 
 
 # ---- files and hashes ---------------------------------------------------------------------------------
@@ -539,14 +553,7 @@ class Saver:
                 if not why:
                     verify_s, t1 = time.monotonic() - t0, time.monotonic()
                     try:  # DCP raises on every rank alike, so every rank goes on to the next folder
-                        sd = state.state_dict()
-                        if "data" in sd:  # a data key newer than the checkpoint (data.fingerprint) is not asked for
-                            held = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-                            sd["data"] = {
-                                k: v
-                                for k, v in sd["data"].items()
-                                if any(f == f"data.{k}" or f.startswith(f"data.{k}.") for f in held)
-                            }
+                        sd = _held_data_keys(state.state_dict(), folder)
                         with _helper_threads_single_threaded():
                             dcp.load(sd, checkpoint_id=folder)
                         state.load_state_dict(sd)
