@@ -2,7 +2,7 @@
 
 Layout of one checkpoint (one folder per step):
     checkpoints/step_000040/
-        .metadata, __0_0.distcp, ...   DCP: model, optimizer, progress (step, tokens), data position
+        .metadata, __0_0.distcp, ...   DCP: model, optimizer, progress (step, tokens), data position + fingerprint
         rank_00000.pt ...              each rank's own state (torch's, Python's and numpy's RNG),
                                        torch.save of plain tensors
         COMMITTED                      JSON manifest: format (paths.FORMAT), step, reason, world size, size
@@ -136,6 +136,24 @@ class TrainState:
             *keys, pos, has_gauss = state["np_rng"].tolist()
             keys_u32 = np.array(keys, dtype=np.uint32)
             np.random.set_state(("MT19937", keys_u32, pos, has_gauss, float(state["np_rng_gauss"])))
+
+
+# Keys of state.data added after checkpoints without them were written: such a checkpoint still loads, and
+# the data object sees the key absent. Any other key a checkpoint lacks is shape_mismatch's stop.
+OPTIONAL_DATA_KEYS = ("fingerprint",)  # data.Sampler's, since issue 19
+
+
+def _held_data_keys(sd: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+    """`sd` without the OPTIONAL_DATA_KEYS of its `data` that the checkpoint (its DCP metadata: `held`)
+    lacks: DCP refuses any key a checkpoint lacks ("Missing key in checkpoint state_dict")."""
+    if "data" not in sd:
+        return sd
+    keep = {
+        k: v
+        for k, v in sd["data"].items()
+        if k not in OPTIONAL_DATA_KEYS or any(f == f"data.{k}" or f.startswith(f"data.{k}.") for f in held)
+    }
+    return {**sd, "data": keep}
 
 
 # ---- files and hashes ---------------------------------------------------------------------------------
@@ -645,6 +663,7 @@ class Saver:
                     sd = state.state_dict()
                     meta = saved_metadata(folder)
                     why = meta if isinstance(meta, str) else ""
+                    sd = sd if why else _held_data_keys(sd, meta)
                     wrong = "" if why else shape_mismatch(meta, sd)
                     if wrong:  # every older folder was written by the same code: a fallback would not fit either
                         raise Unrecoverable(

@@ -235,7 +235,7 @@ def _resume(args: argparse.Namespace) -> int:
         for k in ("max_preemptions", "max_time_limit_requeues", "max_failures", "max_excluded_nodes")
         if (v := getattr(args, k)) is not None
     }
-    job, lines = resume.resume(Path(args.run), budgets, args.reason)
+    job, lines = resume.resume(Path(args.run), budgets, args.reason, args.allow_data_changed)
     print("\n".join(lines))
     if type(job).__name__ != "LocalJob" or args.no_wait:
         print(f"follow it: hpc-train status {args.run}")
@@ -530,6 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-preemptions", type=int, help="set requeue.max_preemptions (-1: unlimited)")
     p.add_argument("--max-time-limit-requeues", type=int, help="set requeue.max_time_limit_requeues")
     p.add_argument("--max-excluded-nodes", type=int, help="set requeue.max_excluded_nodes (sick nodes left out)")
+    p.add_argument(
+        "--allow-data-changed",
+        action="store_true",
+        help="resume on data other than the checkpoint's (data.allow_changed=true for this resume's attempts)",
+    )
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_resume)
     p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")

@@ -79,6 +79,10 @@ class DataConfig:  # data.py
     path: str = ""
     corpus_words: int = 16384  # synthetic: "words" of 3-8 tokens in the generated corpus (~90 k tokens)
     seed: int = 0  # the corpus and the order windows are visited in
+    # A resume on data other than the checkpoint's (a shard appended, removed or resized: another window
+    # order from then on) stops with a sentence; true trains on with the data as it is then, recording a
+    # `data_changed` event. A run that stopped so: hpc-train resume RUN --allow-data-changed.
+    allow_changed: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "tokens"):

@@ -8,14 +8,17 @@ The tokenizer is bytes by default: token = byte value (vocab 256), documents joi
 holds none); `--tokenizer bpe:VOCAB` or `--tokenizer FILE.json` use Hugging Face tokenizers (tokenizer.py).
 The sampler cuts the token stream into windows of seq_len + 1 and visits them in a seeded permutation,
 a new one each epoch. Its position (sequences consumed, all ranks together) is saved in every checkpoint,
-so a resumed run reads exactly the windows the uninterrupted run would have read. Evaluation reads the
-held-out split (val_*.bin, or a further generated corpus) with a sampler of its own, always from position 0.
+so a resumed run reads exactly the windows the uninterrupted run would have read, and so is a fingerprint
+of the data it read (fingerprint: each shard's name and length): a resume on data that changed since (a shard
+appended) is stopped with a sentence (changed) unless data.allow_changed. Evaluation reads the held-out split
+(val_*.bin, or a further generated corpus) with a sampler of its own, always from position 0.
 
 `prepare` and `read_meta` are torch-free: the login node runs them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -149,20 +152,37 @@ def read_meta(path: Path) -> dict[str, Any]:
         ) from None
 
 
+def fingerprint(names: list[str], shards: list[Any]) -> tuple[int, int, int]:
+    """(digest, shards, tokens) of the data a sampler visits. The digest is the first 8 bytes of a sha256 over
+    each shard's name, dtype and length in order, as an int64 (a checkpoint tensor): a shard added, removed,
+    renamed or resized changes it, and so does the window order (Sampler.window). Lengths are the open
+    arrays' (a memmap's file size, not meta.json's word for it), never their bytes: microseconds for any
+    amount of data. A shard rewritten in place at the same length is not seen."""
+    h = hashlib.sha256()
+    for name, s in zip(names, shards, strict=True):
+        h.update(f"{name}\0{s.dtype}\0{len(s)}\n".encode())
+    return int.from_bytes(h.digest()[:8], "little", signed=True), len(shards), sum(len(s) for s in shards)
+
+
 @dataclass
 class Sampler:
-    """Which token windows each data-parallel rank reads; `position` is all it needs to resume."""
+    """Which token windows each data-parallel rank reads; `position` is all it needs to resume, and the
+    fingerprint of its data (names: one per shard) is saved beside it."""
 
     shards: list[Any]  # 1-D uint8/int64 arrays: np.memmap over prepared shards, or the generated corpus
     seq_len: int
     seed: int
     position: int = 0  # sequences consumed so far, all data-parallel ranks together
+    names: list[str] = field(default_factory=list)  # one per shard, for the fingerprint; [] names them by index
+    saved_fingerprint: tuple[int, int, int] | None = None  # the loaded checkpoint's (None: none, or one without it)
+    fingerprint: tuple[int, int, int] = field(init=False)  # of `shards` as they are now
     _starts: Any = field(init=False, repr=False)  # cumulative window counts per shard
     _perm: tuple[int, Any] = field(init=False, repr=False, default=(-1, None))  # (epoch, permutation)
 
     def __post_init__(self) -> None:
         import numpy as np
 
+        self.fingerprint = fingerprint(self.names or [str(i) for i in range(len(self.shards))], self.shards)
         counts = [max(0, (len(s) - 1) // self.seq_len) for s in self.shards]
         self._starts = np.cumsum([0, *counts])
         if self._starts[-1] == 0:
@@ -185,10 +205,22 @@ class Sampler:
     def state_dict(self) -> dict[str, Any]:  # the Stateful protocol: checkpointed with the model
         import torch
 
-        return {"position": torch.tensor(self.position)}
+        return {"position": torch.tensor(self.position), "fingerprint": torch.tensor(self.fingerprint)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
+        if "fingerprint" in state:  # a checkpoint written before fingerprints has none (checkpoint.py asks not)
+            digest, shards, tokens = (int(v) for v in state["fingerprint"].tolist())
+            self.saved_fingerprint = (digest, shards, tokens)
+
+    def changed(self) -> str:
+        """How the data differs from the loaded checkpoint's, in words; "" if it does not, or is not known."""
+        was, now = self.saved_fingerprint, self.fingerprint
+        if was is None or was == now:
+            return ""
+        if was[1:] == now[1:]:
+            return f"the same {now[1]} shard(s) and {now[2]:,} tokens, but a shard renamed, reordered or resized"
+        return f"shards {was[1]} -> {now[1]}, tokens {was[2]:,} -> {now[2]:,}"
 
     def next_batch(self, dp_rank: int, dp_size: int, batch_seqs: int) -> tuple[Any, Any]:
         """(inputs, targets) of shape (batch_seqs, seq_len) for this rank; advances past every rank's."""
@@ -210,7 +242,8 @@ def open_sampler(cfg: Any, seq_len: int, vocab_size: int, split: str = "train") 
     if cfg.source == "tokens":
         meta = read_meta(Path(cfg.path))
         key = "val_shards" if split == "val" else "shards"
-        shards = [np.memmap(Path(cfg.path) / s["file"], dtype=meta["dtype"], mode="r") for s in meta.get(key, [])]
+        names = [s["file"] for s in meta.get(key, [])]
+        shards = [np.memmap(Path(cfg.path) / name, dtype=meta["dtype"], mode="r") for name in names]
         if not shards:
             raise ValueError(
                 f"data.path={cfg.path!r} has no held-out split; prepare it with `hpc-train prepare-data "
@@ -218,9 +251,11 @@ def open_sampler(cfg: Any, seq_len: int, vocab_size: int, split: str = "train") 
             )
     elif split == "val":  # an eighth as many words again, from the same vocabulary
         shards = [synthetic_corpus(max(64, cfg.corpus_words // 8), cfg.seed, vocab_size, held_out=True)]
+        names = ["synthetic held out"]
     else:
         shards = [synthetic_corpus(cfg.corpus_words, cfg.seed, vocab_size)]
-    return Sampler(shards, seq_len, cfg.seed)
+        names = [f"synthetic corpus_words={cfg.corpus_words} seed={cfg.seed} vocab_size={vocab_size}"]
+    return Sampler(shards, seq_len, cfg.seed, names=names)
 
 
 def synthetic_corpus(words: int, seed: int, vocab_size: int, held_out: bool = False) -> Any:

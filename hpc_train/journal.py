@@ -29,6 +29,7 @@ Event = dict[str, Any]
 START = "start"  # at.resume: step, resumed_from, world_size, nodes, rank_nodes, pids, devices, phases_s, ...
 FIRST_STEP = "first_step"  # step_time_s: resume -> first step
 BATCH_CHANGED = "batch_changed"  # the global batch does not divide over this attempt's ranks
+DATA_CHANGED = "data_changed"  # resumed on other data than the checkpoint's, allowed: change, was, now
 PREFLIGHT = "preflight"  # every node's health, after the rendezvous
 SIGNAL = "signal"  # a stop signal seen at a step boundary
 FINISH = "finish"  # the run's last step; the summary
@@ -283,6 +284,13 @@ def budget_changes(events: list[Event]) -> dict[str, int]:
         for k, v in (e.get("budgets") or {}).items()
         if k in (*BUDGET_KEYS.values(), "max_excluded_nodes") and type(v) is int
     }
+
+
+def data_change_allowed(events: list[Event]) -> bool:
+    """The last `hpc-train resume` was given --allow-data-changed: its attempts may resume on data other
+    than their checkpoint's (data.allow_changed for them; config.yaml stays as submitted)."""
+    found = last(events, RESUME)
+    return found is not None and found.get("allow_data_changed") is True
 
 
 def excluded_nodes(events: list[Event]) -> dict[str, str]:

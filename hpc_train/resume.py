@@ -3,6 +3,7 @@ directory, frozen config.yaml, events.jsonl), from its newest committed checkpoi
 
     hpc-train resume runs/demo-1                      # after a cancel, a spent budget, a failed node
     hpc-train resume runs/demo-1 --max-failures 5     # with a budget raised (recorded in the resume event)
+    hpc-train resume runs/demo-1 --allow-data-changed # on data changed since its checkpoint (a shard appended)
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ def _sweep_lock(lock_file: Path, busy: str) -> Iterator[None]:
         yield
 
 
-def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, list[str]]:
+def resume(
+    path: Path, budgets: dict[str, int], reason: str = "", allow_data_changed: bool = False
+) -> tuple[Any, list[str]]:
     """`hpc-train resume RUN`: queue a stopped, cancelled or failed run again under its own identity (run
     directory, frozen config.yaml, events.jsonl), to go on from its newest committed checkpoint. Refuses a
     run that is queued, running or finished. `budgets` (requeue.* keys) are recorded in the `resume` event
     and apply over the frozen config, which stays as submitted. Once sbatch succeeded, writes the `resume`
     event (the attempt it starts, who, why) and the new job id where status finds it (submission.json, or
-    the sweep's sweep.json). Returns (the submitit job, sentences for the user)."""
+    the sweep's sweep.json). allow_data_changed: recorded in that event too; the job then resumes on data
+    other than its checkpoint's (journal.data_change_allowed). Returns (the submitit job, sentences for the user)."""
     from hpc_train.runs import find_runs
 
     runs = find_runs(path)
@@ -81,10 +85,10 @@ def resume(path: Path, budgets: dict[str, int], reason: str = "") -> tuple[Any, 
         if (target / MANIFEST).exists()
         else contextlib.nullcontext(),
     ):
-        return _resume(find_runs(run.run_dir)[0], budgets, reason)
+        return _resume(find_runs(run.run_dir)[0], budgets, reason, allow_data_changed)
 
 
-def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[str]]:
+def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: bool) -> tuple[Any, list[str]]:
     import getpass
     import socket
 
@@ -208,6 +212,11 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
                 f"warning: this is not the code that validated the run ({code}); the job will train with "
                 f"it and record a code_changed event"
             )
+    if allow_data_changed:
+        lines.append(
+            "--allow-data-changed: it resumes on the data as it is now, even if that is not its checkpoint's "
+            "(a data_changed event then says what changed)"
+        )
     target = run.log_dir.parent
     private = bool(cfg.cluster.env)
     if cfg.cluster.executor == "slurm":
@@ -247,6 +256,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str) -> tuple[Any, list[s
             budgets=budgets,
             previous_job_id=run.job_id,
             stopped_because=why,
+            **({"allow_data_changed": True} if allow_data_changed else {}),
         )
         process = runs.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
         record_job(target, run.run_dir, job_id, process, private, executor=cfg.cluster.executor, resumed_at=time.time())

@@ -259,6 +259,29 @@ def warn_batch_changed(at: Attempt, step: int, configured: int, global_seqs: int
     )
 
 
+def check_data(at: Attempt, step: int, sampler: data.Sampler) -> None:
+    """A resume on other data than its checkpoint was trained on (a shard appended, removed or resized)
+    visits other windows from `step` on than the uninterrupted run would: stop with the sentence and both
+    fixes, unless data.allow_changed or the last `hpc-train resume` was given --allow-data-changed; then
+    record the change and train on. The held-out split is not compared: evaluation reads it from position 0
+    with no gradients, so it moves val_loss, never the weights."""
+    change, dc, run = sampler.changed(), at.cfg.data, at.paths.run_dir
+    what = f"data.path={dc.path!r}" if dc.source == "tokens" else "data=synthetic's corpus"
+    if not (dc.allow_changed or journal.data_change_allowed(journal.read(run))):
+        raise preempt.Unrecoverable(
+            f"{what} is not the data checkpoint step {step} was trained on ({change}): resumed on it, the "
+            f"windows read from step {step} on would not be the uninterrupted run's. Restore that data and "
+            f"hpc-train resume {run}, or train on with the data as it is now: hpc-train resume {run} "
+            f"--allow-data-changed (data.allow_changed=true for its attempts)"
+        )
+    was, now = sampler.saved_fingerprint, sampler.fingerprint
+    at.event(journal.DATA_CHANGED, step, change=change, was=list(was or ()), now=list(now))
+    at.say(
+        f"[hpc_train] warning: {what} changed since checkpoint step {step} ({change}); from step {step} on "
+        f"the run reads other windows than the uninterrupted run would (data.allow_changed)"
+    )
+
+
 def train_step(
     p: Parts, sampler: data.Sampler, lr: float, grad_accum: int, grad_clip: float, window: Window
 ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
@@ -509,6 +532,8 @@ def main(at: Attempt) -> dict[str, Any] | None:
 
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
     resumed = at.resume(state, **batch)
+    if sampler.changed():  # the data is not the checkpoint's: stop with a sentence, or train on if allowed
+        check_data(at, state.step, sampler)
     if batch["global_batch_seqs"] != global_seqs:
         warn_batch_changed(at, state.step, global_seqs, batch["global_batch_seqs"], p.dp_size, grad_accum)
     if resumed and tc.parallelism == "ddp":

@@ -81,6 +81,45 @@ def test_resume_picks_newest_that_verifies_and_restores_state(tmp_path: Path) ->
     assert resumer.bad == {60} and resumer.verified == {40}
 
 
+def test_the_data_fingerprint_is_saved_and_a_checkpoint_without_one_still_resumes(tmp_path: Path) -> None:
+    """The sampler's fingerprint travels in the checkpoint, and a resume on other data knows what changed. A
+    checkpoint written before the fingerprint existed (data: the position only) resumes with its position:
+    before, DCP refused the key it lacks ("Missing key in checkpoint state_dict: data.fingerprint"), so every
+    checkpoint of such a run was skipped and the attempt failed, requeue after requeue."""
+    import numpy as np
+
+    from hpc_train.data import Sampler
+
+    def sampler(*lengths: int) -> Sampler:
+        return Sampler(
+            [np.zeros(n, dtype=np.uint8) for n in lengths], 16, 0, names=[f"s{i}" for i in range(3)][: len(lengths)]
+        )
+
+    old, new = make_state(), make_state()
+    old.data, new.data = sampler(500, 500), sampler(500, 500, 300)
+    old.data.position = 40
+    save_at(make_saver(tmp_path / "a", []), old, 10)
+    fresh = make_state(seed=1)
+    fresh.data = sampler(500, 500, 300)
+    assert make_saver(tmp_path / "a", []).resume(fresh)[0] is not None and fresh.data.position == 40
+    assert fresh.data.changed() == "shards 2 -> 3, tokens 1,000 -> 1,300"
+
+    class PositionOnly:  # what every checkpoint held as `data` before the fingerprint
+        position = 24
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"position": torch.tensor(self.position)}
+
+    before = make_state()
+    before.data = PositionOnly()
+    save_at(make_saver(tmp_path / "b", []), before, 10)
+    fresh = make_state(seed=1)
+    fresh.data, events = sampler(500, 500), []
+    folder, _, _ = make_saver(tmp_path / "b", events).resume(fresh)
+    assert folder == step_dir(tmp_path / "b" / "checkpoints", 10) and fresh.step == 10, events
+    assert fresh.data.position == 24 and fresh.data.saved_fingerprint is None and fresh.data.changed() == ""
+
+
 def test_steps_past_a_million_sort_by_number(tmp_path: Path) -> None:
     """step_1000000 sorts before step_999980 as a string: resume picked 999,980 and retention deleted
     1,000,000 right after committing it."""

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import HPC_TRAIN, run
+from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 
 from hpc_train.config import DataConfig
-from hpc_train.data import Sampler, open_sampler, prepare
+from hpc_train.data import Sampler, fingerprint, open_sampler, prepare
 
 
 def write_texts(folder: Path) -> list[bytes]:
@@ -106,6 +108,32 @@ def test_sampler_resumes_from_its_position() -> None:
     assert all((resumed.next_batch(1, 2, 4)[0] == b).all() for b in batches[3:])
 
 
+def test_fingerprint_tells_every_change_of_shards_and_nothing_else() -> None:
+    """Seeded random shard lists, each changed one way at a time: a shard added, removed, resized (one token
+    more or fewer), renamed, or two swapped gives another digest; the same list, opened again, the same one."""
+    rng = np.random.default_rng(19)
+    for _ in range(200):
+        lengths = [int(n) for n in rng.integers(1, 5000, int(rng.integers(1, 8)))]
+        names = [f"shard_{i:05d}.bin" for i in range(len(lengths))]
+
+        def fp(names: list[str], lengths: list[int]) -> tuple[int, int, int]:
+            return fingerprint(names, [np.zeros(n, dtype=np.uint16) for n in lengths])
+
+        digest, shards, tokens = base = fp(names, lengths)
+        assert (shards, tokens) == (len(lengths), sum(lengths)) and base == fp(list(names), list(lengths))
+        assert -(2**63) <= digest < 2**63  # an int64 checkpoint tensor holds it
+        i = int(rng.integers(len(lengths)))
+        grown = [*lengths[:i], lengths[i] + int(rng.choice([-1, 1]) if lengths[i] > 1 else 1), *lengths[i + 1 :]]
+        changes = [
+            fp([*names, f"shard_{len(names):05d}.bin"], [*lengths, int(rng.integers(1, 5000))]),  # appended
+            fp(names[:i] + names[i + 1 :], lengths[:i] + lengths[i + 1 :]) if len(names) > 1 else None,  # removed
+            fp(names, grown),  # resized by one token
+            fp([*names[:i], "other.bin", *names[i + 1 :]], lengths),  # renamed
+            fp(names[::-1], lengths[::-1]) if len(names) > 1 else None,  # reordered
+        ]
+        assert all(c[0] != digest for c in changes if c is not None), (lengths, i)
+
+
 def test_open_sampler_reads_prepared_shards_by_memmap(tmp_path: Path) -> None:
     write_texts(tmp_path / "in")
     prepare([tmp_path / "in"], tmp_path / "out", shard_tokens=400)
@@ -181,3 +209,54 @@ def test_train_on_prepared_text_from_the_command_line(tmp_path: Path) -> None:
     saved = torch.load(tmp_path / "plain.pt", weights_only=True)
     assert int(saved["data"]["position"]) == 20 * 2 * 8  # steps x data-parallel ranks x batch_seqs_per_rank
     assert int(saved["progress"]["step"]) == 20 and int(saved["progress"]["tokens_seen"]) == 20 * 2 * 8 * 32
+
+
+def test_a_resume_on_changed_data_stops_with_a_sentence_unless_allowed(tmp_path: Path) -> None:
+    """A shard appended while the run was preempted: its requeued attempt stops at once (no requeue, no
+    crash loop) with what changed and both fixes; `hpc-train resume --allow-data-changed` trains on it to
+    the end and records a data_changed event. Before, the resume read other windows without a word."""
+    from hpc_train.runs import process_identity
+
+    write_texts(tmp_path / "in")
+    data = tmp_path / "tok"
+    before = prepare([tmp_path / "in"], data, shard_tokens=1000)
+    run_dir, job_id = submit(
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "data=tokens",
+            f"data.path={data}",
+            "train.steps=20",
+            "checkpoint.every_steps=5",
+            "train.min_step_time_s=0.2",
+            "--no-wait",
+        ]
+    )
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
+    (tmp_path / "in" / "zz.txt").write_bytes(b"a shard appended later\n" * 40)  # sorted last: the stream grows
+    after = prepare([tmp_path / "in"], tmp_path / "tok-2", shard_tokens=1000)
+    os.rename(data, tmp_path / "tok-1")
+    os.rename(tmp_path / "tok-2", data)
+    os.kill(int(job_id), signal.SIGTERM)  # a preemption: save, requeue in place, resume on the new data
+    stopped = wait_until(
+        lambda: next((e for e in read_events(run_dir) if e["event"] == "stopped"), None), 240, "the stop"
+    )
+    step = stopped["step"]
+    assert [(e["restart"], e["step"]) for e in read_events(run_dir) if e["event"] == "start"] == [(0, 0), (1, step)]
+    sentence = (
+        f"data.path='{data}' is not the data checkpoint step {step} was trained on (shards "
+        f"{len(before['shards'])} -> {len(after['shards'])}, tokens {before['tokens']:,} -> {after['tokens']:,}): "
+        f"resumed on it, the windows read from step {step} on would not be the uninterrupted run's. Restore that "
+        f"data and hpc-train resume {run_dir}, or train on with the data as it is now: hpc-train resume {run_dir} "
+        f"--allow-data-changed (data.allow_changed=true for its attempts)"
+    )
+    assert (len(before["shards"]), len(after["shards"])) == (2, 3) and stopped["reason"] == sentence
+    wait_until(lambda: process_identity(int(job_id)) is None, 120, "the stopped run's controller to exit")
+
+    proc = run([HPC_TRAIN, "resume", str(run_dir), "--allow-data-changed"], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"demo-1 stopped because {sentence}\n"), proc.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 20
+    changed = [e for e in read_events(run_dir) if e["event"] == "data_changed"]
+    assert [(e["restart"], e["step"], e["change"]) for e in changed] == [
+        (2, step, f"shards 2 -> 3, tokens {before['tokens']:,} -> {after['tokens']:,}")
+    ]

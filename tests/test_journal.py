@@ -108,6 +108,17 @@ def test_a_new_job_counts_its_attempt_from_the_last_resume() -> None:
     assert journal.decided([*events, ev("requeue", 2)], 2) and not journal.decided(events, 2)
 
 
+def test_allow_data_changed_holds_until_the_next_resume() -> None:
+    """`hpc-train resume --allow-data-changed` covers the attempts it starts, requeues included (the first may
+    fail before it saves on the new data); a later resume without the flag is a person's word again."""
+    ev = lambda name, restart, **f: {"time": 1.0, "event": name, "step": 0, "restart": restart, **f}  # noqa: E731
+    events = [ev("start", 0), ev("stopped", 0, reason="data changed")]
+    assert not journal.data_change_allowed(events)
+    events += [ev("resume", 1, allow_data_changed=True), ev("start", 1), ev("requeue", 1), ev("start", 2)]
+    assert journal.data_change_allowed(events)
+    assert not journal.data_change_allowed([*events, ev("stopped", 2), ev("resume", 3)])
+
+
 def test_a_malformed_line_warns_once_and_a_torn_one_not_at_all(tmp_path: Path, capsys) -> None:
     journal.log(tmp_path, journal.START, 0, "1", 0)
     with open(RunPaths(tmp_path).events, "a") as f:
