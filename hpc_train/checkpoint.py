@@ -704,6 +704,17 @@ class Saver:
             )
         return None, time.monotonic() - t0, 0.0
 
+    def reload(self, state: TrainState, folder: Path) -> None:
+        """Collective: load `folder` into `state` again as resume() loaded it (model, optimizer, progress,
+        data, this rank's RNG), without verifying: resume() just did, and nothing writes a committed folder.
+        Attempt.step_end's DDP replay."""
+        sd = state.state_dict()
+        with _fed_while_bytes_move(), _helper_threads_single_threaded():
+            dcp.load(sd, checkpoint_id=folder)
+        state.load_state_dict(sd)
+        if (folder / rank_file(dist.get_rank())).exists():  # as resume(): a rank the checkpoint had no file for
+            state.load_rank_state(torch.load(folder / rank_file(dist.get_rank()), weights_only=True))
+
     def init_from(self, state: TrainState) -> tuple[dict[str, Any], float, float]:
         """Collective: a new run's weights (and optimizer state, with checkpoint.init_from_optimizer) from
         another run's committed checkpoint, verified as a resume verifies (every rank hashes a share). Step,

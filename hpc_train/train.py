@@ -237,7 +237,9 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig, foreach: bool | None
 def rebucket_ddp(p: Parts, sampler: data.Sampler) -> None:
     """DDP re-buckets gradients by their ready order after its first backward, and the bucket layout sets
     the summation order of gloo's ring all-reduce. The uninterrupted run took the resumed step with
-    re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart."""
+    re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
+    Attempt.step_end then finds the buckets rebuilt and does not take the first step again, as it does for
+    a function's DDP: a backward costs less than a step and a second checkpoint load, and logs nothing twice."""
     position = sampler.position
     p.loss(*p.batch(sampler)).backward()
     p.optimizer.zero_grad(set_to_none=True)

@@ -806,3 +806,90 @@ def test_init_from_without_the_optimizer_leaves_a_fresh_optimizer(tmp_path: Path
     make_saver(tmp_path / "new", [], init_from=str(folder)).init_from(TrainState(model, opt))
     assert not opt.state  # as fresh as by_hand's
     assert all(torch.equal(a, b) for a, b in zip(train(model, opt), train(*by_hand)))
+
+
+class DDPLoop:
+    """docs/byo.md's loop over a DDP with dropout in this 1-rank group, one step at a time."""
+
+    def __init__(self, at: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+        self.net = DDP(self.model)
+        self.state = TrainState(self.model, torch.optim.AdamW(self.model.parameters(), lr=1e-2))
+        self.at = at
+        at.resume(self.state)
+
+    def step(self) -> None:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(self.state.step))
+        self.state.optimizer.zero_grad()
+        self.net(x).square().mean().backward()
+        self.state.optimizer.step()
+        self.state.step += 1
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def test_the_first_step_after_a_ddp_resume_is_taken_again_in_rebuilt_buckets(tmp_path: Path) -> None:
+    """The step after a resume first runs in DDP's initial buckets: step_end loads the checkpoint again
+    (weights, optimizer, step, RNG), drops the gradients and returns False; the loop takes that step
+    again, in the rebuilt buckets, and ends where the uninterrupted run ends. A loop that rebuilt them
+    itself (the built-in trainer's throwaway backward) is not replayed."""
+    ref = DDPLoop(make_attempt(tmp_path))
+    for _ in range(3):
+        ref.step()
+    ref.at.saver.save(ref.state, "periodic", background=False)
+    saved, rng = ref.weights(), torch.get_rng_state()
+    for _ in range(2):
+        ref.step()
+
+    cut = DDPLoop(make_attempt(tmp_path))  # resumes at step 3
+    assert cut.state.step == 3 and torch.equal(torch.get_rng_state(), rng)
+    cut.step()
+    assert cut.at.step_end(cut.state, last_step=5) is False
+    assert cut.state.step == 3 and all(torch.equal(a, b) for a, b in zip(cut.weights(), saved))
+    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in cut.model.parameters())
+    assert cut.net._has_rebuilt_buckets is False  # the next forward rebuilds them
+    for _ in range(2):
+        cut.step()
+        assert cut.at.step_end(cut.state, last_step=5) is False
+    assert cut.state.step == 5 and all(torch.equal(a, b) for a, b in zip(cut.weights(), ref.weights()))
+    first = [e for e in read_events(tmp_path) if e["event"] == "first_step"]
+    assert first[-1]["step"] == 4 and 0 < first[-1]["ddp_replay_s"] < first[-1]["step_time_s"]
+
+    own = DDPLoop(make_attempt(tmp_path))  # resumes at step 3 again
+    own.net(torch.randn(2, 8)).sum().backward()  # a throwaway backward of its own, as train.rebucket_ddp
+    own.state.optimizer.zero_grad()
+    step = own.state.step
+    own.step()
+    assert own.at.step_end(own.state, last_step=10) is False and own.state.step == step + 1
+    assert "ddp_replay_s" not in [e for e in read_events(tmp_path) if e["event"] == "first_step"][-1]
+
+
+@pytest.mark.parametrize("last_step", [10, 4])
+def test_a_stop_during_the_step_a_ddp_resume_replays(tmp_path: Path, our_handlers: Any, last_step: int) -> None:
+    """A SIGTERM during the first step after a resume, whose weights step_end throws away: the attempt
+    stops at once, at the step it loaded, which is saved already (no save, nothing lost but that step).
+    At the last step the run finishes instead: the step is taken again, then the signal finishes it."""
+    import signal
+
+    ref = DDPLoop(make_attempt(tmp_path))
+    for _ in range(3):
+        ref.step()
+    ref.at.saver.save(ref.state, "periodic", background=False)
+    cut = DDPLoop(make_attempt(tmp_path))
+    cut.step()
+    os.kill(os.getpid(), signal.SIGTERM)
+    if last_step > 4:
+        assert cut.at.step_end(cut.state, last_step) is True and cut.at.stop_step == cut.state.step == 3
+        assert names(tmp_path) == ["step_000003"]  # nothing saved: step 3 is
+    else:
+        assert cut.at.step_end(cut.state, last_step) is False and cut.state.step == 3
+        cut.step()
+        assert cut.at.step_end(cut.state, last_step) is False and not cut.at.stopped
+        cut.at.finish(cut.state)
+        assert names(tmp_path) == ["step_000003", "step_000004"]
+    signals = [e for e in read_events(tmp_path) if e["event"] == "signal"]
+    assert [(e["step"], e["finishing"]) for e in signals] == ([(3, False)] if last_step > 4 else [(4, True)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -74,11 +75,11 @@ def test_wrong_rendezvous_fails_fast_with_the_address(slurm_env: dict[str, str],
 
 def test_byo_function_runs_multi_node_and_survives_a_preemption(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """docs/examples/byo_train.py on 2 nodes x 2 tasks: placed ranks, a SIGTERM to every task (as a
-    preemption), the stop save through ctx, Slurm requeue, resume; it ends where an uninterrupted 4-rank
-    run on this machine (local executor) ends, to 1e-5 (measured 5e-7: the example does not replay DDP's
-    bucket rebuild after a resume as the built-in trainer does, so the last bits may differ)."""
+    preemption), the stop save through ctx, Slurm requeue, resume; it ends with the weights of an
+    uninterrupted 4-rank run on this machine (local executor), bit for bit (5e-7 apart in loss before
+    step_end took the first step after a resume again in DDP's rebuilt buckets)."""
     examples = str(Path(__file__).resolve().parent.parent / "docs" / "examples")
-    env = {**slurm_env, "PYTHONPATH": examples}
+    env = {**slurm_env, "PYTHONPATH": os.pathsep.join(filter(None, [examples, slurm_env.get("PYTHONPATH")]))}
     byo = ["fn._target_=byo_train.main", "+fn.kwargs.steps=300", f"out_dir={tmp_path}"]
     ref_dir, _ = submit([*byo, "name=ref", "cluster.tasks_per_node=4"], env=env)
     run_dir, job_id = submit(
@@ -89,8 +90,7 @@ def test_byo_function_runs_multi_node_and_survives_a_preemption(slurm_env: dict[
     assert chaos.returncode == 0, chaos.stderr
     summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
     ref = json.loads((ref_dir / "summary.json").read_text())
-    assert summary["final_step"] == ref["final_step"] == 300
-    assert abs(summary["final_loss"] - ref["final_loss"]) <= 1e-5 * ref["final_loss"]
+    assert summary == ref and summary["final_step"] == 300
     events = read_events(run_dir)
     starts = [e for e in events if e["event"] == "start"]
     assert len(starts) == 2 and starts[0]["world_size"] == 4 and starts[0]["target"] == "byo_train.main"

@@ -1,5 +1,6 @@
-"""Bring your own training function: a small DDP regression that hpc_train submits, places, stops
-at a step boundary when Slurm warns or preempts, requeues and resumes.
+"""Bring your own training function: a small DDP regression (dropout; AdamW with decayed weights and
+undecayed biases, nanoGPT's two groups) that hpc_train submits, places, stops at a step boundary when
+Slurm warns or preempts, requeues and resumes.
 
     PYTHONPATH=docs/examples hpc-train submit fn._target_=byo_train.main
     PYTHONPATH=docs/examples hpc-train submit fn._target_=byo_train.main +fn.kwargs.steps=2000 \\
@@ -22,11 +23,20 @@ from hpc_train.checkpoint import TrainState
 from hpc_train.train import params_sha256
 
 
-def main(at: Attempt, steps: int = 300, lr: float = 0.05, step_s: float = 0.0) -> dict | None:
+def main(at: Attempt, steps: int = 300, lr: float = 0.01, step_s: float = 0.0) -> dict | None:
     torch.manual_seed(0)  # same initial weights on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(at.device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)
+    ).to(at.device)
     net = DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # weights decay, biases do not
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+    )
     state = TrainState(model, optimizer)  # step, model, optimizer and this rank's RNG go into each checkpoint
     at.resume(state)  # newest checkpoint that verifies; step 0 on the first attempt
     truth = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
