@@ -710,6 +710,15 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
             _decide_together(paths, env, cfg, "node_health", -1, sick=sick)
     if cfg.script.cmd:  # the user's own command, one child per rank (script.py), then the one decision
         out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start, decision_reserve_s(env, cfg))
+        if out["outcome"] == "unrunnable":  # exit 126/127: no requeue makes a missing program run
+            if env.rank == 0:
+                journal.log(
+                    paths.run_dir, journal.STOPPED, out["step"], env.job_id, env.restart_count, reason=out["why"]
+                )
+                print(f"[hpc_train] not requeueing: {out['why']}", file=sys.stderr, flush=True)
+            dist.barrier()  # the verdict is on record before any rank exits (srun's KillOnBadExit)
+            dist.destroy_process_group()
+            _leave("stop", 0.0)
         if out["outcome"] != "finished":
             _decide_together(
                 paths, env, cfg, out["reason"], out["step"], out.get("kill_deadline", float("inf")), out.get("sick")

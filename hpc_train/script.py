@@ -160,8 +160,9 @@ _SHIM = (
     "except Exception: pass\n"
     "try: os.execvp(sys.argv[3],sys.argv[3:])\n"
     "except OSError as e:\n"
-    "    sys.exit(f'[hpc_train] cannot run {sys.argv[3]!r}: {e.strerror}; check the command after --"
-    " (installed on every node? on the PATH? executable?)')\n"
+    "    print(f'[hpc_train] cannot run {sys.argv[3]!r}: {e.strerror}; check the command after --"
+    " (installed on every node? on the PATH? executable?)',file=sys.stderr)\n"
+    "    sys.exit(127 if e.errno==2 else 126)\n"  # a shell's codes: not found (ENOENT), found but not runnable
 )
 POLL_S = 0.25  # our ranks agree 4 times a second: the stop signal reaches every child within ~0.25 s
 # After a preemption's signal, the child's SIGKILL comes this much before Slurm's, for the records (Slurm
@@ -344,12 +345,10 @@ def supervise(
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
     mine = {"rank": env.rank, "code": code, "node": node, "tail": "".join(tail)[-2000:], "killed": killed}
     dist.all_gather_object(failed, mine)
-    bad = [f for f in failed if f and f["code"] not in (0, None)]
-    if not bad:
-        return {"outcome": "finished", "step": step, "exit_codes": [f["code"] for f in failed]}
-    bad = [f for f in bad if not f["killed"]] or bad  # the ranks that failed first, not those we ended
-    first = min(bad, key=lambda f: f["rank"])
-    if env.rank == first["rank"]:
+    out = judge(failed, cmd, paths.run_dir)
+    if out["outcome"] == "finished":
+        return {**out, "step": step}
+    if env.rank == out["first"]:
         journal.log(
             paths.run_dir,
             journal.FAIL,
@@ -360,12 +359,50 @@ def supervise(
             error=f"script exited with code {code} on rank {env.rank} ({node})",
             output=mine["tail"][-1000:],
         )
+    return {**out, "step": step}
+
+
+# A shell's exit codes for a command that never ran (bash, dash and our _SHIM alike): no requeue makes it run.
+NOT_RUNNABLE = {
+    126: (
+        "was found but could not be executed (no execute permission, a directory, or a binary for another machine)",
+        "chmod +x it and `hpc-train resume {run}`, or submit again running it through its interpreter (python FILE)",
+    ),
+    127: (
+        "was not found (not installed on that node, or not on its PATH)",
+        "install it on every node and `hpc-train resume {run}`, or submit again with its absolute path",
+    ),
+}
+
+
+def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> dict[str, Any]:
+    """What every rank's exit says (pure): failed holds each rank's {"rank", "code", "node", "tail", "killed"
+    (we ended it)}. {"outcome": "finished", "exit_codes"} when all exited 0; "unrunnable" with `why` when a
+    child we did not end exited 126/127 (the command could not run: a sentence, no requeue, no budget);
+    else "failed" with `sick` (nodes a hardware error blames). `first`: the rank whose exit is recorded."""
+    bad = [f for f in failed if f and f["code"] not in (0, None)]
+    if not bad:
+        return {"outcome": "finished", "exit_codes": [f["code"] for f in failed]}
+    bad = [f for f in bad if not f["killed"]] or bad  # the ranks that failed first, not those we ended
+    first = min(bad, key=lambda f: f["rank"])
+    unrunnable = [f for f in bad if f["code"] in NOT_RUNNABLE and not f["killed"]]
+    if unrunnable:
+        f = unrunnable[0]
+        what, fix = NOT_RUNNABLE[f["code"]]
+        return {
+            "outcome": "unrunnable",
+            "first": f["rank"],
+            "why": (
+                f"the command after -- could not run: {cmd[0]!r} exited with {f['code']} on rank {f['rank']} "
+                f"({f['node']}): it {what}; {fix.format(run=run_dir)}. Not requeued: no budget spent"
+            ),
+        }
     sick = {}
     for f in bad:
         marker = preempt.hardware_error(f["tail"])
         if marker:
             sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
-    return {"outcome": "failed", "reason": "failure", "step": step, "sick": sick or None}
+    return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}
 
 
 def _time_left_s(env: Any, cfg: Any, launched_at: float) -> tuple[float, str]:

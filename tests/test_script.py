@@ -122,13 +122,53 @@ def test_a_ddp_script_runs_to_its_end_on_the_local_executor(tmp_path: Path) -> N
     assert start["target"] == "script" and start["cmd"][-1] == "0"
 
 
-def test_a_command_that_cannot_run_is_one_sentence_not_a_traceback() -> None:
+def test_a_command_that_cannot_run_is_one_sentence_and_a_shells_exit_code(tmp_path: Path) -> None:
     """A mistyped program after `--`: before (adversarial review), every rank printed a bare FileNotFoundError
-    traceback naming no program."""
+    traceback naming no program; then it exited 1, a crash the failure budget retried (3 attempts, 100 s)."""
     from hpc_train.script import _SHIM
 
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHIM, "", "TERM", "no-such-train-prog", "--lr=1"], capture_output=True, text=True
+    not_executable = tmp_path / "train.py"
+    not_executable.write_text("print('hi')\n")
+    for prog, code, why in (("no-such-train-prog", 127, "No such file or directory"), (not_executable, 126, "")):
+        proc = subprocess.run(
+            [sys.executable, "-c", _SHIM, "", "TERM", str(prog), "--lr=1"], capture_output=True, text=True
+        )
+        assert proc.returncode == code and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith(f"[hpc_train] cannot run {str(prog)!r}: {why}"), proc.stderr
+
+
+def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
+    from hpc_train.script import judge
+
+    def rank(r: int, code: int, killed: bool = False, tail: str = "") -> dict:
+        return {"rank": r, "code": code, "node": f"n{r // 2}", "tail": tail, "killed": killed}
+
+    out = judge([rank(0, -9, killed=True), rank(1, -9, killed=True), rank(2, 127), rank(3, 0)], ["trainx"], "/r")
+    assert out["outcome"] == "unrunnable" and out["first"] == 2
+    assert out["why"] == (
+        "the command after -- could not run: 'trainx' exited with 127 on rank 2 (n1): it was not found (not "
+        "installed on that node, or not on its PATH); install it on every node and `hpc-train resume /r`, or "
+        "submit again with its absolute path. Not requeued: no budget spent"
     )
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("[hpc_train] cannot run 'no-such-train-prog': No such file or directory; check the")
+    assert "chmod +x it" in judge([rank(0, 126)], ["./t.py"], "/r")["why"]
+    # an exit 127 we caused (SIGKILL-ed ranks report -9, never 127) and any other code are failures
+    assert judge([rank(0, 1), rank(1, 0)], ["python"], "/r") == {
+        "outcome": "failed",
+        "reason": "failure",
+        "first": 0,
+        "sick": None,
+    }
+    ecc = judge([rank(0, 1, tail="CUDA error: uncorrectable ECC error encountered")], ["python"], "/r")
+    assert ecc["sick"] == {"n0": "rank 0 on n0 failed with a hardware error (uncorrectable ECC error)"}
+    assert judge([rank(0, 0), rank(1, 0)], ["python"], "/r") == {"outcome": "finished", "exit_codes": [0, 0]}
+
+
+def test_a_missing_program_stops_the_run_at_once_on_the_local_executor(tmp_path: Path) -> None:
+    """One attempt, a `stopped` naming the program and the fix, no requeue (before: 3 attempts, budget spent)."""
+    proc = _submit(tmp_path, "--", "no-such-train-prog", "--lr=1")
+    events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").open()]
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "requeue" not in names, names
+    stopped = next(e for e in events if e["event"] == "stopped")
+    assert stopped["reason"].startswith("the command after -- could not run: 'no-such-train-prog' exited with 127")
+    assert "not requeued: the command after -- could not run" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
