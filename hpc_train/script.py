@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,15 +179,19 @@ def end_children() -> None:
             pass
 
 
-def _echo(stream: Any, out: Any, tail: deque[str]) -> None:
-    """Copy the child's lines to our own stream (the rank's log) and take each as a heartbeat."""
-    for line in iter(stream.readline, b""):
-        out.write(line)
+def _echo(stream: Any, out: Any, tail: bytearray) -> None:
+    """Copy the child's output to our own stream (the rank's log) as it comes, and take any bytes as a
+    heartbeat: a progress bar (tqdm) rewrites its line with '\r' and may print no '\n' for an hour."""
+    fd = stream.fileno()
+    while chunk := os.read(fd, 65536):  # what the pipe holds now, up to 64 KiB; b"": the child closed it
+        out.write(chunk)
         out.flush()
-        tail.append(line.decode(errors="replace"))
+        tail += chunk
+        del tail[:-TAIL_BYTES]
         _last_output[0] = time.time()
 
 
+TAIL_BYTES = 4000  # the child's last output, stdout and stderr together, for the fail event and the hardware check
 _last_output = [time.time()]
 
 
@@ -255,7 +258,7 @@ def supervise(
         start_new_session=True,  # its own process group: end_children reaches its workers too
     )
     children[:] = [child]
-    tail: deque[str] = deque(maxlen=40)
+    tail = bytearray()
     for stream, out in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
         threading.Thread(target=_echo, args=(stream, out, tail), daemon=True).start()
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
@@ -343,7 +346,13 @@ def supervise(
         return {"outcome": "stopped", "reason": reason, "step": step, "kill_deadline": kill_deadline}
     failed = [None] * env.world_size
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
-    mine = {"rank": env.rank, "code": code, "node": node, "tail": "".join(tail)[-2000:], "killed": killed}
+    mine = {
+        "rank": env.rank,
+        "code": code,
+        "node": node,
+        "tail": tail.decode(errors="replace")[-2000:],
+        "killed": killed,
+    }
     dist.all_gather_object(failed, mine)
     out = judge(failed, cmd, paths.run_dir)
     if out["outcome"] == "finished":

@@ -172,3 +172,31 @@ def test_a_missing_program_stops_the_run_at_once_on_the_local_executor(tmp_path:
     stopped = next(e for e in events if e["event"] == "stopped")
     assert stopped["reason"].startswith("the command after -- could not run: 'no-such-train-prog' exited with 127")
     assert "not requeued: the command after -- could not run" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
+    """A progress bar (tqdm) rewrites its line with '\\r' only: before, the reader waited for a '\\n' that
+    never came, so an hour of progress bars was no heartbeat (and reached the log only at the end)."""
+    import io
+    import os
+    import threading
+    import time
+
+    from hpc_train import script
+
+    r, w = os.pipe()
+    out, tail = io.BytesIO(), bytearray()
+    script._last_output[0] = 0.0
+    reader = threading.Thread(target=script._echo, args=(os.fdopen(r, "rb"), out, tail), daemon=True)
+    reader.start()
+    os.write(w, b" 10%|#   | 1/10\r 20%|##  | 2/10\r")
+    until = time.monotonic() + 5
+    while script._last_output[0] == 0.0 and time.monotonic() < until:
+        time.sleep(0.01)
+    assert script._last_output[0] > 0.0, "no heartbeat from output without a newline"
+    assert out.getvalue() == b" 10%|#   | 1/10\r 20%|##  | 2/10\r"  # forwarded intact, before any newline
+    os.write(w, b"x" * 10_000 + b"done\n")
+    os.close(w)
+    reader.join(5)
+    assert out.getvalue().endswith(b"x" * 10_000 + b"done\n") and len(out.getvalue()) == 10_037
+    assert bytes(tail) == (b"x" * 10_000 + b"done\n")[-script.TAIL_BYTES :]
