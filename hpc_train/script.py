@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -41,7 +42,9 @@ class ScriptConfig:  # script.py: a command every rank runs in place of a traini
     # follows when it has not exited within what Slurm leaves (signal_lead_s or preempt_grace_s).
     stop_signal: str = "TERM"
     resume_args: list[str] = field(default_factory=list)  # appended only when `checkpoint` exists
-    checkpoint: str = ""  # a path or glob the script writes (relative to the run directory, or absolute)
+    # The path or glob of the file the script saves (relative to the run directory, or absolute); one that
+    # ends in "/" names a folder (found_checkpoint: only non-empty files, or folders so named, count)
+    checkpoint: str = ""
     vars: dict[str, Any] = field(default_factory=dict)  # your own values for placeholders: {script.vars.NAME}
 
     def __post_init__(self) -> None:
@@ -82,9 +85,10 @@ def ckpt_dir(run_dir: str | Path) -> Path:
 _PLACE = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\}")
 
 
-def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "script.cmd") -> str:
+def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "script.cmd", escape: Any = str) -> str:
     """`text` with every {dotted.key} replaced by the config's value, {run_dir} and {ckpt_dir} by the run's
-    folders (pure). Raises ValueError naming a placeholder that names no config key, and the fix."""
+    folders (pure), each value passed through `escape` (glob.escape for a glob). Raises ValueError naming a
+    placeholder that names no config key, and the fix."""
     own = {"run_dir": str(run_dir), "ckpt_dir": str(ckpt_dir(run_dir))}
 
     def one(m: re.Match[str]) -> str:
@@ -92,7 +96,7 @@ def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "s
             return m.group(0)[0]
         key = m.group(1)
         if key in own:
-            return own[key]
+            return escape(own[key])
         node: Any = config
         for i, part in enumerate(key.split(".")):
             if not isinstance(node, dict) or part not in node:
@@ -104,7 +108,7 @@ def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "s
                     f"+script.vars.NAME=VALUE and write {{script.vars.NAME}}, or {{{{ }}}} for literal braces"
                 )
             node = node[part]
-        return json.dumps(node) if isinstance(node, (dict, list)) else str(node)
+        return escape(json.dumps(node) if isinstance(node, (dict, list)) else str(node))
 
     return _PLACE.sub(one, text)
 
@@ -116,19 +120,43 @@ def command(config: dict[str, Any], run_dir: str | Path, resuming: bool) -> list
     return [fill(a, config, run_dir) for a in args]
 
 
-def checkpoint_path(config: dict[str, Any], run_dir: str | Path) -> str:
-    """script.checkpoint filled and made absolute (relative ones are under the run directory); "" if unset."""
+def checkpoint_path(config: dict[str, Any], run_dir: str | Path, as_glob: bool = False) -> str:
+    """script.checkpoint filled and made absolute (relative ones are under the run directory); "" if unset.
+    as_glob: the run directory and every filled value glob-escaped (a folder named exp[1] is that folder,
+    not exp1), the user's own text keeping its wildcards."""
     raw = config["script"]["checkpoint"]
     if not raw:
         return ""
-    filled = fill(raw, config, run_dir, "script.checkpoint")
-    return filled if os.path.isabs(filled) else str(Path(run_dir) / filled)
+    escape = glob.escape if as_glob else str
+    filled = fill(raw, config, run_dir, "script.checkpoint", escape)
+    return filled if os.path.isabs(filled) else os.path.join(escape(str(run_dir)), filled)  # keeps a trailing /
 
 
-def found_checkpoint(pattern: str) -> str:
-    """The newest file the checkpoint path or glob names, "" when none exists yet."""
-    hits = [p for p in glob.glob(pattern) if os.path.exists(p)] if pattern else []
-    return max(hits, key=os.path.getmtime) if hits else ""
+def found_checkpoint(config: dict[str, Any], run_dir: str | Path) -> str:
+    """The newest checkpoint script.checkpoint names (its path as written, or what its glob matches); ""
+    when none exists yet. A checkpoint is a regular file that is not empty (one just opened for writing is
+    not), or, when script.checkpoint ends in "/", a folder that is not empty: a folder never matches a
+    file's name or glob (ckpt* would match the ckpt_tmp/ a save writes into), and {ckpt_dir} itself exists,
+    empty, before the first save."""
+    literal = checkpoint_path(config, run_dir)
+    if not literal:
+        return ""
+    folder = literal.endswith("/")
+    found: list[tuple[float, str]] = []
+    for p in {literal, *glob.glob(checkpoint_path(config, run_dir, as_glob=True))}:
+        p = p.rstrip("/") or "/"
+        try:
+            st = os.stat(p)
+            if folder and stat.S_ISDIR(st.st_mode):
+                with os.scandir(p) as entries:
+                    ok = any(entries)
+            else:
+                ok = not folder and stat.S_ISREG(st.st_mode) and st.st_size > 0
+        except OSError:  # gone since the glob, or a folder we may not read
+            continue
+        if ok:
+            found.append((st.st_mtime, p))
+    return max(found)[1] if found else ""
 
 
 def check(config: dict[str, Any], run_dir: str | Path) -> None:
@@ -241,7 +269,7 @@ def supervise(
     facts: list[Any] = [None]
     if env.rank == 0:
         make_dir(ckpt_dir(paths.run_dir), exist_ok=True)
-        found = found_checkpoint(checkpoint_path(config, paths.run_dir))
+        found = found_checkpoint(config, paths.run_dir)
         # HPC_TRAIN_MASTER_ADDR names our rendezvous host; the script's rank 0 is the placed first node
         addr = os.environ.get("HPC_TRAIN_MASTER_ADDR") if env.nodes[0] == env.master_addr else None
         facts[0] = {"addr": addr or env.nodes[0], "port": _free_port(), "found": found}

@@ -4,6 +4,7 @@ input, the dry run's exact command, and one local run of a torchrun-style DDP sc
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -200,3 +201,30 @@ def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
     reader.join(5)
     assert out.getvalue().endswith(b"x" * 10_000 + b"done\n") and len(out.getvalue()) == 10_037
     assert bytes(tail) == (b"x" * 10_000 + b"done\n")[-script.TAIL_BYTES :]
+
+
+def test_only_a_complete_checkpoint_counts_for_resume_args(tmp_path: Path) -> None:
+    """Before (adversarial review): glob.glob(pattern) + os.path.exists: a run directory named exp[1] never
+    found its checkpoint ([1] is a character class), and an empty file, or a folder a glob matched, counted."""
+    from hpc_train.script import found_checkpoint
+
+    def found(checkpoint: str, run_dir: Path) -> str:
+        return found_checkpoint({"script": {"checkpoint": checkpoint}}, run_dir)
+
+    run = tmp_path / "exp[1]"  # brackets in a real path: the run directory is not a pattern
+    (run / "script_checkpoints").mkdir(parents=True)
+    assert found("{ckpt_dir}/ckpt_*.pt", run) == found("{ckpt_dir}/", run) == ""  # {ckpt_dir} is made empty
+    (run / "script_checkpoints" / "ckpt_10.pt").write_bytes(b"")  # opened for writing, nothing in it yet
+    (run / "script_checkpoints" / "ckpt_tmp.pt").mkdir()  # a folder matching a file's glob
+    assert found("{ckpt_dir}/ckpt_*.pt", run) == ""
+    (run / "script_checkpoints" / "ckpt_10.pt").write_bytes(b"state")
+    assert found("{ckpt_dir}/ckpt_*.pt", run) == str(run / "script_checkpoints" / "ckpt_10.pt")
+    assert found("script_checkpoints/ckpt_1?.pt", run) == str(run / "script_checkpoints" / "ckpt_10.pt")
+    literal = str(run / "script_checkpoints" / "ckpt_10.pt")  # the user's own absolute path with brackets
+    assert found(literal, tmp_path) == literal
+    os.utime(literal, (1, 1))  # older than the next save
+    (run / "script_checkpoints" / "ckpt_20.pt").write_bytes(b"newer")
+    assert found("{ckpt_dir}/ckpt_*.pt", run).endswith("ckpt_20.pt")  # the newest
+    assert found("{ckpt_dir}/", run) == str(run / "script_checkpoints")  # a folder, named as one, not empty
+    assert found("{ckpt_dir}/ckpt_tmp.pt/", run) == ""  # empty
+    assert found("script_checkpoints", run) == ""  # a folder never counts for a file's name
