@@ -216,11 +216,18 @@ def _echo(stream: Any, out: Any, tail: bytearray) -> None:
         out.flush()
         tail += chunk
         del tail[:-TAIL_BYTES]
-        _last_output[0] = time.time()
+        _last_output[0] = time.monotonic()
 
 
 TAIL_BYTES = 4000  # the child's last output, stdout and stderr together, for the fail event and the hardware check
-_last_output = [time.time()]
+_last_output = [time.monotonic()]  # this node's clock only: ranks compare ages, never times
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def child_env(env: Any, placed_master: tuple[str, int], paths: RunPaths, stop_signal: str) -> dict[str, str]:
@@ -313,22 +320,28 @@ def supervise(
         print(f"[hpc_train] every rank runs: {' '.join(cmd)}", flush=True)
     stopped_at, kill_at, reason, kill_deadline = None, float("inf"), "", float("inf")
     killed = False  # this rank ended its child: a peer's failure, or the stop's grace ran out
+    # Rank 0 watches metrics.jsonl (script_helper.log) by its mtime changing, timed on its own clock: the
+    # mtime is the file server's clock, which may be minutes off ours.
+    metrics_mtime, metrics_at = _mtime(paths.metrics) if env.rank == 0 else 0.0, 0.0
     while True:
         time.sleep(POLL_S)
         code = child.poll()
-        metrics_t = os.path.getmtime(paths.metrics) if env.rank == 0 and paths.metrics.exists() else 0.0
-        # [any stop signal, any child failed, not every child exited, the newest output anywhere]
+        if env.rank == 0 and (m := _mtime(paths.metrics)) != metrics_mtime:
+            metrics_mtime, metrics_at = m, time.monotonic()
+        # [any stop signal, any child failed, not every child exited, -(seconds since this rank's newest
+        # output)]: an age measured on the node that saw the output, so a node whose wall clock is off
+        # neither hides its output from the others nor renews their heartbeat for as long as it is ahead
         t = torch.tensor(
             [
                 1.0 if preempt.received else 0.0,
                 1.0 if code not in (None, 0) else 0.0,
                 1.0 if code is None else 0.0,
-                max(_last_output[0], metrics_t),
+                -(time.monotonic() - max(_last_output[0], metrics_at)),
             ],
             dtype=torch.float64,
         )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t[3] > time.time() - 2 * POLL_S:  # any rank's output beats every rank's watchdog (rank 0 prints)
+        if -t[3] < 2 * POLL_S:  # any rank's output beats every rank's watchdog (rank 0 prints)
             preempt.last_beat[0] = time.monotonic()
         if t[0] and stopped_at is None:
             left, reason = _time_left_s(env, cfg, launched_at)

@@ -228,3 +228,55 @@ def test_only_a_complete_checkpoint_counts_for_resume_args(tmp_path: Path) -> No
     assert found("{ckpt_dir}/", run) == str(run / "script_checkpoints")  # a folder, named as one, not empty
     assert found("{ckpt_dir}/ckpt_tmp.pt/", run) == ""  # empty
     assert found("script_checkpoints", run) == ""  # a folder never counts for a file's name
+
+
+@pytest.mark.parametrize(
+    "offset_s, rank0_prints, quiet",
+    [
+        (-1000.0, True, False),  # rank 0's clock 1000 s behind, printing all along: no rank may go quiet
+        (+1000.0, False, True),  # rank 0's clock 1000 s ahead, one line then silence: no rank may see beats
+    ],
+)
+def test_a_skewed_clock_neither_hides_nor_fakes_the_heartbeat(
+    tmp_path: Path, offset_s: float, rank0_prints: bool, quiet: bool
+) -> None:
+    """Two ranks of script.supervise, rank 0 on a "node" whose wall clock is off by 1000 s. Before (review):
+    the ranks all-reduced the wall time of their newest output and compared it with their own clock, so a
+    clock behind hid rank 0's output from rank 1 (a live job judged hung after train.watchdog_s) and a clock
+    ahead beat every rank's watchdog for 1000 s (a hang never caught)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    child = (
+        "import os,time\n"
+        f"talk = os.environ['RANK'] == '0' and {rank0_prints}\n"
+        "print('start', flush=True)\n"
+        "for i in range(40):\n"
+        "    talk and print(i, flush=True)\n"
+        "    time.sleep(0.1)\n"
+    )
+    cmd = json.dumps([sys.executable, "-c", child])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "scripts" / "supervise_rank.py"), str(r), port, str(tmp_path)]
+            + [str(offset_s if r == 0 else 0.0), cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["outcome"] == "finished" for r in results), results
+    worst = [r["max_quiet_s"] for r in results]
+    if quiet:  # 4 s of silence after the first line: the heartbeat goes unrenewed for most of it on every rank
+        assert min(worst) > 2.0, worst
+    else:  # output every 0.1 s: renewed within a poll or two (0.25 s each), on every rank
+        assert max(worst) < 1.5, worst
