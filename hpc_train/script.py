@@ -250,7 +250,16 @@ def child_env(env: Any, placed_master: tuple[str, int], paths: RunPaths, stop_si
         "HPC_TRAIN_JOB_ID": env.job_id,
         "HPC_TRAIN_STOP_SIGNAL": stop_signal,
         "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),  # a pipe is block-buffered: lines late
+        **({"OMP_NUM_THREADS": "1"} if one_thread(env.local_world_size) else {}),
     }
+
+
+def one_thread(local_world_size: int) -> bool:
+    """torchrun's default (torch/distributed/run.py): OMP_NUM_THREADS=1 in each of several processes of a
+    node unless it is set. Without it each of 4 ranks sizes its intra-op pool to every core of the node: 4x
+    oversubscribed (job.py measured 35x slower steps for its own ranks, 4 on 2 cores). Set
+    cluster.env.OMP_NUM_THREADS=N to choose."""
+    return "OMP_NUM_THREADS" not in os.environ and local_world_size > 1
 
 
 def _free_port() -> int:
@@ -318,6 +327,12 @@ def supervise(
             master=f"{facts[0]['addr']}:{facts[0]['port']}",
         )
         print(f"[hpc_train] every rank runs: {' '.join(cmd)}", flush=True)
+        if one_thread(env.local_world_size):
+            print(
+                f"[hpc_train] OMP_NUM_THREADS=1 for each of the {env.local_world_size} processes a node (torchrun's "
+                f"default), so they do not overload it; tune it with cluster.env.OMP_NUM_THREADS=N",
+                flush=True,
+            )
     stopped_at, kill_at, reason, kill_deadline = None, float("inf"), "", float("inf")
     killed = False  # this rank ended its child: a peer's failure, or the stop's grace ran out
     # Rank 0 watches metrics.jsonl (script_helper.log) by its mtime changing, timed on its own clock: the

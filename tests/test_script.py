@@ -280,3 +280,29 @@ def test_a_skewed_clock_neither_hides_nor_fakes_the_heartbeat(
         assert min(worst) > 2.0, worst
     else:  # output every 0.1 s: renewed within a poll or two (0.25 s each), on every rank
         assert max(worst) < 1.5, worst
+
+
+def test_several_ranks_a_node_get_omp_num_threads_1_unless_it_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As torchrun does (torch/distributed/run.py). Before (review): unset, so 4 ranks of a node each sized
+    torch's thread pool to every core."""
+    from types import SimpleNamespace
+
+    from hpc_train.paths import RunPaths
+    from hpc_train.script import child_env
+
+    def omp(local_world_size: int) -> str | None:
+        env = SimpleNamespace(
+            rank=1,
+            local_rank=1,
+            world_size=8,
+            local_world_size=local_world_size,
+            node_rank=0,
+            restart_count=0,
+            job_id="7",
+        )
+        return child_env(env, ("n0", 29500), RunPaths(Path("/r")), "TERM").get("OMP_NUM_THREADS")
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (omp(4), omp(1)) == ("1", None)  # one process a node: nothing to share, torch's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "12")  # the user's (cluster.env.OMP_NUM_THREADS=12)
+    assert omp(4) == "12"
