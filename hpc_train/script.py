@@ -258,7 +258,7 @@ def one_thread(local_world_size: int) -> bool:
     """torchrun's default (torch/distributed/run.py): OMP_NUM_THREADS=1 in each of several processes of a
     node unless it is set. Without it each of 4 ranks sizes its intra-op pool to every core of the node: 4x
     oversubscribed (job.py measured 35x slower steps for its own ranks, 4 on 2 cores). Set
-    cluster.env.OMP_NUM_THREADS=N to choose."""
+    +cluster.env.OMP_NUM_THREADS=N to choose."""
     return "OMP_NUM_THREADS" not in os.environ and local_world_size > 1
 
 
@@ -330,7 +330,7 @@ def supervise(
         if one_thread(env.local_world_size):
             print(
                 f"[hpc_train] OMP_NUM_THREADS=1 for each of the {env.local_world_size} processes a node (torchrun's "
-                f"default), so they do not overload it; tune it with cluster.env.OMP_NUM_THREADS=N",
+                f"default), so they do not overload it; tune it with +cluster.env.OMP_NUM_THREADS=N",
                 flush=True,
             )
     stopped_at, kill_at, reason, kill_deadline = None, float("inf"), "", float("inf")
