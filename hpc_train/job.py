@@ -142,9 +142,35 @@ ELASTIC_RESERVE_S = 3 * slurm.worst_s(*slurm.STOP_SNAPSHOT)
 def decision_reserve_s(env: Any, cfg: Any) -> float:
     """Seconds a time-limit stop keeps after its save for the requeue (REQUEUE_RESERVE_S, + ELASTIC_RESERVE_S
     for an elastic run); the local executor's decision calls no Slurm client: only its 4 s of records."""
-    if env.executor != "slurm":
+    return reserve_s(env.executor, elastic(env, cfg))
+
+
+def reserve_s(executor: str, is_elastic: bool) -> float:
+    if executor != "slurm":
         return 4.0
-    return REQUEUE_RESERVE_S + (ELASTIC_RESERVE_S if elastic(env, cfg) else 0.0)
+    return REQUEUE_RESERVE_S + (ELASTIC_RESERVE_S if is_elastic else 0.0)
+
+
+# The least a time-limit stop should leave for the save itself (the trainer's, or a script's save and exit)
+# after the reserve: below it the trainer skips every stop save of any real model and a script is killed
+# almost at once. Not a measurement: metrics.lead_warning judges the lead by the saves a run measured.
+MIN_STOP_GRACE_S = 10.0
+
+
+def reserve_warning(cluster: Any) -> str:
+    """ "" when cluster.signal_lead_s leaves MIN_STOP_GRACE_S for a time-limit stop's save after the requeue
+    decision's reserve (decision_reserve_s), else the warning submit prints (pure)."""
+    is_elastic = cluster.executor == "slurm" and (cluster.min_nodes or cluster.nodes) < cluster.nodes
+    keep, lead = reserve_s(cluster.executor, is_elastic), cluster.signal_lead_s
+    if lead >= keep + MIN_STOP_GRACE_S:
+        return ""
+    return (
+        f"cluster.signal_lead_s={lead} leaves {max(0.0, lead - keep):.0f} s for a time-limit stop's save: "
+        f"the requeue decision keeps {keep:.0f} s of it (job.decision_reserve_s: scontrol's worst case"
+        f"{', and an elastic run queue snapshot' if is_elastic else ''}), so the trainer would skip its stop save "
+        f"and a script would get SIGKILL {max(0.0, lead - keep):.0f} s after its stop signal; use "
+        f"cluster.signal_lead_s>={keep + MIN_STOP_GRACE_S:.0f}, or more: the slowest save and step, plus 60 s"
+    )
 
 
 def requeue_or_stop(

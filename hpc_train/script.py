@@ -361,10 +361,7 @@ def supervise(
         if t[0] and stopped_at is None:
             left, reason = _time_left_s(env, cfg, launched_at)
             stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
-            # A time limit's TIMEOUT is never requeued by Slurm: keep the decision's worst case (job.py's
-            # reserve, 35 s). A preempted job Slurm requeues itself: a little for the records.
-            keep = reserve_s if reason == "time_limit" else min(DECIDE_RESERVE_S, left / 4)
-            kill_at = stopped_at + max(0.0, left - keep)
+            kill_at = stopped_at + grace_s(left, reason, reserve_s)
             if code is None:
                 os.killpg(child.pid, getattr(signal, f"SIG{s.stop_signal}"))
             if env.rank == 0:
@@ -468,6 +465,15 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
         if marker:
             sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
     return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}
+
+
+def grace_s(left_s: float, reason: str, reserve_s: float) -> float:
+    """Seconds from the stop signal to the child's SIGKILL, of the left_s Slurm leaves (pure). A time
+    limit's TIMEOUT is never requeued by Slurm: the decision's worst case (reserve_s, job.decision_reserve_s:
+    35 s, 50 s elastic) is kept whole, even if nothing is left for the script (submit warns:
+    job.reserve_warning). A preempted job Slurm requeues itself: a little for the records."""
+    keep = reserve_s if reason == "time_limit" else min(DECIDE_RESERVE_S, left_s / 4)
+    return max(0.0, left_s - keep)
 
 
 def _time_left_s(env: Any, cfg: Any, launched_at: float) -> tuple[float, str]:

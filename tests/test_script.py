@@ -306,3 +306,33 @@ def test_several_ranks_a_node_get_omp_num_threads_1_unless_it_is_set(monkeypatch
     assert (omp(4), omp(1)) == ("1", None)  # one process a node: nothing to share, torch's default
     monkeypatch.setenv("OMP_NUM_THREADS", "12")  # the user's (cluster.env.OMP_NUM_THREADS=12)
     assert omp(4) == "12"
+
+
+def test_the_scripts_grace_keeps_the_requeue_reserve() -> None:
+    from hpc_train.script import grace_s
+
+    assert grace_s(90.0, "time_limit", 35.0) == 55.0  # cluster=dev: 90 s lead, 35 s for scontrol
+    assert grace_s(90.0, "time_limit", 50.0) == 40.0  # elastic: the queue snapshot too
+    assert grace_s(20.0, "time_limit", 35.0) == 0.0  # nothing left: the reserve wins (submit warned)
+    assert grace_s(30.0, "preempt", 35.0) == 22.5  # Slurm requeues a preemption: a quarter, at most 10 s
+    assert grace_s(300.0, "preempt", 35.0) == 290.0
+
+
+def test_a_signal_lead_within_the_requeue_reserve_is_a_warning_at_submit(tmp_path: Path) -> None:
+    """Before (review): nothing said that cluster.signal_lead_s=40 on Slurm leaves 5 s for a stop save."""
+    from hpc_train.job import reserve_warning
+    from hpc_train.sbatch import ClusterConfig
+
+    dev = ClusterConfig(executor="slurm", nodes=2, signal_lead_s=40)
+    assert reserve_warning(dev) == (
+        "cluster.signal_lead_s=40 leaves 5 s for a time-limit stop's save: the requeue decision keeps 35 s of it "
+        "(job.decision_reserve_s: scontrol's worst case), so the trainer would skip its stop save and a script "
+        "would get SIGKILL 5 s after its stop signal; use cluster.signal_lead_s>=45, or more: the slowest save "
+        "and step, plus 60 s"
+    )
+    assert "keeps 50 s" in reserve_warning(ClusterConfig(executor="slurm", nodes=2, min_nodes=1, signal_lead_s=55))
+    assert reserve_warning(ClusterConfig(executor="slurm", nodes=2, signal_lead_s=45)) == ""
+    assert reserve_warning(ClusterConfig(executor="local", signal_lead_s=14)) == ""  # the local decision: 4 s
+    proc = _submit(tmp_path, "cluster.signal_lead_s=10", "--", "python", "t.py", flags=("--dry-run",))
+    assert proc.returncode == 0, proc.stderr
+    assert "hpc-train submit: warning: cluster.signal_lead_s=10 leaves 6 s for a time-limit stop's save" in proc.stderr
