@@ -71,8 +71,9 @@ def override(cmd: list[str]) -> str:
             "nothing after --: give the command every rank runs, e.g. hpc-train submit cluster=dev -- python train.py"
         )
 
-    def quoted(word: str) -> str:
-        return "'" + re.sub(r"(\\*)(?='|$)", r"\1\1", word).replace("'", "\\'") + "'"
+    def quoted(word: str) -> str:  # Hydra escapes with \ before a quote, the end and ${ (its interpolation)
+        word = re.sub(r"(\\*)(?='|$|\$\{)", r"\1\1", word)
+        return "'" + word.replace("'", "\\'").replace("${", "\\${") + "'"
 
     return f"script.cmd=[{','.join(quoted(w) for w in cmd)}]"
 
@@ -82,7 +83,8 @@ def ckpt_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "script_checkpoints"
 
 
-_PLACE = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\}")
+# {dotted.key}, never ${NAME} (a shell's variable, passed on as written), and {{ }} for literal braces
+_PLACE = re.compile(r"\{\{|\}\}|(?<!\$)\{([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\}")
 
 
 def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "script.cmd", escape: Any = str) -> str:

@@ -20,15 +20,34 @@ HPC_TRAIN = [sys.executable, "-m", "hpc_train.cli"]
 DDP = str(ROOT / "tests" / "scripts" / "ddp_train.py")
 
 
-def test_any_words_after_the_double_dash_reach_the_script_exactly() -> None:
-    """Random words of quotes, backslashes, braces-free punctuation and spaces survive Hydra's override."""
+def test_any_words_after_the_double_dash_reach_the_script_exactly(tmp_path: Path) -> None:
+    """Random words of quotes, backslashes, punctuation, spaces, $VAR and ${VAR} survive Hydra's override, the
+    frozen config.yaml a requeued attempt reads, and the placeholder fill: what every rank runs is what was
+    typed. Before (review): a ${HOME} typed in single quotes was Hydra's interpolation ("Interpolation key
+    'HOME' not found" at submit; ${oc.env:HOME} the login node's value), so it was left out of this test."""
+    from hpc_train.config import load_frozen
+    from hpc_train.submit import frozen_yaml
+
     rng = random.Random(19)
-    alphabet = "ab '\"\\=,[]():$-_./"
+    parts = ["a", "b", " ", "'", '"', "\\", "=", ",", "[", "]", "(", ")", ":", "-", "_", ".", "/", "$", "$HOME"]
+    parts += ["${HOME}", "${oc.env:HOME}", "${train.lr}", "\\${HOME}"]
     for _ in range(40):
-        words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 5))]
-        words = [w.replace("${", "$ {") for w in words]  # ${...} is Hydra's interpolation, on purpose
-        cfg = to_run_config(compose([override(words)], ConfigSource()))
+        words = ["".join(rng.choice(parts) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+        config = compose([override(words)], ConfigSource())
+        cfg = to_run_config(config)
         assert cfg.script.cmd == words
+        (tmp_path / "config.yaml").write_text(frozen_yaml(__import__("dataclasses").asdict(cfg)))
+        assert load_frozen(tmp_path).script.cmd == words  # the requeued attempt's copy
+        assert command(__import__("dataclasses").asdict(cfg), tmp_path, resuming=False) == words
+
+
+def test_a_shell_variable_after_the_double_dash_reaches_the_script_as_typed(tmp_path: Path) -> None:
+    """No shell runs the command: `${HOME}` typed in single quotes is text, as under torchrun (the dry run
+    shows it, quoted for a shell); `{ckpt_dir}` is ours."""
+    proc = _submit(tmp_path, "--", "python", "t.py", "--out", "${HOME}/x", "$USER", "{ckpt_dir}", flags=("--dry-run",))
+    assert proc.returncode == 0, proc.stderr
+    runs = next(line for line in proc.stdout.splitlines() if "every rank runs:" in line)
+    assert runs == f"# every rank runs: python t.py --out '${{HOME}}/x' '$USER' {tmp_path}/demo-1/script_checkpoints"
 
 
 def test_placeholders_take_config_values_and_run_folders() -> None:
