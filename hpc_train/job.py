@@ -490,7 +490,10 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             nodes=tuple(order),
         )
         backend = "gloo"
-        if torch.cuda.is_available():  # one GPU per task: the task's own if Slurm bound one, else by local rank
+        # One GPU per task: the task's own if Slurm bound one, else by local rank. Not for a script: its GPU
+        # is its child's, and set_device alone makes a CUDA context there (cudaSetDevice, CUDA >= 12: ~0.5 GB
+        # held by our rank process for the whole run); our collectives are CPU tensors over gloo anyway.
+        if torch.cuda.is_available() and not cfg.script.cmd:
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
             backend = "cpu:gloo,cuda:nccl"  # CPU tensors (resume step, verdicts) still go through gloo
         # Collectives wait past the hang watchdog's limit (900 s), not the rendezvous timeout: rank 0's requeue
@@ -730,7 +733,8 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         from hpc_train import preflight
 
         t0 = time.time()
-        sick = preflight.check(env, cfg.preflight, paths)  # the same verdict on every rank
+        # the same verdict on every rank; a script's GPUs are read (nvidia-smi, XIDs) but not timed here
+        sick = preflight.check(env, cfg.preflight, paths, time_gpu=not cfg.script.cmd)
         phases_s["preflight"] = time.time() - t0
         if sick:
             _decide_together(paths, env, cfg, "node_health", -1, sick=sick)
