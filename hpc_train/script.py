@@ -285,9 +285,11 @@ def supervise(
 
     s = cfg.script
     facts: list[Any] = [None]
+    found_mtime = 0.0  # rank 0's: the found checkpoint's, against which the end's newest file is progress
     if env.rank == 0:
         make_dir(ckpt_dir(paths.run_dir), exist_ok=True)
         found = found_checkpoint(config, paths.run_dir)
+        found_mtime = _mtime(Path(found)) if found else 0.0
         # HPC_TRAIN_MASTER_ADDR names our rendezvous host; the script's rank 0 is the placed first node
         addr = os.environ.get("HPC_TRAIN_MASTER_ADDR") if env.nodes[0] == env.master_addr else None
         facts[0] = {"addr": addr or env.nodes[0], "port": _free_port(), "found": found}
@@ -396,7 +398,11 @@ def supervise(
             kill_at = float("inf")
     code = child.wait()
     time.sleep(0.2)  # the echo threads' last lines
-    step = (journal.committed_step(journal.read(paths.run_dir)) or 0) if env.rank == 0 else 0
+    step = 0
+    if env.rank == 0:
+        events = journal.read(paths.run_dir)
+        step = journal.committed_step(events) or 0
+        _file_progress(config, paths, env, events, found_mtime, step)
     if stopped_at is not None:
         return {"outcome": "stopped", "reason": reason, "step": step, "kill_deadline": kill_deadline}
     failed = [None] * env.world_size
@@ -424,6 +430,22 @@ def supervise(
             output=mine["tail"][-1000:],
         )
     return {**out, "step": step}
+
+
+def _file_progress(
+    config: dict[str, Any], paths: RunPaths, env: Any, events: list[Any], since: float, step: int
+) -> None:
+    """Rank 0, as the attempt ends: a checkpoint file newer than the one found at its start (mtime `since`, 0
+    for none) is progress for the failure budget (journal.failures_in_a_row), unless script_helper.committed()
+    spoke in this attempt: its steps say more than a file's time."""
+    if any(e["restart"] == env.restart_count for e in journal.named(events, journal.CHECKPOINT_COMMITTED)):
+        return
+    newest = found_checkpoint(config, paths.run_dir)
+    mtime = _mtime(Path(newest)) if newest else 0.0
+    if mtime > since:
+        journal.log(
+            paths.run_dir, journal.SCRIPT_CHECKPOINT, step, env.job_id, env.restart_count, path=newest, mtime=mtime
+        )
 
 
 # A shell's exit codes for a command that never ran (bash, dash and our _SHIM alike): no requeue makes it run.

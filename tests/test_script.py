@@ -249,6 +249,36 @@ def test_only_a_complete_checkpoint_counts_for_resume_args(tmp_path: Path) -> No
     assert found("script_checkpoints", run) == ""  # a folder never counts for a file's name
 
 
+def _supervise_two_ranks(
+    run_dir: Path, child: str, offsets: tuple[float, float] = (0.0, 0.0), checkpoint: str = ""
+) -> list[dict]:
+    """script.supervise on two gloo ranks of this machine (tests/scripts/supervise_rank.py), running `python -c
+    child` as each rank's child; each rank's {"max_quiet_s", "outcome"}."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = json.dumps([sys.executable, "-c", child])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "scripts" / "supervise_rank.py"), str(r), port, str(run_dir)]
+            + [str(offsets[r]), cmd, checkpoint],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        )
+        for r in range(2)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
 @pytest.mark.parametrize(
     "offset_s, rank0_prints, quiet",
     [
@@ -263,11 +293,6 @@ def test_a_skewed_clock_neither_hides_nor_fakes_the_heartbeat(
     the ranks all-reduced the wall time of their newest output and compared it with their own clock, so a
     clock behind hid rank 0's output from rank 1 (a live job judged hung after train.watchdog_s) and a clock
     ahead beat every rank's watchdog for 1000 s (a hang never caught)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     child = (
         "import os,time\n"
         f"talk = os.environ['RANK'] == '0' and {rank0_prints}\n"
@@ -276,23 +301,7 @@ def test_a_skewed_clock_neither_hides_nor_fakes_the_heartbeat(
         "    talk and print(i, flush=True)\n"
         "    time.sleep(0.1)\n"
     )
-    cmd = json.dumps([sys.executable, "-c", child])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "scripts" / "supervise_rank.py"), str(r), port, str(tmp_path)]
-            + [str(offset_s if r == 0 else 0.0), cmd],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=180) for p in procs]
-    results = []
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = _supervise_two_ranks(tmp_path, child, offsets=(offset_s, 0.0))
     assert all(r["outcome"] == "finished" for r in results), results
     worst = [r["max_quiet_s"] for r in results]
     if quiet:  # 4 s of silence after the first line: the heartbeat goes unrenewed for most of it on every rank
@@ -355,3 +364,21 @@ def test_a_signal_lead_within_the_requeue_reserve_is_a_warning_at_submit(tmp_pat
     proc = _submit(tmp_path, "cluster.signal_lead_s=10", "--", "python", "t.py", flags=("--dry-run",))
     assert proc.returncode == 0, proc.stderr
     assert "hpc-train submit: warning: cluster.signal_lead_s=10 leaves 6 s for a time-limit stop's save" in proc.stderr
+
+
+def test_a_newer_checkpoint_file_is_progress_for_the_failure_budget(tmp_path: Path) -> None:
+    """A script that saves without script_helper.committed() and then crashes made progress: before (issue 19,
+    "progress known from the checkpoint file's time"), nothing recorded it, so occasional crashes of a script
+    that trained for hours between them stopped the run at requeue.max_failures as a crash loop would."""
+    ckpt = tmp_path / "script_checkpoints" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"step 10")
+    os.utime(ckpt, (1000.0, 1000.0))  # the last attempt's save
+    child = (
+        f"import os\nif os.environ['RANK'] == '0': open({str(ckpt)!r}, 'wb').write(b'step 20')\nraise SystemExit(1)\n"
+    )
+    results = _supervise_two_ranks(tmp_path, child, checkpoint="script_checkpoints/ckpt.pt")
+    assert [r["outcome"] for r in results] == ["failed", "failed"]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+    (progress,) = [e for e in events if e["event"] == "script_checkpoint"]
+    assert progress["path"] == str(ckpt) and progress["mtime"] == ckpt.stat().st_mtime > 1000.0

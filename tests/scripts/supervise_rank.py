@@ -1,7 +1,7 @@
 """One rank of script.supervise outside Slurm and job.py, for tests/test_script.py: two of these on one machine
 form a gloo group, run the command as their children, and print how stale the hang watchdog's heartbeat got.
 
-    python tests/scripts/supervise_rank.py RANK PORT RUN_DIR CLOCK_OFFSET_S CMD_JSON
+    python tests/scripts/supervise_rank.py RANK PORT RUN_DIR CLOCK_OFFSET_S CMD_JSON [CHECKPOINT]
 
 CLOCK_OFFSET_S skews this process's wall clock (time.time), as a node whose clock is off by that much.
 Prints one JSON line: {"max_quiet_s": the longest the heartbeat went unrenewed, "outcome": supervise's}.
@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 rank, port, run_dir, offset, cmd = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+checkpoint = sys.argv[6] if len(sys.argv) > 6 else ""  # script.checkpoint
 wall = time.time
 time.time = lambda: wall() + offset  # this "node's" clock; monotonic clocks are never compared across nodes
 
@@ -37,7 +38,7 @@ env = SimpleNamespace(
     executor="local",
 )
 cfg = SimpleNamespace(script=SimpleNamespace(stop_signal="TERM"))
-config = {"script": {"cmd": json.loads(cmd), "resume_args": [], "checkpoint": ""}}
+config = {"script": {"cmd": json.loads(cmd), "resume_args": [], "checkpoint": checkpoint}}
 worst, done = [0.0], threading.Event()
 
 
