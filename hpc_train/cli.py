@@ -136,8 +136,11 @@ def _submit(args: argparse.Namespace) -> int:
             import gc
 
             gc.enable()
-        warning = slurm_run and lead_warning(plan.previous_runs(p), p.runs[0].cluster.signal_lead_s)
-        if warning:
+        from hpc_train.job import reserve_warning
+
+        warnings = {reserve_warning(r.cluster) for r in p.runs}  # a sweep may vary signal_lead_s
+        warnings.add(slurm_run and lead_warning(plan.previous_runs(p), p.runs[0].cluster.signal_lead_s) or "")
+        for warning in sorted(w for w in warnings if w):
             print(f"hpc-train submit: warning: {warning}", file=sys.stderr)
         if args.dry_run:
             _print_dry_run(p)

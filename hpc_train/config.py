@@ -682,10 +682,12 @@ def to_run_config(cfg: Any) -> RunConfig:
 
 
 def load_frozen(run_dir: Path) -> RunConfig:
-    """A (re)started job reads the config frozen at submit; it never recomposes."""
+    """A (re)started job reads the config frozen at submit; it never recomposes, nor resolves again:
+    config.yaml holds the values as resolved at submit, so a ${...} in it is text (a script's argument
+    `${HOME}/x` after --), as for every other reader of the file (status, tracking: yaml.safe_load)."""
     from omegaconf import OmegaConf
 
-    return to_run_config(OmegaConf.load(run_dir / "config.yaml"))
+    return build(RunConfig, OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False))  # type: ignore[arg-type]
 
 
 def explain(error: Exception) -> str:

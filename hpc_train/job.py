@@ -142,9 +142,35 @@ ELASTIC_RESERVE_S = 3 * slurm.worst_s(*slurm.STOP_SNAPSHOT)
 def decision_reserve_s(env: Any, cfg: Any) -> float:
     """Seconds a time-limit stop keeps after its save for the requeue (REQUEUE_RESERVE_S, + ELASTIC_RESERVE_S
     for an elastic run); the local executor's decision calls no Slurm client: only its 4 s of records."""
-    if env.executor != "slurm":
+    return reserve_s(env.executor, elastic(env, cfg))
+
+
+def reserve_s(executor: str, is_elastic: bool) -> float:
+    if executor != "slurm":
         return 4.0
-    return REQUEUE_RESERVE_S + (ELASTIC_RESERVE_S if elastic(env, cfg) else 0.0)
+    return REQUEUE_RESERVE_S + (ELASTIC_RESERVE_S if is_elastic else 0.0)
+
+
+# The least a time-limit stop should leave for the save itself (the trainer's, or a script's save and exit)
+# after the reserve: below it the trainer skips every stop save of any real model and a script is killed
+# almost at once. Not a measurement: metrics.lead_warning judges the lead by the saves a run measured.
+MIN_STOP_GRACE_S = 10.0
+
+
+def reserve_warning(cluster: Any) -> str:
+    """ "" when cluster.signal_lead_s leaves MIN_STOP_GRACE_S for a time-limit stop's save after the requeue
+    decision's reserve (decision_reserve_s), else the warning submit prints (pure)."""
+    is_elastic = cluster.executor == "slurm" and (cluster.min_nodes or cluster.nodes) < cluster.nodes
+    keep, lead = reserve_s(cluster.executor, is_elastic), cluster.signal_lead_s
+    if lead >= keep + MIN_STOP_GRACE_S:
+        return ""
+    return (
+        f"cluster.signal_lead_s={lead} leaves {max(0.0, lead - keep):.0f} s for a time-limit stop's save: "
+        f"the requeue decision keeps {keep:.0f} s of it (job.decision_reserve_s: scontrol's worst case"
+        f"{', and an elastic run queue snapshot' if is_elastic else ''}), so the trainer would skip its stop save "
+        f"and a script would get SIGKILL {max(0.0, lead - keep):.0f} s after its stop signal; use "
+        f"cluster.signal_lead_s>={keep + MIN_STOP_GRACE_S:.0f}, or more: the slowest save and step, plus 60 s"
+    )
 
 
 def requeue_or_stop(
@@ -464,7 +490,10 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             nodes=tuple(order),
         )
         backend = "gloo"
-        if torch.cuda.is_available():  # one GPU per task: the task's own if Slurm bound one, else by local rank
+        # One GPU per task: the task's own if Slurm bound one, else by local rank. Not for a script: its GPU
+        # is its child's, and set_device alone makes a CUDA context there (cudaSetDevice, CUDA >= 12: ~0.5 GB
+        # held by our rank process for the whole run); our collectives are CPU tensors over gloo anyway.
+        if torch.cuda.is_available() and not cfg.script.cmd:
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
             backend = "cpu:gloo,cuda:nccl"  # CPU tensors (resume step, verdicts) still go through gloo
         # Collectives wait past the hang watchdog's limit (900 s), not the rendezvous timeout: rank 0's requeue
@@ -704,12 +733,22 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         from hpc_train import preflight
 
         t0 = time.time()
-        sick = preflight.check(env, cfg.preflight, paths)  # the same verdict on every rank
+        # the same verdict on every rank; a script's GPUs are read (nvidia-smi, XIDs) but not timed here
+        sick = preflight.check(env, cfg.preflight, paths, time_gpu=not cfg.script.cmd)
         phases_s["preflight"] = time.time() - t0
         if sick:
             _decide_together(paths, env, cfg, "node_health", -1, sick=sick)
     if cfg.script.cmd:  # the user's own command, one child per rank (script.py), then the one decision
         out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start, decision_reserve_s(env, cfg))
+        if out["outcome"] == "unrunnable":  # exit 126/127: no requeue makes a missing program run
+            if env.rank == 0:
+                journal.log(
+                    paths.run_dir, journal.STOPPED, out["step"], env.job_id, env.restart_count, reason=out["why"]
+                )
+                print(f"[hpc_train] not requeueing: {out['why']}", file=sys.stderr, flush=True)
+            dist.barrier()  # the verdict is on record before any rank exits (srun's KillOnBadExit)
+            dist.destroy_process_group()
+            _leave("stop", 0.0)
         if out["outcome"] != "finished":
             _decide_together(
                 paths, env, cfg, out["reason"], out["step"], out.get("kill_deadline", float("inf")), out.get("sick")

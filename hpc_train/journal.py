@@ -37,6 +37,9 @@ CODE_CHANGED = "code_changed"  # the first task on a node runs other code than c
 LEASE_REFUSED = "lease_refused"  # a second job on a run another live job owns: owner, expires_at; it exits
 # checkpoints
 CHECKPOINT_COMMITTED = "checkpoint_committed"
+# a script's checkpoint file (script.checkpoint) newer at its attempt's end than at its start, when
+# script_helper.committed() said nothing: path, mtime (the file server's clock, compared only with itself)
+SCRIPT_CHECKPOINT = "script_checkpoint"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
 CHECKPOINT_DELETED = "checkpoint_deleted"
 CHECKPOINT_ABANDONED = "checkpoint_abandoned"
@@ -256,13 +259,16 @@ def local_fate(events: list[Event]) -> str:
 
 
 def failures_in_a_row(events: list[Event]) -> int:
-    """Failure requeues since the run last made progress (committed a step beyond every earlier commit)
-    or was resumed (`hpc-train resume` is a person's word that the cause is fixed). A crash loop never
-    makes progress; three node faults a month apart each come after progress."""
-    count, best = 0, -1
+    """Failure requeues since the run last made progress (committed a step beyond every earlier commit, or
+    a script's checkpoint file newer than any before: SCRIPT_CHECKPOINT) or was resumed (`hpc-train resume`
+    is a person's word that the cause is fixed). A crash loop never makes progress; three node faults a
+    month apart each come after progress."""
+    count, best, newest = 0, -1, 0.0
     for e in events:
         if e["event"] == CHECKPOINT_COMMITTED and e["step"] > best:
             best, count = e["step"], 0
+        elif e["event"] == SCRIPT_CHECKPOINT and _number(e.get("mtime")) and e["mtime"] > newest:
+            newest, count = e["mtime"], 0
         elif e["event"] == RESUME:
             count = 0
         elif e["event"] == REQUEUE and e.get("reason") == "failure" and e.get("by") != "slurm":

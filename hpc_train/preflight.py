@@ -337,10 +337,13 @@ def _allreduce_gbps(device: Any, world_size: int) -> float:
     return 3 * ALLREDUCE_BYTES * 2 * (world_size - 1) / world_size / (time.perf_counter() - t0) / 1e9
 
 
-def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
+def check(env: Any, cfg: PreflightConfig, paths: RunPaths, time_gpu: bool = True) -> dict[str, str]:
     """Collective, on every rank: measure, gather, judge; rank 0 writes the `preflight` event.
     Returns {node: why} for the sick nodes (the same on every rank); raises Unrecoverable on every rank when
-    the run itself cannot go on (its checkpoint folder short of space on every node)."""
+    the run itself cannot go on (its checkpoint folder short of space on every node). time_gpu=False (a
+    script's rank process, script.py): no CUDA call at all, the matmul and all-reduce timed on the CPU; a
+    context, the timing's cached blocks and NCCL's buffers would stay on the child's GPU for the whole run.
+    The node's GPUs are still read, from other processes (nvidia-smi, the kernel log's XIDs)."""
     import torch
     import torch.distributed as dist
 
@@ -349,15 +352,16 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths) -> dict[str, str]:
 
     t0 = time.perf_counter()
     node = env.nodes[env.node_rank]
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gpus_here = torch.cuda.is_available()  # the driver's device count: no context
+    device = torch.device("cuda", torch.cuda.current_device()) if gpus_here and time_gpu else torch.device("cpu")
     mine: dict[str, Any] = {"node": node, "rank": env.rank, "device": device.type, "problems": []}
     if env.local_rank == 0:  # the node's own facts, once per node
-        # Only for a CUDA rank: on a CPU job, nvidia-smi on a GPU-less node exits 6 or 9 ("No devices were found")
-        gpus, problems, note = query_gpus() if device.type == "cuda" else ([], [], "CPU run: GPU counters not read")
-        if device.type == "cuda" and torch.cuda.device_count() < env.local_world_size and not gpus:
+        # Only with GPUs: on a CPU job, nvidia-smi on a GPU-less node exits 6 or 9 ("No devices were found")
+        gpus, problems, note = query_gpus() if gpus_here else ([], [], "CPU run: GPU counters not read")
+        if gpus_here and torch.cuda.device_count() < env.local_world_size and not gpus:
             problems.append(f"{torch.cuda.device_count()} GPUs visible for {env.local_world_size} tasks")
         mine.update(gpus=len(gpus), gpu_note=note or (f"{len(gpus)} GPUs healthy" if not problems else ""))
-        if device.type == "cuda":
+        if gpus_here:
             mine["xids"], xid_note = read_xids()
             mine["gpu_note"] = "; ".join(n for n in (mine["gpu_note"], xid_note) if n)
         mine["problems"] += problems

@@ -20,11 +20,11 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,9 @@ class ScriptConfig:  # script.py: a command every rank runs in place of a traini
     # follows when it has not exited within what Slurm leaves (signal_lead_s or preempt_grace_s).
     stop_signal: str = "TERM"
     resume_args: list[str] = field(default_factory=list)  # appended only when `checkpoint` exists
-    checkpoint: str = ""  # a path or glob the script writes (relative to the run directory, or absolute)
+    # The path or glob of the file the script saves (relative to the run directory, or absolute); one that
+    # ends in "/" names a folder (found_checkpoint: only non-empty files, or folders so named, count)
+    checkpoint: str = ""
     vars: dict[str, Any] = field(default_factory=dict)  # your own values for placeholders: {script.vars.NAME}
 
     def __post_init__(self) -> None:
@@ -69,8 +71,9 @@ def override(cmd: list[str]) -> str:
             "nothing after --: give the command every rank runs, e.g. hpc-train submit cluster=dev -- python train.py"
         )
 
-    def quoted(word: str) -> str:
-        return "'" + re.sub(r"(\\*)(?='|$)", r"\1\1", word).replace("'", "\\'") + "'"
+    def quoted(word: str) -> str:  # Hydra escapes with \ before a quote, the end and ${ (its interpolation)
+        word = re.sub(r"(\\*)(?='|$|\$\{)", r"\1\1", word)
+        return "'" + word.replace("'", "\\'").replace("${", "\\${") + "'"
 
     return f"script.cmd=[{','.join(quoted(w) for w in cmd)}]"
 
@@ -80,12 +83,14 @@ def ckpt_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "script_checkpoints"
 
 
-_PLACE = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\}")
+# {dotted.key}, never ${NAME} (a shell's variable, passed on as written), and {{ }} for literal braces
+_PLACE = re.compile(r"\{\{|\}\}|(?<!\$)\{([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\}")
 
 
-def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "script.cmd") -> str:
+def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "script.cmd", escape: Any = str) -> str:
     """`text` with every {dotted.key} replaced by the config's value, {run_dir} and {ckpt_dir} by the run's
-    folders (pure). Raises ValueError naming a placeholder that names no config key, and the fix."""
+    folders (pure), each value passed through `escape` (glob.escape for a glob). Raises ValueError naming a
+    placeholder that names no config key, and the fix."""
     own = {"run_dir": str(run_dir), "ckpt_dir": str(ckpt_dir(run_dir))}
 
     def one(m: re.Match[str]) -> str:
@@ -93,7 +98,7 @@ def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "s
             return m.group(0)[0]
         key = m.group(1)
         if key in own:
-            return own[key]
+            return escape(own[key])
         node: Any = config
         for i, part in enumerate(key.split(".")):
             if not isinstance(node, dict) or part not in node:
@@ -105,7 +110,7 @@ def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "s
                     f"+script.vars.NAME=VALUE and write {{script.vars.NAME}}, or {{{{ }}}} for literal braces"
                 )
             node = node[part]
-        return json.dumps(node) if isinstance(node, (dict, list)) else str(node)
+        return escape(json.dumps(node) if isinstance(node, (dict, list)) else str(node))
 
     return _PLACE.sub(one, text)
 
@@ -117,19 +122,43 @@ def command(config: dict[str, Any], run_dir: str | Path, resuming: bool) -> list
     return [fill(a, config, run_dir) for a in args]
 
 
-def checkpoint_path(config: dict[str, Any], run_dir: str | Path) -> str:
-    """script.checkpoint filled and made absolute (relative ones are under the run directory); "" if unset."""
+def checkpoint_path(config: dict[str, Any], run_dir: str | Path, as_glob: bool = False) -> str:
+    """script.checkpoint filled and made absolute (relative ones are under the run directory); "" if unset.
+    as_glob: the run directory and every filled value glob-escaped (a folder named exp[1] is that folder,
+    not exp1), the user's own text keeping its wildcards."""
     raw = config["script"]["checkpoint"]
     if not raw:
         return ""
-    filled = fill(raw, config, run_dir, "script.checkpoint")
-    return filled if os.path.isabs(filled) else str(Path(run_dir) / filled)
+    escape = glob.escape if as_glob else str
+    filled = fill(raw, config, run_dir, "script.checkpoint", escape)
+    return filled if os.path.isabs(filled) else os.path.join(escape(str(run_dir)), filled)  # keeps a trailing /
 
 
-def found_checkpoint(pattern: str) -> str:
-    """The newest file the checkpoint path or glob names, "" when none exists yet."""
-    hits = [p for p in glob.glob(pattern) if os.path.exists(p)] if pattern else []
-    return max(hits, key=os.path.getmtime) if hits else ""
+def found_checkpoint(config: dict[str, Any], run_dir: str | Path) -> str:
+    """The newest checkpoint script.checkpoint names (its path as written, or what its glob matches); ""
+    when none exists yet. A checkpoint is a regular file that is not empty (one just opened for writing is
+    not), or, when script.checkpoint ends in "/", a folder that is not empty: a folder never matches a
+    file's name or glob (ckpt* would match the ckpt_tmp/ a save writes into), and {ckpt_dir} itself exists,
+    empty, before the first save."""
+    literal = checkpoint_path(config, run_dir)
+    if not literal:
+        return ""
+    folder = literal.endswith("/")
+    found: list[tuple[float, str]] = []
+    for p in {literal, *glob.glob(checkpoint_path(config, run_dir, as_glob=True))}:
+        p = p.rstrip("/") or "/"
+        try:
+            st = os.stat(p)
+            if folder and stat.S_ISDIR(st.st_mode):
+                with os.scandir(p) as entries:
+                    ok = any(entries)
+            else:
+                ok = not folder and stat.S_ISREG(st.st_mode) and st.st_size > 0
+        except OSError:  # gone since the glob, or a folder we may not read
+            continue
+        if ok:
+            found.append((st.st_mtime, p))
+    return max(found)[1] if found else ""
 
 
 def check(config: dict[str, Any], run_dir: str | Path) -> None:
@@ -160,8 +189,9 @@ _SHIM = (
     "except Exception: pass\n"
     "try: os.execvp(sys.argv[3],sys.argv[3:])\n"
     "except OSError as e:\n"
-    "    sys.exit(f'[hpc_train] cannot run {sys.argv[3]!r}: {e.strerror}; check the command after --"
-    " (installed on every node? on the PATH? executable?)')\n"
+    "    print(f'[hpc_train] cannot run {sys.argv[3]!r}: {e.strerror}; check the command after --"
+    " (installed on every node? on the PATH? executable?)',file=sys.stderr)\n"
+    "    sys.exit(127 if e.errno==2 else 126)\n"  # a shell's codes: not found (ENOENT), found but not runnable
 )
 POLL_S = 0.25  # our ranks agree 4 times a second: the stop signal reaches every child within ~0.25 s
 # After a preemption's signal, the child's SIGKILL comes this much before Slurm's, for the records (Slurm
@@ -179,16 +209,27 @@ def end_children() -> None:
             pass
 
 
-def _echo(stream: Any, out: Any, tail: deque[str]) -> None:
-    """Copy the child's lines to our own stream (the rank's log) and take each as a heartbeat."""
-    for line in iter(stream.readline, b""):
-        out.write(line)
+def _echo(stream: Any, out: Any, tail: bytearray) -> None:
+    """Copy the child's output to our own stream (the rank's log) as it comes, and take any bytes as a
+    heartbeat: a progress bar (tqdm) rewrites its line with '\r' and may print no '\n' for an hour."""
+    fd = stream.fileno()
+    while chunk := os.read(fd, 65536):  # what the pipe holds now, up to 64 KiB; b"": the child closed it
+        out.write(chunk)
         out.flush()
-        tail.append(line.decode(errors="replace"))
-        _last_output[0] = time.time()
+        tail += chunk
+        del tail[:-TAIL_BYTES]
+        _last_output[0] = time.monotonic()
 
 
-_last_output = [time.time()]
+TAIL_BYTES = 4000  # the child's last output, stdout and stderr together, for the fail event and the hardware check
+_last_output = [time.monotonic()]  # this node's clock only: ranks compare ages, never times
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def child_env(env: Any, placed_master: tuple[str, int], paths: RunPaths, stop_signal: str) -> dict[str, str]:
@@ -211,7 +252,16 @@ def child_env(env: Any, placed_master: tuple[str, int], paths: RunPaths, stop_si
         "HPC_TRAIN_JOB_ID": env.job_id,
         "HPC_TRAIN_STOP_SIGNAL": stop_signal,
         "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),  # a pipe is block-buffered: lines late
+        **({"OMP_NUM_THREADS": "1"} if one_thread(env.local_world_size) else {}),
     }
+
+
+def one_thread(local_world_size: int) -> bool:
+    """torchrun's default (torch/distributed/run.py): OMP_NUM_THREADS=1 in each of several processes of a
+    node unless it is set. Without it each of 4 ranks sizes its intra-op pool to every core of the node: 4x
+    oversubscribed (job.py measured 35x slower steps for its own ranks, 4 on 2 cores). Set
+    +cluster.env.OMP_NUM_THREADS=N to choose."""
+    return "OMP_NUM_THREADS" not in os.environ and local_world_size > 1
 
 
 def _free_port() -> int:
@@ -235,9 +285,11 @@ def supervise(
 
     s = cfg.script
     facts: list[Any] = [None]
+    found_mtime = 0.0  # rank 0's: the found checkpoint's, against which the end's newest file is progress
     if env.rank == 0:
         make_dir(ckpt_dir(paths.run_dir), exist_ok=True)
-        found = found_checkpoint(checkpoint_path(config, paths.run_dir))
+        found = found_checkpoint(config, paths.run_dir)
+        found_mtime = _mtime(Path(found)) if found else 0.0
         # HPC_TRAIN_MASTER_ADDR names our rendezvous host; the script's rank 0 is the placed first node
         addr = os.environ.get("HPC_TRAIN_MASTER_ADDR") if env.nodes[0] == env.master_addr else None
         facts[0] = {"addr": addr or env.nodes[0], "port": _free_port(), "found": found}
@@ -254,7 +306,7 @@ def supervise(
         start_new_session=True,  # its own process group: end_children reaches its workers too
     )
     children[:] = [child]
-    tail: deque[str] = deque(maxlen=40)
+    tail = bytearray()
     for stream, out in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
         threading.Thread(target=_echo, args=(stream, out, tail), daemon=True).start()
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
@@ -279,32 +331,41 @@ def supervise(
             master=f"{facts[0]['addr']}:{facts[0]['port']}",
         )
         print(f"[hpc_train] every rank runs: {' '.join(cmd)}", flush=True)
+        if one_thread(env.local_world_size):
+            print(
+                f"[hpc_train] OMP_NUM_THREADS=1 for each of the {env.local_world_size} processes a node (torchrun's "
+                f"default), so they do not overload it; tune it with +cluster.env.OMP_NUM_THREADS=N",
+                flush=True,
+            )
     stopped_at, kill_at, reason, kill_deadline = None, float("inf"), "", float("inf")
     killed = False  # this rank ended its child: a peer's failure, or the stop's grace ran out
+    # Rank 0 watches metrics.jsonl (script_helper.log) by its mtime changing, timed on its own clock: the
+    # mtime is the file server's clock, which may be minutes off ours.
+    metrics_mtime, metrics_at = _mtime(paths.metrics) if env.rank == 0 else 0.0, 0.0
     while True:
         time.sleep(POLL_S)
         code = child.poll()
-        metrics_t = os.path.getmtime(paths.metrics) if env.rank == 0 and paths.metrics.exists() else 0.0
-        # [any stop signal, any child failed, not every child exited, the newest output anywhere]
+        if env.rank == 0 and (m := _mtime(paths.metrics)) != metrics_mtime:
+            metrics_mtime, metrics_at = m, time.monotonic()
+        # [any stop signal, any child failed, not every child exited, -(seconds since this rank's newest
+        # output)]: an age measured on the node that saw the output, so a node whose wall clock is off
+        # neither hides its output from the others nor renews their heartbeat for as long as it is ahead
         t = torch.tensor(
             [
                 1.0 if preempt.received else 0.0,
                 1.0 if code not in (None, 0) else 0.0,
                 1.0 if code is None else 0.0,
-                max(_last_output[0], metrics_t),
+                -(time.monotonic() - max(_last_output[0], metrics_at)),
             ],
             dtype=torch.float64,
         )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t[3] > time.time() - 2 * POLL_S:  # any rank's output beats every rank's watchdog (rank 0 prints)
+        if -t[3] < 2 * POLL_S:  # any rank's output beats every rank's watchdog (rank 0 prints)
             preempt.last_beat[0] = time.monotonic()
         if t[0] and stopped_at is None:
             left, reason = _time_left_s(env, cfg, launched_at)
             stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
-            # A time limit's TIMEOUT is never requeued by Slurm: keep the decision's worst case (job.py's
-            # reserve, 35 s). A preempted job Slurm requeues itself: a little for the records.
-            keep = reserve_s if reason == "time_limit" else min(DECIDE_RESERVE_S, left / 4)
-            kill_at = stopped_at + max(0.0, left - keep)
+            kill_at = stopped_at + grace_s(left, reason, reserve_s)
             if code is None:
                 os.killpg(child.pid, getattr(signal, f"SIG{s.stop_signal}"))
             if env.rank == 0:
@@ -337,19 +398,27 @@ def supervise(
             kill_at = float("inf")
     code = child.wait()
     time.sleep(0.2)  # the echo threads' last lines
-    step = (journal.committed_step(journal.read(paths.run_dir)) or 0) if env.rank == 0 else 0
+    step = 0
+    if env.rank == 0:
+        events = journal.read(paths.run_dir)
+        step = journal.committed_step(events) or 0
+        _file_progress(config, paths, env, events, found_mtime, step)
     if stopped_at is not None:
         return {"outcome": "stopped", "reason": reason, "step": step, "kill_deadline": kill_deadline}
     failed = [None] * env.world_size
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
-    mine = {"rank": env.rank, "code": code, "node": node, "tail": "".join(tail)[-2000:], "killed": killed}
+    mine = {
+        "rank": env.rank,
+        "code": code,
+        "node": node,
+        "tail": tail.decode(errors="replace")[-2000:],
+        "killed": killed,
+    }
     dist.all_gather_object(failed, mine)
-    bad = [f for f in failed if f and f["code"] not in (0, None)]
-    if not bad:
-        return {"outcome": "finished", "step": step, "exit_codes": [f["code"] for f in failed]}
-    bad = [f for f in bad if not f["killed"]] or bad  # the ranks that failed first, not those we ended
-    first = min(bad, key=lambda f: f["rank"])
-    if env.rank == first["rank"]:
+    out = judge(failed, cmd, paths.run_dir)
+    if out["outcome"] == "finished":
+        return {**out, "step": step}
+    if env.rank == out["first"]:
         journal.log(
             paths.run_dir,
             journal.FAIL,
@@ -360,12 +429,75 @@ def supervise(
             error=f"script exited with code {code} on rank {env.rank} ({node})",
             output=mine["tail"][-1000:],
         )
+    return {**out, "step": step}
+
+
+def _file_progress(
+    config: dict[str, Any], paths: RunPaths, env: Any, events: list[Any], since: float, step: int
+) -> None:
+    """Rank 0, as the attempt ends: a checkpoint file newer than the one found at its start (mtime `since`, 0
+    for none) is progress for the failure budget (journal.failures_in_a_row), unless script_helper.committed()
+    spoke in this attempt: its steps say more than a file's time."""
+    if any(e["restart"] == env.restart_count for e in journal.named(events, journal.CHECKPOINT_COMMITTED)):
+        return
+    newest = found_checkpoint(config, paths.run_dir)
+    mtime = _mtime(Path(newest)) if newest else 0.0
+    if mtime > since:
+        journal.log(
+            paths.run_dir, journal.SCRIPT_CHECKPOINT, step, env.job_id, env.restart_count, path=newest, mtime=mtime
+        )
+
+
+# A shell's exit codes for a command that never ran (bash, dash and our _SHIM alike): no requeue makes it run.
+NOT_RUNNABLE = {
+    126: (
+        "was found but could not be executed (no execute permission, a directory, or a binary for another machine)",
+        "chmod +x it and `hpc-train resume {run}`, or submit again running it through its interpreter (python FILE)",
+    ),
+    127: (
+        "was not found (not installed on that node, or not on its PATH)",
+        "install it on every node and `hpc-train resume {run}`, or submit again with its absolute path",
+    ),
+}
+
+
+def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> dict[str, Any]:
+    """What every rank's exit says (pure): failed holds each rank's {"rank", "code", "node", "tail", "killed"
+    (we ended it)}. {"outcome": "finished", "exit_codes"} when all exited 0; "unrunnable" with `why` when a
+    child we did not end exited 126/127 (the command could not run: a sentence, no requeue, no budget);
+    else "failed" with `sick` (nodes a hardware error blames). `first`: the rank whose exit is recorded."""
+    bad = [f for f in failed if f and f["code"] not in (0, None)]
+    if not bad:
+        return {"outcome": "finished", "exit_codes": [f["code"] for f in failed]}
+    bad = [f for f in bad if not f["killed"]] or bad  # the ranks that failed first, not those we ended
+    first = min(bad, key=lambda f: f["rank"])
+    unrunnable = [f for f in bad if f["code"] in NOT_RUNNABLE and not f["killed"]]
+    if unrunnable:
+        f = unrunnable[0]
+        what, fix = NOT_RUNNABLE[f["code"]]
+        return {
+            "outcome": "unrunnable",
+            "first": f["rank"],
+            "why": (
+                f"the command after -- could not run: {cmd[0]!r} exited with {f['code']} on rank {f['rank']} "
+                f"({f['node']}): it {what}; {fix.format(run=run_dir)}. Not requeued: no budget spent"
+            ),
+        }
     sick = {}
     for f in bad:
         marker = preempt.hardware_error(f["tail"])
         if marker:
             sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
-    return {"outcome": "failed", "reason": "failure", "step": step, "sick": sick or None}
+    return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}
+
+
+def grace_s(left_s: float, reason: str, reserve_s: float) -> float:
+    """Seconds from the stop signal to the child's SIGKILL, of the left_s Slurm leaves (pure). A time
+    limit's TIMEOUT is never requeued by Slurm: the decision's worst case (reserve_s, job.decision_reserve_s:
+    35 s, 50 s elastic) is kept whole, even if nothing is left for the script (submit warns:
+    job.reserve_warning). A preempted job Slurm requeues itself: a little for the records."""
+    keep = reserve_s if reason == "time_limit" else min(DECIDE_RESERVE_S, left_s / 4)
+    return max(0.0, left_s - keep)
 
 
 def _time_left_s(env: Any, cfg: Any, launched_at: float) -> tuple[float, str]:

@@ -254,3 +254,42 @@ def test_fsdp_bf16_by_mixed_precision_policy_matches_fp32(tmp_path: Path) -> Non
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-n0", "-p", "no:cacheprovider"]))
+
+
+def test_a_scripts_rank_process_never_touches_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our rank process of a script (script.py) must leave the child's GPU alone. Before (review): the
+    rendezvous set the device (cudaSetDevice makes a context, ~0.5 GB, since CUDA 12) and joined NCCL, and
+    the preflight timed a matmul and an all-reduce on the GPU, holding a context, cached blocks and NCCL's
+    buffers there for the whole run. CPU shows it with torch.cuda answering as on a 1-GPU node and every
+    call that would touch the device recorded; a GPU machine shows it with nvidia-smi (benchmarks/gpu_check.sh)."""
+
+    from hpc_train import job, preflight
+    from hpc_train.config import ConfigSource, compose, to_run_config
+    from hpc_train.env import RankEnv
+    from hpc_train.paths import RunPaths
+    from hpc_train.script import override
+
+    touched: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("set_device", "current_device", "synchronize", "init", "Event"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _name=name, **k: touched.append(_name) or 0)
+    monkeypatch.setattr(preflight, "query_gpus", lambda: ([{"index": 0}], [], ""))  # nvidia-smi: another process
+    monkeypatch.setattr(preflight, "read_xids", lambda: ([], ""))
+    cfg = to_run_config(compose([override(["python", "train.py"])], ConfigSource()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = RankEnv("local", 0, 0, 1, 1, 0, 1, ("127.0.0.1",), "127.0.0.1", port, "1", 0)
+    paths = RunPaths(tmp_path)
+    monkeypatch.setenv("SLURMD_NODENAME", "127.0.0.1")
+    try:
+        placed = job._rendezvous(env, cfg, paths)
+        assert dist.get_backend() == "gloo"
+        sick = preflight.check(placed, cfg.preflight, paths, time_gpu=not cfg.script.cmd)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert touched == [] and sick == {}
+    event = next(json.loads(line) for line in (tmp_path / "events.jsonl").open() if '"preflight"' in line)
+    assert event["nodes"]["127.0.0.1"]["device"] == "cpu" and event["nodes"]["127.0.0.1"]["gpus"] == 1

@@ -93,6 +93,18 @@ def test_failure_budget_counts_failures_in_a_row_not_a_lifetime() -> None:
     )
 
 
+def test_a_scripts_newer_checkpoint_file_is_progress() -> None:
+    """A script without script_helper.committed(): its checkpoint file's mtime, newer than any before, is
+    progress (script.py's script_checkpoint event); the same file again is not. Before: ignored."""
+    b = RequeueConfig(max_failures=1)
+    fault = ev("requeue", reason="failure", by="hpc_train")
+    saved = lambda mtime: ev(journal.SCRIPT_CHECKPOINT, 0, path="ckpt.pt", mtime=mtime)  # noqa: E731
+    spaced = [saved(100.0), fault, saved(200.0), fault, saved(300.0)]
+    assert journal.failures_in_a_row(spaced) == 0 and preempt.decide("failure", spaced, b, "running")[0] == "requeue"
+    loop = [saved(100.0), fault, saved(100.0), fault]  # a file no newer: no progress
+    assert journal.failures_in_a_row(loop) == 2 and preempt.decide("failure", loop, b, "running")[0] == "stop"
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_decide_random_histories(seed: int) -> None:
     """Random event logs, random budgets and fates: the invariants of the one requeue decision."""

@@ -4,6 +4,7 @@ input, the dry run's exact command, and one local run of a torchrun-style DDP sc
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -19,15 +20,34 @@ HPC_TRAIN = [sys.executable, "-m", "hpc_train.cli"]
 DDP = str(ROOT / "tests" / "scripts" / "ddp_train.py")
 
 
-def test_any_words_after_the_double_dash_reach_the_script_exactly() -> None:
-    """Random words of quotes, backslashes, braces-free punctuation and spaces survive Hydra's override."""
+def test_any_words_after_the_double_dash_reach_the_script_exactly(tmp_path: Path) -> None:
+    """Random words of quotes, backslashes, punctuation, spaces, $VAR and ${VAR} survive Hydra's override, the
+    frozen config.yaml a requeued attempt reads, and the placeholder fill: what every rank runs is what was
+    typed. Before (review): a ${HOME} typed in single quotes was Hydra's interpolation ("Interpolation key
+    'HOME' not found" at submit; ${oc.env:HOME} the login node's value), so it was left out of this test."""
+    from hpc_train.config import load_frozen
+    from hpc_train.submit import frozen_yaml
+
     rng = random.Random(19)
-    alphabet = "ab '\"\\=,[]():$-_./"
+    parts = ["a", "b", " ", "'", '"', "\\", "=", ",", "[", "]", "(", ")", ":", "-", "_", ".", "/", "$", "$HOME"]
+    parts += ["${HOME}", "${oc.env:HOME}", "${train.lr}", "\\${HOME}"]
     for _ in range(40):
-        words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 5))]
-        words = [w.replace("${", "$ {") for w in words]  # ${...} is Hydra's interpolation, on purpose
-        cfg = to_run_config(compose([override(words)], ConfigSource()))
+        words = ["".join(rng.choice(parts) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+        config = compose([override(words)], ConfigSource())
+        cfg = to_run_config(config)
         assert cfg.script.cmd == words
+        (tmp_path / "config.yaml").write_text(frozen_yaml(__import__("dataclasses").asdict(cfg)))
+        assert load_frozen(tmp_path).script.cmd == words  # the requeued attempt's copy
+        assert command(__import__("dataclasses").asdict(cfg), tmp_path, resuming=False) == words
+
+
+def test_a_shell_variable_after_the_double_dash_reaches_the_script_as_typed(tmp_path: Path) -> None:
+    """No shell runs the command: `${HOME}` typed in single quotes is text, as under torchrun (the dry run
+    shows it, quoted for a shell); `{ckpt_dir}` is ours."""
+    proc = _submit(tmp_path, "--", "python", "t.py", "--out", "${HOME}/x", "$USER", "{ckpt_dir}", flags=("--dry-run",))
+    assert proc.returncode == 0, proc.stderr
+    runs = next(line for line in proc.stdout.splitlines() if "every rank runs:" in line)
+    assert runs == f"# every rank runs: python t.py --out '${{HOME}}/x' '$USER' {tmp_path}/demo-1/script_checkpoints"
 
 
 def test_placeholders_take_config_values_and_run_folders() -> None:
@@ -122,13 +142,243 @@ def test_a_ddp_script_runs_to_its_end_on_the_local_executor(tmp_path: Path) -> N
     assert start["target"] == "script" and start["cmd"][-1] == "0"
 
 
-def test_a_command_that_cannot_run_is_one_sentence_not_a_traceback() -> None:
+def test_a_command_that_cannot_run_is_one_sentence_and_a_shells_exit_code(tmp_path: Path) -> None:
     """A mistyped program after `--`: before (adversarial review), every rank printed a bare FileNotFoundError
-    traceback naming no program."""
+    traceback naming no program; then it exited 1, a crash the failure budget retried (3 attempts, 100 s)."""
     from hpc_train.script import _SHIM
 
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHIM, "", "TERM", "no-such-train-prog", "--lr=1"], capture_output=True, text=True
+    not_executable = tmp_path / "train.py"
+    not_executable.write_text("print('hi')\n")
+    for prog, code, why in (("no-such-train-prog", 127, "No such file or directory"), (not_executable, 126, "")):
+        proc = subprocess.run(
+            [sys.executable, "-c", _SHIM, "", "TERM", str(prog), "--lr=1"], capture_output=True, text=True
+        )
+        assert proc.returncode == code and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith(f"[hpc_train] cannot run {str(prog)!r}: {why}"), proc.stderr
+
+
+def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
+    from hpc_train.script import judge
+
+    def rank(r: int, code: int, killed: bool = False, tail: str = "") -> dict:
+        return {"rank": r, "code": code, "node": f"n{r // 2}", "tail": tail, "killed": killed}
+
+    out = judge([rank(0, -9, killed=True), rank(1, -9, killed=True), rank(2, 127), rank(3, 0)], ["trainx"], "/r")
+    assert out["outcome"] == "unrunnable" and out["first"] == 2
+    assert out["why"] == (
+        "the command after -- could not run: 'trainx' exited with 127 on rank 2 (n1): it was not found (not "
+        "installed on that node, or not on its PATH); install it on every node and `hpc-train resume /r`, or "
+        "submit again with its absolute path. Not requeued: no budget spent"
     )
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("[hpc_train] cannot run 'no-such-train-prog': No such file or directory; check the")
+    assert "chmod +x it" in judge([rank(0, 126)], ["./t.py"], "/r")["why"]
+    # an exit 127 we caused (SIGKILL-ed ranks report -9, never 127) and any other code are failures
+    assert judge([rank(0, 1), rank(1, 0)], ["python"], "/r") == {
+        "outcome": "failed",
+        "reason": "failure",
+        "first": 0,
+        "sick": None,
+    }
+    ecc = judge([rank(0, 1, tail="CUDA error: uncorrectable ECC error encountered")], ["python"], "/r")
+    assert ecc["sick"] == {"n0": "rank 0 on n0 failed with a hardware error (uncorrectable ECC error)"}
+    assert judge([rank(0, 0), rank(1, 0)], ["python"], "/r") == {"outcome": "finished", "exit_codes": [0, 0]}
+
+
+def test_a_missing_program_stops_the_run_at_once_on_the_local_executor(tmp_path: Path) -> None:
+    """One attempt, a `stopped` naming the program and the fix, no requeue (before: 3 attempts, budget spent)."""
+    proc = _submit(tmp_path, "--", "no-such-train-prog", "--lr=1")
+    events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").open()]
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "requeue" not in names, names
+    stopped = next(e for e in events if e["event"] == "stopped")
+    assert stopped["reason"].startswith("the command after -- could not run: 'no-such-train-prog' exited with 127")
+    assert "not requeued: the command after -- could not run" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
+    """A progress bar (tqdm) rewrites its line with '\\r' only: before, the reader waited for a '\\n' that
+    never came, so an hour of progress bars was no heartbeat (and reached the log only at the end)."""
+    import io
+    import os
+    import threading
+    import time
+
+    from hpc_train import script
+
+    r, w = os.pipe()
+    out, tail = io.BytesIO(), bytearray()
+    script._last_output[0] = 0.0
+    reader = threading.Thread(target=script._echo, args=(os.fdopen(r, "rb"), out, tail), daemon=True)
+    reader.start()
+    os.write(w, b" 10%|#   | 1/10\r 20%|##  | 2/10\r")
+    until = time.monotonic() + 5
+    while script._last_output[0] == 0.0 and time.monotonic() < until:
+        time.sleep(0.01)
+    assert script._last_output[0] > 0.0, "no heartbeat from output without a newline"
+    assert out.getvalue() == b" 10%|#   | 1/10\r 20%|##  | 2/10\r"  # forwarded intact, before any newline
+    os.write(w, b"x" * 10_000 + b"done\n")
+    os.close(w)
+    reader.join(5)
+    assert out.getvalue().endswith(b"x" * 10_000 + b"done\n") and len(out.getvalue()) == 10_037
+    assert bytes(tail) == (b"x" * 10_000 + b"done\n")[-script.TAIL_BYTES :]
+
+
+def test_only_a_complete_checkpoint_counts_for_resume_args(tmp_path: Path) -> None:
+    """Before (adversarial review): glob.glob(pattern) + os.path.exists: a run directory named exp[1] never
+    found its checkpoint ([1] is a character class), and an empty file, or a folder a glob matched, counted."""
+    from hpc_train.script import found_checkpoint
+
+    def found(checkpoint: str, run_dir: Path) -> str:
+        return found_checkpoint({"script": {"checkpoint": checkpoint}}, run_dir)
+
+    run = tmp_path / "exp[1]"  # brackets in a real path: the run directory is not a pattern
+    (run / "script_checkpoints").mkdir(parents=True)
+    assert found("{ckpt_dir}/ckpt_*.pt", run) == found("{ckpt_dir}/", run) == ""  # {ckpt_dir} is made empty
+    (run / "script_checkpoints" / "ckpt_10.pt").write_bytes(b"")  # opened for writing, nothing in it yet
+    (run / "script_checkpoints" / "ckpt_tmp.pt").mkdir()  # a folder matching a file's glob
+    assert found("{ckpt_dir}/ckpt_*.pt", run) == ""
+    (run / "script_checkpoints" / "ckpt_10.pt").write_bytes(b"state")
+    assert found("{ckpt_dir}/ckpt_*.pt", run) == str(run / "script_checkpoints" / "ckpt_10.pt")
+    assert found("script_checkpoints/ckpt_1?.pt", run) == str(run / "script_checkpoints" / "ckpt_10.pt")
+    literal = str(run / "script_checkpoints" / "ckpt_10.pt")  # the user's own absolute path with brackets
+    assert found(literal, tmp_path) == literal
+    os.utime(literal, (1, 1))  # older than the next save
+    (run / "script_checkpoints" / "ckpt_20.pt").write_bytes(b"newer")
+    assert found("{ckpt_dir}/ckpt_*.pt", run).endswith("ckpt_20.pt")  # the newest
+    assert found("{ckpt_dir}/", run) == str(run / "script_checkpoints")  # a folder, named as one, not empty
+    assert found("{ckpt_dir}/ckpt_tmp.pt/", run) == ""  # empty
+    assert found("script_checkpoints", run) == ""  # a folder never counts for a file's name
+
+
+def _supervise_two_ranks(
+    run_dir: Path, child: str, offsets: tuple[float, float] = (0.0, 0.0), checkpoint: str = ""
+) -> list[dict]:
+    """script.supervise on two gloo ranks of this machine (tests/scripts/supervise_rank.py), running `python -c
+    child` as each rank's child; each rank's {"max_quiet_s", "outcome"}."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = json.dumps([sys.executable, "-c", child])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "scripts" / "supervise_rank.py"), str(r), port, str(run_dir)]
+            + [str(offsets[r]), cmd, checkpoint],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        )
+        for r in range(2)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.parametrize(
+    "offset_s, rank0_prints, quiet",
+    [
+        (-1000.0, True, False),  # rank 0's clock 1000 s behind, printing all along: no rank may go quiet
+        (+1000.0, False, True),  # rank 0's clock 1000 s ahead, one line then silence: no rank may see beats
+    ],
+)
+def test_a_skewed_clock_neither_hides_nor_fakes_the_heartbeat(
+    tmp_path: Path, offset_s: float, rank0_prints: bool, quiet: bool
+) -> None:
+    """Two ranks of script.supervise, rank 0 on a "node" whose wall clock is off by 1000 s. Before (review):
+    the ranks all-reduced the wall time of their newest output and compared it with their own clock, so a
+    clock behind hid rank 0's output from rank 1 (a live job judged hung after train.watchdog_s) and a clock
+    ahead beat every rank's watchdog for 1000 s (a hang never caught)."""
+    child = (
+        "import os,time\n"
+        f"talk = os.environ['RANK'] == '0' and {rank0_prints}\n"
+        "print('start', flush=True)\n"
+        "for i in range(40):\n"
+        "    talk and print(i, flush=True)\n"
+        "    time.sleep(0.1)\n"
+    )
+    results = _supervise_two_ranks(tmp_path, child, offsets=(offset_s, 0.0))
+    assert all(r["outcome"] == "finished" for r in results), results
+    worst = [r["max_quiet_s"] for r in results]
+    if quiet:  # 4 s of silence after the first line: the heartbeat goes unrenewed for most of it on every rank
+        assert min(worst) > 2.0, worst
+    else:  # output every 0.1 s: renewed within a poll or two (0.25 s each), on every rank
+        assert max(worst) < 1.5, worst
+
+
+def test_several_ranks_a_node_get_omp_num_threads_1_unless_it_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As torchrun does (torch/distributed/run.py). Before (review): unset, so 4 ranks of a node each sized
+    torch's thread pool to every core."""
+    from types import SimpleNamespace
+
+    from hpc_train.paths import RunPaths
+    from hpc_train.script import child_env
+
+    def omp(local_world_size: int) -> str | None:
+        env = SimpleNamespace(
+            rank=1,
+            local_rank=1,
+            world_size=8,
+            local_world_size=local_world_size,
+            node_rank=0,
+            restart_count=0,
+            job_id="7",
+        )
+        return child_env(env, ("n0", 29500), RunPaths(Path("/r")), "TERM").get("OMP_NUM_THREADS")
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (omp(4), omp(1)) == ("1", None)  # one process a node: nothing to share, torch's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "12")  # the user's (cluster.env.OMP_NUM_THREADS=12)
+    assert omp(4) == "12"
+
+
+def test_the_scripts_grace_keeps_the_requeue_reserve() -> None:
+    from hpc_train.script import grace_s
+
+    assert grace_s(90.0, "time_limit", 35.0) == 55.0  # cluster=dev: 90 s lead, 35 s for scontrol
+    assert grace_s(90.0, "time_limit", 50.0) == 40.0  # elastic: the queue snapshot too
+    assert grace_s(20.0, "time_limit", 35.0) == 0.0  # nothing left: the reserve wins (submit warned)
+    assert grace_s(30.0, "preempt", 35.0) == 22.5  # Slurm requeues a preemption: a quarter, at most 10 s
+    assert grace_s(300.0, "preempt", 35.0) == 290.0
+
+
+def test_a_signal_lead_within_the_requeue_reserve_is_a_warning_at_submit(tmp_path: Path) -> None:
+    """Before (review): nothing said that cluster.signal_lead_s=40 on Slurm leaves 5 s for a stop save."""
+    from hpc_train.job import reserve_warning
+    from hpc_train.sbatch import ClusterConfig
+
+    dev = ClusterConfig(executor="slurm", nodes=2, signal_lead_s=40)
+    assert reserve_warning(dev) == (
+        "cluster.signal_lead_s=40 leaves 5 s for a time-limit stop's save: the requeue decision keeps 35 s of it "
+        "(job.decision_reserve_s: scontrol's worst case), so the trainer would skip its stop save and a script "
+        "would get SIGKILL 5 s after its stop signal; use cluster.signal_lead_s>=45, or more: the slowest save "
+        "and step, plus 60 s"
+    )
+    assert "keeps 50 s" in reserve_warning(ClusterConfig(executor="slurm", nodes=2, min_nodes=1, signal_lead_s=55))
+    assert reserve_warning(ClusterConfig(executor="slurm", nodes=2, signal_lead_s=45)) == ""
+    assert reserve_warning(ClusterConfig(executor="local", signal_lead_s=14)) == ""  # the local decision: 4 s
+    proc = _submit(tmp_path, "cluster.signal_lead_s=10", "--", "python", "t.py", flags=("--dry-run",))
+    assert proc.returncode == 0, proc.stderr
+    assert "hpc-train submit: warning: cluster.signal_lead_s=10 leaves 6 s for a time-limit stop's save" in proc.stderr
+
+
+def test_a_newer_checkpoint_file_is_progress_for_the_failure_budget(tmp_path: Path) -> None:
+    """A script that saves without script_helper.committed() and then crashes made progress: before (issue 19,
+    "progress known from the checkpoint file's time"), nothing recorded it, so occasional crashes of a script
+    that trained for hours between them stopped the run at requeue.max_failures as a crash loop would."""
+    ckpt = tmp_path / "script_checkpoints" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"step 10")
+    os.utime(ckpt, (1000.0, 1000.0))  # the last attempt's save
+    child = (
+        f"import os\nif os.environ['RANK'] == '0': open({str(ckpt)!r}, 'wb').write(b'step 20')\nraise SystemExit(1)\n"
+    )
+    results = _supervise_two_ranks(tmp_path, child, checkpoint="script_checkpoints/ckpt.pt")
+    assert [r["outcome"] for r in results] == ["failed", "failed"]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+    (progress,) = [e for e in events if e["event"] == "script_checkpoint"]
+    assert progress["path"] == str(ckpt) and progress["mtime"] == ckpt.stat().st_mtime > 1000.0
