@@ -26,7 +26,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,26 +54,65 @@ def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, DeviceMesh]
     return device, init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def ddp_buckets_not_rebuilt(model: torch.nn.Module) -> bool:
-    """Whether a torch DDP over `model`'s parameters (the DDP wrapping it, as docs/byo.md's loop has it,
-    `model` itself, or one inside it) still has the gradient buckets it was built with and will rebuild
-    them at its next forward. torch 2.13 starts with one bucket of every parameter, records the order
-    in which gradients become ready in the first backward and rebuilds its buckets in that order at the
-    second forward, never again (nn/parallel/distributed.py: compute_bucket_size_limits, _pre_forward);
-    not at all with find_unused_parameters (unless static_graph) or the compiled python reducer. The
-    DDP is looked for among the live objects, since TrainState holds the module it wraps, not the DDP:
-    0.14 s of CPU for 250k of them, 0.36 s for 1.25M, once per resumed attempt (Attempt.step_end)."""
+def ddps_to_rebucket(model: torch.nn.Module) -> list[Any]:
+    """The torch DDPs over `model`'s parameters (the DDP wrapping it, as docs/byo.md's loop has it, `model`
+    itself, or one inside it) that still have the gradient buckets they were built with. torch 2.13 starts
+    with one bucket of every parameter, records the order in which gradients become ready in the first
+    backward and rebuilds its buckets in that order at the second forward, never again
+    (nn/parallel/distributed.py: compute_bucket_size_limits, _pre_forward); not at all with
+    find_unused_parameters (unless static_graph) or the compiled python reducer. Looked for among the live
+    objects, since TrainState holds the module a DDP wraps, not the DDP: 0.14 s of CPU for 250k of them,
+    0.36 s for 1.25M, once per resumed attempt."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     mine = {id(p) for p in model.parameters()}
-    return any(
-        issubclass(type(o), DDP)
+    return [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), DDP)
         and not getattr(o, "_has_rebuilt_buckets", False)
         and (o.static_graph or not o.find_unused_parameters)
         and not getattr(o, "_use_python_reducer", False)
+        and isinstance(getattr(o, "module", None), torch.nn.Module)
         and any(id(p) in mine for p in o.module.parameters())
-        for o in gc.get_objects()
-    )
+    ]
+
+
+def rebucket_at_first_forward(ddp: Any, spent_s: list[float]) -> None:
+    """After a resume, DDP would take the first step in its initial buckets, where the uninterrupted run
+    took it in the rebuilt ones; the buckets set the summation order of the gradient all-reduce, and 4
+    ranks ended with other weights after 2 resumes (2 cannot: a sum of two is exact in any order). So the
+    first forward that will sync gradients first runs a throwaway forward and backward on the same inputs
+    (the same graph, so the same order of ready gradients), and DDP rebuilds its buckets at the real
+    forward that follows. Nothing of the user's changes: gradients, buffers (BatchNorm's running stats)
+    and the RNG (dropout) are put back, the optimizer is not stepped, the loop runs each step once. A
+    0 x p term per parameter makes every parameter's gradient arrive even when the output does not reach
+    it (the loss does): DDP waits for all of them. Appends the seconds it took to spent_s."""
+    from torch.utils._pytree import tree_leaves
+
+    def throwaway(module: Any, args: Any, kwargs: Any) -> None:
+        if not (torch.is_grad_enabled() and module.require_backward_grad_sync):
+            return  # an evaluation or a no_sync micro-batch: the first syncing forward comes later
+        handle.remove()  # before the forward below, which calls the hooks again
+        t0 = time.monotonic()
+        params = [p for p in module.parameters() if p.requires_grad]
+        grads = [p.grad for p in params]
+        buffers = [b.detach().clone() for b in module.buffers()]
+        for p in params:
+            p.grad = None
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            out = [t for t in tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            loss = sum((t.float().sum() for t in out if t.is_floating_point()), torch.zeros(()))
+            (loss + sum(p.sum() * 0 for p in params)).backward()
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers):
+                b.copy_(saved)
+        for p, g in zip(params, grads):
+            p.grad = g
+        spent_s.append(time.monotonic() - t0)
+
+    handle = ddp.register_forward_pre_hook(throwaway, with_kwargs=True)
 
 
 @dataclass
@@ -101,8 +139,7 @@ class Attempt:
     profile: Profile = field(init=False)
     _built_at: float = field(default_factory=time.monotonic)
     _resumed_at: float | None = None
-    _resumed_from: Path | None = None  # the checkpoint resume() loaded, until the first step_end
-    _replay_s: float | None = None  # the first step thrown away and the reload (DDP's buckets), once done
+    _rebucket_s: list[float] = field(default_factory=list)  # the throwaway forward and backward, once taken
     _signalled: bool = False
 
     def __post_init__(self) -> None:
@@ -229,7 +266,10 @@ class Attempt:
             **start_fields,
         )
         self.saver.retain()  # before any save: the stop path left it to this attempt, and torn folders go
-        self._resumed_at, self._resumed_from = time.monotonic(), folder
+        if folder is not None:  # DDP's buckets as the uninterrupted run had them at this step
+            for ddp in ddps_to_rebucket(state.model):
+                rebucket_at_first_forward(ddp, self._rebucket_s)
+        self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         self.profile.step(state.step)  # profile.*: the window may begin with the next step
         return folder is not None
@@ -262,37 +302,17 @@ class Attempt:
         signal" and "is the background write done on every rank" (then it commits). On a stop: save
         this step (if it fits before SIGKILL, less reserve_s before a time limit's) and return True; the
         caller returns. Else a periodic save every checkpoint.every_steps. A signal at the last step
-        finishes the run instead.
-
-        The first step after a resume, under DDP, is taken twice. DDP's buckets set the summation order
-        of its gradient all-reduce, and the step after a resume ran in DDP's initial buckets, where the
-        uninterrupted run took it in the rebuilt ones: 4 ranks ended with other weights after 2 resumes
-        (2 cannot: a sum of two is exact in any order). So the checkpoint just loaded is loaded again
-        (model, optimizer, step, data position, RNG), the gradients dropped, and False returned: the
-        loop takes that step again, in the rebuilt buckets. A stop signal seen then stops at the loaded
-        step, already saved (at the last step: after the step again, which finishes the run)."""
+        finishes the run instead."""
         preempt.beat(state.step)  # the hang watchdog (job.py) restarts its clock
-        replay_here = self._resumed_from is not None and ddp_buckets_not_rebuilt(state.model)
-        flags = torch.tensor(
-            [1 if preempt.received else 0, 0 if self.saver.written_here() else 1, replay_here], dtype=torch.int32
-        )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a replay on every rank if on any: the reload is collective
-        stop, unwritten, replay = bool(flags[0]), bool(flags[1]), bool(flags[2])
-        if self._resumed_from is not None:
-            folder, self._resumed_from = self._resumed_from, None
-            if replay:
-                finishing = state.step >= last_step
-                self.saver.reload(state, folder)
-                state.model.zero_grad(set_to_none=True)  # as after resume(): none yet
-                self._replay_s = time.monotonic() - (self._resumed_at or 0.0)
-                if not stop or finishing:
-                    return False
-        if self._resumed_at is not None:  # resume -> first step done (its replay too): the restart's last phase
-            replayed = {} if self._replay_s is None else {"ddp_replay_s": round(self._replay_s, 4)}
+        if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
+            rebucket = {"ddp_rebucket_s": round(sum(self._rebucket_s), 4)} if self._rebucket_s else {}
             self.event(
-                journal.FIRST_STEP, state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4), **replayed
+                journal.FIRST_STEP, state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4), **rebucket
             )
             self._resumed_at = None
+        flags = torch.tensor([1 if preempt.received else 0, 0 if self.saver.written_here() else 1], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, unwritten = bool(flags[0]), bool(flags[1])
         self.profile.step(state.step, last_step, stop and state.step < last_step)  # profile.*; a stop drops it
         if stop and not self._signalled:
             self._signalled = True

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -92,8 +93,15 @@ class TrainState:
             sd["data"] = self.data.state_dict()
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    def load_state_dict(self, sd: dict[str, Any], strict: bool = True) -> None:
+        """strict=False: parameters without optimizer state in `sd` keep none (Saver.resume, a lazy state)."""
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+            options=StateDictOptions(strict=strict),
+        )
         self.step, self.tokens_seen = int(sd["progress"]["step"]), int(sd["progress"]["tokens_seen"])
         if self.data is not None:
             self.data.load_state_dict(sd["data"])
@@ -141,6 +149,18 @@ class TrainState:
 # Keys of state.data added after checkpoints without them were written: such a checkpoint still loads, and
 # the data object sees the key absent. Any other key a checkpoint lacks is shape_mismatch's stop.
 OPTIONAL_DATA_KEYS = ("fingerprint",)  # data.Sampler's, since issue 19
+
+
+def _lazy_optimizer_state(sd: dict[str, Any], held: dict[str, Any]) -> set[str]:
+    """The parameters (FQNs) whose optimizer state `sd` asks for and the checkpoint lacks: AdamW makes a
+    parameter's state at its first gradient, so one no step reached before the save (an unused branch, an
+    MoE expert) has none there; get_state_dict made it one (step 1, zero moments) that the uninterrupted
+    run never had. Dropped from `sd` here; Saver.resume drops it from the optimizer after the load."""
+    state = sd.get("optim", {}).get("state", {})
+    lazy = {fqn for fqn in state if not any(k.startswith(f"optim.state.{fqn}.") for k in held)}
+    for fqn in lazy:
+        del state[fqn]
+    return lazy
 
 
 def _held_data_keys(sd: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
@@ -300,8 +320,12 @@ def shape_mismatch(saved: dict[str, Any], sd: dict[str, Any]) -> str:
                 wrong.append(f"{key} is not a tensor in the checkpoint")
             elif tuple(have) != tuple(t.shape):
                 wrong.append(f"{key} is {list(have)} in the checkpoint but {list(t.shape)} here")
+    # Left over in the optimizer's part is no sign of other code: an LR schedule's initial_lr in its groups,
+    # the state of a layer frozen again before the resume (torch gives frozen parameters none).
     wrong += [
-        f"{key} of the checkpoint has no place here" for key in saved if key.split(".", 1)[0] in sd and key not in flat
+        f"{key} of the checkpoint has no place here"
+        for key in saved
+        if key.split(".", 1)[0] in sd and key.split(".", 1)[0] != "optim" and key not in flat
     ]
     return "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
 
@@ -664,6 +688,7 @@ class Saver:
                     meta = saved_metadata(folder)
                     why = meta if isinstance(meta, str) else ""
                     sd = sd if why else _held_data_keys(sd, meta)
+                    lazy = set() if why else _lazy_optimizer_state(sd, meta)
                     wrong = "" if why else shape_mismatch(meta, sd)
                     if wrong:  # every older folder was written by the same code: a fallback would not fit either
                         raise Unrecoverable(
@@ -677,7 +702,13 @@ class Saver:
                     try:  # DCP raises on every rank alike, so every rank goes on to the next folder
                         with _helper_threads_single_threaded():
                             dcp.load(sd, checkpoint_id=folder)
-                        state.load_state_dict(sd)
+                        state.load_state_dict(sd, strict=not lazy)  # shape_mismatch judged the model's keys
+                        if lazy:  # as in the uninterrupted run: made at the parameter's first gradient
+                            from torch.distributed.checkpoint.state_dict import _get_fqns
+
+                            for name, p in state.model.named_parameters():
+                                if _get_fqns(state.model, name) & lazy:
+                                    state.optimizer.state.pop(p, None)
                         # Another world size (elastic resume): DCP resharded model and optimizer above; a rank
                         # the checkpoint had no file for keeps its fresh seed (Attempt.resume says so).
                         if (folder / rank_file(rank)).exists():
@@ -703,17 +734,6 @@ class Saver:
                 f"the next attempt starts clean"
             )
         return None, time.monotonic() - t0, 0.0
-
-    def reload(self, state: TrainState, folder: Path) -> None:
-        """Collective: load `folder` into `state` again as resume() loaded it (model, optimizer, progress,
-        data, this rank's RNG), without verifying: resume() just did, and nothing writes a committed folder.
-        Attempt.step_end's DDP replay."""
-        sd = state.state_dict()
-        with _fed_while_bytes_move(), _helper_threads_single_threaded():
-            dcp.load(sd, checkpoint_id=folder)
-        state.load_state_dict(sd)
-        if (folder / rank_file(dist.get_rank())).exists():  # as resume(): a rank the checkpoint had no file for
-            state.load_rank_state(torch.load(folder / rank_file(dist.get_rank()), weights_only=True))
 
     def init_from(self, state: TrainState) -> tuple[dict[str, Any], float, float]:
         """Collective: a new run's weights (and optimizer state, with checkpoint.init_from_optimizer) from

@@ -27,7 +27,7 @@ Event = dict[str, Any]
 # ---- the events -----------------------------------------------------------------------------------------
 # an attempt (rank 0 unless said)
 START = "start"  # at.resume: step, resumed_from, world_size, nodes, rank_nodes, pids, devices, phases_s, ...
-FIRST_STEP = "first_step"  # step_time_s: resume -> first step; ddp_replay_s: of it, the step taken twice (DDP)
+FIRST_STEP = "first_step"  # step_time_s: resume -> first step; ddp_rebucket_s: of it, DDP's throwaway
 BATCH_CHANGED = "batch_changed"  # the global batch does not divide over this attempt's ranks
 DATA_CHANGED = "data_changed"  # resumed on other data than the checkpoint's, allowed: change, was, now
 PREFLIGHT = "preflight"  # every node's health, after the rendezvous

@@ -234,18 +234,6 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig, foreach: bool | None
     )
 
 
-def rebucket_ddp(p: Parts, sampler: data.Sampler) -> None:
-    """DDP re-buckets gradients by their ready order after its first backward, and the bucket layout sets
-    the summation order of gloo's ring all-reduce. The uninterrupted run took the resumed step with
-    re-bucketed gradients, so take one throwaway backward first; without it 4 ranks ended 2e-8 apart.
-    Attempt.step_end then finds the buckets rebuilt and does not take the first step again, as it does for
-    a function's DDP: a backward costs less than a step and a second checkpoint load, and logs nothing twice."""
-    position = sampler.position
-    p.loss(*p.batch(sampler)).backward()
-    p.optimizer.zero_grad(set_to_none=True)
-    sampler.position = position
-
-
 def warn_batch_changed(at: Attempt, step: int, configured: int, global_seqs: int, dp: int, grad_accum: int) -> None:
     at.event(
         journal.BATCH_CHANGED,
@@ -533,13 +521,11 @@ def main(at: Attempt) -> dict[str, Any] | None:
     batch = {"grad_accum_steps": grad_accum, "global_batch_seqs": p.dp_size * tc.batch_seqs_per_rank * grad_accum}
 
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
-    resumed = at.resume(state, **batch)
+    at.resume(state, **batch)  # a DDP takes a throwaway forward and backward first: its rebuilt buckets
     if sampler.changed():  # the data is not the checkpoint's: stop with a sentence, or train on if allowed
         check_data(at, state.step, sampler)
     if batch["global_batch_seqs"] != global_seqs:
         warn_batch_changed(at, state.step, global_seqs, batch["global_batch_seqs"], p.dp_size, grad_accum)
-    if resumed and tc.parallelism == "ddp":
-        rebucket_ddp(p, sampler)  # the uninterrupted run's gradient buckets: bit-exact resume
     at.say(
         f"[hpc_train] job {at.env.job_id} attempt {at.env.restart_count}: {at.env.world_size} ranks on "
         f"{at.env.num_nodes} node(s), mesh dp={p.dp_size} x tp={tc.tp}, {tc.parallelism}, {at.device.type}"

@@ -809,87 +809,132 @@ def test_init_from_without_the_optimizer_leaves_a_fresh_optimizer(tmp_path: Path
 
 
 class DDPLoop:
-    """docs/byo.md's loop over a DDP with dropout in this 1-rank group, one step at a time."""
+    """docs/byo.md's loop over a DDP with dropout, BatchNorm and an LR schedule outside TrainState (as
+    torchrun scripts have them), in this 1-rank group, one step at a time; `micro` no_sync micro-batches
+    before each step's syncing one."""
 
-    def __init__(self, at: Any) -> None:
+    def __init__(self, at: Any, micro: int = 0) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
+        )
         self.net = DDP(self.model)
         self.state = TrainState(self.model, torch.optim.AdamW(self.model.parameters(), lr=1e-2))
-        self.at = at
-        at.resume(self.state)
+        self.at, self.micro = at, micro
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.state.optimizer, lambda s: 1.0 / (1 + s))
+        at.resume(self.state)  # the optimizer's LR as saved; the schedule counts on from the step
+        self.schedule.last_epoch = self.state.step
+        self.lrs: list[float] = []
 
     def step(self) -> None:
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(self.state.step))
+        gen = torch.Generator().manual_seed(self.state.step)
         self.state.optimizer.zero_grad()
-        self.net(x).square().mean().backward()
+        for _ in range(self.micro):
+            with self.net.no_sync():
+                self.net(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        self.net(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        self.lrs.append(self.state.optimizer.param_groups[0]["lr"])
         self.state.optimizer.step()
+        self.schedule.step()
         self.state.step += 1
 
     def weights(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
+        return [t.detach().clone() for t in [*self.model.parameters(), *self.model.buffers()]]
 
 
-def test_the_first_step_after_a_ddp_resume_is_taken_again_in_rebuilt_buckets(tmp_path: Path) -> None:
-    """The step after a resume first runs in DDP's initial buckets: step_end loads the checkpoint again
-    (weights, optimizer, step, RNG), drops the gradients and returns False; the loop takes that step
-    again, in the rebuilt buckets, and ends where the uninterrupted run ends. A loop that rebuilt them
-    itself (the built-in trainer's throwaway backward) is not replayed."""
-    ref = DDPLoop(make_attempt(tmp_path))
+@pytest.mark.parametrize("micro", [0, 2])
+def test_the_first_step_after_a_ddp_resume_runs_in_rebuilt_buckets_and_once(tmp_path: Path, micro: int) -> None:
+    """After a resume, the first syncing forward of a DDP first takes a throwaway forward and backward,
+    so DDP rebuilds its buckets before the real step's gradients are reduced, as in the uninterrupted run
+    (4 ranks: tests/test_local.py). The loop's step runs once: weights, BatchNorm's statistics, the
+    RNG, gradients of no_sync micro-batches and an LR schedule outside TrainState end as uninterrupted.
+    Before (a replay of the first step after a second load) the schedule stepped twice, the LR off by one
+    step for the rest of the run."""
+    ref = DDPLoop(make_attempt(tmp_path), micro)
     for _ in range(3):
         ref.step()
+        ref.at.step_end(ref.state, last_step=6)
     ref.at.saver.save(ref.state, "periodic", background=False)
-    saved, rng = ref.weights(), torch.get_rng_state()
-    for _ in range(2):
+    for _ in range(3):
         ref.step()
+    rng = torch.get_rng_state()
 
-    cut = DDPLoop(make_attempt(tmp_path))  # resumes at step 3
-    assert cut.state.step == 3 and torch.equal(torch.get_rng_state(), rng)
-    cut.step()
-    assert cut.at.step_end(cut.state, last_step=5) is False
-    assert cut.state.step == 3 and all(torch.equal(a, b) for a, b in zip(cut.weights(), saved))
-    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in cut.model.parameters())
-    assert cut.net._has_rebuilt_buckets is False  # the next forward rebuilds them
-    for _ in range(2):
+    cut = DDPLoop(make_attempt(tmp_path), micro)  # resumes at step 3
+    assert cut.state.step == 3 and cut.net._has_rebuilt_buckets is False
+    for _ in range(3):
         cut.step()
-        assert cut.at.step_end(cut.state, last_step=5) is False
-    assert cut.state.step == 5 and all(torch.equal(a, b) for a, b in zip(cut.weights(), ref.weights()))
+        assert cut.net._has_rebuilt_buckets is True  # at the real forward, before its backward
+        assert cut.at.step_end(cut.state, last_step=6) is False
+    assert cut.state.step == 6 and cut.lrs == ref.lrs[3:]
+    assert all(torch.equal(a, b) for a, b in zip(cut.weights(), ref.weights()))
+    assert torch.equal(torch.get_rng_state(), rng)  # the throwaway's dropout drew nothing of the loop's
     first = [e for e in read_events(tmp_path) if e["event"] == "first_step"]
-    assert first[-1]["step"] == 4 and 0 < first[-1]["ddp_replay_s"] < first[-1]["step_time_s"]
-
-    own = DDPLoop(make_attempt(tmp_path))  # resumes at step 3 again
-    own.net(torch.randn(2, 8)).sum().backward()  # a throwaway backward of its own, as train.rebucket_ddp
-    own.state.optimizer.zero_grad()
-    step = own.state.step
-    own.step()
-    assert own.at.step_end(own.state, last_step=10) is False and own.state.step == step + 1
-    assert "ddp_replay_s" not in [e for e in read_events(tmp_path) if e["event"] == "first_step"][-1]
+    assert first[-1]["step"] == 4 and 0 < first[-1]["ddp_rebucket_s"] < first[-1]["step_time_s"]
 
 
-@pytest.mark.parametrize("last_step", [10, 4])
-def test_a_stop_during_the_step_a_ddp_resume_replays(tmp_path: Path, our_handlers: Any, last_step: int) -> None:
-    """A SIGTERM during the first step after a resume, whose weights step_end throws away: the attempt
-    stops at once, at the step it loaded, which is saved already (no save, nothing lost but that step).
-    At the last step the run finishes instead: the step is taken again, then the signal finishes it."""
-    import signal
+def test_a_ddp_whose_buckets_were_rebuilt_takes_no_throwaway(tmp_path: Path) -> None:
+    """A DDP that rebuilt its buckets before the resume (the built-in trainer's throwaway backward comes
+    after it: train.rebucket_ddp) pays for no second throwaway."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     ref = DDPLoop(make_attempt(tmp_path))
-    for _ in range(3):
-        ref.step()
+    ref.step()
     ref.at.saver.save(ref.state, "periodic", background=False)
-    cut = DDPLoop(make_attempt(tmp_path))
-    cut.step()
-    os.kill(os.getpid(), signal.SIGTERM)
-    if last_step > 4:
-        assert cut.at.step_end(cut.state, last_step) is True and cut.at.stop_step == cut.state.step == 3
-        assert names(tmp_path) == ["step_000003"]  # nothing saved: step 3 is
-    else:
-        assert cut.at.step_end(cut.state, last_step) is False and cut.state.step == 3
-        cut.step()
-        assert cut.at.step_end(cut.state, last_step) is False and not cut.at.stopped
-        cut.at.finish(cut.state)
-        assert names(tmp_path) == ["step_000003", "step_000004"]
-    signals = [e for e in read_events(tmp_path) if e["event"] == "signal"]
-    assert [(e["step"], e["finishing"]) for e in signals] == ([(3, False)] if last_step > 4 else [(4, True)])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
+    )
+    net = DDP(model)
+    for _ in range(2):  # the second forward rebuilds
+        net(torch.randn(4, 8)).sum().backward()
+    assert net._has_rebuilt_buckets
+    at = make_attempt(tmp_path)
+    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    at.resume(state)
+    net(torch.randn(4, 8)).sum().backward()
+    state.step += 1
+    at.step_end(state, last_step=10)
+    assert "ddp_rebucket_s" not in [e for e in read_events(tmp_path) if e["event"] == "first_step"][-1]
+
+
+class Branchy(torch.nn.Module):
+    """A branch no step reaches before `late`: AdamW has no state for it at an earlier save."""
+
+    def __init__(self, late: int) -> None:
+        super().__init__()
+        self.trunk, self.branch, self.late, self.step = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), late, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.branch(self.trunk(x)) if self.step >= self.late else self.trunk(x)
+
+
+def test_optimizer_state_no_step_made_before_the_save_resumes_as_uninterrupted(tmp_path: Path) -> None:
+    """A parameter with no AdamW state at the save (no gradient reached it yet) resumed: the load asked for
+    a state get_state_dict invented (step 1, zero moments) and the checkpoint lacks, and every attempt
+    failed ("CheckpointException"; then a stop saying other code wrote it). Now it resumes, and that
+    parameter's state is made at its first gradient, as in the uninterrupted run: bit-identical."""
+
+    def run(at: Any, steps: int) -> TrainState:
+        torch.manual_seed(0)
+        model = Branchy(late=3)
+        state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        at.resume(state)
+        while state.step < steps:
+            model.step = state.step
+            model(torch.randn(2, 4, generator=torch.Generator().manual_seed(state.step))).sum().backward()
+            state.optimizer.step()
+            state.optimizer.zero_grad()
+            state.step += 1
+            if state.step == 2:
+                at.saver.save(state, "periodic", background=False)
+        return state
+
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "cut").mkdir()
+    ref = run(make_attempt(tmp_path / "ref"), 6)
+    run(make_attempt(tmp_path / "cut"), 2)
+    cut = run(make_attempt(tmp_path / "cut"), 6)
+    assert cut.step == 6
+    assert all(torch.equal(a, b) for a, b in zip(cut.model.state_dict().values(), ref.model.state_dict().values()))
