@@ -249,13 +249,13 @@ def warn_batch_changed(at: Attempt, step: int, configured: int, global_seqs: int
     )
 
 
-def check_data(at: Attempt, step: int, sampler: data.Sampler) -> None:
+def check_data(at: Attempt, step: int, sampler: data.Sampler, change: str) -> None:
     """A resume on other data than its checkpoint was trained on (a shard appended, removed or resized)
     visits other windows from `step` on than the uninterrupted run would: stop with the sentence and both
     fixes, unless data.allow_changed or the last `hpc-train resume` was given --allow-data-changed; then
     record the change and train on. The held-out split is not compared: evaluation reads it from position 0
     with no gradients, so it moves val_loss, never the weights."""
-    change, dc, run = sampler.changed(), at.cfg.data, at.paths.run_dir
+    dc, run = at.cfg.data, at.paths.run_dir
     what = f"data.path={dc.path!r}" if dc.source == "tokens" else "data=synthetic's corpus"
     if not (dc.allow_changed or journal.data_change_allowed(journal.read(run))):
         raise preempt.Unrecoverable(
@@ -522,8 +522,13 @@ def main(at: Attempt) -> dict[str, Any] | None:
 
     # Resume: the newest checkpoint that verifies (model, optimizer, step, tokens, data position, RNG).
     at.resume(state, **batch)  # a DDP takes a throwaway forward and backward first: its rebuilt buckets
-    if sampler.changed():  # the data is not the checkpoint's: stop with a sentence, or train on if allowed
-        check_data(at, state.step, sampler)
+    # The data is not the checkpoint's on some rank (each node may read its own copy): every rank stops with
+    # the sentence, or trains on if allowed; never some ranks alone.
+    changes: list[Any] = [None] * at.env.world_size
+    dist.all_gather_object(changes, sampler.changed())
+    change = next((f"{c} (rank {r})" for r, c in enumerate(changes) if c), "")
+    if change:
+        check_data(at, state.step, sampler, change)
     if batch["global_batch_seqs"] != global_seqs:
         warn_batch_changed(at, state.step, global_seqs, batch["global_batch_seqs"], p.dp_size, grad_accum)
     at.say(

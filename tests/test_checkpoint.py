@@ -875,8 +875,8 @@ def test_the_first_step_after_a_ddp_resume_runs_in_rebuilt_buckets_and_once(tmp_
 
 
 def test_a_ddp_whose_buckets_were_rebuilt_takes_no_throwaway(tmp_path: Path) -> None:
-    """A DDP that rebuilt its buckets before the resume (the built-in trainer's throwaway backward comes
-    after it: train.rebucket_ddp) pays for no second throwaway."""
+    """A DDP that rebuilt its buckets before the resume (a loop that took a throwaway of its own) pays for
+    no second throwaway."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ref = DDPLoop(make_attempt(tmp_path))

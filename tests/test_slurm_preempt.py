@@ -122,7 +122,7 @@ def test_array_task_preempted_while_siblings_run(slurm_env: dict[str, str], tmp_
     victim, sibling = (Path(t["run_dir"]) for t in manifest["trials"])
     wait_until(
         lambda: all(any(e["event"] == "checkpoint_committed" for e in read_events(d)) for d in (victim, sibling)),
-        120,
+        240,  # two jobs start, import torch and rendezvous: 120 s ran out at load 20-40 (a deadline, not a figure)
         "both trials past their first checkpoint",
     )
     node = first_start(victim)["nodes"][0]
