@@ -180,6 +180,7 @@ def check(config: dict[str, Any], run_dir: str | Path) -> None:
 # The child ignores the stop signals Slurm sends that are not script.stop_signal (USR2 is Slurm's time-limit
 # warning, TERM a preemption; proctrack delivers both to every process of the task, ours included): an
 # unhandled USR2 would kill a script at the warning, before our ranks agree. It dies with us (PDEATHSIG).
+CANNOT_RUN = "[hpc_train] cannot run"  # the shim's line when its exec failed: a program's own 127 is no such thing
 _SHIM = (
     "import ctypes,os,signal,sys\n"
     "for s in sys.argv[1].split(','):\n"
@@ -189,7 +190,7 @@ _SHIM = (
     "except Exception: pass\n"
     "try: os.execvp(sys.argv[3],sys.argv[3:])\n"
     "except OSError as e:\n"
-    "    print(f'[hpc_train] cannot run {sys.argv[3]!r}: {e.strerror}; check the command after --"
+    "    print(f'" + CANNOT_RUN + " {sys.argv[3]!r}: {e.strerror}; check the command after --"
     " (installed on every node? on the PATH? executable?)',file=sys.stderr)\n"
     "    sys.exit(127 if e.errno==2 else 126)\n"  # a shell's codes: not found (ENOENT), found but not runnable
 )
@@ -471,7 +472,9 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
         return {"outcome": "finished", "exit_codes": [f["code"] for f in failed]}
     bad = [f for f in bad if not f["killed"]] or bad  # the ranks that failed first, not those we ended
     first = min(bad, key=lambda f: f["rank"])
-    unrunnable = [f for f in bad if f["code"] in NOT_RUNNABLE and not f["killed"]]
+    # Only the shim's own exec failure: a script's exit 127 (bash run.sh whose last command is missing on one
+    # node) is a failure to requeue, leaving a sick node out, not a stop of the whole run.
+    unrunnable = [f for f in bad if f["code"] in NOT_RUNNABLE and not f["killed"] and CANNOT_RUN in f["tail"]]
     if unrunnable:
         f = unrunnable[0]
         what, fix = NOT_RUNNABLE[f["code"]]

@@ -161,7 +161,8 @@ def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
     from hpc_train.script import judge
 
     def rank(r: int, code: int, killed: bool = False, tail: str = "") -> dict:
-        return {"rank": r, "code": code, "node": f"n{r // 2}", "tail": tail, "killed": killed}
+        shim = "[hpc_train] cannot run 'x': No such file or directory" if code in (126, 127) and not tail else ""
+        return {"rank": r, "code": code, "node": f"n{r // 2}", "tail": tail or shim, "killed": killed}
 
     out = judge([rank(0, -9, killed=True), rank(1, -9, killed=True), rank(2, 127), rank(3, 0)], ["trainx"], "/r")
     assert out["outcome"] == "unrunnable" and out["first"] == 2
@@ -178,6 +179,9 @@ def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
         "first": 0,
         "sick": None,
     }
+    # a program's own 127 (review: `bash run.sh` whose last command is missing on one node) is a failure too
+    own = judge([rank(0, 127, tail="run.sh: line 3: torchrun: command not found"), rank(1, 0)], ["bash"], "/r")
+    assert own["outcome"] == "failed"
     ecc = judge([rank(0, 1, tail="CUDA error: uncorrectable ECC error encountered")], ["python"], "/r")
     assert ecc["sick"] == {"n0": "rank 0 on n0 failed with a hardware error (uncorrectable ECC error)"}
     assert judge([rank(0, 0), rank(1, 0)], ["python"], "/r") == {"outcome": "finished", "exit_codes": [0, 0]}
