@@ -20,11 +20,14 @@ docs/lifecycle.md draws the states; docs/byo.md has a worked example.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
+import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +63,8 @@ def ddps_to_rebucket(model: torch.nn.Module) -> list[Any]:
     with one bucket of every parameter, records the order in which gradients become ready in the first
     backward and rebuilds its buckets in that order at the second forward, never again
     (nn/parallel/distributed.py: compute_bucket_size_limits, _pre_forward); not at all with
-    find_unused_parameters (unless static_graph) or the compiled python reducer. Looked for among the live
+    find_unused_parameters (unless static_graph) or the compiled python reducer. A static graph is left
+    as it is: the throwaway would be its first iteration, recording every parameter as used. Looked for among the live
     objects, since TrainState holds the module a DDP wraps, not the DDP: 0.14 s of CPU for 250k of them,
     0.36 s for 1.25M, once per resumed attempt."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -71,24 +75,36 @@ def ddps_to_rebucket(model: torch.nn.Module) -> list[Any]:
         for o in gc.get_objects()
         if issubclass(type(o), DDP)
         and not getattr(o, "_has_rebuilt_buckets", False)
-        and (o.static_graph or not o.find_unused_parameters)
+        and not o.static_graph  # its first iteration would be the throwaway, every parameter used in it
+        and not o.find_unused_parameters
         and not getattr(o, "_use_python_reducer", False)
         and isinstance(getattr(o, "module", None), torch.nn.Module)
         and any(id(p) in mine for p in o.module.parameters())
     ]
 
 
-def rebucket_at_first_forward(ddp: Any, spent_s: list[float]) -> None:
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a forward's output: nested dicts, lists, tuples and dataclasses (a ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return [t for o in obj for t in _tensors(o)] if isinstance(obj, (list, tuple)) else []
+
+
+def rebucket_at_first_forward(ddp: Any, spent_s: list[float], say: Callable[[str], None]) -> None:
     """After a resume, DDP would take the first step in its initial buckets, where the uninterrupted run
     took it in the rebuilt ones; the buckets set the summation order of the gradient all-reduce, and 4
     ranks ended with other weights after 2 resumes (2 cannot: a sum of two is exact in any order). So the
-    first forward that will sync gradients first runs a throwaway forward and backward on the same inputs
-    (the same graph, so the same order of ready gradients), and DDP rebuilds its buckets at the real
-    forward that follows. Nothing of the user's changes: gradients, buffers (BatchNorm's running stats)
-    and the RNG (dropout) are put back, the optimizer is not stepped, the loop runs each step once. A
-    0 x p term per parameter makes every parameter's gradient arrive even when the output does not reach
-    it (the loss does): DDP waits for all of them. Appends the seconds it took to spent_s."""
-    from torch.utils._pytree import tree_leaves
+    first forward that will sync gradients first runs a throwaway forward and backward on copies of the
+    same inputs (the same graph, so the same order of ready gradients), and DDP rebuilds its buckets at
+    the real forward that follows. Put back after it: gradients, buffers (by name: BatchNorm's statistics,
+    a mask the forward fills), torch's, Python's and numpy's RNG; the optimizer is not stepped and the
+    loop runs each step once. What a forward does besides its module (a hook appending to a list) happens
+    twice. A 0 x p term per parameter makes every gradient arrive even where the output does not reach
+    (the loss does): DDP waits for all of them. Appends the seconds it took to spent_s."""
 
     def throwaway(module: Any, args: Any, kwargs: Any) -> None:
         if not (torch.is_grad_enabled() and module.require_backward_grad_sync):
@@ -97,22 +113,48 @@ def rebucket_at_first_forward(ddp: Any, spent_s: list[float]) -> None:
         t0 = time.monotonic()
         params = [p for p in module.parameters() if p.requires_grad]
         grads = [p.grad for p in params]
-        buffers = [b.detach().clone() for b in module.buffers()]
+        buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
+        py_rng, np_rng = random.getstate(), _numpy_rng()
         for p in params:
             p.grad = None
+
+        def copy(t: Any) -> Any:  # no graph of the caller's, no in-place change of its inputs
+            return t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            out = [t for t in tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-            loss = sum((t.float().sum() for t in out if t.is_floating_point()), torch.zeros(()))
-            (loss + sum(p.sum() * 0 for p in params)).backward()
+            out = [t for t in _tensors(module(*map(copy, args), **{k: copy(v) for k, v in kwargs.items()}))]
+            floats = [t.float().sum() for t in out if t.requires_grad and t.is_floating_point()]
+            if not floats:
+                say("[hpc_train] warning: no output of the DDP needs a gradient; its buckets stay as built")
+            (sum(floats, torch.zeros(())) + sum(p.sum() * 0 for p in params)).backward()
+        random.setstate(py_rng)
+        if np_rng is not None:
+            import numpy as np
+
+            np.random.set_state(np_rng)
         with torch.no_grad():
-            for b, saved in zip(module.buffers(), buffers):
-                b.copy_(saved)
+            for name, _ in list(module.named_buffers()):
+                if name not in buffers:  # made by the forward (registered None before)
+                    owner, _, attr = name.rpartition(".")
+                    module.get_submodule(owner)._buffers[attr] = None
+            for name, (b, value) in buffers.items():
+                owner, _, attr = name.rpartition(".")
+                module.get_submodule(owner)._buffers[attr] = b
+                b.copy_(value)
         for p, g in zip(params, grads):
             p.grad = g
         spent_s.append(time.monotonic() - t0)
 
     handle = ddp.register_forward_pre_hook(throwaway, with_kwargs=True)
+
+
+def _numpy_rng() -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np.random.get_state()
 
 
 @dataclass
@@ -268,7 +310,7 @@ class Attempt:
         self.saver.retain()  # before any save: the stop path left it to this attempt, and torn folders go
         if folder is not None:  # DDP's buckets as the uninterrupted run had them at this step
             for ddp in ddps_to_rebucket(state.model):
-                rebucket_at_first_forward(ddp, self._rebucket_s)
+                rebucket_at_first_forward(ddp, self._rebucket_s, self.say)
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         self.profile.step(state.step)  # profile.*: the window may begin with the next step

@@ -3,8 +3,10 @@ counts, what resume picks, what retention keeps, and what happens when saves ove
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -808,6 +810,27 @@ def test_init_from_without_the_optimizer_leaves_a_fresh_optimizer(tmp_path: Path
     assert all(torch.equal(a, b) for a, b in zip(train(model, opt), train(*by_hand)))
 
 
+class Masked(torch.nn.Module):
+    """What a throwaway forward must leave as it was (review): a buffer registered None that the first
+    forward fills (ahead of BatchNorm's in named_buffers once filled: put back by position, it took the
+    running mean's values), Python's RNG drawn in the forward, a dataclass output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", None, persistent=False)
+        self.bn, self.lin = torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> Out:
+        if self.mask is None:
+            self.mask = torch.ones(16)
+        return Out(self.lin(self.bn(x)) * self.mask * (1 + random.random() * 1e-3))
+
+
+@dataclasses.dataclass
+class Out:
+    y: torch.Tensor
+
+
 class DDPLoop:
     """docs/byo.md's loop over a DDP with dropout, BatchNorm and an LR schedule outside TrainState (as
     torchrun scripts have them), in this 1-rank group, one step at a time; `micro` no_sync micro-batches
@@ -817,11 +840,14 @@ class DDPLoop:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
-        )
+        self.pre = torch.nn.Linear(8, 8)  # outside the DDP: its input has a graph of the caller's
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), Masked())
         self.net = DDP(self.model)
-        self.state = TrainState(self.model, torch.optim.AdamW(self.model.parameters(), lr=1e-2))
+        self.head = torch.nn.Linear(16, 1)
+        params = [*self.pre.parameters(), *self.model.parameters(), *self.head.parameters()]
+        self.state = TrainState(
+            torch.nn.ModuleList([self.pre, self.model, self.head]), torch.optim.AdamW(params, lr=1e-2)
+        )
         self.at, self.micro = at, micro
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.state.optimizer, lambda s: 1.0 / (1 + s))
         at.resume(self.state)  # the optimizer's LR as saved; the schedule counts on from the step
@@ -833,15 +859,15 @@ class DDPLoop:
         self.state.optimizer.zero_grad()
         for _ in range(self.micro):
             with self.net.no_sync():
-                self.net(torch.randn(4, 8, generator=gen)).square().mean().backward()
-        self.net(torch.randn(4, 8, generator=gen)).square().mean().backward()
+                self.head(self.net(self.pre(torch.randn(4, 8, generator=gen))).y).square().mean().backward()
+        self.head(self.net(self.pre(torch.randn(4, 8, generator=gen))).y).square().mean().backward()
         self.lrs.append(self.state.optimizer.param_groups[0]["lr"])
         self.state.optimizer.step()
         self.schedule.step()
         self.state.step += 1
 
     def weights(self) -> list[torch.Tensor]:
-        return [t.detach().clone() for t in [*self.model.parameters(), *self.model.buffers()]]
+        return [t.detach().clone() for t in [*self.state.model.parameters(), *self.state.model.buffers()]]
 
 
 @pytest.mark.parametrize("micro", [0, 2])
@@ -859,7 +885,7 @@ def test_the_first_step_after_a_ddp_resume_runs_in_rebuilt_buckets_and_once(tmp_
     ref.at.saver.save(ref.state, "periodic", background=False)
     for _ in range(3):
         ref.step()
-    rng = torch.get_rng_state()
+    rng, py_rng = torch.get_rng_state(), random.getstate()
 
     cut = DDPLoop(make_attempt(tmp_path), micro)  # resumes at step 3
     assert cut.state.step == 3 and cut.net._has_rebuilt_buckets is False
@@ -869,7 +895,7 @@ def test_the_first_step_after_a_ddp_resume_runs_in_rebuilt_buckets_and_once(tmp_
         assert cut.at.step_end(cut.state, last_step=6) is False
     assert cut.state.step == 6 and cut.lrs == ref.lrs[3:]
     assert all(torch.equal(a, b) for a, b in zip(cut.weights(), ref.weights()))
-    assert torch.equal(torch.get_rng_state(), rng)  # the throwaway's dropout drew nothing of the loop's
+    assert torch.equal(torch.get_rng_state(), rng) and random.getstate() == py_rng  # the throwaway drew nothing
     first = [e for e in read_events(tmp_path) if e["event"] == "first_step"]
     assert first[-1]["step"] == 4 and 0 < first[-1]["ddp_rebucket_s"] < first[-1]["step_time_s"]
 
@@ -883,17 +909,16 @@ def test_a_ddp_whose_buckets_were_rebuilt_takes_no_throwaway(tmp_path: Path) -> 
     ref.step()
     ref.at.saver.save(ref.state, "periodic", background=False)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), Masked())
     net = DDP(model)
     for _ in range(2):  # the second forward rebuilds
-        net(torch.randn(4, 8)).sum().backward()
+        net(torch.randn(4, 8)).y.sum().backward()
     assert net._has_rebuilt_buckets
     at = make_attempt(tmp_path)
-    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    whole = torch.nn.ModuleList([torch.nn.Linear(8, 8), model, torch.nn.Linear(16, 1)])
+    state = TrainState(whole, torch.optim.AdamW(whole.parameters(), lr=1e-2))
     at.resume(state)
-    net(torch.randn(4, 8)).sum().backward()
+    net(torch.randn(4, 8)).y.sum().backward()
     state.step += 1
     at.step_end(state, last_step=10)
     assert "ddp_rebucket_s" not in [e for e in read_events(tmp_path) if e["event"] == "first_step"][-1]
