@@ -418,7 +418,7 @@ def test_nanogpt_resumes_across_two_preemptions(tmp_path: Path) -> None:
     nanogpt += ["--gradient_accumulation_steps=1", "--warmup_iters=0", f"--lr_decay_iters={max_iters}"]
     nanogpt += [f"--eval_interval={every}", "--eval_iters=2", "--always_save_checkpoint=True"]
     nanogpt += [f"--max_iters={max_iters}", "--out_dir={ckpt_dir}"]
-    docs = ["script.checkpoint=script_checkpoints/ckpt.pt", "script.resume_args=[--init_from=resume]"]
+    docs = ["script.checkpoint=script_checkpoints/ckpt.pt", "script.resume_args=['--init_from=resume']"]
     args = [f"out_dir={tmp_path}", "name=nanogpt", "cluster.tasks_per_node=1", *docs, "--no-wait", "--", *nanogpt]
     run_dir, job_id = submit(args, cwd=work)  # from the checkout, as a user would: the ranks' cwd
     ckpt = run_dir / "script_checkpoints" / "ckpt.pt"
