@@ -411,7 +411,9 @@ def test_nanogpt_resumes_across_two_preemptions(tmp_path: Path) -> None:
     for split, tokens in (("train", 20_000), ("val", 2_000)):
         rng.integers(0, 64, tokens, dtype=np.uint16).tofile(work / "data" / "tiny" / f"{split}.bin")
     (work / "data" / "tiny" / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 64}))
-    max_iters, every = 2000, 250  # ~3 ms an iteration here: a save every ~1 s, each attempt's run ~6 s
+    # An iteration takes 3 ms on this idle machine and 100 ms at a load of 20; a stop lands <= 0.35 s after a
+    # save (our poll 0.05 s, the ranks' 0.25 s), <= ~120 iterations here: each attempt resumes <= 150 further on
+    max_iters, every = 600, 50
     nanogpt = ["env", "-u", "RANK", "-u", "LOCAL_RANK", "-u", "WORLD_SIZE", sys.executable, "train.py"]
     nanogpt += ["--device=cpu", "--compile=False", "--dtype=float32", "--backend=gloo", "--dataset=tiny"]
     nanogpt += ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4"]
@@ -420,7 +422,9 @@ def test_nanogpt_resumes_across_two_preemptions(tmp_path: Path) -> None:
     nanogpt += [f"--max_iters={max_iters}", "--out_dir={ckpt_dir}"]
     docs = ["script.checkpoint=script_checkpoints/ckpt.pt", "script.resume_args=['--init_from=resume']"]
     args = [f"out_dir={tmp_path}", "name=nanogpt", "cluster.tasks_per_node=1", *docs, "--no-wait", "--", *nanogpt]
-    run_dir, job_id = submit(args, cwd=work)  # from the checkout, as a user would: the ranks' cwd
+    # One intra-op thread: with torch's default two on these two shared cores, 200 iterations took 98 s at a
+    # load of 20 (threads spinning on each other), with one 27 s. Submitted from the checkout, as a user would.
+    run_dir, job_id = submit(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=work)
     ckpt = run_dir / "script_checkpoints" / "ckpt.pt"
 
     def evals(attempt: int) -> list[int]:  # "step N: train loss ..." of this attempt: a save follows each N > 0
@@ -435,7 +439,9 @@ def test_nanogpt_resumes_across_two_preemptions(tmp_path: Path) -> None:
 
     seen = []
     for attempt in (0, 1):  # a stop after this attempt's first save of its own (a resume saves its iteration again)
-        wait_until(lambda a=attempt: len(e := evals(a)) > 1 and saved() >= e[1], 120, f"a save of attempt {attempt}")
+        wait_until(
+            lambda a=attempt: len(e := evals(a)) > 1 and saved() >= e[1], 120, f"a save of attempt {attempt}", 0.05
+        )
         seen.append(saved())
         os.kill(int(job_id), signal.SIGTERM)  # submitit's local controller forwards it to every rank
     wait_until(lambda: (run_dir / "summary.json").exists(), 180, "the resumed run's end")
