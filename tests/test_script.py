@@ -392,6 +392,17 @@ def test_a_newer_checkpoint_file_is_progress_for_the_failure_budget(tmp_path: Pa
 NANOGPT = ROOT / "tests" / "scripts" / "nanogpt"  # karpathy/nanoGPT's own files, unmodified (its README.md)
 
 
+def test_the_nanogpt_files_are_upstreams_own() -> None:
+    """Byte for byte the blobs its README.md names (git's blob id: sha1 of "blob SIZE\\0" + the bytes)."""
+    import hashlib
+
+    named = re.findall(r"^    (\S+) +([0-9a-f]{40})$", (NANOGPT / "README.md").read_text(), re.M)
+    assert [name for name, _ in named] == ["train.py", "model.py", "configurator.py", "LICENSE"]
+    for name, blob in named:
+        data = (NANOGPT / name).read_bytes()
+        assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob, f"{name} differs from upstream"
+
+
 def test_nanogpt_resumes_across_two_preemptions(tmp_path: Path) -> None:
     """Issue 19: an unmodified public script resumes across preemptions as docs/scripts.md describes. nanoGPT
     has no signal handler: each SIGTERM (as a preemption sends) kills it, the run requeues, the next attempt
