@@ -5,6 +5,7 @@ the run ends. Torch-free (login node).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -28,8 +29,15 @@ def log_path(run: Run, rank: int) -> Path:
     return path
 
 
+# job.py's header of each attempt, where it began mid-line: a script killed between a line's text and its
+# newline (unbuffered, print writes them apart; a script without a handler dies at the stop signal)
+_HEADER_MID_LINE = re.compile(r"(?<=[^\n])(==== hpc_train attempt \d+ rank \d+ ====)")
+
+
 def attempt_section(text: str, attempt: int | None) -> str:
-    """The lines of one attempt: each attempt's ranks print `==== hpc_train attempt K rank R ====` first."""
+    """The lines of one attempt: each attempt's ranks print `==== hpc_train attempt K rank R ====` first;
+    one that began mid-line starts a line of its own here."""
+    text = _HEADER_MID_LINE.sub(r"\n\1", text)
     if attempt is None:
         return text
     out, inside = [], False

@@ -4,7 +4,7 @@ torchrun's variables, gets script.stop_signal at a stop, and the job takes the u
     hpc-train submit cluster=dev -- python train.py --lr 3e-4
     hpc-train submit -m cluster=dev train.lr=1e-3,3e-4 -- python train.py --lr {train.lr} --out {ckpt_dir}
     hpc-train submit cluster=dev "script.checkpoint='{ckpt_dir}/ckpt.pt'" \\
-        'script.resume_args=[--init_from=resume]' -- python train.py --out_dir {ckpt_dir}
+        "script.resume_args=['--init_from=resume']" -- python train.py --out_dir={ckpt_dir}
     hpc-train submit --dry-run cluster=dev -- python train.py        # the exact command of every rank
 
 Placeholders `{train.lr}` (any key of the composed config; `+script.vars.NAME=VALUE` adds your own),

@@ -184,6 +184,19 @@ def test_logs_follow_of_a_slurm_job_in_a_final_state_prints_both_streams_and_ret
     )
 
 
+def test_an_attempt_killed_mid_line_ends_before_the_next_attempts_header() -> None:
+    """A script without a handler dies at the stop signal, maybe between a line's text and its newline
+    (unbuffered, print writes them apart): the next attempt's header then began mid-line. Before (seen in
+    test_script.py's nanoGPT run: `iter 55: ... mfu 0.00%==== hpc_train attempt 1 rank 0 ====`), `logs
+    --attempt 1` printed nothing and attempt 0 held both attempts."""
+    from hpc_train.logs import attempt_section
+
+    text = "==== hpc_train attempt 0 rank 0 ====\niter 55: loss 4.1575==== hpc_train attempt 1 rank 0 ====\niter 50\n"
+    assert attempt_section(text, 0) == "==== hpc_train attempt 0 rank 0 ====\niter 55: loss 4.1575\n"
+    assert attempt_section(text, 1) == "==== hpc_train attempt 1 rank 0 ====\niter 50\n"
+    assert attempt_section(text, None) == attempt_section(text, 0) + attempt_section(text, 1)
+
+
 @pytest.mark.parametrize("job_id", ["", "4242"])
 def test_logs_follow_gives_up_once_neither_squeue_nor_sacct_knows_the_job(
     tmp_path: Path, job_id: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
