@@ -526,7 +526,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     # the sentence, or trains on if allowed; never some ranks alone.
     changes: list[Any] = [None] * at.env.world_size
     dist.all_gather_object(changes, sampler.changed())
-    change = next((f"{c} (rank {r})" for r, c in enumerate(changes) if c), "")
+    change = next((c if r == 0 else f"{c}, on rank {r}" for r, c in enumerate(changes) if c), "")
     if change:
         check_data(at, state.step, sampler, change)
     if batch["global_batch_seqs"] != global_seqs:
