@@ -123,10 +123,13 @@ def rebucket_at_first_forward(ddp: Any, spent_s: list[float], say: Callable[[str
 
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            out = [t for t in _tensors(module(*map(copy, args), **{k: copy(v) for k, v in kwargs.items()}))]
+            out = _tensors(module(*map(copy, args), **{k: copy(v) for k, v in kwargs.items()}))
             floats = [t.float().sum() for t in out if t.requires_grad and t.is_floating_point()]
-            if not floats:
-                say("[hpc_train] warning: no output of the DDP needs a gradient; its buckets stay as built")
+            if not floats:  # the 0 x p terms alone: buckets in their order, not the graph's
+                say(
+                    "[hpc_train] warning: no output of the DDP needs a gradient, so its buckets after this resume "
+                    "may not be the uninterrupted run's: the weights may then differ in their last bits"
+                )
             (sum(floats, torch.zeros(())) + sum(p.sum() * 0 for p in params)).backward()
         random.setstate(py_rng)
         if np_rng is not None:
