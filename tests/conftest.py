@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,9 @@ HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
 # How pyproject's `-n 4 --dist loadgroup` spreads the suite. A test on the cluster mostly waits (33 min of wall time
 # for 3.4 min of CPU, serially): each is a unit of its own, run by whichever worker is free, on that worker's own
 # cluster. Every other test runs with the rest of its module (module fixtures once), except SPREAD's tests, each a
-# local-executor run of minutes. Units start longest first, by tests/durations.json (a measured run's seconds per
-# test; 1 s for a test it does not know): with one `local` group on one worker, that worker ran 2,381 s while the
-# three others were done after 1,400-1,700 s. A module whose fixture runs on the cluster once for all its tests names
+# local-executor run of minutes. Units start longest first (queue_order), by tests/durations.json (a measured run's
+# seconds per test; 1 s for a test it does not know): with one `local` group on one worker, that worker ran 2,381 s
+# while the three others were done after 1,400-1,700 s. A module whose fixture runs on the cluster once for all its tests names
 # its own group (test_secrets.py). xdist 3.8 passes a test's group to the scheduler by renaming the test, which
 # pytest 9.2 ignores (pytest-xdist#1386: every group silently spread); so the workers write the groups to a file that
 # the scheduler below reads.
@@ -62,6 +63,17 @@ def unit_of(nodeid: str, marks: list[str], on_cluster: bool) -> str:
     return "_".join(marks) or (nodeid if on_cluster or module in SPREAD else module)
 
 
+def queue_order(weight: dict[str, float], first: dict[str, int], long_s: float = 100.0) -> list[str]:
+    """Longest first, every other unit one of the long (> long_s) ones: 20 tests of 100-350 s make half the
+    suite's seconds, and the four longest started together (a fault storm, three multi-rank runs) slowed one
+    another on 2 cores until a 240 s deadline passed (CI at 7e3bc84). Alternating keeps about two of them
+    running beside two workers' shorter units."""
+    ranked = sorted(weight, key=lambda unit: (-weight[unit], first[unit]))
+    long, rest = [u for u in ranked if weight[u] > long_s], [u for u in ranked if weight[u] <= long_s]
+    mixed = [u for pair in zip(long, rest) for u in pair]
+    return mixed + long[len(mixed) // 2 :] + rest[len(mixed) // 2 :]
+
+
 @pytest.hookimpl(trylast=True)  # the test ids as the controller will see them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not hasattr(config, "workerinput"):
@@ -75,8 +87,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for nodeid, unit in groups.items():
         weight[unit] = weight.get(unit, 0.0) + seconds.get(nodeid, 1.0)
     first = {unit: i for i, unit in reversed(list(enumerate(groups.values())))}
-    # Longest unit first, a unit's tests together and in their own order (--no-loadscope-reorder keeps it).
-    items.sort(key=lambda item: (-weight[groups[item.nodeid]], first[groups[item.nodeid]]))
+    order = {unit: i for i, unit in enumerate(queue_order(weight, first))}
+    # A unit's tests together and in their own order (--no-loadscope-reorder keeps it).
+    items.sort(key=lambda item: order[groups[item.nodeid]])
     path = Path(config.workerinput["hpc_train_groups"])
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(groups))
@@ -140,19 +153,37 @@ def no_node_left_drained(slurm_env: dict[str, str]):
     assert not re.search(r"drain|down|fail", states), states
 
 
+def _record_wait(what: str, began: float, timeout_s: float) -> None:
+    """HPC_TRAIN_WAITS_OUT=FILE: one line per wait (its caller, seconds waited, its deadline), to find the
+    deadlines a slower CI machine would outlast (a deadline catches a hang; it is no speed target)."""
+    if out := os.environ.get("HPC_TRAIN_WAITS_OUT"):
+        ours = [f for f in traceback.extract_stack() if Path(f.filename).parent == Path(__file__).parent]
+        frame = next((f for f in ours[::-1] if f.filename != __file__), ours[-3])  # a test's line, else a fixture's
+        row = {"at": f"{Path(frame.filename).name}:{frame.lineno}", "what": what[:80], "timeout_s": timeout_s}
+        with open(out, "a") as f:
+            f.write(json.dumps({**row, "waited_s": round(time.monotonic() - began, 1)}) + "\n")
+
+
 def run(
     cmd: list[str], env: dict[str, str] | None = None, timeout_s: float = 120, **kw: Any
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, **kw)
+    began = time.monotonic()
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, **kw)
+    finally:
+        _record_wait(" ".join(map(str, cmd[:3])), began, timeout_s)
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    deadline = began + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
+            _record_wait(what, began, timeout_s)
             return value
         time.sleep(every_s)
+    _record_wait(what, began, timeout_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 

@@ -89,7 +89,7 @@ def _submit(tmp_path: Path, *args: str, flags: tuple[str, ...] = ()) -> subproce
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=120,
+        timeout=360,  # a hang's bound: past train.rendezvous_timeout_s (120 s) twice over; CI once took > 120 s
     )
 
 

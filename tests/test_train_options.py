@@ -78,7 +78,9 @@ def test_lr_at_per_schedule() -> None:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's complete lines (while the run writes, its last may be half written)."""
+    text = (run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else ""
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
 # Every option off its default, in both runs of the evaluation test: the checkpoint shows they reached AdamW.
@@ -94,28 +96,31 @@ OPTIONS = [
 
 def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(tmp_path: Path) -> None:
     """val_loss at steps 20 and 30 on the synthetic held-out corpus, each evaluation ~3 s (300 batches,
-    FSDP2 gathers every block for each) against ~20-80 ms per step. A SIGTERM sent 1 s after step 5's line lands inside the evaluation of step
-    10: the evaluation is abandoned (checked every 8 batches) and the run stops at step 10, not 11, with
-    no val_loss there. Resumed, its weights end bit-identical to an uninterrupted run without evaluation
-    (evaluation draws no RNG, leaves the model in train mode; resume is exact). grad_norm and val_loss
-    reach metrics.jsonl, the console line and `status`. Under FSDP2 (DDP: test_data.py's run on tokens)."""
+    FSDP2 gathers every block for each) against ~20-80 ms per step. A SIGTERM sent three step times after
+    step 9's line lands inside the evaluation of step 10 (before: 1 s after step 5's line, which a loaded CI
+    machine's five steps outlasted): the evaluation is abandoned (checked every 8 batches) and the run stops at
+    step 10, not 11, with no val_loss there. Resumed, its weights end bit-identical to an uninterrupted run
+    without evaluation (evaluation draws no RNG, leaves the model in train mode; resume is exact). grad_norm
+    and val_loss reach metrics.jsonl, the console line and `status`. Under FSDP2 (DDP: test_data.py's run on
+    tokens)."""
     args = [
         f"out_dir={tmp_path}",
         "train.steps=30",
         "checkpoint.every_steps=10",
-        "train.log_every_steps=5",
         *OPTIONS,
         "train.parallelism=fsdp",
     ]  # FSDP2: evaluation must leave the root's parameters sharded for the save
-    plain, _ = submit([*args, "name=plain"])
-    cut, job_id = submit([*args, "name=cut", "train.eval_every_steps=10", "train.eval_batches=300", "--no-wait"])
-    wait_until(
-        lambda: (cut / "metrics.jsonl").exists() and (cut / "metrics.jsonl").read_text(),
-        120,
-        "step 5's line",
+    plain, _ = submit([*args, "name=plain", "train.log_every_steps=5"])
+    cut_args = ["name=cut", "train.log_every_steps=1", "train.eval_every_steps=10", "train.eval_batches=300"]
+    cut, job_id = submit([*args, *cut_args, "--no-wait"])
+    step_9 = wait_until(
+        lambda: next((m for m in metrics(cut) if m["step"] == 9), None),
+        240,
+        "step 9's line",
         every_s=0.02,
     )
-    time.sleep(1.0)
+    # Step 10 takes about what step 9 took, the evaluation ~40 steps' worth: 3 step times land in it.
+    time.sleep(3 * step_9["step_time_s"] + 0.05)
     os.kill(int(job_id), signal.SIGTERM)
     wait_until(lambda: (cut / "summary.json").exists() or "stopped" in str(read_events(cut)), 240, "the resumed run")
     plain_s, cut_s = (json.loads((d / "summary.json").read_text()) for d in (plain, cut))
@@ -125,7 +130,9 @@ def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(t
     rows = metrics(cut)
     vals = {m["step"]: m["val_loss"] for m in rows if "val_loss" in m}
     assert sorted(vals) == [20, 30] and 0 < vals[30] == cut_s["val_loss"] < math.log(256)
-    assert [m["step"] for m in rows] == [5, 10, 15, 20, 25, 30]
+    assert [m["step"] for m in rows] == list(range(1, 31))
+    stop_row = rows[9]  # logged before the stop check: the evaluation began, was abandoned, and was timed
+    assert "val_loss" not in stop_row and 0 < stop_row["eval_s"] < next(m["eval_s"] for m in rows if m["step"] == 20)
     assert all(m["grad_norm"] > 0 for m in rows) and all("val_loss" not in m for m in metrics(plain))
     status = json.loads(run([HPC_TRAIN, "status", str(cut), "--json"]).stdout)
     assert status[0]["val_loss"] == vals[30]
@@ -136,7 +143,7 @@ def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(t
     group = torch.load(tmp_path / "plain.pt", weights_only=True)["optim"]["param_groups"][0]
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.99), 1e-6, 0.05)
     wsd = TrainConfig(steps=30, lr_schedule="wsd", decay_fraction=0.5)  # stable to step 14, then linear
-    assert group["lr"] == lr_at(29, wsd) and rows[0]["lr"] == 3e-3
+    assert group["lr"] == lr_at(29, wsd) and rows[4]["lr"] == 3e-3  # step 5: warm-up done
 
 
 def test_a_stop_during_a_long_evaluation_waits_for_a_few_batches_not_all(tmp_path: Path) -> None:
