@@ -123,13 +123,11 @@ def run_storm(
     chaos = lambda action, *extra: run([HPC_TRAIN, "chaos", str(run_dir), action, *extra], env=env)  # noqa: E731
     last = 0.0
     for i, fault in enumerate(faults):
-        try:
-            start = wait_until(lambda: _ready(run_dir, last), 240, f"attempt ready for fault {i} ({fault})")
-        except AssertionError:
-            if (run_dir / "summary.json").exists():
-                say(f"the run finished after {i} faults")
-                break
-            raise
+        finished = lambda: (run_dir / "summary.json").exists()  # noqa: E731
+        start = wait_until(lambda: _ready(run_dir, last) or finished(), 240, f"attempt ready for fault {i} ({fault})")
+        if start is True:
+            say(f"the run finished after {i} faults")
+            break
         if (run_dir / "drills" / "slow_storage").exists():
             chaos("slow-storage", "--seconds", "0")
         restart, t0 = start["restart"], time.time()

@@ -100,7 +100,9 @@ def test_cancel_of_a_local_run_saves_and_stops_without_requeue(tmp_path: Path) -
     events = read_events(run_dir)
     names = [e["event"] for e in events]
     cancel = names.index("cancel")
-    assert [e["reason"] for e in events[cancel:] if e["event"] == "checkpoint_committed"] == ["stop"]
+    # One stop save, the last commit; a periodic write in flight at the cancel may commit before it (CI).
+    after = [e["reason"] for e in events[cancel:] if e["event"] == "checkpoint_committed"]
+    assert after[-1:] == ["stop"] and after.count("stop") == 1 and set(after) <= {"periodic", "stop"}, after
     stopped = [e for e in events if e["event"] == "stopped"]
     assert len(stopped) == 1 and stopped[0]["reason"].startswith("cancelled"), stopped
     assert names.count("start") == 1 and "requeue" not in names, names

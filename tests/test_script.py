@@ -383,8 +383,11 @@ def test_a_newer_checkpoint_file_is_progress_for_the_failure_budget(tmp_path: Pa
     ckpt.parent.mkdir()
     ckpt.write_bytes(b"step 10")
     os.utime(ckpt, (1000.0, 1000.0))  # the last attempt's save
+    # Rank 1's child fails only once rank 0's saved: a failure ends every rank's child, and on a loaded CI
+    # machine rank 1's failed first, so rank 0's child was ended before its save (no event, test failed).
     child = (
-        f"import os\nif os.environ['RANK'] == '0': open({str(ckpt)!r}, 'wb').write(b'step 20')\nraise SystemExit(1)\n"
+        f"import os, time\nif os.environ['RANK'] == '0': open({str(ckpt)!r}, 'wb').write(b'step 20')\n"
+        f"while os.path.getmtime({str(ckpt)!r}) == 1000.0: time.sleep(0.05)\nraise SystemExit(1)\n"
     )
     results = _supervise_two_ranks(tmp_path, child, checkpoint="script_checkpoints/ckpt.pt")
     assert [r["outcome"] for r in results] == ["failed", "failed"]

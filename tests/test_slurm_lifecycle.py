@@ -28,7 +28,10 @@ def test_usr2_in_the_first_second_of_a_task_is_recorded_saved_and_budgeted(
     """USR2 as soon as every task printed its first line: our handler must have it (start.py installs it
     before any import), not submitit's (which requeued without a save or a budget entry) and not the
     default action (which killed the task). Before, the first line came from submitit, before torch."""
-    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=early"], env=slurm_env)
+    # 300 s to save, not `low`'s 30 s GraceTime (no preemption ends this job): the signal comes before torch's
+    # import, and on a loaded CI machine the first step came over 30 s later, so the save rightly did not fit.
+    early = [f"out_dir={tmp_path}", "name=early", "cluster.preempt_grace_s=300"]
+    run_dir, job_id = submit([*RUN_ARGS, *early], env=slurm_env)
     logs = lambda: sorted((run_dir / "submitit").glob(f"{job_id}_*_log.out"))  # noqa: E731
     wait_until(lambda: len(logs()) == 4 and all(p.read_text().strip() for p in logs()), 120, "every task's first line")
     proc = run(["scancel", "--signal=USR2", job_id], env=slurm_env)

@@ -249,7 +249,7 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
         lines = path.read_text().splitlines() if path.exists() else []
         return json.loads(lines[-2 if len(lines) > 1 else -1])["step"] if lines else 0  # [-1] may be mid-write
 
-    wait_until(lambda: last_step() >= 1000, 600, "1,000 clean steps")  # 182 s here; CI at 7e3bc84: > 240
+    wait_until(lambda: last_step() >= 1000, 240, "1,000 clean steps")
     drill_s = 0.02
     chaos = run(
         [HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", str(drill_s)], env=slurm_env
