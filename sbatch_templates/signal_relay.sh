@@ -23,6 +23,9 @@ srun() {
       status=$?
       kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
     done
+    # A listing first: on NFS this shell's negative lookup of the marker (the rm above) may be cached for
+    # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
+    [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1
     [ -f "$marker" ] || return "$status"
     step=$(cat "$marker")
     rm -f "$marker"

@@ -191,3 +191,28 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
     assert f"{run_dir.name}: 2 in-job restart(s); 0 spare node(s) left" in status, status
     assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(sick, 1)]
+
+
+def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from hpc_train import prometheus
+    from hpc_train.status import COLUMNS, print_status
+
+    for e in (ev("start", 0), ev(journal.IN_JOB_RESTART, 0, left_out=["node2"], spares_left=0)):
+        journal.log(
+            tmp_path,
+            e["event"],
+            e["step"],
+            "7",
+            e["restart"],
+            **{k: e[k] for k in ("left_out", "spares_left") if k in e},
+        )
+    got = prometheus.values(tmp_path)
+    assert (got["hpc_train_in_job_restarts"], got["hpc_train_spares_left"]) == (1.0, 0.0)
+    row = {**dict.fromkeys(COLUMNS), "run": "spares-1", "job_id": "7", "state": "RUNNING", "warnings": []}
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_status([{**row, "in_job_restarts": 1, "spares_left": 0.0}])
+    assert "spares-1: 1 in-job restart(s); 0 spare node(s) left" in out.getvalue()
