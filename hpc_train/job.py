@@ -307,7 +307,11 @@ def _relaunch(
     args = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}" + (
         f" --exclude={','.join(left_out)}" if left_out else ""
     )
-    write_atomic(relaunch_marker(Path(folder), slurm_job), args + "\n")
+    try:
+        write_atomic(relaunch_marker(Path(folder), slurm_job), args + "\n")
+    except OSError as e:  # a full disk: the requeue still brings the run back
+        print(f"[hpc_train] could not write the relaunch marker ({e}): requeueing", file=sys.stderr, flush=True)
+        return False
     spares = len(set(job_nodes) - set(left_out)) - n
     record(
         journal.IN_JOB_RESTART,

@@ -301,9 +301,11 @@ def in_job_restarts(events: list[Event]) -> list[Event]:
     return named(since_resume(events), IN_JOB_RESTART)
 
 
-def spares_left(events: list[Event], job_id: str, spare_nodes: float) -> float:
-    """Hot spares job `job_id` still holds unused: its last in-job restart's spares_left, else spare_nodes."""
-    found = [e for e in in_job_restarts(events) if e.get("job_id") == job_id and _number(e.get("spares_left"))]
+def spares_left(events: list[Event], spare_nodes: float) -> float:
+    """Hot spares the allocation still holds unused: the spares_left of its last in-job restart, else
+    spare_nodes (a requeue or a resume brings a new allocation with all its spares)."""
+    at = max((i for i, e in enumerate(events) if e["event"] in (REQUEUE, RESUME)), default=-1)
+    found = [e for e in named(events[at + 1 :], IN_JOB_RESTART) if _number(e.get("spares_left"))]
     return float(found[-1]["spares_left"]) if found else spare_nodes
 
 

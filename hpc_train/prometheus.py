@@ -40,7 +40,7 @@ METRICS = {
     "hpc_train_goodput": "Share of the allocated time so far that became committed training.",
     "hpc_train_attempt": "The attempt running now (Slurm restarts, 0 = the first).",
     "hpc_train_in_job_restarts": "Training steps relaunched inside the allocation (hot spares) since the last resume.",
-    "hpc_train_spares_left": "Hot spares the job holds unused after its last in-job restart (NaN before one).",
+    "hpc_train_spares_left": "Hot spares the allocation holds unused after its last in-job restart (NaN: none yet).",
     "hpc_train_committed_step": "The newest step a committed checkpoint holds (NaN before the first).",
     "hpc_train_stragglers": "Ranks named as stragglers now (named and not cleared in this attempt).",
     "hpc_train_straggler_events": "Straggler events in the run so far, all attempts.",
@@ -129,9 +129,7 @@ def values(run_dir: Path) -> dict[str, float]:
         "hpc_train_goodput": journal.goodput(events, rows, live=True)["goodput"] if events else math.nan,
         "hpc_train_attempt": float(journal.current_attempt(events)),
         "hpc_train_in_job_restarts": float(len(journal.in_job_restarts(events))),
-        "hpc_train_spares_left": journal.spares_left(
-            events, str((journal.last(events, journal.START) or {}).get("job_id")), math.nan
-        ),
+        "hpc_train_spares_left": journal.spares_left(events, math.nan),
         "hpc_train_committed_step": float(committed) if committed is not None else math.nan,
         "hpc_train_stragglers": float(len(journal.stragglers_now(events))),
         "hpc_train_straggler_events": float(len(journal.named(events, journal.STRAGGLER))),

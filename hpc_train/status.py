@@ -145,7 +145,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
                 "warnings": warnings,
                 "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
                 "in_job_restarts": len(journal.in_job_restarts(events)),  # hot spares (cluster.spare_nodes)
-                "spares_left": journal.spares_left(events, r.job_id, cfg["cluster"].get("spare_nodes", 0)),
+                "spares_left": journal.spares_left(events, cfg["cluster"].get("spare_nodes", 0)),
                 **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
             }
         )

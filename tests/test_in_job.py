@@ -96,7 +96,7 @@ def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
     assert journal.new_job_attempt(events, 0, "8") == 0  # another job's (a resumed run's old job id)
     assert journal.new_job_attempt([*events, ev("start", 1), ev("requeue", 1)], 1, "7") == 2  # then requeued
     assert journal.decided(events, 0) and not journal.decided(events, 1)  # the others' wait ends
-    assert journal.spares_left(events, "7", 1) == 0 and journal.spares_left(events, "8", 1) == 1
+    assert journal.spares_left(events, 1) == 0 and journal.spares_left([*events, ev("requeue", 1)], 1) == 1
     att = journal.attempts(events)[0]
     assert (att["ended_by"], att["left_out"], att["spares_left"]) == (journal.IN_JOB_RESTART, ["node2"], 0)
     # the budget counts in a row without a newer checkpoint, and a resume clears it
@@ -161,8 +161,9 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
 ) -> None:
     """2 nodes + 1 spare. Once a checkpoint committed, rank 3's node is marked sick and rank 3 is killed:
     the step is relaunched inside the allocation on the same nodes (attempt 1), whose preflight finds the
-    sick node; relaunched again without it, on the spare (attempt 2), which finishes with the uninterrupted
-    run's weights. One job, never requeued: Slurm's Restarts stays 0."""
+    sick node; relaunched again without it, on the spare (attempt 2): one job, Slurm's Restarts still 0.
+    Then TERM to the batch shell: its srun() relays it to the relaunched step as before, which saves and
+    requeues (attempt 3, without the sick node) and finishes with the uninterrupted run's weights."""
     run_dir, job_id = submit([*RUN_ARGS, "cluster.spare_nodes=1", f"out_dir={tmp_path}", "name=spares"], env=slurm_env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
@@ -170,6 +171,18 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     for action in ("sick-node", "kill-rank"):
         done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", "3"], env=slurm_env)
         assert done.returncode == 0, done.stdout + done.stderr
+
+    wait_until(
+        lambda: any(e["event"] == "first_step" and e["restart"] == 2 for e in read_events(run_dir)),
+        420,
+        "attempt 2's first step",
+    )
+    job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+    assert " Restarts=0 " in job and " NumNodes=3 " in job, job
+    status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
+    assert f"{run_dir.name}: 2 in-job restart(s); 0 spare node(s) left" in status, status
+    done = run([HPC_TRAIN, "chaos", str(run_dir), "batch-term"], env=slurm_env)
+    assert done.returncode == 0, done.stdout + done.stderr
 
     summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=420)
     assert summary["params_sha256"] == reference["params_sha256"]
@@ -179,17 +192,20 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
         (0, "failure", [], 1),
         (1, "node_health", [sick], 0),
     ], restarts
-    assert not [e for e in events if e["event"] in ("requeue", "stopped")]
+    assert [(e["restart"], e["reason"], e["by"]) for e in events if e["event"] == "requeue"] == [
+        (2, "preempt", "hpc_train")
+    ]
     starts = {e["restart"]: e for e in events if e["event"] == "start"}
-    assert sorted(starts) == [0, 2] and {e["job_id"] for e in events if e.get("job_id")} == {job_id}
+    assert sorted(starts) == [0, 2, 3] and {e["job_id"] for e in events if e.get("job_id")} == {job_id}
+    assert sick not in starts[3]["nodes"]
     assert sick not in starts[2]["nodes"] and len(set(starts[2]["nodes"])) == 2
     assert starts[2]["step"] == max(
         e["step"] for e in events if e["event"] == "checkpoint_committed" and e["restart"] == 0
     )
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout  # kept MinJobAge=300 s after the end
-    assert " Restarts=0 " in job and " NumNodes=3 " in job, job
+    assert " Restarts=1 " in job and f" ExcNodeList={sick} " in job, job
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
-    assert f"{run_dir.name}: 2 in-job restart(s); 0 spare node(s) left" in status, status
+    assert f"{run_dir.name}: 2 in-job restart(s); 1 spare node(s) left" in status, status  # the new allocation's
     assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(sick, 1)]
 
 
