@@ -417,7 +417,8 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
         start = next(iter(named(evs, START)), None)
         first = next(iter(named(evs, FIRST_STEP)), None)
         commits = named(evs, CHECKPOINT_COMMITTED)
-        ended = last(evs, *ENDS)
+        # The verdict over a `fail`: the other failing ranks log theirs as they die, after the deciding one's.
+        ended = last(evs, *(e for e in ENDS if e != FAIL)) or last(evs, FAIL)
         out.append(
             {
                 "restart": restart,

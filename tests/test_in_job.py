@@ -91,7 +91,9 @@ def test_the_reasons_it_requeues_instead() -> None:
 
 def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
     """SLURM_RESTART_COUNT does not move at an in-job restart: the attempt counts this job's relaunches."""
-    events = [ev("start", 0), ev(journal.IN_JOB_RESTART, 0, left_out=["node2"], spares_left=0)]
+    # the ranks that did not decide log their `fail` after the verdict: the verdict still ends the attempt
+    events = [ev("start", 0), ev("fail", 0), ev(journal.IN_JOB_RESTART, 0, left_out=["node2"], spares_left=0)]
+    events.append(ev("fail", 0))
     assert journal.new_job_attempt(events, 0, "7") == 1
     assert journal.new_job_attempt(events, 0, "8") == 0  # another job's (a resumed run's old job id)
     assert journal.new_job_attempt([*events, ev("start", 1), ev("requeue", 1)], 1, "7") == 2  # then requeued
