@@ -384,7 +384,11 @@ def _report(args: argparse.Namespace) -> int:
                 f"{a['end'] - a['launched']:.1f}",
                 f"{(a['start'] or a['end']) - a['launched']:.1f}",
                 phases,
-                a["ended_by"] + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else ""),
+                a["ended_by"]
+                + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else "")
+                + (
+                    f" (left out: {','.join(a['left_out'])}; {a['spares_left']} spare(s) left)" if a["left_out"] else ""
+                ),
                 ",".join(a["signals"]),
             )
         console = Console(width=200)

@@ -277,6 +277,10 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
     # cluster.min_nodes < cluster.nodes: after a requeue the next attempt waits for all nodes (grows back)
     # when the queue says they are free within this long, else it starts on what Slurm gives (>= min_nodes).
     shrink_after_s: float = 600.0
+    # cluster.spare_nodes > 0: a failure relaunches the training step inside the allocation (a blamed node
+    # left out, a spare taken) instead of requeueing, this many times in a row without a newer checkpoint
+    # (as max_failures counts); then it requeues as before. 0: never.
+    max_in_job_restarts: int = 3
 
     def __post_init__(self) -> None:
         if not self.shrink_after_s >= 0:
@@ -286,6 +290,7 @@ class RequeueConfig:  # job.py: how often a run may requeue itself; counted in i
             or self.max_time_limit_requeues < 0
             or self.max_preemptions < -1
             or self.max_excluded_nodes < 0
+            or self.max_in_job_restarts < 0
         ):
             raise ValueError(f"requeue budgets must be >= 0 (max_preemptions may be -1 = unlimited); got {self}")
 

@@ -80,7 +80,8 @@ def from_env(environ: Mapping[str, str]) -> RankEnv:
 
 def _from_env(environ: Mapping[str, str]) -> RankEnv:
     if "SLURM_PROCID" in environ:
-        nodes = tuple(parse_nodelist(environ["SLURM_JOB_NODELIST"]))
+        # The step's nodes, not the job's: with hot spares (cluster.spare_nodes) the step runs on fewer.
+        nodes = tuple(parse_nodelist(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"]))
         array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
         job_id = f"{array_job}_{array_task}" if array_job and array_task else environ["SLURM_JOB_ID"]
         restart = int(environ.get("SLURM_RESTART_COUNT") or 0)

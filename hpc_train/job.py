@@ -2,7 +2,8 @@
 watchdog, then the training function with its Attempt, then the one requeue decision.
 
 Importing this module is cheap and torch-free (the login node pickles `run_job` by reference); torch
-is imported when the job runs. Exit codes: 0 finished, 144 saved-and-requeued, 1 stopped or failed.
+is imported when the job runs. Exit codes: 0 finished, 144 saved-and-requeued, 145 relaunched inside the
+allocation (an in-job restart, cluster.spare_nodes), 1 stopped or failed.
 
 An attempt, from process start to exit (docs/lifecycle.md draws it):
     start.py installs the record-only USR2/TERM handlers   -> phase "python"
@@ -14,6 +15,7 @@ An attempt, from process start to exit (docs/lifecycle.md draws it):
     at.resume(state): verify (every rank a share), load    -> phases "verify", "load"; the `start` event
     the loop: at.step_end() each step                      -> `first_step`, saves, a `signal`
     stopped: rank 0 decides (preempt.decide) and requeues  -> `requeue` | `requeue_failed` | `stopped`
+    failed, with hot spares: relaunched in the allocation  -> `in_job_restart` (preempt.in_job_restart)
     finished: at.finish(): final save, summary.json        -> `finish`
     raised or hung: the first rank to fail decides alike   -> `fail`, then as stopped
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal, preempt, script, slurm
-from hpc_train.paths import RunPaths, locked, make_dir, write_atomic
+from hpc_train.paths import RunPaths, locked, make_dir, relaunch_marker, write_atomic
 
 
 def process_start_time() -> float:
@@ -82,7 +84,15 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         os.environ["HPC_TRAIN_ATTEMPT"] = str(journal.new_job_attempt(events, None))
     env = rank_env.from_env(os.environ)
     if env.executor == "slurm":  # a resumed Slurm job counts SLURM_RESTART_COUNT from 0 again
-        env = dataclasses.replace(env, restart_count=journal.new_job_attempt(events, env.restart_count))
+        attempt = journal.new_job_attempt(events, env.restart_count, env.job_id)
+        # A port of its own per attempt: an in-job restart's store may start on the last step's first node
+        # while that step's port is in TIME_WAIT (rendezvous_port, as across requeues).
+        port = (
+            env.master_port
+            if os.environ.get("HPC_TRAIN_MASTER_PORT")
+            else rank_env.rendezvous_port(env.job_id, attempt)
+        )
+        env = dataclasses.replace(env, restart_count=attempt, master_port=port)
     os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)  # the run's attempt: drills fire in attempt 0 only
     os.environ.update(rank_env.torchrun_vars(env))
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
@@ -108,7 +118,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         )
         verdict, grace_s = _after_failure(paths, env, e)
         traceback.print_exc()  # this rank's log keeps the whole story
-        if verdict == "wait" or (verdict == "requeue" and env.executor == "local"):
+        if verdict in ("wait", "relaunch") or (verdict == "requeue" and env.executor == "local"):
             _leave(verdict, grace_s)  # 144: the local controller restarts every task on this code
         _leave("stop", 0.0)
 
@@ -124,7 +134,7 @@ def spare_nodes(env: Any, cluster: Any) -> int | None:
         states = slurm.node_states(cluster.partition or os.environ.get("SLURM_JOB_PARTITION", ""))
     except slurm.SlurmError:
         return None
-    need = getattr(cluster, "min_nodes", None) or cluster.nodes
+    need = (getattr(cluster, "min_nodes", None) or cluster.nodes) + getattr(cluster, "spare_nodes", 0)
     return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
@@ -178,9 +188,11 @@ def requeue_or_stop(
 ) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
     (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
-    "requeue" (the job comes back, without the run's excluded nodes), "wait" (only Slurm can bring it
-    back: stay alive until it ends the job) or "stop". After a stop signal ("time_limit", "preempt") the
-    Slurm calls take the stop path's shorter policies, whose worst case REQUEUE_RESERVE_S reserves."""
+    "requeue" (the job comes back, without the run's excluded nodes), "relaunch" (hot spares: the batch
+    script starts the training step again inside the allocation, without them; _relaunch), "wait" (only
+    Slurm can bring it back: stay alive until it ends the job) or "stop". After a stop signal ("time_limit",
+    "preempt") the Slurm calls take the stop path's shorter policies, whose worst case REQUEUE_RESERVE_S
+    reserves."""
     stopping = reason in ("time_limit", "preempt")
     events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
@@ -206,6 +218,29 @@ def requeue_or_stop(
             action, why = preempt.decide(reason, events, budgets, fate)
         for node, because in sick.items() if not (stop or not_out) else ():
             record(journal.NODE_EXCLUDED, node=node, why=because)
+    # A blamed node that could not be left out (its budget spent): relaunched, the step could land on it again.
+    if cfg.cluster.spare_nodes and env.executor == "slurm" and not set(sick or ()) - set(excluded):
+        from hpc_train.env import parse_nodelist
+
+        job_nodes = parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
+        left_out = sorted(set(excluded) & set(job_nodes))
+        used = journal.in_job_restarts_in_a_row(events)
+        why_not = preempt.in_job_restart(
+            cfg.cluster.spare_nodes,
+            action,
+            reason,
+            fate,
+            list(preempt.received),
+            used,
+            budgets.max_in_job_restarts,
+            job_nodes,
+            left_out,
+            cfg.cluster.nodes,
+        )
+        if not why_not and _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record):
+            return "relaunch"
+        if action == "requeue":
+            print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
     if action == "stop":
         record(journal.STOPPED, reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
@@ -252,6 +287,48 @@ def requeue_or_stop(
     )
     print(f"[hpc_train] requeue failed: {err}; {then}", file=sys.stderr, flush=True)
     return "wait" if preempted else "stop"
+
+
+def _relaunch(
+    env: Any,
+    cluster: Any,
+    reason: str,
+    job_nodes: list[str],
+    left_out: list[str],
+    used: int,
+    record: Callable[..., None],
+) -> bool:
+    """Write the next training step's srun options where the batch script's srun() looks (paths.relaunch_marker)
+    and record the in-job restart; False (requeue instead) where no batch script of ours started the step."""
+    folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
+    if not (folder and slurm_job):
+        return False
+    n = cluster.nodes
+    args = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}" + (
+        f" --exclude={','.join(left_out)}" if left_out else ""
+    )
+    try:
+        write_atomic(relaunch_marker(Path(folder), slurm_job), args + "\n")
+    except OSError as e:  # a full disk: the requeue still brings the run back
+        print(f"[hpc_train] could not write the relaunch marker ({e}): requeueing", file=sys.stderr, flush=True)
+        return False
+    spares = len(set(job_nodes) - set(left_out)) - n
+    record(
+        journal.IN_JOB_RESTART,
+        reason=reason,
+        left_out=left_out,
+        nodes_next=n,
+        spares_left=spares,
+        in_job_restarts=used + 1,
+        srun_args=args,
+    )
+    out = f" without {', '.join(left_out)}" if left_out else ""
+    print(
+        f"[hpc_train] restarting inside the allocation{out} ({spares} spare(s) left): srun {args}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 def _update_next_attempt(
@@ -343,7 +420,7 @@ def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) ->
             time.sleep(1)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(preempt.REQUEUE_EXIT_CODE if verdict != "stop" else 1)
+    os._exit({"stop": 1, "relaunch": preempt.IN_JOB_RESTART_EXIT_CODE}.get(verdict, preempt.REQUEUE_EXIT_CODE))
 
 
 def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
@@ -436,7 +513,7 @@ def _decide_together(
     import torch
     import torch.distributed as dist
 
-    actions = ("stop", "requeue", "wait")
+    actions = ("stop", "requeue", "wait", "relaunch")
     verdict = torch.tensor([0])
     if env.rank == 0:
         verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, reason, step, sick))
@@ -557,7 +634,8 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
             error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s",
         )
         verdict, grace_s = _after_failure(paths, env, hang=True)
-        _leave(verdict if verdict == "wait" or (verdict == "requeue" and env.executor == "local") else "stop", grace_s)
+        local_requeue = verdict == "requeue" and env.executor == "local"
+        _leave(verdict if verdict in ("wait", "relaunch") or local_requeue else "stop", grace_s)
 
     preempt.beat()
     threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()

@@ -52,6 +52,9 @@ STOPPED = "stopped"
 NODE_EXCLUDED = "node_excluded"
 NODE_NOT_EXCLUDED = "node_not_excluded"
 EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not
+# the training step relaunched inside the allocation (cluster.spare_nodes): reason, left_out (nodes of this
+# job it leaves out), nodes_next, spares_left, in_job_restarts (in a row, this one included)
+IN_JOB_RESTART = "in_job_restart"
 # side services
 STRAGGLER = "straggler"
 STRAGGLER_CLEARED = "straggler_cleared"
@@ -63,7 +66,7 @@ RESUME = "resume"  # `hpc-train resume`: the attempt it starts, budgets, previou
 CANCEL = "cancel"  # `hpc-train cancel`
 CHAOS = "chaos"  # `hpc-train chaos`: action, injected
 
-ENDS = (FINISH, REQUEUE, STOPPED, FAIL)  # what can end an attempt, as `report` names it
+ENDS = (FINISH, REQUEUE, IN_JOB_RESTART, STOPPED, FAIL)  # what can end an attempt, as `report` names it
 BUDGET_KEYS = {"preempt": "max_preemptions", "time_limit": "max_time_limit_requeues", "failure": "max_failures"}
 
 
@@ -157,20 +160,22 @@ def next_attempt(events: list[Event]) -> int:
     return max((e["restart"] for e in events), default=-1) + 1
 
 
-def new_job_attempt(events: list[Event], slurm_restarts: int | None) -> int:
+def new_job_attempt(events: list[Event], slurm_restarts: int | None, job_id: str = "") -> int:
     """The attempt a starting job is: the one `hpc-train resume` recorded (a resumed Slurm job counts
-    SLURM_RESTART_COUNT from 0 again) plus Slurm's restarts since; the local controller restarts in place,
+    SLURM_RESTART_COUNT from 0 again) plus Slurm's restarts since plus job `job_id`'s in-job restarts since
+    (each relaunches the step without moving SLURM_RESTART_COUNT); the local controller restarts in place,
     so there (slurm_restarts None) the requeues on record since that resume count instead."""
     resume = last(events, RESUME)
     base = resume["restart"] if resume else 0
     if slurm_restarts is None:
         return base + len(named(since_resume(events), REQUEUE))
-    return base + slurm_restarts
+    in_job = [e for e in named(since_resume(events), IN_JOB_RESTART) if e.get("job_id") == job_id]
+    return base + slurm_restarts + len(in_job)
 
 
 def decided(events: list[Event], restart: int) -> bool:
     """Whether attempt `restart`'s requeue-or-stop verdict is on record."""
-    return any(e.get("restart") == restart for e in named(events, REQUEUE, REQUEUE_FAILED, STOPPED))
+    return any(e.get("restart") == restart for e in named(events, REQUEUE, REQUEUE_FAILED, STOPPED, IN_JOB_RESTART))
 
 
 def committed_steps(events: list[Event]) -> list[int]:
@@ -274,6 +279,34 @@ def failures_in_a_row(events: list[Event]) -> int:
         elif e["event"] == REQUEUE and e.get("reason") == "failure" and e.get("by") != "slurm":
             count += 1
     return count
+
+
+def in_job_restarts_in_a_row(events: list[Event]) -> int:
+    """In-job restarts since the run last committed a step beyond every earlier commit or was resumed: what
+    requeue.max_in_job_restarts bounds (a crash loop never commits; two node faults an hour apart each come
+    after progress), as failures_in_a_row does for failure requeues."""
+    count, best = 0, -1
+    for e in events:
+        if e["event"] == CHECKPOINT_COMMITTED and e["step"] > best:
+            best, count = e["step"], 0
+        elif e["event"] == RESUME:
+            count = 0
+        elif e["event"] == IN_JOB_RESTART:
+            count += 1
+    return count
+
+
+def in_job_restarts(events: list[Event]) -> list[Event]:
+    """The `in_job_restart` events since the last resume: what status, report and Prometheus count."""
+    return named(since_resume(events), IN_JOB_RESTART)
+
+
+def spares_left(events: list[Event], spare_nodes: float) -> float:
+    """Hot spares the allocation still holds unused: the spares_left of its last in-job restart, else
+    spare_nodes (a requeue or a resume brings a new allocation with all its spares)."""
+    at = max((i for i, e in enumerate(events) if e["event"] in (REQUEUE, RESUME)), default=-1)
+    found = [e for e in named(events[at + 1 :], IN_JOB_RESTART) if _number(e.get("spares_left"))]
+    return float(found[-1]["spares_left"]) if found else spare_nodes
 
 
 def requeues_counted(events: list[Event], reason: str) -> int:
@@ -384,7 +417,8 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
         start = next(iter(named(evs, START)), None)
         first = next(iter(named(evs, FIRST_STEP)), None)
         commits = named(evs, CHECKPOINT_COMMITTED)
-        ended = last(evs, *ENDS)
+        # The verdict over a `fail`: the other failing ranks log theirs as they die, after the deciding one's.
+        ended = last(evs, *(e for e in ENDS if e != FAIL)) or last(evs, FAIL)
         out.append(
             {
                 "restart": restart,
@@ -402,6 +436,8 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
                 ),
                 "signals": [s for e in named(evs, SIGNAL) for s in e.get("signals", [])],
                 "nodes_next": next((e.get("nodes_next") for e in named(evs, REQUEUE)), None),  # elastic
+                # an in-job restart (hot spares): the allocation's nodes it left out, the spares it kept
+                **{k: next((e.get(k) for e in named(evs, IN_JOB_RESTART)), None) for k in ("left_out", "spares_left")},
                 **{
                     k: start.get(k) if start else None
                     for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")

@@ -117,6 +117,13 @@ class RunPaths:
         return self.run_dir / f".failed-{job_id}-{restart}"
 
 
+def relaunch_marker(submitit_folder: Path, slurm_job_id: str) -> Path:
+    """The next training step's srun options after an in-job restart (job.py writes it, the batch script's
+    srun() in sbatch_templates/signal_relay.sh reads and removes it). In submitit's folder, the one path the
+    batch shell knows (srun's last word); SLURM_JOB_ID, an array task's own id, keeps a sweep's tasks apart."""
+    return submitit_folder / f".relaunch-{slurm_job_id}"
+
+
 # A journal line waits at most this long for another writer's lock, then goes in unlocked: a holder that
 # died on NFSv3 keeps its lock until its node reboots, and a rank blocked here would hang its attempt.
 APPEND_LOCK_WAIT_S = 5.0

@@ -20,6 +20,9 @@ from typing import Any
 # submitit's local controller restarts every task of a job when one exits with this code; on Slurm the
 # same code marks "saved and requeued" in sacct's ExitCode column.
 REQUEUE_EXIT_CODE = 144
+# Every rank of a training step that is relaunched inside the allocation (an in-job restart): sacct's
+# ExitCode then says why the step ended; the batch script's srun() relaunches on its marker file, not this.
+IN_JOB_RESTART_EXIT_CODE = 145
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 # Slurm may deliver the time-limit warning up to 60 s before the requested lead; 60 s more of margin.
 TIME_LIMIT_SLACK_S = 120
@@ -66,6 +69,12 @@ def install_handlers() -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, _record)
         installed_at[0] = time.time()
+        # A stop signal the batch shell caught while the last training step ended, relayed into this one
+        # (an in-job restart, sbatch_templates/signal_relay.sh): as if it came now.
+        pending = os.environ.pop("HPC_TRAIN_PENDING_SIGNAL", "")
+        if pending in ("SIGUSR2", "SIGTERM") and not received:
+            received_at.append(time.monotonic())
+            received.append(pending)
 
 
 def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempted: bool = False) -> str:
@@ -202,6 +211,46 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
         if limit != -1 and used >= limit:
             return "stop", f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
     return "requeue", ""
+
+
+def in_job_restart(
+    spare_nodes: int,
+    action: str,
+    reason: str,
+    fate: str,
+    signals: list[str],
+    used: int,
+    budget: int,
+    job_nodes: list[str],
+    left_out: list[str],
+    nodes: int,
+) -> str:
+    """Relaunch the training step inside the allocation instead of the requeue `decide` chose? (pure)
+    "" to relaunch, else why not ("" reasons never print: no spares asked for, or no requeue to replace).
+
+    Only in place of a requeue after a failure or a failed preflight (reason "failure" | "node_health") of a
+    job Slurm still runs (fate "running", or "unknown" as `decide` reads it) with no stop signal seen: a
+    time limit or a preemption gives the allocation back through the stop save and the requeue as before.
+    Needs the budget (used: in-job restarts in a row, journal.in_job_restarts_in_a_row) and `nodes` of the
+    allocation's job_nodes that are not left_out (the nodes of this job blamed so far)."""
+    if not spare_nodes or action != "requeue":
+        return "no spares asked for" if not spare_nodes else f"not a requeue ({action})"
+    if reason not in ("failure", "node_health") or signals:
+        return f"a stop signal ({reason}, {signals}): the stop save and the requeue give the allocation back"
+    if fate not in ("running", "unknown"):
+        return f"Slurm is not running the job as before ({fate})"
+    if used >= budget:
+        return (
+            f"in-job restart budget spent: {used} in a row without a newer checkpoint "
+            f"(requeue.max_in_job_restarts={budget}); requeueing"
+        )
+    healthy = sorted(set(job_nodes) - set(left_out))
+    if len(healthy) < nodes:
+        return (
+            f"no spare left: {len(healthy)} healthy nodes of the allocation ({', '.join(healthy) or 'none'}; "
+            f"left out: {', '.join(left_out)}) for cluster.nodes={nodes}; requeueing"
+        )
+    return ""
 
 
 def hung_ranks(counts: dict[int, int], world_size: int) -> list[int]:

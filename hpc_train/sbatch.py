@@ -34,6 +34,9 @@ class ClusterConfig:
     # Elastic: an attempt may start on as few as min_nodes (sbatch --nodes=<min>-<nodes>); None: exactly nodes.
     # The global batch stays that of `nodes` (train.py); requeue.shrink_after_s decides when to go on smaller.
     min_nodes: int | None = None
+    # Hot spares: the job allocates nodes + spare_nodes and trains on `nodes`; a failure blamed on a node
+    # relaunches the training step inside the allocation without it, on a spare (requeue.max_in_job_restarts).
+    spare_nodes: int = 0
     tasks_per_node: int = 2  # one task per rank (per GPU on GPU nodes)
     cpus_per_task: int = 1
     gpus_per_node: int = 0
@@ -95,12 +98,25 @@ class ClusterConfig:
                 f"cluster.min_nodes={self.min_nodes} must be between 1 and cluster.nodes={self.nodes}; "
                 f"use null for a fixed size"
             )
+        if self.spare_nodes < 0:
+            raise ValueError(f"cluster.spare_nodes={self.spare_nodes} must be >= 0 (0: no hot spares)")
+        if self.spare_nodes and (self.min_nodes or self.nodes) < self.nodes:
+            raise ValueError(
+                f"cluster.spare_nodes={self.spare_nodes} with cluster.min_nodes={self.min_nodes} < cluster.nodes="
+                f"{self.nodes}: hot spares need a fixed allocation of nodes + spare_nodes; set cluster.min_nodes=null "
+                f"or cluster.spare_nodes=0"
+            )
         mincpus, extra = self.tasks_per_node * self.cpus_per_task, str(self.sbatch_extra.get("mincpus", ""))
         if (self.min_nodes or self.nodes) < self.nodes and extra.isdigit() and int(extra) < mincpus:
             raise ValueError(
                 f"cluster.sbatch_extra.mincpus={self.sbatch_extra['mincpus']} is below the "
                 f"{self.tasks_per_node} x {self.cpus_per_task} CPUs an elastic run's ranks need on each "
                 f"node (it sets --mincpus={mincpus}); raise it or leave it out"
+            )
+        if self.executor == "local" and self.spare_nodes:
+            raise ValueError(
+                f"cluster.spare_nodes={self.spare_nodes} but the local executor runs on this one machine; "
+                f"use cluster.spare_nodes=0, or cluster=slurm for hot spares"
             )
         if self.executor == "local" and self.nodes != 1:
             raise ValueError(
@@ -475,7 +491,7 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         }
     params: dict[str, Any] = {
         "job_name": job_name,
-        "nodes": cluster.nodes,
+        "nodes": cluster.nodes + cluster.spare_nodes,
         "ntasks_per_node": cluster.tasks_per_node,
         "cpus_per_task": cluster.cpus_per_task,
         "time": cluster.timeout_min,
@@ -501,6 +517,11 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         params["additional_parameters"]["mincpus"] = cluster.tasks_per_node * cluster.cpus_per_task
         params["srun_args"] = [f"--ntasks-per-node={cluster.tasks_per_node}"]
         params["setup"] = [*params["setup"], "unset SLURM_NTASKS SLURM_NPROCS"]
+    if cluster.spare_nodes:
+        # The training step on `nodes` of the allocation; the signal relay's srun() reads this and, after an
+        # in-job restart, replaces it with the relaunch's nodes and exclusions (sbatch_templates/signal_relay.sh).
+        step = f"--nodes={cluster.nodes} --ntasks={cluster.nodes * cluster.tasks_per_node}"
+        params["setup"] = [*params["setup"], f"export HPC_TRAIN_STEP_ARGS='{step}'"]
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:
@@ -582,10 +603,11 @@ def validate_live(
     total_nodes = int(part.get("TotalNodes", "0"))
     max_nodes = part.get("MaxNodes", "UNLIMITED")
     limit = total_nodes if max_nodes == "UNLIMITED" else min(total_nodes, int(max_nodes))
-    if cluster.nodes > limit:
+    if cluster.nodes + cluster.spare_nodes > limit:
+        spares = f" + cluster.spare_nodes={cluster.spare_nodes}" if cluster.spare_nodes else ""
         raise ValueError(
-            f"cluster.nodes={cluster.nodes} exceeds partition {name}'s limit of {limit} nodes; "
-            f"use cluster.nodes<={limit} or another partition"
+            f"cluster.nodes={cluster.nodes}{spares} exceeds partition {name}'s limit of {limit} nodes; "
+            f"use cluster.nodes{' + spare_nodes' if spares else ''}<={limit} or another partition"
         )
     max_time = slurm.time_limit_min(part.get("MaxTime", "UNLIMITED"))
     if cluster.timeout_min > max_time:

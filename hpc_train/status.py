@@ -144,6 +144,8 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
                 "since_last_event_s": round(time.time() - last, 1) if last else None,
                 "warnings": warnings,
                 "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
+                "in_job_restarts": len(journal.in_job_restarts(events)),  # hot spares (cluster.spare_nodes)
+                "spares_left": journal.spares_left(events, cfg["cluster"].get("spare_nodes", 0)),
                 **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
             }
         )
@@ -199,6 +201,13 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     for r in rows:  # a line per excluded node, below the table: the reasons are sentences
         for node, why in (r.get("excluded_nodes") or {}).items():
             console.print(f"{r['run']}: {node} left out: {why}", markup=False, highlight=False, soft_wrap=True)
+    for r in rows:
+        if r.get("in_job_restarts"):
+            console.print(
+                f"{r['run']}: {r['in_job_restarts']} in-job restart(s); {r['spares_left']:.0f} spare node(s) left",
+                markup=False,
+                highlight=False,
+            )
     for error in dict.fromkeys(r["state_error"] for r in rows if r.get("state_error")):
         console.print(f"state unknown: {error}", markup=False, highlight=False, soft_wrap=True)
 

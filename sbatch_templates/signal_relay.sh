@@ -6,15 +6,29 @@
 # every task. The ranks then read the USR2 by the clock (job.py stop_reason): near the time limit a
 # "time_limit" (a site's --signal=B:TERM@lead), else a "preempt" (someone asked a live job to stop), with
 # signal_lead_s to save; when Slurm itself ends the job it TERMs the tasks and srun directly as well.
+# In-job restarts (cluster.spare_nodes): the deciding rank writes FOLDER/.relaunch-JOBID (FOLDER: srun's
+# last word, sbatch.entry_command) holding the next step's srun options; each is read once and removed
+# before the relaunch, so a crash loop ends within requeue.max_in_job_restarts. A signal that came while
+# that step ended goes to the relaunched one as HPC_TRAIN_PENDING_SIGNAL (preempt.install_handlers).
 srun() {
-  command srun "$@" &
-  local pid=$! status
-  trap "kill -USR2 $pid 2>/dev/null" USR2
-  trap "kill -USR2 $pid 2>/dev/null && echo 'hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into SIGKILL for every task)' >&2" TERM
+  local marker="${!#}/.relaunch-${SLURM_JOB_ID}" step="${HPC_TRAIN_STEP_ARGS:-}" pending="" pid status
+  rm -f "$marker"  # a requeued job's leftover from its last allocation: never relaunch on it
   while true; do
-    wait "$pid"
-    status=$?
-    kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
+    HPC_TRAIN_PENDING_SIGNAL="$pending" command srun $step "$@" &
+    pid=$! pending=""
+    trap "pending=SIGUSR2; kill -USR2 $pid 2>/dev/null" USR2
+    trap "pending=SIGUSR2; kill -USR2 $pid 2>/dev/null && echo 'hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into SIGKILL for every task)' >&2" TERM
+    while true; do
+      wait "$pid"
+      status=$?
+      kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
+    done
+    # A listing first: on NFS this shell's negative lookup of the marker (the rm above) may be cached for
+    # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
+    [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1
+    [ -f "$marker" ] || return "$status"
+    step=$(cat "$marker")
+    rm -f "$marker"
+    echo "hpc_train relay: training step ended with status $status; relaunching it inside the allocation: srun $step" >&2
   done
-  return "$status"
 }

@@ -43,6 +43,7 @@ SITE = [
     "name, overrides, array_size, max_parallel",
     [
         ("dev", ["cluster=dev"], None, None),
+        ("dev_spares", ["cluster=dev", "cluster.spare_nodes=1"], None, None),  # 3 nodes allocated, the step on 2
         ("dev_array", ["cluster=dev", '+cluster.env.MSG="it\'s $(x) `y`; z"'], 500, 16),
         (
             "apptainer",

@@ -1,0 +1,236 @@
+"""Hot spares (cluster.spare_nodes): a failure relaunches the training step inside the allocation instead of
+requeueing. The pure decision over seeded fault sequences, the attempt count, the config's sentences; then
+on the dev cluster a killed rank and a sick node recovered inside one allocation, bit-exact."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
+
+from hpc_train import journal, preempt
+from hpc_train.config import compose, to_run_config
+from hpc_train.env import from_env
+
+REASONS = ("failure", "node_health", "preempt", "time_limit")
+FATES = ("running", "unknown", "requeued", "cancelled")
+
+
+def ev(name: str, restart: int = 0, step: int = 0, **f: object) -> dict:
+    return {"time": 1.0, "event": name, "step": step, "restart": restart, "job_id": "7", **f}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_relaunch_only_replaces_a_failure_requeue_within_budget_and_spares(seed: int) -> None:
+    """A seeded run of faults, commits and stop signals through the one decision: an in-job restart never
+    follows a stop signal, a requeue `decide` did not choose, or a run without spares; never more than
+    requeue.max_in_job_restarts in a row without a newer checkpoint; never onto fewer healthy nodes than
+    cluster.nodes. Without a spare left it requeues as before, and the requeue's new allocation has all
+    its spares again."""
+    rng = random.Random(seed)
+    nodes, spares, budget = rng.randint(1, 4), rng.randint(0, 2), rng.randint(0, 3)
+    new_allocation = lambda: [f"n{rng.randint(0, 99)}-{i}" for i in range(nodes + spares)]  # noqa: E731
+    job_nodes, left_out, events, step, attempt = new_allocation(), [], [], 0, 0
+    relaunched = 0
+    for _ in range(60):
+        what = rng.random()
+        if what < 0.3:
+            step += rng.randint(1, 5)
+            events.append(ev(journal.CHECKPOINT_COMMITTED, attempt, step))
+            continue
+        reason, fate = rng.choice(REASONS), rng.choice(FATES)
+        signals = rng.choice([[], [], ["SIGUSR2"], ["SIGTERM"]])
+        action = rng.choice(["requeue", "requeue", "stop", "slurm"])
+        blamed = rng.sample(sorted(set(job_nodes) - set(left_out)), k=min(1, len(set(job_nodes) - set(left_out))))
+        out = sorted({*left_out, *blamed}) if rng.random() < 0.7 else left_out
+        used = journal.in_job_restarts_in_a_row(events)
+        why = preempt.in_job_restart(spares, action, reason, fate, signals, used, budget, job_nodes, out, nodes)
+        if why == "":
+            assert spares and action == "requeue" and reason in ("failure", "node_health") and not signals
+            assert fate in ("running", "unknown") and used < budget
+            assert len(set(job_nodes) - set(out)) >= nodes
+            left_out, attempt, relaunched = out, attempt + 1, relaunched + 1
+            events.append(ev(journal.IN_JOB_RESTART, attempt - 1, step, left_out=out))
+            assert journal.in_job_restarts_in_a_row(events) <= budget
+        else:
+            if spares and action == "requeue" and reason in ("failure", "node_health") and not signals:
+                if fate in ("running", "unknown") and used < budget:
+                    assert why.startswith("no spare left") and len(set(job_nodes) - set(out)) < nodes
+            if action == "requeue" or action == "slurm":  # a new allocation: all its spares again
+                job_nodes, left_out, attempt = new_allocation(), [], attempt + 1
+                events.append(ev(journal.REQUEUE, attempt - 1, step, reason=reason))
+    assert journal.in_job_restarts_in_a_row(events) <= budget
+    assert len(journal.in_job_restarts(events)) == relaunched
+
+
+def test_the_reasons_it_requeues_instead() -> None:
+    nodes = ["node1", "node2", "node3"]
+    args = dict(fate="running", signals=[], used=0, budget=3, job_nodes=nodes, nodes=2)
+
+    def relaunch(**kw: object) -> str:
+        given = {"spare_nodes": 1, "action": "requeue", "reason": "failure", "left_out": ["node2"], **args, **kw}
+        return preempt.in_job_restart(**given)  # type: ignore[arg-type]
+
+    assert relaunch() == "" and relaunch(reason="node_health") == ""
+    assert relaunch(spare_nodes=0) == "no spares asked for"
+    assert relaunch(reason="time_limit").startswith("a stop signal (time_limit")
+    assert relaunch(signals=["SIGTERM"]).startswith("a stop signal (failure, ['SIGTERM'])")
+    assert relaunch(used=3) == (
+        "in-job restart budget spent: 3 in a row without a newer checkpoint (requeue.max_in_job_restarts=3); requeueing"
+    )
+    assert relaunch(left_out=["node1", "node2"]) == (
+        "no spare left: 1 healthy nodes of the allocation (node3; left out: node1, node2) for cluster.nodes=2; "
+        "requeueing"
+    )
+
+
+def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
+    """SLURM_RESTART_COUNT does not move at an in-job restart: the attempt counts this job's relaunches."""
+    # the ranks that did not decide log their `fail` after the verdict: the verdict still ends the attempt
+    events = [ev("start", 0), ev("fail", 0), ev(journal.IN_JOB_RESTART, 0, left_out=["node2"], spares_left=0)]
+    events.append(ev("fail", 0))
+    assert journal.new_job_attempt(events, 0, "7") == 1
+    assert journal.new_job_attempt(events, 0, "8") == 0  # another job's (a resumed run's old job id)
+    assert journal.new_job_attempt([*events, ev("start", 1), ev("requeue", 1)], 1, "7") == 2  # then requeued
+    assert journal.decided(events, 0) and not journal.decided(events, 1)  # the others' wait ends
+    assert journal.spares_left(events, 1) == 0 and journal.spares_left([*events, ev("requeue", 1)], 1) == 1
+    att = journal.attempts(events)[0]
+    assert (att["ended_by"], att["left_out"], att["spares_left"]) == (journal.IN_JOB_RESTART, ["node2"], 0)
+    # the budget counts in a row without a newer checkpoint, and a resume clears it
+    assert journal.in_job_restarts_in_a_row([*events, *events[1:]]) == 2
+    assert journal.in_job_restarts_in_a_row([*events, ev(journal.CHECKPOINT_COMMITTED, 1, 5), *events[1:]]) == 1
+    assert journal.in_job_restarts_in_a_row([*events, ev("resume", 1)]) == 0
+
+
+def test_a_step_on_fewer_nodes_than_the_job_has_places_by_the_steps_nodes() -> None:
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "node[1-3]",  # the allocation, a spare included
+        "SLURM_STEP_NODELIST": "node[1,3]",  # the step, node2 left out
+        "SLURM_JOB_ID": "7",
+    }
+    got = from_env(env)
+    assert got.nodes == ("node1", "node3") and got.num_nodes == 2 and got.world_size == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cluster=dev", "cluster.spare_nodes=-1"], r"cluster.spare_nodes=-1 must be >= 0 \(0: no hot spares\)"),
+        (
+            ["cluster=dev", "cluster.nodes=3", "cluster.min_nodes=2", "cluster.spare_nodes=1"],
+            r"cluster.spare_nodes=1 with cluster.min_nodes=2 < cluster.nodes=3: hot spares need a fixed allocation"
+            r" of nodes \+ spare_nodes; set cluster.min_nodes=null or cluster.spare_nodes=0",
+        ),
+        (["cluster=local", "cluster.spare_nodes=1"], r"cluster.spare_nodes=1 but the local executor runs on this"),
+        (["requeue.max_in_job_restarts=-1"], r"requeue budgets must be >= 0"),
+    ],
+)
+def test_spare_config_errors(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        to_run_config(compose(overrides))
+
+
+def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
+    """A stop signal trapped while the failed step ended is recorded as received when the next step's
+    handlers go in: its stop save and requeue happen, not a step that never heard of the time limit."""
+    code = "from hpc_train import preempt; preempt.install_handlers(); import os; print(preempt.received, 'HPC_TRAIN_PENDING_SIGNAL' in os.environ)"  # noqa: E501
+    root = str(Path(__file__).resolve().parents[1])
+    for pending, want in (("SIGUSR2", "['SIGUSR2'] False"), ("", "[] False"), ("bogus", "[] False")):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONPATH": root, "HPC_TRAIN_PENDING_SIGNAL": pending},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.stdout.strip() == want, out.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("no_node_left_drained")
+def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict
+) -> None:
+    """2 nodes + 1 spare. Once a checkpoint committed, rank 3's node is marked sick and rank 3 is killed:
+    the step is relaunched inside the allocation on the same nodes (attempt 1), whose preflight finds the
+    sick node; relaunched again without it, on the spare (attempt 2): one job, Slurm's Restarts still 0.
+    Then TERM to the batch shell: its srun() relays it to the relaunched step as before, which saves and
+    requeues (attempt 3, without the sick node) and finishes with the uninterrupted run's weights."""
+    run_dir, job_id = submit([*RUN_ARGS, "cluster.spare_nodes=1", f"out_dir={tmp_path}", "name=spares"], env=slurm_env)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
+    first = next(e for e in read_events(run_dir) if e["event"] == "start")
+    sick = first["rank_nodes"][3]
+    for action in ("sick-node", "kill-rank"):
+        done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", "3"], env=slurm_env)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    wait_until(
+        lambda: any(e["event"] == "first_step" and e["restart"] == 2 for e in read_events(run_dir)),
+        420,
+        "attempt 2's first step",
+    )
+    job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+    assert " Restarts=0 " in job and " NumNodes=3 " in job, job
+    status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
+    assert f"{run_dir.name}: 2 in-job restart(s); 0 spare node(s) left" in status, status
+    done = run([HPC_TRAIN, "chaos", str(run_dir), "batch-term"], env=slurm_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=420)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    events = read_events(run_dir)
+    restarts = [e for e in events if e["event"] == "in_job_restart"]
+    assert [(e["restart"], e["reason"], e["left_out"], e["spares_left"]) for e in restarts] == [
+        (0, "failure", [], 1),
+        (1, "node_health", [sick], 0),
+    ], restarts
+    assert [(e["restart"], e["reason"], e["by"]) for e in events if e["event"] == "requeue"] == [
+        (2, "preempt", "hpc_train")
+    ]
+    starts = {e["restart"]: e for e in events if e["event"] == "start"}
+    assert sorted(starts) == [0, 2, 3] and {e["job_id"] for e in events if e.get("job_id")} == {job_id}
+    assert sick not in starts[3]["nodes"]
+    assert sick not in starts[2]["nodes"] and len(set(starts[2]["nodes"])) == 2
+    assert starts[2]["step"] == max(
+        e["step"] for e in events if e["event"] == "checkpoint_committed" and e["restart"] == 0
+    )
+    job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout  # kept MinJobAge=300 s after the end
+    assert " Restarts=1 " in job and f" ExcNodeList={sick} " in job, job
+    status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
+    assert f"{run_dir.name}: 2 in-job restart(s); 1 spare node(s) left" in status, status  # the new allocation's
+    assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(sick, 1)]
+
+
+def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from hpc_train import prometheus
+    from hpc_train.status import COLUMNS, print_status
+
+    for e in (ev("start", 0), ev(journal.IN_JOB_RESTART, 0, left_out=["node2"], spares_left=0)):
+        journal.log(
+            tmp_path,
+            e["event"],
+            e["step"],
+            "7",
+            e["restart"],
+            **{k: e[k] for k in ("left_out", "spares_left") if k in e},
+        )
+    got = prometheus.values(tmp_path)
+    assert (got["hpc_train_in_job_restarts"], got["hpc_train_spares_left"]) == (1.0, 0.0)
+    row = {**dict.fromkeys(COLUMNS), "run": "spares-1", "job_id": "7", "state": "RUNNING", "warnings": []}
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_status([{**row, "in_job_restarts": 1, "spares_left": 0.0}])
+    assert "spares-1: 1 in-job restart(s); 0 spare node(s) left" in out.getvalue()
