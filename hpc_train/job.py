@@ -239,7 +239,7 @@ def requeue_or_stop(
         )
         if not why_not and _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record):
             return "relaunch"
-        if action == "requeue":
+        if action == "requeue" and why_not:  # else _relaunch said why
             print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
     if action == "stop":
         record(journal.STOPPED, reason=why)
@@ -301,7 +301,13 @@ def _relaunch(
     """Write the next training step's srun options where the batch script's srun() looks (paths.relaunch_marker)
     and record the in-job restart; False (requeue instead) where no batch script of ours started the step."""
     folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
-    if not (folder and slurm_job):
+    if not (folder and slurm_job and os.environ.get("HPC_TRAIN_STEP_ARGS")):  # exported by our spares' batch script
+        print(
+            "[hpc_train] not restarting inside the allocation: this step was not started by hpc_train's batch script "
+            "with hot spares (no HPC_TRAIN_STEP_ARGS, e.g. srun by hand); requeueing",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     n = cluster.nodes
     args = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}" + (
@@ -311,7 +317,7 @@ def _relaunch(
         write_atomic(relaunch_marker(Path(folder), slurm_job), args + "\n")
     except OSError as e:  # a full disk: the requeue still brings the run back
         print(f"[hpc_train] could not write the relaunch marker ({e}): requeueing", file=sys.stderr, flush=True)
-        return False
+        return False  # said here: the caller's sentence would have no reason to give
     spares = len(set(job_nodes) - set(left_out)) - n
     record(
         journal.IN_JOB_RESTART,

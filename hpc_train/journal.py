@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,21 @@ def failures_in_a_row(events: list[Event]) -> int:
     a script's checkpoint file newer than any before: SCRIPT_CHECKPOINT) or was resumed (`hpc-train resume`
     is a person's word that the cause is fixed). A crash loop never makes progress; three node faults a
     month apart each come after progress."""
+    ours = lambda e: e["event"] == REQUEUE and e.get("reason") == "failure" and e.get("by") != "slurm"  # noqa: E731
+    return _in_a_row(events, ours)
+
+
+def in_job_restarts_in_a_row(events: list[Event]) -> int:
+    """In-job restarts since the run last made progress or was resumed, as failures_in_a_row counts: what
+    requeue.max_in_job_restarts bounds (a crash loop never makes progress; two node faults an hour apart
+    each come after progress)."""
+    return _in_a_row(events, lambda e: e["event"] == IN_JOB_RESTART)
+
+
+def _in_a_row(events: list[Event], counts: Callable[[Event], bool]) -> int:
+    """Events `counts` accepts since the last progress (a commit beyond every earlier one, a script's newer
+    checkpoint file) or `resume`: one notion of progress for both budgets (a script's run got its in-job
+    budget back only through commits it never makes, before)."""
     count, best, newest = 0, -1, 0.0
     for e in events:
         if e["event"] == CHECKPOINT_COMMITTED and e["step"] > best:
@@ -276,22 +292,7 @@ def failures_in_a_row(events: list[Event]) -> int:
             newest, count = e["mtime"], 0
         elif e["event"] == RESUME:
             count = 0
-        elif e["event"] == REQUEUE and e.get("reason") == "failure" and e.get("by") != "slurm":
-            count += 1
-    return count
-
-
-def in_job_restarts_in_a_row(events: list[Event]) -> int:
-    """In-job restarts since the run last committed a step beyond every earlier commit or was resumed: what
-    requeue.max_in_job_restarts bounds (a crash loop never commits; two node faults an hour apart each come
-    after progress), as failures_in_a_row does for failure requeues."""
-    count, best = 0, -1
-    for e in events:
-        if e["event"] == CHECKPOINT_COMMITTED and e["step"] > best:
-            best, count = e["step"], 0
-        elif e["event"] == RESUME:
-            count = 0
-        elif e["event"] == IN_JOB_RESTART:
+        elif counts(e):
             count += 1
     return count
 

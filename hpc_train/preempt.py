@@ -239,6 +239,8 @@ def in_job_restart(
         return f"a stop signal ({reason}, {signals}): the stop save and the requeue give the allocation back"
     if fate not in ("running", "unknown"):
         return f"Slurm is not running the job as before ({fate})"
+    if budget == 0:
+        return "requeue.max_in_job_restarts=0: never inside the allocation; requeueing"
     if used >= budget:
         return (
             f"in-job restart budget spent: {used} in a row without a newer checkpoint "

@@ -11,22 +11,27 @@
 # before the relaunch, so a crash loop ends within requeue.max_in_job_restarts. A signal that came while
 # that step ended goes to the relaunched one as HPC_TRAIN_PENDING_SIGNAL (preempt.install_handlers).
 srun() {
-  local marker="${!#}/.relaunch-${SLURM_JOB_ID}" step="${HPC_TRAIN_STEP_ARGS:-}" pending="" pid status
-  rm -f "$marker"  # a requeued job's leftover from its last allocation: never relaunch on it
+  local marker="${!#}/.relaunch-${SLURM_JOB_ID}" step="${HPC_TRAIN_STEP_ARGS:-}" pending="" now="" pid="" status
+  # Single-quoted: each trap reads $pid when it fires, so a signal during a launch reaches no stale pid
+  # and stays pending (sent to the step once it runs).
+  trap 'pending=SIGUSR2; [ -z "$pid" ] || kill -USR2 "$pid" 2>/dev/null' USR2
+  trap 'pending=SIGUSR2; [ -z "$pid" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into SIGKILL for every task)" >&2; }' TERM
+  [ -z "$step" ] || rm -f "$marker"  # a requeued job's leftover from its last allocation: never relaunch on it
   while true; do
-    HPC_TRAIN_PENDING_SIGNAL="$pending" command srun $step "$@" &
-    pid=$! pending=""
-    trap "pending=SIGUSR2; kill -USR2 $pid 2>/dev/null" USR2
-    trap "pending=SIGUSR2; kill -USR2 $pid 2>/dev/null && echo 'hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into SIGKILL for every task)' >&2" TERM
+    now="$pending" pending="" pid=""
+    HPC_TRAIN_PENDING_SIGNAL="$now" command srun $step "$@" &
+    pid=$!
+    [ -z "$pending" ] || kill -USR2 "$pid" 2>/dev/null || true  # caught between the steps, after $now was read
     while true; do
       wait "$pid"
       status=$?
       kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
     done
+    [ -n "$step" ] || return "$status"  # no hot spares: as before, srun's status is the job's
     # A listing first: on NFS this shell's negative lookup of the marker (the rm above) may be cached for
     # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
-    [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1
-    [ -f "$marker" ] || return "$status"
+    [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1 || true
+    [ -s "$marker" ] || return "$status"
     step=$(cat "$marker")
     rm -f "$marker"
     echo "hpc_train relay: training step ended with status $status; relaunching it inside the allocation: srun $step" >&2

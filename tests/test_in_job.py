@@ -234,3 +234,68 @@ def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
     with redirect_stdout(out):
         print_status([{**row, "in_job_restarts": 1, "spares_left": 0.0}])
     assert "spares-1: 1 in-job restart(s); 0 spare node(s) left" in out.getvalue()
+
+
+RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
+
+
+def _relay(tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str) -> tuple[int, list[str], Path]:
+    """The batch script's srun() (sbatch_templates/signal_relay.sh) around a fake srun on PATH: (the function's
+    status, each srun call's arguments, the marker's path)."""
+    folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
+    folder.mkdir(parents=True)
+    bin_dir.mkdir()
+    marker = folder / ".relaunch-77"
+    if marker_at_start is not None:
+        marker.write_text(marker_at_start)
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/calls\nMARKER={marker}\n{fake_srun}\n')
+    (bin_dir / "srun").chmod(0o755)
+    script = f"set -u\nsource {RELAY}\nsrun --unbuffered python -m submitit.core._submit {folder}\n"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    env.pop("HPC_TRAIN_STEP_ARGS", None)
+    if step_args:
+        env["HPC_TRAIN_STEP_ARGS"] = step_args
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    return proc.returncode, calls, marker
+
+
+# The fake step: its first run plays the deciding rank (writes the marker, exits 145), the next ones end 0.
+DECIDES_ONCE = 'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --exclude=node2" > "$MARKER"; exit 145; fi; exit 0'
+
+
+def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_path: Path) -> None:
+    """With spares: the marker's options start the next step, the marker is consumed, the last step's status is
+    the job's. Without spares (no HPC_TRAIN_STEP_ARGS): one step, as before this feature, whatever a file says
+    (review: the relaunch code ran, and listed the folder, for every job). A marker left by the job's last
+    allocation never relaunches."""
+    status, calls, marker = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, DECIDES_ONCE)
+    assert status == 0 and not marker.exists()
+    assert [c.split(" python")[0] for c in calls] == [
+        "--nodes=2 --ntasks=4 --unbuffered",
+        "--nodes=2 --exclude=node2 --unbuffered",
+    ]
+    status, calls, marker = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
+    assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
+    status, calls, marker = _relay(tmp_path / "c", "--nodes=2 --ntasks=4", "--nodes=2 --exclude=old", "exit 3")
+    assert status == 3 and len(calls) == 1 and not marker.exists()  # the stale marker: removed, not used
+
+
+def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step srun started by hand (salloc + srun, an older rendered script) has SUBMITIT_FOLDER and SLURM_JOB_ID
+    but no HPC_TRAIN_STEP_ARGS: nobody would read a marker, so the decision requeues (review: it exited 145 and
+    the run stopped silently)."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+
+    recorded: list[str] = []
+    cluster = SimpleNamespace(nodes=2, tasks_per_node=2)
+    monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("HPC_TRAIN_STEP_ARGS", raising=False)
+    args = (None, cluster, "failure", ["n1", "n2", "n3"], ["n2"], 0, lambda name, **f: recorded.append(name))
+    assert job._relaunch(*args) is False and not list(tmp_path.iterdir()) and recorded == []
+    monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=2 --ntasks=4")
+    assert job._relaunch(*args) is True and recorded == [journal.IN_JOB_RESTART]
+    assert (tmp_path / ".relaunch-77").read_text() == "--nodes=2 --ntasks=4 --exclude=n2\n"
