@@ -15,7 +15,7 @@ srun() {
   # Single-quoted: each trap reads $pid when it fires, so a signal during a launch reaches no stale pid
   # and stays pending (sent to the step once it runs).
   trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
-  trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into SIGKILL for every task)" >&2; }' TERM
+  trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
   [ -z "$step" ] || rm -f "$marker"  # a requeued job's leftover from its last allocation: never relaunch on it
   while true; do
     now="$pending" pending="" pid=""

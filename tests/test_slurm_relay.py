@@ -46,8 +46,8 @@ def test_term_to_batch_shell_only_saves_and_resumes(slurm_env: dict[str, str], t
     summary = json.loads((run_dir / "summary.json").read_text())
 
     assert (
-        "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun (srun would turn TERM into "
-        "SIGKILL for every task)"
+        "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into "
+        "SIGKILL for every task"
     ) in log_text
     signals = [e for e in events if e["event"] == "signal"]
     assert [e["signals"] for e in signals] == [["SIGUSR2"]]
