@@ -254,10 +254,14 @@ def _stopped(run_dir: Path) -> bool:
     return any(e["event"] == "stopped" for e in events[last_resume + 1 :])
 
 
-# 4 ranks (2 nodes x 2 tasks); 0.25 s per step keeps the run ~15 s long so a signal lands mid-run.
+# 2 ranks on 2 nodes (one task each): multi-node at half the CPU of cluster=dev's 2 x 2 (a rank's start is
+# ~3 CPU-s, mostly torch's import, and the suite is CPU-bound on 2 cores: a USR2 test took 31 CPU-s, 56 at
+# 4 ranks). Tests of two tasks on a node (the storm, TP pairs, placement) add cluster.tasks_per_node=2.
+# 0.25 s per step keeps the run ~15 s long so a signal lands mid-run.
 RUN_ARGS = [
     "cluster=dev",
     "cluster.partition=low",
+    "cluster.tasks_per_node=1",
     "train.steps=60",
     "train.min_step_time_s=0.25",
     "checkpoint.every_steps=20",

@@ -161,7 +161,7 @@ def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
 def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     slurm_env: dict[str, str], tmp_path: Path, reference: dict
 ) -> None:
-    """2 nodes + 1 spare. Once a checkpoint committed, rank 3's node is marked sick and rank 3 is killed:
+    """2 nodes + 1 spare. Once a checkpoint committed, the last rank's node is marked sick and that rank is killed:
     the step is relaunched inside the allocation on the same nodes (attempt 1), whose preflight finds the
     sick node; relaunched again without it, on the spare (attempt 2): one job, Slurm's Restarts still 0.
     Then TERM to the batch shell: its srun() relays it to the relaunched step as before, which saves and
@@ -169,9 +169,10 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     run_dir, job_id = submit([*RUN_ARGS, "cluster.spare_nodes=1", f"out_dir={tmp_path}", "name=spares"], env=slurm_env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
-    sick = first["rank_nodes"][3]
+    last = first["world_size"] - 1
+    sick = first["rank_nodes"][last]
     for action in ("sick-node", "kill-rank"):
-        done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", "3"], env=slurm_env)
+        done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", str(last)], env=slurm_env)
         assert done.returncode == 0, done.stdout + done.stderr
 
     wait_until(

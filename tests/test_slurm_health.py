@@ -16,7 +16,7 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
     sick = first["rank_nodes"][-1]
-    marked = run([HPC_TRAIN, "chaos", str(run_dir), "sick-node", "--rank", "3"], env=slurm_env)
+    marked = run([HPC_TRAIN, "chaos", str(run_dir), "sick-node", "--rank", str(first["world_size"] - 1)], env=slurm_env)
     assert marked.returncode == 0 and f"{sick} fails every later preflight" in marked.stdout, (
         marked.stdout + marked.stderr
     )
@@ -54,6 +54,7 @@ def test_a_hung_ranks_node_is_left_out(slurm_env: dict[str, str], tmp_path) -> N
     run_dir, job_id = submit(
         [
             "cluster=dev",
+            "cluster.tasks_per_node=1",  # 2 ranks, one per node: the hung rank's node is the one to leave out
             "train.steps=30",
             "train.watchdog_s=20",
             "checkpoint.every_steps=10",

@@ -111,6 +111,7 @@ def test_array_task_preempted_while_siblings_run(slurm_env: dict[str, str], tmp_
             f"out_dir={tmp_path}",
             "name=arr",
             "cluster.nodes=1",
+            "cluster.tasks_per_node=2",
             "cluster.cpus_per_task=2",
             "train.min_step_time_s=0.25,0.26",
         ],

@@ -43,7 +43,7 @@ def wait_progress(run_dir: Path, restart: int) -> None:
 def test_a_ddp_script_with_a_handler_survives_three_kinds_of_interruption(
     slurm_env: dict[str, str], tmp_path: Path
 ) -> None:
-    common = ["cluster=dev", f"out_dir={tmp_path}"]
+    common = ["cluster=dev", "cluster.tasks_per_node=1", f"out_dir={tmp_path}"]  # 2 ranks on 2 nodes
     ref_dir, ref_id = submit([*common, "cluster.partition=debug", "name=ref", *ddp()], env=slurm_env)
     # script.checkpoint only names the file, for the start event's resumed_from: the script resumes by itself
     storm = [*common, "cluster.partition=low", "name=storm", "script.checkpoint=script_checkpoints/ckpt.pt"]

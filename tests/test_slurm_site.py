@@ -16,7 +16,7 @@ from test_packaging import plain_install
 
 pytestmark = pytest.mark.slurm
 
-QUICK = ["cluster=dev", "train.steps=4", "checkpoint.every_steps=4"]
+QUICK = ["cluster=dev", "cluster.tasks_per_node=1", "train.steps=4", "checkpoint.every_steps=4"]  # 1 task: half the CPU
 
 
 def test_account_qos_constraint_land_on_the_job(slurm_env: dict[str, str], tmp_path: Path) -> None:

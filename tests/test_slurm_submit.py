@@ -14,7 +14,7 @@ from conftest import HPC_TRAIN, first_start, read_events, run, wait_until
 
 pytestmark = pytest.mark.slurm
 
-QUICK = ["cluster=dev", "train.steps=4", "checkpoint.every_steps=4"]
+QUICK = ["cluster=dev", "cluster.tasks_per_node=1", "train.steps=4", "checkpoint.every_steps=4"]  # 1 task: half the CPU
 
 
 def _sweep(args: list[str], env: dict[str, str], tmp_path: Path, extra: list[str] = ()) -> dict:
@@ -39,7 +39,9 @@ def _wait_summaries(manifest: dict) -> list[dict]:
 
 
 def test_two_resource_shapes_land_as_two_arrays(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    manifest = _sweep(["name=shapes", "train.lr=1e-3,3e-3", "cluster.nodes=1,2"], slurm_env, tmp_path)
+    manifest = _sweep(
+        ["name=shapes", "cluster.tasks_per_node=2", "train.lr=1e-3,3e-3", "cluster.nodes=1,2"], slurm_env, tmp_path
+    )
     trials = manifest["trials"]
     assert [t["overrides"][-2:] for t in trials] == [
         ["train.lr=0.001", "cluster.nodes=1"],

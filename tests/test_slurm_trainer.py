@@ -104,14 +104,15 @@ def test_byo_function_runs_multi_node_and_survives_a_preemption(slurm_env: dict[
 
 def test_fsdp2_tp_across_nodes_matches_ddp(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
     """2 nodes x 2 tasks as a (dp=2, tp=2) mesh: each tensor-parallel pair shares a node (ranks 2k, 2k+1),
-    FSDP2 shards across the nodes. Same 32 sequences per step as the 4-rank DDP reference, same loss to 1e-6."""
+    FSDP2 shards across the nodes. Same 16 sequences per step as the 2-rank DDP reference, same loss to 1e-6."""
     run_dir, job_id = submit(
         [
             *RUN_ARGS,
+            "cluster.tasks_per_node=2",
             "train.min_step_time_s=0",
             "train.parallelism=fsdp",
             "train.tp=2",
-            "train.batch_seqs_per_rank=16",
+            "train.batch_seqs_per_rank=8",
             f"out_dir={tmp_path}",
             "name=tp",
         ],
