@@ -387,7 +387,9 @@ def _report(args: argparse.Namespace) -> int:
                 a["ended_by"]
                 + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else "")
                 + (
-                    f" (left out: {','.join(a['left_out'])}; {a['spares_left']} spare(s) left)" if a["left_out"] else ""
+                    f" (left out: {','.join(map(str, a['left_out']))}; {a['spares_left']} spare(s) left)"
+                    if isinstance(a["left_out"], list) and a["left_out"]
+                    else ""
                 ),
                 ",".join(a["signals"]),
             )

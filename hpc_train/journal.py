@@ -303,11 +303,20 @@ def in_job_restarts(events: list[Event]) -> list[Event]:
 
 
 def spares_left(events: list[Event], spare_nodes: float) -> float:
-    """Hot spares the allocation still holds unused: the spares_left of its last in-job restart, else
-    spare_nodes (a requeue or a resume brings a new allocation with all its spares)."""
-    at = max((i for i, e in enumerate(events) if e["event"] in (REQUEUE, RESUME)), default=-1)
-    found = [e for e in named(events[at + 1 :], IN_JOB_RESTART) if _number(e.get("spares_left"))]
-    return float(found[-1]["spares_left"]) if found else spare_nodes
+    """Hot spares the allocation still holds unused: the spares_left of the in-job restart that relaunched
+    the current attempt (or is relaunching it), else spare_nodes. A new allocation has all its spares: after
+    a requeue, a resume, or an attempt that is not that relaunch (Slurm's own requeue of a NODE_FAIL, which
+    no rank records, shows only as a start with another attempt number)."""
+    at = max(
+        (i for i, e in enumerate(events) if e["event"] == IN_JOB_RESTART and _number(e.get("spares_left"))), default=-1
+    )
+    if at < 0:
+        return spare_nodes
+    relaunched = int(events[at].get("restart", 0)) + 1
+    for e in events[at + 1 :]:
+        if e["event"] in (REQUEUE, RESUME) or (e["event"] == START and int(e.get("restart", 0)) != relaunched):
+            return spare_nodes
+    return float(events[at]["spares_left"])
 
 
 def requeues_counted(events: list[Event], reason: str) -> int:
@@ -462,7 +471,8 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
     stall       the loop blocked by checkpoint saves
     lost        training on steps no checkpoint kept (recomputed by the next attempt)
     committed   the rest: training that became committed progress
-    queue_wait  requeue -> next launch (not allocated; reported beside)
+    queue_wait  requeue -> next launch (not allocated; reported beside); after an in-job restart the
+                allocation is held while the step relaunches: that gap is allocated overhead instead
 
     live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
     minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
@@ -496,6 +506,11 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
         parts["lost"] += lost
         parts["committed"] += max(0.0, wall - overhead - a["stall_s"] - lost)
         if i + 1 < len(atts):
-            parts["queue_wait"] += max(0.0, atts[i + 1]["launched"] - a["end"])
+            gap = max(0.0, atts[i + 1]["launched"] - a["end"])
+            if a["ended_by"] == IN_JOB_RESTART:
+                parts["allocated"] += gap
+                parts["overhead"] += gap
+            else:
+                parts["queue_wait"] += gap
     parts["goodput"] = parts["committed"] / parts["allocated"] if parts["allocated"] else 0.0
     return parts

@@ -40,7 +40,7 @@ METRICS = {
     "hpc_train_goodput": "Share of the allocated time so far that became committed training.",
     "hpc_train_attempt": "The attempt running now (Slurm restarts, 0 = the first).",
     "hpc_train_in_job_restarts": "Training steps relaunched inside the allocation (hot spares) since the last resume.",
-    "hpc_train_spares_left": "Hot spares the allocation holds unused after its last in-job restart (NaN: none yet).",
+    "hpc_train_spares_left": "Hot spares left after the allocation's last in-job restart (NaN: none in it).",
     "hpc_train_committed_step": "The newest step a committed checkpoint holds (NaN before the first).",
     "hpc_train_stragglers": "Ranks named as stragglers now (named and not cleared in this attempt).",
     "hpc_train_straggler_events": "Straggler events in the run so far, all attempts.",

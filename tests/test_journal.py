@@ -18,9 +18,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hpc_train"
 NAMES = sorted(v for k, v in vars(journal).items() if k.isupper() and isinstance(v, str) and k not in ("BUDGET_KEYS",))
 
 
-def random_journal(rng: random.Random, n: int) -> list[dict]:
-    """A run's events as attempts would write them: times rise, attempts rise after a requeue or resume."""
+SPARES = 2  # cluster.spare_nodes of the random journals
+
+
+def random_journal(rng: random.Random, n: int, truth: dict | None = None) -> list[dict]:
+    """A run's events as attempts would write them: times rise, attempts rise after a requeue, a resume,
+    an in-job restart (hot spares) or Slurm's own requeue (no event). truth: gets the spares the current
+    allocation still holds and whether the run ever left its first allocation."""
     t, restart, step, out = 1000.0, 0, 0, []
+    truth = {} if truth is None else truth
+    truth.update(spares=SPARES, requeued=False)
 
     def add(name: str, **fields) -> None:
         nonlocal t
@@ -29,7 +36,21 @@ def random_journal(rng: random.Random, n: int) -> list[dict]:
 
     add(journal.START, launched_at=t - 2, world_size=4)
     for _ in range(n):
-        what = rng.choice(["step", "commit", "commit", "signal", "requeue", "fail", "resume", "cancel", "straggler"])
+        what = rng.choice(
+            [
+                "step",
+                "commit",
+                "commit",
+                "signal",
+                "requeue",
+                "fail",
+                "resume",
+                "cancel",
+                "straggler",
+                "in_job",
+                "slurm",
+            ]
+        )
         if what == "step":
             step += rng.randint(1, 20)
             add(journal.FIRST_STEP, step_time_s=0.1)
@@ -49,10 +70,24 @@ def random_journal(rng: random.Random, n: int) -> list[dict]:
             restart += 1
             step = max(journal.committed_steps(out), default=0)
             add(journal.START, launched_at=t - 3, world_size=rng.choice([2, 4]))
+            truth.update(spares=SPARES, requeued=True)
+        elif what == "in_job" and truth["spares"] > 0:
+            truth["spares"] -= rng.randint(0, 1)  # a blamed node takes a spare; a crash alone does not
+            add(journal.IN_JOB_RESTART, reason="failure", left_out=[], spares_left=truth["spares"])
+            restart += 1
+            step = max(journal.committed_steps(out), default=0)
+            if rng.random() < 0.8:  # else its preflight fails before the start: the next restart decides
+                add(journal.START, launched_at=t - 3, world_size=4)
+        elif what == "slurm":  # Slurm requeues by itself (a node failure): the next attempt starts, nothing else
+            restart += 1
+            step = max(journal.committed_steps(out), default=0)
+            add(journal.START, launched_at=t - 3, world_size=4)
+            truth.update(spares=SPARES, requeued=True)
         elif what == "resume":
             add(journal.STOPPED, reason="budget spent")
             restart += 1
             add(journal.RESUME, budgets={"max_failures": rng.randint(0, 5)})
+            truth.update(spares=SPARES, requeued=True)
         elif what == "cancel":
             add(journal.CANCEL, by="hpc-train cancel")
         else:
@@ -63,7 +98,8 @@ def random_journal(rng: random.Random, n: int) -> list[dict]:
 @pytest.mark.parametrize("seed", range(100))
 def test_reducers_on_random_journals(seed: int) -> None:
     rng = random.Random(seed)
-    events = random_journal(rng, rng.randint(1, 40))
+    truth: dict = {}
+    events = random_journal(rng, rng.randint(1, 40), truth)
     restarts = [e["restart"] for e in events]
     assert journal.next_attempt(events) == max(restarts) + 1
     assert journal.current_attempt(events) == next(
@@ -81,6 +117,14 @@ def test_reducers_on_random_journals(seed: int) -> None:
     summed = parts["committed"] + parts["lost"] + parts["stall"] + parts["overhead"]
     assert summed == pytest.approx(parts["allocated"], rel=1e-9, abs=1e-9)
     assert 0.0 <= parts["goodput"] <= 1.0
+    # an in-job restart keeps the allocation: its gap is allocated time, only a requeue's is queue wait;
+    # the spares left are those of the allocation running now
+    as_requeues = [{**e, "event": journal.REQUEUE} if e["event"] == journal.IN_JOB_RESTART else e for e in events]
+    old = journal.goodput(as_requeues, [{"time": 0.0, "step": 1, "step_time_s": 0.5}])
+    assert parts["queue_wait"] <= old["queue_wait"] + 1e-9
+    assert parts["allocated"] - old["allocated"] == pytest.approx(old["queue_wait"] - parts["queue_wait"], abs=1e-9)
+    assert truth["requeued"] or parts["queue_wait"] == 0.0
+    assert journal.spares_left(events, SPARES) == truth["spares"]
     # a local run's state follows its journal
     ended = journal.stopped(events)
     expected = ("CANCELLED" if journal.cancelled(events) else "FAILED") if ended else "RUNNING"
