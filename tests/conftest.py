@@ -165,7 +165,8 @@ def _record_wait(what: str, began: float, timeout_s: float) -> None:
     deadlines a slower CI machine would outlast (a deadline catches a hang; it is no speed target)."""
     if out := os.environ.get("HPC_TRAIN_WAITS_OUT"):
         ours = [f for f in traceback.extract_stack() if Path(f.filename).parent == Path(__file__).parent]
-        frame = next((f for f in ours[::-1] if f.filename != __file__), ours[-3])  # a test's line, else a fixture's
+        # a test's line, else a fixture's (conftest's own frames: _record_wait, its caller, the fixture)
+        frame = next((f for f in ours[::-1] if f.filename != __file__), ours[max(0, len(ours) - 3)])
         row = {"at": f"{Path(frame.filename).name}:{frame.lineno}", "what": what[:80], "timeout_s": timeout_s}
         with open(out, "a") as f:
             f.write(json.dumps({**row, "waited_s": round(time.monotonic() - began, 1)}) + "\n")
