@@ -239,9 +239,11 @@ def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
 RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
 
 
-def _relay(tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str) -> tuple[int, list[str], Path]:
+def _relay(
+    tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str, **extra_env: str
+) -> tuple[int, list[str], Path, str]:
     """The batch script's srun() (sbatch_templates/signal_relay.sh) around a fake srun on PATH: (the function's
-    status, each srun call's arguments, the marker's path)."""
+    status, each srun call's arguments, the marker's path, its stderr)."""
     folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
     folder.mkdir(parents=True)
     bin_dir.mkdir()
@@ -251,13 +253,13 @@ def _relay(tmp_path: Path, step_args: str, marker_at_start: str | None, fake_sru
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/calls\nMARKER={marker}\n{fake_srun}\n')
     (bin_dir / "srun").chmod(0o755)
     script = f"set -u\nsource {RELAY}\nsrun --unbuffered python -m submitit.core._submit {folder}\n"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", **extra_env}
     env.pop("HPC_TRAIN_STEP_ARGS", None)
     if step_args:
         env["HPC_TRAIN_STEP_ARGS"] = step_args
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-    return proc.returncode, calls, marker
+    return proc.returncode, calls, marker, proc.stderr
 
 
 # The fake step: its first run plays the deciding rank (writes the marker, exits 145), the next ones end 0.
@@ -269,16 +271,56 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     the job's. Without spares (no HPC_TRAIN_STEP_ARGS): one step, as before this feature, whatever a file says
     (review: the relaunch code ran, and listed the folder, for every job). A marker left by the job's last
     allocation never relaunches."""
-    status, calls, marker = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, DECIDES_ONCE)
+    status, calls, marker, _ = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, DECIDES_ONCE)
     assert status == 0 and not marker.exists()
     assert [c.split(" python")[0] for c in calls] == [
         "--nodes=2 --ntasks=4 --unbuffered",
         "--nodes=2 --exclude=node2 --unbuffered",
     ]
-    status, calls, marker = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
+    status, calls, marker, _ = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
     assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
-    status, calls, marker = _relay(tmp_path / "c", "--nodes=2 --ntasks=4", "--nodes=2 --exclude=old", "exit 3")
+    status, calls, marker, _ = _relay(tmp_path / "c", "--nodes=2 --ntasks=4", "--nodes=2 --exclude=old", "exit 3")
     assert status == 3 and len(calls) == 1 and not marker.exists()  # the stale marker: removed, not used
+
+
+# The fake step writes the marker and then one task never exits: srun answers TERM as Slurm's does (SIGKILL to
+# every task, a stopped one too, then it exits), or, with a task in D state, not at all.
+OUTLIVES_MARKER = (
+    'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --exclude=node2" > "$MARKER"; '
+    "sleep 20 >/dev/null 2>&1 & s=$!; trap %s TERM; wait $s; exit 1; fi; exit 0"
+)
+
+
+@pytest.mark.parametrize("unkillable", [False, True])
+def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_path: Path, unkillable: bool) -> None:
+    """Issue 20: a rank that never exits (SIGSTOP, D state) after the deciding rank wrote the marker held srun and
+    the batch shell until the time limit. The relay gives the step HPC_TRAIN_STEP_END_S, then TERMs srun; a srun
+    still waiting HPC_TRAIN_STEP_KILL_S later gets SIGKILL; either way the step is relaunched from the marker."""
+    fake = OUTLIVES_MARKER % ("''" if unkillable else "'kill $s; exit 143'")
+    status, calls, marker, err = _relay(
+        tmp_path, "--nodes=2 --ntasks=4", None, fake, HPC_TRAIN_STEP_END_S="1", HPC_TRAIN_STEP_KILL_S="1"
+    )
+    assert status == 0 and not marker.exists(), err
+    assert [c.split(" python")[0] for c in calls] == [
+        "--nodes=2 --ntasks=4 --unbuffered",
+        "--nodes=2 --exclude=node2 --unbuffered",
+    ], err
+    assert "did not end within 1 s of its relaunch marker; sent srun SIGTERM, which kills every task" in err
+    assert ("srun still runs 1 s after SIGTERM, a task stuck in D state?; sent srun SIGKILL" in err) is unkillable
+    assert f"training step ended with status {137 if unkillable else 143}; relaunching" in err
+
+
+def test_a_signal_caught_while_the_step_ends_reaches_the_relaunched_step(tmp_path: Path) -> None:
+    """A time-limit warning (USR2 to the batch shell) that comes as the failed step ends is not lost: the relay
+    holds it and hands it to the relaunched step (HPC_TRAIN_PENDING_SIGNAL; preempt.install_handlers records it)."""
+    fake = (
+        'echo "pending=${HPC_TRAIN_PENDING_SIGNAL:-}" >> "$MARKER.pending"; '
+        'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2" > "$MARKER"; '
+        "trap '' USR2; kill -USR2 $PPID; sleep 0.5; exit 145; fi; exit 0"
+    )
+    status, calls, marker, err = _relay(tmp_path, "--nodes=2 --ntasks=4", None, fake)
+    assert status == 0 and len(calls) == 2, err
+    assert Path(f"{marker}.pending").read_text().split() == ["pending=", "pending=SIGUSR2"]
 
 
 def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
