@@ -204,6 +204,11 @@ def requeue_or_stop(
     budgets = dataclasses.replace(cfg.requeue, **journal.budget_changes(events))  # raised by `hpc-train resume`
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
+    # Hot spares replace a failure's requeue only; the stop path's reserve (REQUEUE_RESERVE_S) has no room for
+    # the EndTime call the time check makes.
+    in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
+    if in_job and _in_job_restart(env, cfg, reason, fate, events, budgets, sick or {}, record):
+        return "relaunch"
     excluded = sorted(journal.excluded_nodes(events))
     if action != "stop" and sick:
         excluded, not_out, stop = preempt.exclusion(
@@ -218,29 +223,6 @@ def requeue_or_stop(
             action, why = preempt.decide(reason, events, budgets, fate)
         for node, because in sick.items() if not (stop or not_out) else ():
             record(journal.NODE_EXCLUDED, node=node, why=because)
-    # A blamed node that could not be left out (its budget spent): relaunched, the step could land on it again.
-    if cfg.cluster.spare_nodes and env.executor == "slurm" and not set(sick or ()) - set(excluded):
-        from hpc_train.env import parse_nodelist
-
-        job_nodes = parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
-        left_out = sorted(set(excluded) & set(job_nodes))
-        used = journal.in_job_restarts_in_a_row(events)
-        why_not = preempt.in_job_restart(
-            cfg.cluster.spare_nodes,
-            action,
-            reason,
-            fate,
-            list(preempt.received),
-            used,
-            budgets.max_in_job_restarts,
-            job_nodes,
-            left_out,
-            cfg.cluster.nodes,
-        )
-        if not why_not and _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record):
-            return "relaunch"
-        if action == "requeue" and why_not:  # else _relaunch said why
-            print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
     if action == "stop":
         record(journal.STOPPED, reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
@@ -289,6 +271,62 @@ def requeue_or_stop(
     return "wait" if preempted else "stop"
 
 
+def _in_job_restart(
+    env: Any,
+    cfg: Any,
+    reason: str,
+    fate: str,
+    events: list[dict[str, Any]],
+    budgets: Any,
+    sick: dict[str, str],
+    record: Callable[..., None],
+) -> bool:
+    """Hot spares: relaunch the training step inside the allocation in place of the failure's requeue `decide`
+    chose (preempt.in_job_restart), leaving the sick nodes out of the allocation (preempt.exclusion counting the
+    allocation's nodes: the step starts there, whatever the partition holds)? True once the marker is
+    written and recorded; False: the requeue path decides as without spares, counting the partition."""
+    from hpc_train.env import parse_nodelist
+
+    job_nodes = parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    excluded, not_out, stop = (
+        preempt.exclusion(
+            events, sick, budgets.max_excluded_nodes, len(job_nodes) - cfg.cluster.nodes, allocation=job_nodes
+        )
+        if sick
+        else (sorted(journal.excluded_nodes(events)), "", "")
+    )
+    # A blamed node that could not be left out (its budget spent): relaunched, the step could land on it again.
+    if stop or not_out:
+        return False
+    # Time left: Slurm's EndTime (one scontrol call, 3 s at most), else the frozen time limit from the start
+    # of the allocation the batch script noted.
+    end = (
+        slurm.end_time(env.job_id)[0]
+        or float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or "inf") + cfg.cluster.timeout_min * 60
+    )
+    left_out = sorted(set(excluded) & set(job_nodes))
+    used = journal.in_job_restarts_in_a_row(events)
+    why_not = preempt.in_job_restart(
+        cfg.cluster.spare_nodes,
+        "requeue",
+        reason,
+        fate,
+        list(preempt.received),
+        used,
+        budgets.max_in_job_restarts,
+        job_nodes,
+        left_out,
+        cfg.cluster.nodes,
+        left_s=end - time.time(),
+        startup_s=journal.startup_s(events),
+        signal_lead_s=cfg.cluster.signal_lead_s,
+    )
+    if why_not:
+        print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
+        return False
+    return _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, sick)
+
+
 def _relaunch(
     env: Any,
     cluster: Any,
@@ -297,9 +335,11 @@ def _relaunch(
     left_out: list[str],
     used: int,
     record: Callable[..., None],
+    sick: dict[str, str] | None = None,
 ) -> bool:
     """Write the next training step's srun options where the batch script's srun() looks (paths.relaunch_marker)
-    and record the in-job restart; False (requeue instead) where no batch script of ours started the step."""
+    and record the sick nodes left out and the in-job restart; False (requeue instead, nothing recorded) where
+    no batch script of ours started the step or the marker could not be written."""
     folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
     if not (folder and slurm_job and os.environ.get("HPC_TRAIN_STEP_ARGS")):  # exported by our spares' batch script
         print(
@@ -319,6 +359,8 @@ def _relaunch(
         print(f"[hpc_train] could not write the relaunch marker ({e}): requeueing", file=sys.stderr, flush=True)
         return False  # said here: the caller's sentence would have no reason to give
     spares = len(set(job_nodes) - set(left_out)) - n
+    for node, because in (sick or {}).items():
+        record(journal.NODE_EXCLUDED, node=node, why=because)
     record(
         journal.IN_JOB_RESTART,
         reason=reason,

@@ -203,6 +203,12 @@ def first_step_times_s(events: list[Event]) -> list[float]:
     return [s for e in named(events, FIRST_STEP) if _number(s := e.get("step_time_s", 0.0))]
 
 
+def startup_s(events: list[Event]) -> float:
+    """The slowest launch -> first step of the run's attempts, in s (0.0 when none reached one): what an
+    in-job restart must expect to pay before it trains again (preempt.in_job_restart)."""
+    return max((a["first_step"] - a["launched"] for a in attempts(events) if a["first_step"] is not None), default=0.0)
+
+
 # ---- how a run ended ------------------------------------------------------------------------------------
 
 

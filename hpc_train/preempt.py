@@ -224,6 +224,9 @@ def in_job_restart(
     job_nodes: list[str],
     left_out: list[str],
     nodes: int,
+    left_s: float = float("inf"),
+    startup_s: float = 0.0,
+    signal_lead_s: float = 0.0,
 ) -> str:
     """Relaunch the training step inside the allocation instead of the requeue `decide` chose? (pure)
     "" to relaunch, else why not ("" reasons never print: no spares asked for, or no requeue to replace).
@@ -231,8 +234,12 @@ def in_job_restart(
     Only in place of a requeue after a failure or a failed preflight (reason "failure" | "node_health") of a
     job Slurm still runs (fate "running", or "unknown" as `decide` reads it) with no stop signal seen: a
     time limit or a preemption gives the allocation back through the stop save and the requeue as before.
-    Needs the budget (used: in-job restarts in a row, journal.in_job_restarts_in_a_row) and `nodes` of the
-    allocation's job_nodes that are not left_out (the nodes of this job blamed so far)."""
+    Needs the budget (used: in-job restarts in a row, journal.in_job_restarts_in_a_row), `nodes` of the
+    allocation's job_nodes that are not left_out (the nodes of this job blamed so far), and time: left_s
+    (now to Slurm's EndTime) at least startup_s (the run's slowest launch -> first step, journal.startup_s)
+    + signal_lead_s, so the relaunched step trains before the time-limit warning; with less it would reach
+    its first step boundary after the warning, or be killed before it, and the requeue it ends in (if any)
+    is one a requeue now makes without the start-up."""
     if not spare_nodes or action != "requeue":
         return "no spares asked for" if not spare_nodes else f"not a requeue ({action})"
     if reason not in ("failure", "node_health") or signals:
@@ -251,6 +258,12 @@ def in_job_restart(
         return (
             f"no spare left: {len(healthy)} healthy nodes of the allocation ({', '.join(healthy) or 'none'}; "
             f"left out: {', '.join(left_out)}) for cluster.nodes={nodes}; requeueing"
+        )
+    if left_s < startup_s + signal_lead_s:
+        return (
+            f"{max(left_s, 0.0):.0f} s left before the time limit, under the {startup_s + signal_lead_s:.0f} s a "
+            f"relaunch needs to train before its warning (the slowest start-up so far, {startup_s:.0f} s, + "
+            f"cluster.signal_lead_s={signal_lead_s:g}); requeueing"
         )
     return ""
 
@@ -297,12 +310,16 @@ def exclusion(
     max_excluded_nodes: int,
     spare_nodes: int | None,
     local: bool = False,
+    allocation: list[str] | None = None,
 ) -> tuple[list[str], str, str]:
     """Leave the sick nodes out of the next attempt? (pure) Returns (every node the next attempt leaves out,
     sorted; why the sick nodes are NOT left out, or ""; why the run stops, or "").
 
     Not left out when requeue.max_excluded_nodes is spent or the partition would keep too few nodes
-    (spare_nodes = its usable nodes - the nodes the run needs; None: unknown): the run requeues anyway,
+    (spare_nodes = its usable nodes - the nodes the run needs; None: unknown). For an in-job restart,
+    `allocation` (the job's nodes) with spare_nodes = its nodes beyond the run's: only the left-out nodes
+    in it count, since the step starts there, whatever the partition holds (on a partition of exactly
+    nodes + spare_nodes the partition's count has no node to spare). Either way the run requeues anyway,
     under requeue.max_failures, so three unrelated faults weeks apart do not stop a healthy run. A node
     sick again though left out: its ExcNodeList may have been lost (the requeued job's KillWait); set it
     once more; it stops the run only when ExcNodeList took (or was set twice) and the node is back."""
@@ -346,13 +363,17 @@ def exclusion(
             ),
             "",
         )
-    if spare_nodes is not None and len(after) > spare_nodes:
+    counted = [n for n in after if allocation is None or n in allocation]
+    if spare_nodes is not None and len(counted) > spare_nodes:
+        room = max(spare_nodes, 0)
+        where = (
+            f"the partition has {room} usable nodes beyond those it needs"
+            if allocation is None
+            else f"the allocation holds {room} node(s) beyond cluster.nodes"
+        )
         return (
             sorted(before),
-            (
-                f"leaving out {len(after)} sick nodes would leave too few for the run: the partition "
-                f"has {max(spare_nodes, 0)} usable nodes beyond those it needs ({named}); {fix}"
-            ),
+            f"leaving out {len(counted)} sick nodes would leave too few for the run: {where} ({named}); {fix}",
             "",
         )
     return sorted(after), "", ""

@@ -10,8 +10,15 @@
 # last word, sbatch.entry_command) holding the next step's srun options; each is read once and removed
 # before the relaunch, so a crash loop ends within requeue.max_in_job_restarts. A signal that came while
 # that step ended goes to the relaunched one as HPC_TRAIN_PENDING_SIGNAL (preempt.install_handlers).
+# A rank that never exits (SIGSTOP, D state) would hold the step, and this shell, until the time limit.
+# Once the marker is there (looked for every 5 s; on NFS up to acdirmax, 60 s, later) the step gets
+# HPC_TRAIN_STEP_END_S (90 s: the ranks that did not decide wait up to 60 s for the verdict on record,
+# job._after_failure, then 30 s to exit), then srun a TERM, which it turns into SIGKILL for every task (a
+# stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the default UnkillableStepTimeout of 60 s that
+# slurmstepd gives a D-state task) before SIGKILL to srun itself, whose shepherd then has slurmctld kill
+# the step, and the relaunch goes on.
 srun() {
-  local marker="${!#}/.relaunch-${SLURM_JOB_ID}" step="${HPC_TRAIN_STEP_ARGS:-}" pending="" now="" pid="" status
+  local marker="${!#}/.relaunch-${SLURM_JOB_ID}" step="${HPC_TRAIN_STEP_ARGS:-}" pending="" now="" pid="" status watch
   # Single-quoted: each trap reads $pid when it fires, so a signal during a launch reaches no stale pid
   # and stays pending (sent to the step once it runs).
   trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
@@ -22,11 +29,14 @@ srun() {
     HPC_TRAIN_PENDING_SIGNAL="$now" command srun $step "$@" &
     pid=$!
     [ -z "$pending" ] || kill -USR2 "$pid" 2>/dev/null || true  # caught between the steps, after $now was read
+    watch=""
+    [ -z "$step" ] || { _hpc_train_watch "$pid" "$marker" & watch=$!; }
     while true; do
       wait "$pid"
       status=$?
       kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
     done
+    [ -z "$watch" ] || kill "$watch" 2>/dev/null || true
     [ -n "$step" ] || return "$status"  # no hot spares: as before, srun's status is the job's
     # A listing first: on NFS this shell's negative lookup of the marker (the rm above) may be cached for
     # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
@@ -36,4 +46,14 @@ srun() {
     rm -f "$marker"
     echo "hpc_train relay: training step ended with status $status; relaunching it inside the allocation: srun $step" >&2
   done
+}
+_hpc_train_watch() {  # srun's pid, the marker: end a step that outlives its relaunch marker (see srun() above)
+  local pid="$1" marker="$2" i
+  while kill -0 "$pid" 2>/dev/null && [ ! -e "$marker" ]; do sleep 5 >/dev/null 2>&1; done  # no pipe held
+  for i in $(seq "${HPC_TRAIN_STEP_END_S:-90}"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1 >/dev/null 2>&1; done
+  echo "hpc_train relay: the training step did not end within ${HPC_TRAIN_STEP_END_S:-90} s of its relaunch marker; sent srun SIGTERM, which kills every task" >&2
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for i in $(seq "${HPC_TRAIN_STEP_KILL_S:-120}"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1 >/dev/null 2>&1; done
+  echo "hpc_train relay: srun still runs ${HPC_TRAIN_STEP_KILL_S:-120} s after SIGTERM, a task stuck in D state?; sent srun SIGKILL, so Slurm kills the step" >&2
+  kill -KILL "$pid" 2>/dev/null || true
 }

@@ -49,18 +49,25 @@ def test_a_relaunch_only_replaces_a_failure_requeue_within_budget_and_spares(see
         blamed = rng.sample(sorted(set(job_nodes) - set(left_out)), k=min(1, len(set(job_nodes) - set(left_out))))
         out = sorted({*left_out, *blamed}) if rng.random() < 0.7 else left_out
         used = journal.in_job_restarts_in_a_row(events)
-        why = preempt.in_job_restart(spares, action, reason, fate, signals, used, budget, job_nodes, out, nodes)
+        # seconds to EndTime; the slowest start-up so far; cluster.signal_lead_s
+        left_s, startup_s, lead_s = rng.uniform(0, 900), rng.uniform(0, 300), rng.choice([60, 120, 300])
+        why = preempt.in_job_restart(
+            spares, action, reason, fate, signals, used, budget, job_nodes, out, nodes, left_s, startup_s, lead_s
+        )
         if why == "":
             assert spares and action == "requeue" and reason in ("failure", "node_health") and not signals
             assert fate in ("running", "unknown") and used < budget
             assert len(set(job_nodes) - set(out)) >= nodes
+            assert left_s >= startup_s + lead_s  # it trains before the time-limit warning (issue 20)
             left_out, attempt, relaunched = out, attempt + 1, relaunched + 1
             events.append(ev(journal.IN_JOB_RESTART, attempt - 1, step, left_out=out))
             assert journal.in_job_restarts_in_a_row(events) <= budget
         else:
             if spares and action == "requeue" and reason in ("failure", "node_health") and not signals:
-                if fate in ("running", "unknown") and used < budget:
-                    assert why.startswith("no spare left") and len(set(job_nodes) - set(out)) < nodes
+                if fate in ("running", "unknown") and used < budget and len(set(job_nodes) - set(out)) < nodes:
+                    assert why.startswith("no spare left")
+                elif fate in ("running", "unknown") and used < budget:
+                    assert left_s < startup_s + lead_s and "s left before the time limit" in why
             if action == "requeue" or action == "slurm":  # a new allocation: all its spares again
                 job_nodes, left_out, attempt = new_allocation(), [], attempt + 1
                 events.append(ev(journal.REQUEUE, attempt - 1, step, reason=reason))
@@ -87,6 +94,56 @@ def test_the_reasons_it_requeues_instead() -> None:
         "no spare left: 1 healthy nodes of the allocation (node3; left out: node1, node2) for cluster.nodes=2; "
         "requeueing"
     )
+    assert relaunch(left_s=150.0, startup_s=40.0, signal_lead_s=120) == (
+        "150 s left before the time limit, under the 160 s a relaunch needs to train before its warning (the "
+        "slowest start-up so far, 40 s, + cluster.signal_lead_s=120); requeueing"
+    )
+    assert relaunch(left_s=160.0, startup_s=40.0, signal_lead_s=120) == ""
+
+
+def test_the_start_up_an_in_job_restart_expects_is_the_slowest_measured() -> None:
+    """journal.startup_s: launch -> first step of each attempt that reached one (a relaunch's own included)."""
+    events = [
+        {**ev("start", 0), "time": 20.0, "launched_at": 10.0},
+        {**ev(journal.FIRST_STEP, 0), "time": 25.0},
+        {**ev("start", 1), "time": 150.0, "launched_at": 100.0},
+        {**ev(journal.FIRST_STEP, 1), "time": 160.0},
+        {**ev("start", 2), "time": 300.0, "launched_at": 200.0},  # failed before its first step: no measure
+    ]
+    assert journal.startup_s(events) == 60.0 and journal.startup_s(events[:2]) == 15.0
+    assert journal.startup_s([]) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_in_job_exclusion_counts_the_allocation_a_requeue_the_partition(seed: int) -> None:
+    """Issue 20: on a partition of exactly nodes + spare_nodes nodes a blamed node was never left out inside the
+    allocation, because the check counted the partition's nodes beyond the job's (none). Seeded partitions, often
+    exactly that size; earlier exclusions in and out of this allocation. Inside it, a sick node is left out iff
+    the budget allows and cluster.nodes healthy nodes of the allocation remain; for a requeue iff the partition
+    keeps the job's nodes + spares besides every left-out node."""
+    rng = random.Random(seed)
+    nodes, spares = rng.randint(1, 4), rng.randint(1, 2)
+    partition = [f"node{i}" for i in range(nodes + spares + rng.choice([0, 0, 1, 3]))]
+    job_nodes = sorted(rng.sample(partition, nodes + spares))
+    keep = rng.choice(job_nodes)  # at least one node of the allocation is newly sick
+    before = rng.sample(
+        [n for n in partition if n != keep], min(len(partition) - 1, rng.randint(0, 2))
+    )  # an earlier ExcNodeList, or in-job
+    events = [ev(journal.NODE_EXCLUDED, node=n, why="earlier") for n in before]
+    fresh = [n for n in job_nodes if n not in before]
+    sick = {n: "Xid 79" for n in rng.sample(fresh, min(len(fresh), rng.randint(1, 2)))}
+    budget = rng.randint(1, 5)
+    after, fits = {*before, *sick}, len({*before, *sick}) <= budget
+    inside, not_in, stop_in = preempt.exclusion(events, sick, budget, len(job_nodes) - nodes, allocation=job_nodes)
+    room = len(partition) - (nodes + spares)  # job.spare_nodes: usable nodes beyond nodes + spare_nodes
+    outside, not_out, stop_out = preempt.exclusion(events, sick, budget, room)
+    assert not stop_in and not stop_out
+    assert (inside == sorted(after)) is (fits and len(set(job_nodes) - after) >= nodes) is (not not_in)
+    assert (outside == sorted(after)) is (fits and len(after) <= room) is (not not_out)
+    if not_in and fits:
+        assert "the allocation holds" in not_in
+    if len(partition) == nodes + spares and fits and len(set(job_nodes) - after) >= nodes:
+        assert inside == sorted(after) and "the partition has 0 usable nodes" in not_out
 
 
 def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
@@ -240,9 +297,11 @@ def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
 RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
 
 
-def _relay(tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str) -> tuple[int, list[str], Path]:
+def _relay(
+    tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str, **extra_env: str
+) -> tuple[int, list[str], Path, str]:
     """The batch script's srun() (sbatch_templates/signal_relay.sh) around a fake srun on PATH: (the function's
-    status, each srun call's arguments, the marker's path)."""
+    status, each srun call's arguments, the marker's path, its stderr)."""
     folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
     folder.mkdir(parents=True)
     bin_dir.mkdir()
@@ -252,13 +311,13 @@ def _relay(tmp_path: Path, step_args: str, marker_at_start: str | None, fake_sru
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/calls\nMARKER={marker}\n{fake_srun}\n')
     (bin_dir / "srun").chmod(0o755)
     script = f"set -u\nsource {RELAY}\nsrun --unbuffered python -m submitit.core._submit {folder}\n"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", **extra_env}
     env.pop("HPC_TRAIN_STEP_ARGS", None)
     if step_args:
         env["HPC_TRAIN_STEP_ARGS"] = step_args
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-    return proc.returncode, calls, marker
+    return proc.returncode, calls, marker, proc.stderr
 
 
 # The fake step: its first run plays the deciding rank (writes the marker, exits 145), the next ones end 0.
@@ -270,16 +329,56 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     the job's. Without spares (no HPC_TRAIN_STEP_ARGS): one step, as before this feature, whatever a file says
     (review: the relaunch code ran, and listed the folder, for every job). A marker left by the job's last
     allocation never relaunches."""
-    status, calls, marker = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, DECIDES_ONCE)
+    status, calls, marker, _ = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, DECIDES_ONCE)
     assert status == 0 and not marker.exists()
     assert [c.split(" python")[0] for c in calls] == [
         "--nodes=2 --ntasks=4 --unbuffered",
         "--nodes=2 --exclude=node2 --unbuffered",
     ]
-    status, calls, marker = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
+    status, calls, marker, _ = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
     assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
-    status, calls, marker = _relay(tmp_path / "c", "--nodes=2 --ntasks=4", "--nodes=2 --exclude=old", "exit 3")
+    status, calls, marker, _ = _relay(tmp_path / "c", "--nodes=2 --ntasks=4", "--nodes=2 --exclude=old", "exit 3")
     assert status == 3 and len(calls) == 1 and not marker.exists()  # the stale marker: removed, not used
+
+
+# The fake step writes the marker and then one task never exits: srun answers TERM as Slurm's does (SIGKILL to
+# every task, a stopped one too, then it exits), or, with a task in D state, not at all.
+OUTLIVES_MARKER = (
+    'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --exclude=node2" > "$MARKER"; '
+    "sleep 20 >/dev/null 2>&1 & s=$!; trap %s TERM; wait $s; exit 1; fi; exit 0"
+)
+
+
+@pytest.mark.parametrize("unkillable", [False, True])
+def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_path: Path, unkillable: bool) -> None:
+    """Issue 20: a rank that never exits (SIGSTOP, D state) after the deciding rank wrote the marker held srun and
+    the batch shell until the time limit. The relay gives the step HPC_TRAIN_STEP_END_S, then TERMs srun; a srun
+    still waiting HPC_TRAIN_STEP_KILL_S later gets SIGKILL; either way the step is relaunched from the marker."""
+    fake = OUTLIVES_MARKER % ("''" if unkillable else "'kill $s; exit 143'")
+    status, calls, marker, err = _relay(
+        tmp_path, "--nodes=2 --ntasks=4", None, fake, HPC_TRAIN_STEP_END_S="1", HPC_TRAIN_STEP_KILL_S="1"
+    )
+    assert status == 0 and not marker.exists(), err
+    assert [c.split(" python")[0] for c in calls] == [
+        "--nodes=2 --ntasks=4 --unbuffered",
+        "--nodes=2 --exclude=node2 --unbuffered",
+    ], err
+    assert "did not end within 1 s of its relaunch marker; sent srun SIGTERM, which kills every task" in err
+    assert ("srun still runs 1 s after SIGTERM, a task stuck in D state?; sent srun SIGKILL" in err) is unkillable
+    assert f"training step ended with status {137 if unkillable else 143}; relaunching" in err
+
+
+def test_a_signal_caught_while_the_step_ends_reaches_the_relaunched_step(tmp_path: Path) -> None:
+    """A time-limit warning (USR2 to the batch shell) that comes as the failed step ends is not lost: the relay
+    holds it and hands it to the relaunched step (HPC_TRAIN_PENDING_SIGNAL; preempt.install_handlers records it)."""
+    fake = (
+        'echo "pending=${HPC_TRAIN_PENDING_SIGNAL:-}" >> "$MARKER.pending"; '
+        'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2" > "$MARKER"; '
+        "trap '' USR2; kill -USR2 $PPID; sleep 0.5; exit 145; fi; exit 0"
+    )
+    status, calls, marker, err = _relay(tmp_path, "--nodes=2 --ntasks=4", None, fake)
+    assert status == 0 and len(calls) == 2, err
+    assert Path(f"{marker}.pending").read_text().split() == ["pending=", "pending=SIGUSR2"]
 
 
 def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,3 +399,67 @@ def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monk
     monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=2 --ntasks=4")
     assert job._relaunch(*args) is True and recorded == [journal.IN_JOB_RESTART]
     assert (tmp_path / ".relaunch-77").read_text() == "--nodes=2 --ntasks=4 --exclude=n2\n"
+
+
+@pytest.mark.slurm
+def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_inside_the_allocation(
+    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20 on the dev cluster: cluster.nodes=3 + 1 spare is the whole 4-node `debug` partition. A real
+    allocation of it (a sleeping batch job) and the deciding rank's requeue_or_stop for a node's hardware error:
+    the sick node is left out of the relaunched step, the allocation holding one spare (before: the partition's
+    count, 4 usable - 4 needed = 0, said node_not_excluded and requeued). With the job's time limit cut to a
+    minute (Slurm's EndTime, read by scontrol) it requeues instead: 60 s is less than cluster.signal_lead_s=90."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.env import parse_nodelist
+    from hpc_train.paths import RunPaths
+
+    for key, value in slurm_env.items():
+        monkeypatch.setenv(key, value)
+    cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=3", "cluster.spare_nodes=1"]))
+    sub = ["sbatch", "--parsable", "-p", "debug", "-N", "4", "-t", "10", "-o", "/dev/null", "--wrap", "sleep 300"]
+    job_id = run(sub, env=slurm_env).stdout.strip()
+    try:
+        wait_until(
+            lambda: "RUNNING" in run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=slurm_env).stdout, 60, "4 nodes"
+        )
+        nodelist = run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=slurm_env).stdout.strip()
+        sick = parse_nodelist(nodelist)[1]
+        folder = tmp_path / "submitit"
+        folder.mkdir()
+        for key, value in {
+            "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NODELIST": nodelist,
+            "SUBMITIT_FOLDER": str(folder),
+            "HPC_TRAIN_STEP_ARGS": "--nodes=3 --ntasks=6",
+            "HPC_TRAIN_ALLOCATED_AT": "",
+        }.items():
+            monkeypatch.setenv(key, value)
+        env = SimpleNamespace(executor="slurm", job_id=job_id, restart_count=0, nodes=tuple(parse_nodelist(nodelist)))
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        verdict = job.requeue_or_stop(RunPaths(run_dir), env, cfg, "failure", 5, {sick: "Xid 79"})
+        events = read_events(run_dir)
+        assert verdict == "relaunch", events
+        assert (folder / f".relaunch-{job_id}").read_text() == f"--nodes=3 --ntasks=6 --exclude={sick}\n"
+        assert [(e["event"], e.get("node"), e.get("spares_left")) for e in events] == [
+            (journal.NODE_EXCLUDED, sick, None),
+            (journal.IN_JOB_RESTART, None, 0),
+        ]
+
+        assert run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], env=slurm_env).returncode == 0
+        again = tmp_path / "again"
+        again.mkdir()
+        verdict = job.requeue_or_stop(RunPaths(again), env, cfg, "failure", 5, {sick: "Xid 79"})
+        events = read_events(again)
+        assert verdict == "requeue" and journal.IN_JOB_RESTART not in [e["event"] for e in events], events
+        # the requeue counts the partition: no node beyond the job's own 4 to leave this one out of
+        assert [e["event"] for e in events][:1] == [journal.NODE_NOT_EXCLUDED], events
+        said = capsys.readouterr().err
+        assert (
+            "not restarting inside the allocation: " in said and " s left before the time limit, under the 90 s" in said
+        )
+    finally:
+        run(["scancel", job_id], env=slurm_env)

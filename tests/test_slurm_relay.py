@@ -59,3 +59,46 @@ def test_term_to_batch_shell_only_saves_and_resumes(slurm_env: dict[str, str], t
     starts = [e for e in events if e["event"] == "start"]
     assert [s["restart"] for s in starts] == [0, 1] and starts[1]["step"] == signals[0]["step"]
     assert summary["params_sha256"] == reference["params_sha256"]
+
+
+def test_a_stopped_task_after_the_relaunch_marker_is_killed_and_the_step_relaunched(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 20 on Slurm 22.05: task 0 of the first step writes the relaunch marker and exits 145, task 1 stops
+    itself (SIGSTOP, as a rank that never exits). The batch shell's srun() gives the step HPC_TRAIN_STEP_END_S,
+    then TERMs srun, whose SIGKILL ends the stopped task too; the step is relaunched and the job completes."""
+    relay = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    (tmp_path / "step.sh").write_text(
+        'if [ "$SLURM_STEP_ID" = 0 ]; then\n'
+        '  [ "$SLURM_PROCID" = 0 ] || kill -STOP $$\n'
+        '  echo "--nodes=2 --ntasks=2" > "$1/.relaunch-$SLURM_JOB_ID"; exit 145\n'
+        "fi\n"
+        'echo "task $SLURM_PROCID of step $SLURM_STEP_ID"\n'
+    )
+    (tmp_path / "batch.sh").write_text(
+        f"#!/bin/bash\nset -u\nexport HPC_TRAIN_STEP_ARGS='--nodes=2 --ntasks=2' HPC_TRAIN_STEP_END_S=3\n"
+        f"source {relay}\nsrun bash {tmp_path}/step.sh {folder}\n"
+    )
+    log = tmp_path / "batch.log"
+    sub = ["sbatch", "--parsable", "-p", "debug", "-N", "2", "-t", "3", "-o", str(log), str(tmp_path / "batch.sh")]
+    proc = run(sub, env=slurm_env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    try:
+        state = wait_until(
+            lambda: (s := sacct_state(job_id, slurm_env)) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s,
+            120,
+            f"job {job_id} to end",
+        )
+    finally:
+        run(["scancel", job_id], env=slurm_env)
+    text = log.read_text()
+    assert state == "COMPLETED", text
+    assert "the training step did not end within 3 s of its relaunch marker; sent srun SIGTERM" in text
+    assert "relaunching it inside the allocation: srun --nodes=2 --ntasks=2" in text
+    assert sorted(line for line in text.splitlines() if line.startswith("task ")) == [
+        "task 0 of step 1",
+        "task 1 of step 1",
+    ], text
