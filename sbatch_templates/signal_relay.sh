@@ -17,6 +17,9 @@
 # stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the default UnkillableStepTimeout of 60 s that
 # slurmstepd gives a D-state task) before SIGKILL to srun itself, whose shepherd then has slurmctld kill
 # the step, and the relaunch goes on.
+# A job submitted from a rank of a spares job inherits its HPC_TRAIN_STEP_ARGS (sbatch --export=ALL), not this job:
+# only the line the renderer writes after this one, for a job with spares, sets it.
+unset HPC_TRAIN_STEP_ARGS
 srun() {
   local marker="${!#}/.relaunch-${SLURM_JOB_ID}" step="${HPC_TRAIN_STEP_ARGS:-}" pending="" now="" pid="" status watch
   # Single-quoted: each trap reads $pid when it fires, so a signal during a launch reaches no stale pid
@@ -32,8 +35,7 @@ srun() {
     watch=""
     [ -z "$step" ] || { _hpc_train_watch "$pid" "$marker" & watch=$!; }
     while true; do
-      wait "$pid"
-      status=$?
+      wait "$pid" && status=0 || status=$?  # not a bare wait: under set -e in a site template its 145 would end this shell
       kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
     done
     [ -z "$watch" ] || kill "$watch" 2>/dev/null || true
@@ -42,8 +44,20 @@ srun() {
     # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
     [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1 || true
     [ -s "$marker" ] || return "$status"
-    step=$(cat "$marker")
+    # Its words become srun options: only a plain file of this user, only the options job._relaunch writes
+    # (a group-writable folder must not let a teammate add --task-prolog or --export to the step of this user).
+    step=""
+    if [ -L "$marker" ] || [ ! -O "$marker" ]; then
+      echo "hpc_train relay: $marker is not a plain file owned by this user; not relaunching on it" >&2
+    else
+      IFS= read -r step < "$marker" || true
+      [[ "$step" =~ ^--nodes=[0-9]+\ --ntasks=[0-9]+(\ --exclude=[A-Za-z0-9._,-]+)?$ ]] || {
+        echo "hpc_train relay: $marker holds other than the srun options hpc_train writes; not relaunching on it" >&2
+        step=""
+      }
+    fi
     rm -f "$marker"
+    [ -n "$step" ] || return "$status"
     echo "hpc_train relay: training step ended with status $status; relaunching it inside the allocation: srun $step" >&2
   done
 }

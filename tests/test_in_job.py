@@ -298,10 +298,11 @@ RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay
 
 
 def _relay(
-    tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str, **extra_env: str
+    tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str, shell: str = "set -u", **extra_env: str
 ) -> tuple[int, list[str], Path, str]:
-    """The batch script's srun() (sbatch_templates/signal_relay.sh) around a fake srun on PATH: (the function's
-    status, each srun call's arguments, the marker's path, its stderr)."""
+    """The batch script's srun() (sbatch_templates/signal_relay.sh) around a fake srun on PATH, the export of
+    step_args after it as sbatch.py renders it, and a value inherited from a job that submitted this one in the
+    environment: (the function's status, each srun call's arguments, the marker's path, its stderr)."""
     folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
     folder.mkdir(parents=True)
     bin_dir.mkdir()
@@ -310,18 +311,17 @@ def _relay(
         marker.write_text(marker_at_start)
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/calls\nMARKER={marker}\n{fake_srun}\n')
     (bin_dir / "srun").chmod(0o755)
-    script = f"set -u\nsource {RELAY}\nsrun --unbuffered python -m submitit.core._submit {folder}\n"
+    export = f"export HPC_TRAIN_STEP_ARGS='{step_args}'\n" if step_args else ""
+    script = f"{shell}\nsource {RELAY}\n{export}srun --unbuffered python -m submitit.core._submit {folder}\n"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", **extra_env}
-    env.pop("HPC_TRAIN_STEP_ARGS", None)
-    if step_args:
-        env["HPC_TRAIN_STEP_ARGS"] = step_args
+    env["HPC_TRAIN_STEP_ARGS"] = "--nodes=9 --ntasks=9"  # the submitting job's step, inherited (review)
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
     return proc.returncode, calls, marker, proc.stderr
 
 
 # The fake step: its first run plays the deciding rank (writes the marker, exits 145), the next ones end 0.
-DECIDES_ONCE = 'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --exclude=node2" > "$MARKER"; exit 145; fi; exit 0'
+DECIDES_ONCE = 'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --ntasks=4 --exclude=node2" > "$MARKER"; exit 145; fi; exit 0'
 
 
 def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_path: Path) -> None:
@@ -333,7 +333,7 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     assert status == 0 and not marker.exists()
     assert [c.split(" python")[0] for c in calls] == [
         "--nodes=2 --ntasks=4 --unbuffered",
-        "--nodes=2 --exclude=node2 --unbuffered",
+        "--nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
     ]
     status, calls, marker, _ = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
     assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
@@ -341,10 +341,29 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     assert status == 3 and len(calls) == 1 and not marker.exists()  # the stale marker: removed, not used
 
 
+def test_the_relaunch_survives_set_e_and_runs_only_our_own_options(tmp_path: Path) -> None:
+    """Review: under a site template's `set -euo pipefail` the bare `wait` of a step that exited 145 ended the
+    batch shell, so the run was neither relaunched nor requeued. A marker that is a symlink, not this user's,
+    or holds other words than job._relaunch writes (--task-prolog, --export: code run as this user) is not used:
+    the step's status is the job's, the marker removed."""
+    status, calls, marker, _ = _relay(tmp_path / "e", "--nodes=2 --ntasks=4", None, DECIDES_ONCE, "set -euo pipefail")
+    assert status == 0 and len(calls) == 2 and calls[1].startswith("--nodes=2 --ntasks=4 --exclude=node2 ")
+    plant = {
+        "prolog": 'echo "--nodes=2 --ntasks=4 --task-prolog=/tmp/x" > "$MARKER"; exit 145',
+        "export": 'echo "--nodes=2 --ntasks=4 --export=ALL,LD_PRELOAD=/tmp/x.so" > "$MARKER"; exit 145',
+        "link": 'echo "--nodes=2 --ntasks=4" > "$MARKER.real"; ln -s "$MARKER.real" "$MARKER"; exit 145',
+        "owner": 'echo "--nodes=2 --ntasks=4" > "$MARKER"; chown 65534 "$MARKER"; exit 145',
+    }
+    for name, fake in plant.items():
+        status, calls, marker, err = _relay(tmp_path / name, "--nodes=2 --ntasks=4", None, fake)
+        assert status == 145 and len(calls) == 1 and not marker.is_symlink() and not marker.exists(), (name, err)
+        assert "not relaunching on it" in err, (name, err)
+
+
 # The fake step writes the marker and then one task never exits: srun answers TERM as Slurm's does (SIGKILL to
 # every task, a stopped one too, then it exits), or, with a task in D state, not at all.
 OUTLIVES_MARKER = (
-    'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --exclude=node2" > "$MARKER"; '
+    'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --ntasks=4 --exclude=node2" > "$MARKER"; '
     "sleep 20 >/dev/null 2>&1 & s=$!; trap %s TERM; wait $s; exit 1; fi; exit 0"
 )
 
@@ -361,7 +380,7 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
     assert status == 0 and not marker.exists(), err
     assert [c.split(" python")[0] for c in calls] == [
         "--nodes=2 --ntasks=4 --unbuffered",
-        "--nodes=2 --exclude=node2 --unbuffered",
+        "--nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
     ], err
     assert "did not end within 1 s of its relaunch marker; sent srun SIGTERM, which kills every task" in err
     assert ("srun still runs 1 s after SIGTERM, a task stuck in D state?; sent srun SIGKILL" in err) is unkillable
