@@ -148,6 +148,9 @@ def test_a_resume_whose_terminal_closes_after_sbatch_still_records_its_job(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # as from a terminal: a suite started under nohup passes SIGHUP on ignored, and the resume then rightly
+        # finishes (seen: rc 0)
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     wait_until(lambda: mark.exists() or proc.poll() is not None, 120, "the resume's sbatch to queue the job")
     assert proc.poll() is None, proc.communicate()
