@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import socket
 from pathlib import Path
 
@@ -282,7 +283,7 @@ def test_a_rank_killed_on_a_sick_node_resumes_from_its_buddys_memory_on_a_spare(
     node is marked sick and rank 1 killed: relaunched on the same nodes (preflight finds the sick node), then
     without it on the spare, where rank 1's node folder is empty: its state comes from rank 0's node (the buddy
     copy), at a step newer than the disk checkpoint. The run ends with the weights of the same run
-    uninterrupted, and the job's folder in tmpfs is gone."""
+    uninterrupted, and the nodes it finished on hold nothing in tmpfs."""
     ref_dir, ref_job = submit([*MEMORY_ARGS, f"out_dir={tmp_path}", "name=memref"], env=slurm_env)
     reference = wait_finished(ref_dir, ref_job, slurm_env)
     assert [e["event"] for e in read_events(ref_dir)].count("start") == 1
@@ -312,5 +313,9 @@ def test_a_rank_killed_on_a_sick_node_resumes_from_its_buddys_memory_on_a_spare(
     assert f"attempt 2 resumed from memory (step {resumed['step']})" in status, status
     report = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")], env=slurm_env).stdout
     assert f"memory (step {resumed['step']})" in report, report
+    # The finished attempt's nodes removed their folders; the left-out node's ranks were killed, so its copies
+    # stay in tmpfs until the node's cleanup (docs/preemption.md, limits): removed here by hand.
     shm = Path("/dev/shm") / f"hpc_train-{os.geteuid()}" / job_id
-    assert not [p for p in shm.rglob("*") if p.is_file()] if shm.exists() else True
+    left = sorted({p.relative_to(shm).parts[0] for p in shm.rglob("*.pt")}) if shm.exists() else []
+    shutil.rmtree(shm, ignore_errors=True)
+    assert left == [sick], left
