@@ -499,6 +499,9 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
         wall = a["end"] - a["launched"]
         overhead = (a["start"] - a["launched"]) if a["start"] else wall
         kept = a["committed_step"] if a["committed_step"] is not None else (a["start_step"] or 0)
+        after = atts[i + 1] if i + 1 < len(atts) else None
+        if after and (after["resumed_from"] or "").startswith("memory") and after["start_step"] is not None:
+            kept = max(kept, min(after["start_step"], a["reached_step"]))  # the memory tier kept these steps
         lost = min(max(0.0, (a["reached_step"] - kept) * step_s), max(0.0, wall - overhead - a["stall_s"]))
         parts["allocated"] += wall
         parts["overhead"] += overhead

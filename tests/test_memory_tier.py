@@ -117,6 +117,30 @@ def test_status_and_report_say_an_attempt_resumed_from_memory(tmp_path: Path) ->
     assert "fresh-1: attempt" not in out.getvalue()
 
 
+def test_steps_a_memory_resume_kept_are_not_counted_lost() -> None:
+    """Attempt 0 committed step 20 and reached 25; attempt 1 resumed from memory at 25: nothing was recomputed.
+    From disk (step 20) the 5 steps of 1 s are lost."""
+    from hpc_train import journal
+
+    def ev(t: float, name: str, step: int, restart: int, **f: object) -> dict:
+        return {"time": 100 + t, "event": name, "step": step, "restart": restart, "job_id": "7", **f}
+
+    def lost(resumed_from: str, memory: dict) -> float:
+        events = [
+            ev(0.0, journal.START, 0, 0, launched_at=100.0),
+            ev(20.0, journal.CHECKPOINT_COMMITTED, 20, 0, reason="periodic"),
+            ev(25.0, journal.FAIL, 25, 0),
+            ev(30.0, journal.START, int(resumed_from[-2:]), 1, launched_at=126.0, resumed_from=resumed_from, **memory),
+            ev(65.0, journal.CHECKPOINT_COMMITTED, 60, 1, reason="final"),
+            ev(65.0, journal.FINISH, 60, 1),
+        ]
+        metrics = [{"time": 100.0 + t, "step": t, "step_time_s": 1.0} for t in range(1, 61)]
+        return journal.goodput(events, metrics)["lost"]
+
+    assert lost("memory step 25", {"memory": {"step": 25, "own": 2, "buddy": 0}}) == 0.0
+    assert lost("/run/checkpoints/step_000020", {}) == 5.0
+
+
 # ---- 3 gloo ranks, each its own "node" ------------------------------------------------------------------------
 
 
