@@ -254,7 +254,7 @@ class MemoryTier:
                 r.wait()
             del mine
             sent = struct.pack("<4q", *got[1:].tolist()).hex()  # the sender's hash: a torn transfer never loads
-            why = why or self._write(state.step, self.source, theirs, sent, "buddy")
+            why = self._write(state.step, self.source, theirs, sent, "buddy") or why  # written even if ours was not
         del data
         if why and not self.warned:
             self.warned = True

@@ -220,12 +220,16 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
 
     state, memory, saver = attempt(0, port)
     facts["no_buddy"] = memory.buddy is None
+    if rank == 0:  # rank 0's own copy of step 1 cannot be written (a folder by its name): its buddy copy still is
+        (memory.folder / "step-1" / "rank-0.pt").mkdir(parents=True)
     for _ in range(3):
         train(state)
         if state.step == 2:
             saver.save(state, "periodic", background=False)
             facts["disk"] = _digest(state)
         memory.save(state)
+        if state.step == 1:
+            facts["step_1"] = sorted(p.name for p in (memory.folder / "step-1").iterdir())
     facts["saved"] = _digest(state)
     facts["steps_kept"] = sorted(p.name for p in memory.folder.iterdir())
     train(state)  # moved on: what is loaded below is the saved state, not this one
@@ -270,7 +274,8 @@ def _free_port() -> int:
 
 def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_path: Path) -> None:
     """FSDP2 shards (uneven), AdamW with a lazy parameter, a data position and RNGs on 3 gloo ranks, one per
-    "node". Memory copies at steps 1-3 (steps 2 and 3 kept); relaunched with fresh weights and rank 1's own copy
+    "node". Memory copies at steps 1-3 (steps 2 and 3 kept; at step 1 rank 0's own copy cannot be written, and
+    the buddy copy it keeps still is); relaunched with fresh weights and rank 1's own copy
     deleted: rank 1's state comes from its buddy, rank 2, and every rank's state is the saved one bit for bit.
     Relaunched again with rank 0's copy corrupted: no rank loads from memory, the disk checkpoint of step 2
     loads, and the tier's folders are gone after clean()."""
@@ -279,6 +284,12 @@ def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_pat
     for f in facts:
         assert f["no_buddy"] is False
         assert f["steps_kept"] == ["step-2", "step-3"]
+    assert [f["step_1"] for f in facts] == [
+        ["rank-0.pt", "rank-2.json", "rank-2.pt"],  # rank-0.pt: the folder in the way
+        ["rank-0.json", "rank-0.pt", "rank-1.json", "rank-1.pt"],
+        ["rank-1.json", "rank-1.pt", "rank-2.json", "rank-2.pt"],
+    ]
+    for f in facts:
         assert f["from_buddy"]["step"] == 3 and (f["from_buddy"]["own"], f["from_buddy"]["buddy"]) == (2, 1)
         assert f["loaded"] == f["saved"]
         assert f["steps_after_load"] == ["step-3"]
