@@ -375,6 +375,7 @@ class MemoryTier:
         for other in self.base.glob(f"*/{node}/{key}"):
             if other != self.folder:
                 shutil.rmtree(other, ignore_errors=True)
+                clean_empty(other.parent, self.base)
 
     def clean(self) -> None:
         """Best effort, on every rank: this node's folder of this job and run goes (the run finished, stopped or

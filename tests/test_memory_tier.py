@@ -235,8 +235,10 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
     train(state)  # moved on: what is loaded below is the saved state, not this one
     dist.destroy_process_group()
 
-    # A relaunch: fresh weights; rank 1's own copy is gone, so its buddy (rank 2) sends it.
+    # A relaunch: fresh weights; rank 1's own copy is gone, so its buddy (rank 2) sends it. An earlier job's folder
+    # of this run on each node (SIGKILLed before its cleanup) goes at the load.
     state, memory, saver = attempt(1, port + 1)
+    (memory.base / "76" / f"n{rank}" / memory.folder.name / "step-9").mkdir(parents=True)
     if rank == 1:
         for suffix in ("pt", "json"):
             (memory.folder / "step-3" / f"rank-1.{suffix}").unlink()
@@ -277,7 +279,7 @@ def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_pat
     "node". Memory copies at steps 1-3 (steps 2 and 3 kept; at step 1 rank 0's own copy cannot be written, and
     the buddy copy it keeps still is); relaunched with fresh weights and rank 1's own copy
     deleted: rank 1's state comes from its buddy, rank 2, and every rank's state is the saved one bit for bit.
-    Relaunched again with rank 0's copy corrupted: no rank loads from memory, the disk checkpoint of step 2
+    An earlier job's folders of the run go at the load. Relaunched again with rank 0's copy corrupted: no rank loads from memory, the disk checkpoint of step 2
     loads, and the tier's folders are gone after clean()."""
     mp.start_processes(_ranks, args=(3, _free_port(), str(tmp_path)), nprocs=3, join=True, start_method="fork")
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
