@@ -38,6 +38,7 @@ from hpc_train import journal, preempt
 from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
+from hpc_train.memory_tier import MemoryTier
 from hpc_train.paths import RunPaths, write_atomic
 from hpc_train.profiling import Profile
 
@@ -179,6 +180,7 @@ class Attempt:
     # TIMEOUT job is not requeued by Slurm, so SIGKILL must not land before `scontrol requeue` answered.
     reserve_s: float = 0.0
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
+    memory: MemoryTier | None = None  # checkpoint.memory_every_steps: copies in node-local tmpfs (memory_tier.py)
     # profile.*: torch.profiler over a window of steps, stepped by step_end (profiling.py); `profile.torch` is
     # the running torch.profiler.profile inside the window, None outside it
     profile: Profile = field(init=False)
@@ -233,8 +235,23 @@ class Attempt:
             writer,
             share_with_group=cfg.share_with_group,
         )
+        memory = None
+        if cfg.checkpoint.memory_every_steps:
+            say = lambda line: print(line, flush=True) if env.rank == 0 else None  # noqa: E731
+            shape = (mesh["dp"].size(), mesh["tp"].size())
+            memory = MemoryTier.build(cfg.checkpoint, env, paths.run_dir, shape, say)
         return cls(
-            env, cfg, paths, mesh, device, saver, process_start, phases_s, end_at=float(facts[1]), reserve_s=reserve_s
+            env,
+            cfg,
+            paths,
+            mesh,
+            device,
+            saver,
+            process_start,
+            phases_s,
+            end_at=float(facts[1]),
+            reserve_s=reserve_s,
+            memory=memory,
         )
 
     def event(self, name: str, step: int, **fields: Any) -> None:
@@ -262,11 +279,21 @@ class Attempt:
 
         A checkpoint written by another world size (cluster.min_nodes: an elastic attempt) loads resharded
         by DCP; the event then names that size (`resharded_from`) and any rank without an RNG file of
-        its own there (`fresh_rng_ranks`, they keep the seed they started with)."""
+        its own there (`fresh_rng_ranks`, they keep the seed they started with).
+
+        With checkpoint.memory_every_steps the copies in memory come first (MemoryTier.load): when they are at
+        least as new as the newest committed disk checkpoint and load on every rank, the disk is not read, and
+        the event says `resumed_from: "memory step S"` and `memory: {step, own, buddy, load_s}`; else
+        `memory: {skipped: why}` and the disk resume runs as without them."""
         self.phases_s["setup"] = time.monotonic() - self._built_at  # model build, parallelize
-        folder, verify_s, load_s = self.saver.resume(state)
+        memory = self.memory.load(state, self.saver.root) if self.memory else {}
+        if "step" in memory:
+            folder, verify_s, load_s = None, 0.0, memory["load_s"]
+        else:
+            folder, verify_s, load_s = self.saver.resume(state)
+        resumed = folder is not None or "step" in memory
         source = None
-        if folder is None and self.cfg.checkpoint.init_from:  # a new run, from another run's weights: step 0
+        if not resumed and self.cfg.checkpoint.init_from:  # a new run, from another run's weights: step 0
             source, verify_s, load_s = self.saver.init_from(state)
         self.phases_s.update(verify=verify_s, load=load_s)
         saved = self.saver.saved_world_size
@@ -291,7 +318,7 @@ class Attempt:
         self.event(
             journal.START,
             state.step,
-            resumed_from=str(folder) if folder else None,
+            resumed_from=f"memory step {memory['step']}" if "step" in memory else str(folder) if folder else None,
             init_from=source,
             target=self.cfg.fn._target_ or "hpc_train.train.main",
             mesh={"dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()},
@@ -308,16 +335,17 @@ class Attempt:
             if state.data is None
             else {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in state.data.state_dict().items()},
             **resharded,
+            **({"memory": memory} if memory else {}),
             **start_fields,
         )
         self.saver.retain()  # before any save: the stop path left it to this attempt, and torn folders go
-        if folder is not None:  # DDP's buckets as the uninterrupted run had them at this step
+        if resumed:  # DDP's buckets as the uninterrupted run had them at this step
             for ddp in ddps_to_rebucket(state.model):
                 rebucket_at_first_forward(ddp, self._rebucket_s, self.say)
         self._resumed_at = time.monotonic()
         preempt.beat(state.step)
         self.profile.step(state.step)  # profile.*: the window may begin with the next step
-        return folder is not None
+        return resumed
 
     def time_left_s(self) -> tuple[float, str]:
         """Collective: (seconds until Slurm's SIGKILL, why) from the first stop signal any rank caught, the
@@ -383,6 +411,8 @@ class Attempt:
             self.saver.commit_pending()
         if state.step % self.cfg.checkpoint.every_steps == 0 and state.step < last_step:
             self.saver.periodic(state)
+        if self.memory and self.memory.due(state.step) and state.step < last_step:
+            self.memory.save(state)
         return False
 
     def finish(self, state: TrainState | None, **summary: Any) -> dict[str, Any]:
@@ -395,6 +425,8 @@ class Attempt:
         if self.env.rank == 0:  # whole or absent: readers poll for it
             write_atomic(self.paths.summary, json.dumps(self.finished, indent=1, default=str) + "\n")
         self.event(journal.FINISH, step, **self.finished)
+        if self.memory:  # no relaunch will read it
+            self.memory.clean()
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()
         return self.finished

@@ -163,6 +163,18 @@ def _lazy_optimizer_state(sd: dict[str, Any], held: dict[str, Any]) -> set[str]:
     return lazy
 
 
+def drop_optimizer_state(state: TrainState, lazy: set[str]) -> None:
+    """After a load that lacked `lazy` (_lazy_optimizer_state): those parameters hold no optimizer state, as in
+    the uninterrupted run, where it is made at the parameter's first gradient."""
+    if not lazy:
+        return
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    for name, p in state.model.named_parameters():
+        if _get_fqns(state.model, name) & lazy:
+            state.optimizer.state.pop(p, None)
+
+
 def _held_data_keys(sd: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
     """`sd` without the OPTIONAL_DATA_KEYS of its `data` that the checkpoint (its DCP metadata: `held`)
     lacks: DCP refuses any key a checkpoint lacks ("Missing key in checkpoint state_dict")."""
@@ -703,12 +715,7 @@ class Saver:
                         with _helper_threads_single_threaded():
                             dcp.load(sd, checkpoint_id=folder)
                         state.load_state_dict(sd, strict=not lazy)  # shape_mismatch judged the model's keys
-                        if lazy:  # as in the uninterrupted run: made at the parameter's first gradient
-                            from torch.distributed.checkpoint.state_dict import _get_fqns
-
-                            for name, p in state.model.named_parameters():
-                                if _get_fqns(state.model, name) & lazy:
-                                    state.optimizer.state.pop(p, None)
+                        drop_optimizer_state(state, lazy)
                         # Another world size (elastic resume): DCP resharded model and optimizer above; a rank
                         # the checkpoint had no file for keeps its fresh seed (Attempt.resume says so).
                         if (folder / rank_file(rank)).exists():

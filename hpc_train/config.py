@@ -219,8 +219,18 @@ class CheckpointConfig:  # checkpoint.py
     # while this run has no checkpoint of its own. Weights only, unless init_from_optimizer.
     init_from: str = ""
     init_from_optimizer: bool = False  # also the AdamW state (moments, step count, betas, weight decay)
+    # memory_tier.py: every N steps each rank's state goes to a file in node-local tmpfs and to a buddy rank on
+    # another node, which an in-job restart (cluster.spare_nodes) loads when newer than the disk checkpoint.
+    # 0 = off. Holds up to 4 copies of a rank's state per rank in memory_dir (own + buddy, newest complete + next).
+    memory_every_steps: int = 0
+    memory_dir: str = "/dev/shm"  # node-local and in RAM: outlives the training step, not the node
 
     def __post_init__(self) -> None:
+        if self.memory_every_steps < 0 or not self.memory_dir.startswith("/"):
+            raise ValueError(
+                f"checkpoint.memory_every_steps={self.memory_every_steps} must be >= 0 (0: no copies in memory) "
+                f"and checkpoint.memory_dir={self.memory_dir!r} an absolute path (a node-local tmpfs, e.g. /dev/shm)"
+            )
         if self.every_steps < 1 or self.keep_last < 1 or self.keep_every_steps < 0:
             raise ValueError(
                 f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="

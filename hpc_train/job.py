@@ -556,8 +556,11 @@ def _decide_together(
     step: int,
     kill_deadline: float = float("inf"),
     sick: dict[str, str] | None = None,
+    memory: Any = None,
 ) -> None:
-    """Rank 0 decides (requeue_or_stop) and tells everyone, so no rank exits with 144 alone; never returns."""
+    """Rank 0 decides (requeue_or_stop) and tells everyone, so no rank exits with 144 alone; never returns.
+    `memory` (Attempt.memory): its copies go on every node unless the training step is started again on this
+    allocation (a relaunch, or the local executor's restart in place, which reads them)."""
     import torch
     import torch.distributed as dist
 
@@ -567,6 +570,9 @@ def _decide_together(
         verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, reason, step, sick))
     dist.broadcast(verdict, src=0)
     dist.destroy_process_group()
+    again = actions[int(verdict)] == "relaunch" or (actions[int(verdict)] == "requeue" and env.executor == "local")
+    if memory is not None and not again:
+        memory.clean()
     _leave(actions[int(verdict)], cfg.cluster.preempt_grace_s, kill_deadline)
 
 
@@ -890,7 +896,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         at.stopped, at.stop_reason = True, at.time_left_s()[1]
     if at.stopped and at.finished is None:
         at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check
-        _decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline)
+        _decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     dist.barrier()
     dist.destroy_process_group()

@@ -421,6 +421,15 @@ def straggler_episodes(events: list[Event]) -> list[dict[str, Any]]:
 # ---- the timeline goodput uses --------------------------------------------------------------------------
 
 
+def resumed_text(start: Event | None) -> str | None:
+    """Where an attempt's state came from, in words: "memory (step S)" (checkpoint.memory_every_steps), the
+    disk checkpoint's folder name ("step_000040"), or None (a fresh start, or no start event yet)."""
+    if not start or not start.get("resumed_from"):
+        return None
+    memory = start.get("memory") or {}
+    return f"memory (step {memory['step']})" if "step" in memory else Path(str(start["resumed_from"])).name
+
+
 def attempts(events: list[Event]) -> list[dict[str, Any]]:
     """Per attempt (by restart count): launch, start, first step, end times, what ended it, and its size
     (world_size, nodes, grad_accum_steps, global_batch_seqs: from the start event; None before it)."""
@@ -442,6 +451,7 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
                 "job_id": next((e["job_id"] for e in evs if e.get("job_id")), None),  # a `resume` event has none yet
                 "start": start["time"] if start else None,
                 "start_step": start["step"] if start else None,
+                "resumed_from": resumed_text(start),
                 "first_step": first["time"] if first else None,
                 "end": max(e["time"] for e in evs),
                 "ended_by": ended["event"] if ended else "running",
@@ -505,6 +515,9 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
         wall = a["end"] - a["launched"]
         overhead = (a["start"] - a["launched"]) if a["start"] else wall
         kept = a["committed_step"] if a["committed_step"] is not None else (a["start_step"] or 0)
+        after = atts[i + 1] if i + 1 < len(atts) else None
+        if after and (after["resumed_from"] or "").startswith("memory") and after["start_step"] is not None:
+            kept = max(kept, min(after["start_step"], a["reached_step"]))  # the memory tier kept these steps
         lost = min(max(0.0, (a["reached_step"] - kept) * step_s), max(0.0, wall - overhead - a["stall_s"]))
         parts["allocated"] += wall
         parts["overhead"] += overhead

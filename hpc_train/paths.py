@@ -158,7 +158,10 @@ def _flock_within(fd: int, operation: int, wait_s: float) -> bool:
 
 
 def write_atomic(
-    path: Path, data: str | bytes | Callable[[str], object], private: bool = False, fsync: bool = False
+    path: Path,
+    data: str | bytes | bytearray | memoryview | Callable[[str], object],
+    private: bool = False,
+    fsync: bool = False,
 ) -> None:
     """Whole or absent, for every file we write whole: a temp file of a random name in the same folder,
     created O_EXCL | O_NOFOLLOW (a planted symlink is never followed, two writers never share one), then

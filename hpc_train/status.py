@@ -146,6 +146,8 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
                 "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
                 "in_job_restarts": len(journal.in_job_restarts(events)),  # hot spares (cluster.spare_nodes)
                 "spares_left": journal.spares_left(events, cfg["cluster"].get("spare_nodes", 0)),
+                # the latest attempt that started: where it resumed from ("memory (step S)", "step_000040", None)
+                "resumed": next(((a["restart"], a["resumed_from"]) for a in reversed(atts) if a["start"]), None),
                 **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
             }
         )
@@ -208,6 +210,10 @@ def print_status(rows: list[dict[str, Any]]) -> None:
                 markup=False,
                 highlight=False,
             )
+    for r in rows:
+        if r.get("resumed") and r["resumed"][1]:
+            attempt, where = r["resumed"]
+            console.print(f"{r['run']}: attempt {attempt} resumed from {where}", markup=False, highlight=False)
     for error in dict.fromkeys(r["state_error"] for r in rows if r.get("state_error")):
         console.print(f"state unknown: {error}", markup=False, highlight=False, soft_wrap=True)
 

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
     ("config",),  # the root config, composed from the dataclasses beside their code
     ("model", "checkpoint", "profiling"),  # the job side from here; profiling: profile.*, which Attempt steps
+    ("memory_tier",),  # checkpoint.memory_every_steps: copies of TrainState in node-local tmpfs and a buddy's
     ("attempt",),
     ("job", "train"),
     ("start",),
@@ -28,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("resume",),
     ("cli",),
 ]
-JOB_SIDE = {"model", "checkpoint", "profiling", "attempt", "job", "train", "start"}
+JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
 
 

@@ -1,0 +1,395 @@
+"""A checkpoint tier in host memory: a relaunch inside the allocation resumes from the last few steps, not
+the last disk checkpoint.
+
+    hpc-train submit cluster=mysite cluster.nodes=8 cluster.spare_nodes=1 checkpoint.memory_every_steps=5
+
+Every checkpoint.memory_every_steps (Attempt.step_end, the same step on every rank) each rank torch.saves its
+state (TrainState.state_dict() with DTensors as their local shards, and its RNGs) to bytes, writes them into
+node-local tmpfs and sends them to its buddy, rank (R + tasks_per_node) % world on the next node, which writes
+them as the buddy copy. One folder per node, job and run (the node's name keeps the dev cluster's 4 "nodes",
+which share one /dev/shm, apart: a rank only ever reads its own node's folder):
+
+    <checkpoint.memory_dir>/hpc_train-<uid>/<job id>/<node>/<run key>/step-<S>/rank-<R>.pt   torch.save bytes
+                                                                              rank-<R>.json  sha256, size, who
+                                                                                             wrote it; last
+
+At an attempt's start (Attempt.resume, before the disk resume) every rank lists its node's folder, the ranks
+gather the lists, and `pick` (pure) chooses the newest step at which every rank's state is held somewhere,
+if it is at least as new as the newest committed disk checkpoint and written by this world size and mesh;
+each rank's bytes come from its own node when they are there, else from a holder by gloo send/recv; every
+rank checks the sha256 and all must agree, else every rank resumes from disk. tmpfs outlives the training
+step's processes but not the allocation: a folder is used only by the job (and Slurm restart count) that
+wrote it, and removed when the run finishes, stops or is requeued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hpc_train.checkpoint import TrainState, drop_optimizer_state
+from hpc_train.config import CheckpointConfig
+from hpc_train.env import RankEnv
+from hpc_train.paths import MARKER, make_dir, step_folders, untrusted, write_atomic
+
+STEP = re.compile(r"step-(\d+)")
+TAG = 0x4D45  # the buddy exchange's gloo tag: never matched by another send
+
+
+@dataclass(frozen=True)
+class Held:
+    """One rank's state at one step, as a node's folder holds it."""
+
+    step: int
+    rank: int  # whose state it is
+    sha256: str
+    bytes: int
+    kind: str  # "own" (written by that rank) | "buddy" (received from it)
+    world_size: int
+    mesh: tuple[int, int]  # (dp, tp)
+
+
+def pick(
+    held: list[list[Held]], world_size: int, mesh: tuple[int, int], disk_step: int | None
+) -> tuple[int | None, list[int], str]:
+    """Which memory step to resume from, and which rank sends each rank's state (pure). held[h]: what rank h's
+    node holds. Returns (step, holder of rank r's state for each r, "") or (None, [], why the disk is used): the
+    newest step at which every rank's state is held, written by this world size and mesh, and not older than
+    the newest committed disk checkpoint (equal: memory, no file system read). A rank's own node is preferred
+    (no transfer), then a copy its own rank wrote, then the lowest holder."""
+    by_step: dict[int, dict[int, list[tuple[bool, bool, int]]]] = {}
+    other: set[tuple[int, tuple[int, int]]] = set()
+    for h, items in enumerate(held):
+        for x in items:
+            if (x.world_size, x.mesh) != (world_size, mesh):
+                other.add((x.world_size, x.mesh))
+            elif 0 <= x.rank < world_size:
+                by_step.setdefault(x.step, {}).setdefault(x.rank, []).append((h != x.rank, x.kind != "own", h))
+    complete = [s for s, ranks in by_step.items() if len(ranks) == world_size]
+    if not complete:
+        if by_step:
+            newest = max(by_step)
+            missing = sorted(set(range(world_size)) - set(by_step[newest]))
+            return None, [], f"memory step {newest} lacks the state of rank(s) {missing}: no node left holds it"
+        if other:
+            w, (dp, tp) = sorted(other)[-1]
+            return (
+                None,
+                [],
+                (
+                    f"the memory copies were written by {w} ranks (mesh dp={dp} x tp={tp}); this attempt has "
+                    f"{world_size} (dp={mesh[0]} x tp={mesh[1]})"
+                ),
+            )
+        return None, [], "no memory copy on any node of this job"
+    step = max(complete)
+    if disk_step is not None and step < disk_step:
+        return None, [], f"memory step {step} is older than the committed disk checkpoint of step {disk_step}"
+    return step, [min(by_step[step][r])[2] for r in range(world_size)], ""
+
+
+def run_key(run_dir: Path) -> str:
+    """A run's folder name in tmpfs: its directory's name (for people) and a hash of its path (two runs of one
+    name in two out_dirs)."""
+    path = str(run_dir.resolve())
+    return f"{run_dir.name}-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+
+
+def _local(obj: Any) -> Any:
+    """The state dict with each DTensor as this rank's shard: what torch.save writes and this rank loads back."""
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj
+
+
+def _restore(like: Any, saved: Any, key: str = "") -> Any:
+    """`saved` shaped as `like` (this attempt's state dict): each shard a DTensor again on like's mesh and
+    placements, each tensor on like's device. Raises ValueError on any other key or shape (other code)."""
+    if isinstance(like, torch.Tensor):
+        mine = like.to_local() if isinstance(like, DTensor) else like
+        if not isinstance(saved, torch.Tensor) or saved.shape != mine.shape or saved.dtype != mine.dtype:
+            got = f"{list(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise ValueError(f"{key} is {got} in memory but {list(mine.shape)} {mine.dtype} here")
+        t = saved.to(mine.device)
+        if isinstance(like, DTensor):
+            return DTensor.from_local(
+                t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+            )
+        return t
+    if isinstance(like, dict):
+        if not isinstance(saved, dict) or set(saved) != set(like):
+            raise ValueError(f"{key or 'the state'} has other keys in memory")
+        return {k: _restore(like[k], saved[k], f"{key}.{k}".lstrip(".")) for k in like}
+    if isinstance(like, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(like):
+            raise ValueError(f"{key} has another length in memory")
+        return type(like)(_restore(a, b, f"{key}.{i}") for i, (a, b) in enumerate(zip(like, saved)))
+    return saved
+
+
+def newest_committed(root: Path) -> int | None:
+    """The newest step folder with a commit marker (the disk resume verifies it; this only orders the tiers)."""
+    return max((s for s, p in step_folders(root).items() if (p / MARKER).exists()), default=None)
+
+
+@dataclass
+class MemoryTier:
+    """This rank's side of the tier for one attempt. `off`: why it is not used in this attempt ("" when it is)."""
+
+    every_steps: int
+    folder: Path  # this node's folder for this job and run
+    base: Path  # <memory_dir>/hpc_train-<uid>: everything of ours in tmpfs, judged up to here
+    rank: int
+    world_size: int
+    mesh: tuple[int, int]
+    allocation: str  # job id and Slurm restart count: a requeued job (same id) is another allocation
+    buddy: int | None  # the rank that keeps a copy of this rank's state; None on one node
+    source: int | None  # the rank whose copy this rank keeps
+    off: str = ""
+    last: int = -1  # the newest step saved (or loaded) here: complete on every rank once the next is due
+    warned: bool = False
+    say: Callable[[str], None] = print
+
+    @classmethod
+    def build(
+        cls, cfg: CheckpointConfig, env: RankEnv, run_dir: Path, mesh: tuple[int, int], say: Callable[[str], None]
+    ) -> MemoryTier:
+        """Collective (one all_gather_object): this node's folder made (0700), owned by us and writable by no
+        one else on every rank, else the tier is off in this attempt on every rank alike."""
+        node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
+        base = Path(cfg.memory_dir) / f"hpc_train-{os.geteuid()}"
+        folder = base / env.job_id / node / run_key(run_dir)
+        rank, world, per_node = env.rank, env.world_size, env.local_world_size
+        two = world > per_node  # ranks are node-contiguous (placement): + per_node is the next node
+        tier = cls(
+            cfg.memory_every_steps,
+            folder,
+            base,
+            rank,
+            world,
+            mesh,
+            f"{env.job_id}.{os.environ.get('SLURM_RESTART_COUNT') or 0}",
+            (rank + per_node) % world if two else None,
+            (rank - per_node) % world if two else None,
+            say=say,
+        )
+        why = ""
+        try:
+            if not Path(cfg.memory_dir).is_dir():
+                raise OSError(f"no folder {cfg.memory_dir} on {node}; set checkpoint.memory_dir to a node-local tmpfs")
+            for p in (base, base / env.job_id, folder.parent, folder):
+                make_dir(p, exist_ok=True)
+            why = untrusted(folder, base)
+        except OSError as e:
+            why = f"cannot make {folder}: {e}" if Path(cfg.memory_dir).is_dir() else str(e)
+        whys: list[Any] = [None] * world
+        dist.all_gather_object(whys, why)
+        tier.off = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), "")
+        if tier.off:
+            say(f"[hpc_train] warning: checkpoint.memory_every_steps is off in this attempt: {tier.off}")
+        elif not two:
+            say(
+                "[hpc_train] checkpoint.memory_every_steps: one node, so no buddy copy: a rank's crash is recovered "
+                "from memory, its node's loss from disk"
+            )
+        return tier
+
+    def due(self, step: int) -> bool:
+        return not self.off and step % self.every_steps == 0
+
+    def _write(self, step: int, rank: int, data: Any, digest: str, kind: str) -> str:
+        """One copy, the data then its record (the record last: a copy without one is not listed); "" or why not."""
+        folder = self.folder / f"step-{step}"
+        info = {"step": step, "rank": rank, "sha256": digest, "bytes": len(data), "kind": kind}
+        info |= {"world_size": self.world_size, "mesh": list(self.mesh), "allocation": self.allocation}
+        try:
+            make_dir(folder, exist_ok=True)
+            write_atomic(folder / f"rank-{rank}.pt", data, private=True)
+            write_atomic(folder / f"rank-{rank}.json", json.dumps(info), private=True)
+        except OSError as e:  # a full tmpfs: this copy is missing, the buddy's may do
+            return f"{folder}: {e}"
+        return ""
+
+    def save(self, state: TrainState) -> float:
+        """Collective between buddies (every rank sends one copy, receives one): this step's copies, then the
+        copies older than the previous memory step go (that one is complete on every rank: each rank finished
+        its save before the step_end all-reduce that came after it). Returns the seconds it took."""
+        t0 = time.monotonic()
+        if self.off:
+            return 0.0
+        buf = io.BytesIO()
+        torch.save({"state": _local(state.state_dict()), "rng": state.rank_state()}, buf)
+        data = buf.getbuffer()
+        digest = hashlib.sha256(data).hexdigest()
+        why = self._write(state.step, self.rank, data, digest, "own")
+        if self.buddy is not None and self.source is not None:
+            head = torch.tensor([len(data), *struct.unpack("<4q", bytes.fromhex(digest))], dtype=torch.int64)
+            got = torch.empty(5, dtype=torch.int64)
+            for r in [dist.isend(head, self.buddy, tag=TAG), dist.irecv(got, self.source, tag=TAG)]:
+                r.wait()
+            theirs = bytearray(int(got[0]))
+            mine = torch.frombuffer(data, dtype=torch.uint8)
+            for r in [
+                dist.isend(mine, self.buddy, tag=TAG + 1),
+                dist.irecv(torch.frombuffer(theirs, dtype=torch.uint8), self.source, tag=TAG + 1),
+            ]:
+                r.wait()
+            del mine
+            sent = struct.pack("<4q", *got[1:].tolist()).hex()  # the sender's hash: a torn transfer never loads
+            why = self._write(state.step, self.source, theirs, sent, "buddy") or why  # written even if ours was not
+        del data
+        if why and not self.warned:
+            self.warned = True
+            self.say(f"[hpc_train] warning: a copy in memory was not written ({why}); the disk checkpoints go on")
+        if self.last >= 0:
+            self._remove(lambda s: s < self.last)
+        self.last = state.step
+        return time.monotonic() - t0
+
+    def _remove(self, doomed: Callable[[int], bool]) -> None:
+        if not self.folder.is_dir():
+            return
+        for p in self.folder.iterdir():
+            if (m := STEP.fullmatch(p.name)) and doomed(int(m.group(1))):
+                shutil.rmtree(p, ignore_errors=True)  # another rank of this node may remove it at once
+
+    def listing(self) -> list[Held]:
+        """What this node's folder holds for this allocation: each copy whose record is there and whose file
+        has the size it names, in folders that are ours alone (paths.untrusted: torch.load reads them)."""
+        out = []
+        for step_folder in sorted(self.folder.iterdir()) if self.folder.is_dir() else []:
+            if not (m := STEP.fullmatch(step_folder.name)):
+                continue
+            for record in step_folder.glob("rank-*.json"):
+                try:
+                    info = json.loads(record.read_text())
+                    data = record.with_suffix(".pt")
+                    if info["allocation"] != self.allocation or info["step"] != int(m.group(1)):
+                        continue
+                    if untrusted(data, self.base) or untrusted(record, self.base):
+                        continue
+                    if data.stat().st_size != info["bytes"]:
+                        continue
+                    held = Held(
+                        info["step"],
+                        info["rank"],
+                        info["sha256"],
+                        info["bytes"],
+                        info["kind"],
+                        info["world_size"],
+                        (int(info["mesh"][0]), int(info["mesh"][1])),
+                    )
+                except (OSError, ValueError, KeyError, TypeError, IndexError):
+                    continue
+                out.append(held)
+        return out
+
+    def load(self, state: TrainState, checkpoints: Path) -> dict[str, Any]:
+        """Collective: `state` (and this rank's RNGs) from the newest usable memory step, every rank or none.
+        Returns what the start event records: {"step", "own", "buddy", "load_s"} when loaded, {"skipped": why}
+        when the disk resume is to run. Afterwards this node keeps only the step loaded (the next save's
+        cleanup then drops it in turn): a crashed attempt's partial step, or another job's, is never mixed in."""
+        t0 = time.monotonic()
+        if self.off:
+            return {"skipped": self.off}
+        mine = {"held": self.listing(), "disk": newest_committed(checkpoints) if self.rank == 0 else None}
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        held = [e["held"] for e in every]
+        step, holders, why = pick(held, self.world_size, self.mesh, every[0]["disk"])
+        loaded = False
+        if step is not None:
+            expected = [
+                next(x for x in held[holders[r]] if (x.step, x.rank) == (step, r)) for r in range(self.world_size)
+            ]
+            data = bytearray()
+            for r in range(self.world_size):  # one order on every rank: each send meets its recv
+                h, size = holders[r], expected[r].bytes
+                if self.rank == h:
+                    got = self._read(step, r, size)
+                    if h == r:
+                        data = got
+                    else:
+                        dist.send(torch.frombuffer(got, dtype=torch.uint8), r)
+                elif self.rank == r:
+                    data = bytearray(size)
+                    dist.recv(torch.frombuffer(data, dtype=torch.uint8), h)
+            why = "" if hashlib.sha256(data).hexdigest() == expected[self.rank].sha256 else "checksum differs"
+            sd = lazy = rng = None
+            if not why:
+                try:
+                    saved = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # no pickle runs
+                    sd = state.state_dict()
+                    lazy = set(sd["optim"]["state"]) - set(saved["state"]["optim"]["state"])
+                    for fqn in lazy:
+                        del sd["optim"]["state"][fqn]
+                    sd, rng = _restore(sd, saved["state"]), saved["rng"]
+                except Exception as e:  # other code wrote it, or torch.load refused it: every rank goes to disk
+                    why = f"does not load: {type(e).__name__}: {str(e)[:200]}"
+            whys: list[Any] = [None] * self.world_size
+            dist.all_gather_object(whys, why)
+            why = next((f"memory step {step}, rank {r}'s state: {w}" for r, w in enumerate(whys) if w), "")
+            if not why:
+                state.load_state_dict(sd, strict=not lazy)
+                drop_optimizer_state(state, lazy or set())
+                state.load_rank_state(rng)
+                loaded = True
+        self._remove(lambda s: not loaded or s != step)
+        self._remove_other_jobs()
+        self.last = step if loaded and step is not None else -1
+        if not loaded:
+            return {"skipped": why}
+        own = sum(holders[r] == r for r in range(self.world_size))
+        return {"step": step, "own": own, "buddy": self.world_size - own, "load_s": round(time.monotonic() - t0, 4)}
+
+    def _read(self, step: int, rank: int, size: int) -> bytearray:
+        """The copy as listed, or `size` zero bytes (a file removed or changed since: its checksum fails, and the
+        rank waiting for it is sent something rather than left in recv until the collective timeout)."""
+        try:
+            got = bytearray((self.folder / f"step-{step}" / f"rank-{rank}.pt").read_bytes())
+        except OSError:
+            got = bytearray()
+        return got if len(got) == size else bytearray(size)
+
+    def _remove_other_jobs(self) -> None:
+        """This run's folders on this node under other job ids: an earlier job SIGKILLed before its cleanup."""
+        node, key = self.folder.parent.name, self.folder.name
+        for other in self.base.glob(f"*/{node}/{key}"):
+            if other != self.folder:
+                shutil.rmtree(other, ignore_errors=True)
+                clean_empty(other.parent, self.base)
+
+    def clean(self) -> None:
+        """Best effort, on every rank: this node's folder of this job and run goes (the run finished, stopped or
+        is requeued: no relaunch inside this allocation will read it); then the empty folders above it."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+        clean_empty(self.folder.parent, self.base)
+
+
+def clean_empty(folder: Path, base: Path) -> None:
+    """rmdir `folder` and its parents up to (not including) `base` while they are empty."""
+    for p in (folder, *folder.parents):
+        if p == base or not p.is_relative_to(base):
+            return
+        try:
+            p.rmdir()
+        except OSError:
+            return
