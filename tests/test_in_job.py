@@ -392,7 +392,7 @@ def test_a_signal_caught_while_the_step_ends_reaches_the_relaunched_step(tmp_pat
     holds it and hands it to the relaunched step (HPC_TRAIN_PENDING_SIGNAL; preempt.install_handlers records it)."""
     fake = (
         'echo "pending=${HPC_TRAIN_PENDING_SIGNAL:-}" >> "$MARKER.pending"; '
-        'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2" > "$MARKER"; '
+        'if [ ! -e "$MARKER.done" ]; then touch "$MARKER.done"; echo "--nodes=2 --ntasks=4" > "$MARKER"; '
         "trap '' USR2; kill -USR2 $PPID; sleep 0.5; exit 145; fi; exit 0"
     )
     status, calls, marker, err = _relay(tmp_path, "--nodes=2 --ntasks=4", None, fake)
