@@ -11,7 +11,7 @@ checkpoint a competitor is queued that needs one node more than is free (`sleep 
 it waits behind the run; then the last rank is SIGKILLed (`hpc-train chaos RUN kill-rank`). In-job, the
 step is relaunched on the allocation the run still holds; requeued, the run goes back to the queue, where
 the competitor is first in line for the nodes it gives back. Prints, from the run's events: kill -> the
-next attempt's first step, the steps lost (reached before the kill - resumed at), and whether the
+next attempt's first step, the steps lost (the failed step - the step resumed at), and whether the
 competitor ran before the run resumed. Figures are printed, never asserted.
 """
 
@@ -63,7 +63,7 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
     extra = ["cluster.spare_nodes=1"] if mode.startswith("in-job") else []
     if mode == "in-job+memory":
         extra.append(f"checkpoint.memory_every_steps={args.memory_every_steps}")
-    line = sh([HPC_TRAIN, "submit", *ARGS, *extra, f"out_dir={out}", f"name={mode}"], env)
+    line = sh([HPC_TRAIN, "submit", *ARGS, *extra, f"out_dir={out}", f"name={mode.replace('+', '-')}"], env)
     line = next(l for l in line.splitlines() if l.startswith("submitted job"))
     job_id, run_dir = line.split()[2].rstrip(";"), Path(line.split("run directory ")[1])
     competitor = ""
@@ -79,7 +79,6 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
         )
         wait(lambda: sh(["squeue", "-h", "-j", competitor, "-o", "%T"], env) == "PENDING", 30, "the competitor queued")
         time.sleep(args.run_on_s)  # the run trains on past its checkpoint: the steps a crash loses
-        reached = max(e["step"] for e in events(run_dir))
         killed_at = time.time()
         sh([HPC_TRAIN, "chaos", str(run_dir), "kill-rank", "--rank", "1"], env)
         wait(lambda: (run_dir / "summary.json").exists(), args.competitor_s + 900, f"the {mode} run to finish")
@@ -90,6 +89,7 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
     ev = events(run_dir)
     first = next(e for e in ev if e["event"] == "first_step" and e["time"] > killed_at)
     start = next(e for e in ev if e["event"] == "start" and e["restart"] == first["restart"])
+    reached = max(e["step"] for e in ev if e["restart"] < first["restart"])  # the failing rank's `fail` step
     competitor_rows = sh(["sacct", "-n", "-X", "-P", "-j", competitor, "-o", "Start,End"], env).split("|")
     competitor_start = competitor_rows[0] if competitor_rows else "Unknown"
     ran_first = competitor_start not in ("Unknown", "None", "") and time.mktime(

@@ -221,7 +221,8 @@ class CheckpointConfig:  # checkpoint.py
     init_from_optimizer: bool = False  # also the AdamW state (moments, step count, betas, weight decay)
     # memory_tier.py: every N steps each rank's state goes to a file in node-local tmpfs and to a buddy rank on
     # another node, which an in-job restart (cluster.spare_nodes) loads when newer than the disk checkpoint.
-    # 0 = off. Holds up to 4 copies of a rank's state per rank in memory_dir (own + buddy, newest complete + next).
+    # 0 = off. Holds up to 4 copies of a rank's state per rank in memory_dir (own + buddy, newest complete + next
+    # while it is written). Needs cluster.spare_nodes on Slurm: only a relaunch inside the allocation reads it.
     memory_every_steps: int = 0
     memory_dir: str = "/dev/shm"  # node-local and in RAM: outlives the training step, not the node
 
@@ -346,6 +347,12 @@ class RunConfig:
         if tp > 1 and self.model.n_heads % tp:
             raise ValueError(
                 f"train.tp={tp} must divide model.n_heads={self.model.n_heads}: each rank holds whole attention heads"
+            )
+        if self.checkpoint.memory_every_steps and self.cluster.executor == "slurm" and not self.cluster.spare_nodes:
+            raise ValueError(
+                f"checkpoint.memory_every_steps={self.checkpoint.memory_every_steps} with cluster.spare_nodes=0: on "
+                f"Slurm every failure then requeues into a new allocation, which cannot read copies in the old "
+                f"nodes' memory; set cluster.spare_nodes=1 (or more) or checkpoint.memory_every_steps=0"
             )
         if self.script.cmd and self.fn._target_:
             raise ValueError(

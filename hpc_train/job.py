@@ -524,6 +524,8 @@ def _after_failure(
         until = time.monotonic() + 60
         while time.monotonic() < until and not journal.decided(journal.read(paths.run_dir), env.restart_count):
             time.sleep(0.5)
+        # the local executor restarts in place after a requeue (the deciding rank knows which, and cleans its copy)
+        _clean_memory(journal.relaunched(journal.read(paths.run_dir), env.restart_count) or env.executor == "local")
         return "", 0.0
     _deciding[0] = True
     try:
@@ -545,7 +547,18 @@ def _after_failure(
     sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
-    return requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick), cfg.cluster.preempt_grace_s
+    verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick)
+    _clean_memory(verdict == "relaunch" or (verdict == "requeue" and env.executor == "local"))
+    return verdict, cfg.cluster.preempt_grace_s
+
+
+def _clean_memory(keep: bool) -> None:
+    """checkpoint.memory_every_steps: this node's copies go unless the step starts again in this allocation (a
+    relaunch, or the local executor's restart in place, which reads them)."""
+    if "hpc_train.memory_tier" in sys.modules:  # built by this attempt (Attempt.build imports it)
+        from hpc_train import memory_tier
+
+        memory_tier.clean_after_failure(keep)
 
 
 def _decide_together(

@@ -179,6 +179,11 @@ def decided(events: list[Event], restart: int) -> bool:
     return any(e.get("restart") == restart for e in named(events, REQUEUE, REQUEUE_FAILED, STOPPED, IN_JOB_RESTART))
 
 
+def relaunched(events: list[Event], restart: int) -> bool:
+    """Whether attempt `restart`'s verdict was an in-job restart (the step starts again in this allocation)."""
+    return any(e.get("restart") == restart for e in named(events, IN_JOB_RESTART))
+
+
 def committed_steps(events: list[Event]) -> list[int]:
     return [e["step"] for e in named(events, CHECKPOINT_COMMITTED)]
 

@@ -19,7 +19,7 @@ if it is at least as new as the newest committed disk checkpoint and written by 
 each rank's bytes come from its own node when they are there, else from a holder by gloo send/recv; every
 rank checks the sha256 and all must agree, else every rank resumes from disk. tmpfs outlives the training
 step's processes but not the allocation: a folder is used only by the job (and Slurm restart count) that
-wrote it, and removed when the run finishes, stops or is requeued.
+wrote it, and removed when the run finishes, stops or is requeued (after a failure too, unless relaunched).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from hpc_train.env import RankEnv
 from hpc_train.paths import MARKER, make_dir, step_folders, untrusted, write_atomic
 
 STEP = re.compile(r"step-(\d+)")
+BUILT: list[MemoryTier | None] = [None]  # this process's tier, for the failure path (job._after_failure)
 TAG = 0x4D45  # the buddy exchange's gloo tag: never matched by another send
 
 
@@ -145,6 +147,18 @@ def _restore(like: Any, saved: Any, key: str = "") -> Any:
     return saved
 
 
+def _not_ours(base: Path) -> str:
+    """Why `base` (in a tmpfs every user can write, sticky) is not ours alone, or "". Checked without following
+    it: another user's symlink there (to a folder of ours) would pass a stat and could be pointed elsewhere
+    between our reads; a real directory of ours with mode 0700 cannot be renamed or entered by anyone else."""
+    st = os.lstat(base)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{base} is not a directory (a symlink or a file someone made); remove it"
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return f"{base} is not this user's alone (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it"
+    return ""
+
+
 def newest_committed(root: Path) -> int | None:
     """The newest step folder with a commit marker (the disk resume verifies it; this only orders the tiers)."""
     return max((s for s, p in step_folders(root).items() if (p / MARKER).exists()), default=None)
@@ -197,12 +211,13 @@ class MemoryTier:
                 raise OSError(f"no folder {cfg.memory_dir} on {node}; set checkpoint.memory_dir to a node-local tmpfs")
             for p in (base, base / env.job_id, folder.parent, folder):
                 make_dir(p, exist_ok=True)
-            why = untrusted(folder, base)
+            why = _not_ours(base) or untrusted(folder, base)
         except OSError as e:
             why = f"cannot make {folder}: {e}" if Path(cfg.memory_dir).is_dir() else str(e)
         whys: list[Any] = [None] * world
         dist.all_gather_object(whys, why)
         tier.off = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), "")
+        BUILT[0] = tier
         if tier.off:
             say(f"[hpc_train] warning: checkpoint.memory_every_steps is off in this attempt: {tier.off}")
         elif not two:
@@ -229,9 +244,8 @@ class MemoryTier:
         return ""
 
     def save(self, state: TrainState) -> float:
-        """Collective between buddies (every rank sends one copy, receives one): this step's copies, then the
-        copies older than the previous memory step go (that one is complete on every rank: each rank finished
-        its save before the step_end all-reduce that came after it). Returns the seconds it took."""
+        """Collective (every rank sends one copy to its buddy, receives one, then one all-reduce): this step's
+        copies; once every rank wrote both, the older steps go. Returns the seconds it took."""
         t0 = time.monotonic()
         if self.off:
             return 0.0
@@ -259,9 +273,15 @@ class MemoryTier:
         if why and not self.warned:
             self.warned = True
             self.say(f"[hpc_train] warning: a copy in memory was not written ({why}); the disk checkpoints go on")
-        if self.last >= 0:
-            self._remove(lambda s: s < self.last)
-        self.last = state.step
+        # Complete only when every rank wrote both its copies (a full tmpfs on one node): then the older steps
+        # go, so a node holds one step (own + buddy) between saves; else this step goes and the last stays.
+        ok = torch.tensor([0 if why else 1], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item():
+            self._remove(lambda s: s < state.step)
+            self.last = state.step
+        else:
+            self._remove(lambda s: s == state.step)
         return time.monotonic() - t0
 
     def _remove(self, doomed: Callable[[int], bool]) -> None:
@@ -333,11 +353,10 @@ class MemoryTier:
                     data = bytearray(size)
                     dist.recv(torch.frombuffer(data, dtype=torch.uint8), h)
             why = "" if hashlib.sha256(data).hexdigest() == expected[self.rank].sha256 else "checksum differs"
-            sd = lazy = rng = None
+            sd, lazy, rng = state.state_dict(), None, None  # on every rank: a wrapper's state_dict may be collective
             if not why:
                 try:
                     saved = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # no pickle runs
-                    sd = state.state_dict()
                     lazy = set(sd["optim"]["state"]) - set(saved["state"]["optim"]["state"])
                     for fqn in lazy:
                         del sd["optim"]["state"][fqn]
@@ -382,6 +401,14 @@ class MemoryTier:
         is requeued: no relaunch inside this allocation will read it); then the empty folders above it."""
         shutil.rmtree(self.folder, ignore_errors=True)
         clean_empty(self.folder.parent, self.base)
+
+
+def clean_after_failure(keep: bool) -> None:
+    """A failed attempt's copies on this rank's node go unless the step starts again in this allocation (keep):
+    a requeue's allocation (another Slurm restart count) never reads them, and nothing else would remove them
+    from a node the run does not come back to (RAM until the node's reboot)."""
+    if BUILT[0] is not None and not keep:
+        BUILT[0].clean()
 
 
 def clean_empty(folder: Path, base: Path) -> None:
