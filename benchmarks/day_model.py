@@ -20,6 +20,11 @@ on with 3 nodes, never landing on the returned node A again; every attempt start
 straggler is named within --detect-s and dropped only when 2 healthy nodes beat 3 with it in.
 Work lost at a crash: half a checkpoint interval. Every restart costs --restart-s.
 
+With issue 20's too (cluster.spare_nodes=1 on a partition one node larger, checkpoint.memory_every_steps):
+node A's crash is relaunched inside the allocation on the spare within --in-job-s, losing half of
+--memory-every-s; the run stays at 4 nodes and node A is left out; the straggler is named and kept (nothing
+replaces a straggler by a spare). The spare is held, idle, all day: the figure says how many node-hours that is.
+
 Goodput = work done / (24 h x full-size throughput); throughput is proportional to the nodes in use
 (ideal weak scaling, an assumption) and divided by the slowdown while the straggler is in.
 Never asserts; prints both timelines and the figures.
@@ -42,14 +47,27 @@ class Day:
     timeout_h: float = 4.0
     detect_s: float = 80.0  # (windows + 1) x every_steps = 80 steps when named (straggler_bench.py), at 1 s a step
     preflight_s: float = 0.4  # per attempt start: max 0.37 s per node on the dev cluster (preflight_bench.py)
+    # issue 20 (cluster.spare_nodes=1 on a partition one node larger): kill -> first step inside the allocation
+    # 4.1 s, 6.7 s with the memory tier, on the dev cluster (in_job_bench.py)
+    in_job_s: float = 6.7
+    memory_every_s: float = 5.0  # checkpoint.memory_every_steps=5 at 1 s a step: a crash loses <= 5 s of work
 
 
-def timeline(d: Day, features: bool) -> list[tuple[float, float, float, str]]:
-    """(start h, end h, throughput as a fraction of the full size, what) for the whole day."""
+def timeline(d: Day, features: bool | str) -> list[tuple[float, float, float, str]]:
+    """(start h, end h, throughput as a fraction of the full size, what) for the whole day. features: False
+    (none), True (issue 12's), "spares" (also issue 20's: one hot spare and the memory tier)."""
     h = 1 / 3600
     crash_lost_h = d.checkpoint_min / 60 / 2
     slow = 1 / d.slowdown
-    if not features:
+    if features == "spares":  # node A's crash: relaunched on the spare inside the allocation, the node left out
+        segs = [
+            (0, 6, 1.0, "4 nodes + 1 spare"),
+            (6, 6 + d.in_job_s * h, 0.0, f"node A died: {d.memory_every_s / 2:g} s lost (memory tier), relaunched"),
+            (6 + d.in_job_s * h, 10, 1.0, "4 nodes (the spare in), node A left out"),
+            (10, 24, slow, f"node B named within {d.detect_s:.0f} s, kept: a straggler is not replaced by a spare"),
+        ]
+        lost = [(6, d.memory_every_s / 2 * h)]
+    elif not features:
         a_back = 6 + d.repair_h
         refail = a_back + d.refail_h
         segs = [
@@ -102,13 +120,17 @@ def main() -> None:
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     d = Day(**vars(ap.parse_args()))
     print(f"assumptions: {d}\n")
-    for features in (False, True):
+    names = {False: "without issue 12's features", True: "with issue 12's features", "spares": "with issue 20's too"}
+    for features in (False, True, "spares"):
         segs = timeline(d, features)
         work = sum((end - start) * rate for start, end, rate, _ in segs)
-        print(
-            f"{'with' if features else 'without'} issue 12's features: goodput {work / 24:.1%} "
-            f"({work:.2f} full-size hours of 24)"
+        held = (d.nodes + 1) * 24  # the spare is held all day, idle until a node fails
+        cost = (
+            f"; the run holds {held:.0f} node-hours, {work * d.nodes / held:.1%} of them training"
+            if features == "spares"
+            else ""
         )
+        print(f"{names[features]}: goodput {work / 24:.1%} ({work:.2f} full-size hours of 24{cost})")
         for start, end, rate, what in segs:
             if what != "lost":
                 span = f"{start:05.2f}-{end:05.2f} h  x{rate:.2f}  " if end > start else " " * 22
