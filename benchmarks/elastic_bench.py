@@ -18,18 +18,14 @@ run's wall time. Figures are printed, never asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import cluster  # noqa: E402
+from devcluster import HPC_TRAIN, cluster, events, sh, wait  # noqa: E402
 
-HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
 ARGS = [
     "cluster=dev",
     "model=tiny",
@@ -38,23 +34,6 @@ ARGS = [
     "checkpoint.every_steps=20",
     "requeue.shrink_after_s=30",
 ]
-
-
-def events(run_dir: Path) -> list[dict]:
-    p = run_dir / "events.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
-
-
-def wait(pred, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
-def sh(args: list[str], env: dict[str, str]) -> str:
-    return subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> dict:
