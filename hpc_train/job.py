@@ -134,7 +134,8 @@ def spare_nodes(env: Any, cluster: Any) -> int | None:
         states = slurm.node_states(cluster.partition or os.environ.get("SLURM_JOB_PARTITION", ""))
     except slurm.SlurmError:
         return None
-    need = (getattr(cluster, "min_nodes", None) or cluster.nodes) + getattr(cluster, "spare_nodes", 0)
+    # What the requeued job asks for: nodes + spare_nodes with hot spares (a fixed allocation), else min_nodes
+    need = cluster.nodes + cluster.spare_nodes if cluster.spare_nodes else cluster.min_nodes or cluster.nodes
     return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
@@ -170,7 +171,7 @@ MIN_STOP_GRACE_S = 10.0
 def reserve_warning(cluster: Any) -> str:
     """ "" when cluster.signal_lead_s leaves MIN_STOP_GRACE_S for a time-limit stop's save after the requeue
     decision's reserve (decision_reserve_s), else the warning submit prints (pure)."""
-    is_elastic = cluster.executor == "slurm" and (cluster.min_nodes or cluster.nodes) < cluster.nodes
+    is_elastic = cluster.executor == "slurm" and cluster.elastic()
     keep, lead = reserve_s(cluster.executor, is_elastic), cluster.signal_lead_s
     if lead >= keep + MIN_STOP_GRACE_S:
         return ""
@@ -290,7 +291,11 @@ def _in_job_restart(
     job_nodes = parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
     excluded, not_out, stop = (
         preempt.exclusion(
-            events, sick, budgets.max_excluded_nodes, len(job_nodes) - cfg.cluster.nodes, allocation=job_nodes
+            events,
+            sick,
+            budgets.max_excluded_nodes,
+            len(job_nodes) - (cfg.cluster.min_nodes or cfg.cluster.nodes),
+            allocation=job_nodes,
         )
         if sick
         else (sorted(journal.excluded_nodes(events)), "", "")
@@ -306,7 +311,7 @@ def _in_job_restart(
     )
     left_out = sorted(set(excluded) & set(job_nodes))
     used = journal.in_job_restarts_in_a_row(events)
-    why_not = preempt.in_job_restart(
+    n, why_not = preempt.in_job_restart(
         cfg.cluster.spare_nodes,
         "requeue",
         reason,
@@ -320,11 +325,12 @@ def _in_job_restart(
         left_s=end - time.time(),
         startup_s=journal.startup_s(events),
         signal_lead_s=cfg.cluster.signal_lead_s,
+        min_nodes=cfg.cluster.min_nodes,
     )
     if why_not:
         print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
         return False
-    return _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, sick)
+    return _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, n, sick)
 
 
 def _relaunch(
@@ -335,9 +341,11 @@ def _relaunch(
     left_out: list[str],
     used: int,
     record: Callable[..., None],
+    n: int,
     sick: dict[str, str] | None = None,
 ) -> bool:
-    """Write the next training step's srun options where the batch script's srun() looks (paths.relaunch_marker)
+    """Write the next training step's srun options (n nodes: cluster.nodes, fewer with cluster.min_nodes once
+    no spare is left; preempt.in_job_restart) where the batch script's srun() looks (paths.relaunch_marker)
     and record the sick nodes left out and the in-job restart; False (requeue instead, nothing recorded) where
     no batch script of ours started the step or the marker could not be written."""
     folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
@@ -349,7 +357,6 @@ def _relaunch(
             flush=True,
         )
         return False
-    n = cluster.nodes
     args = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}" + (
         f" --exclude={','.join(left_out)}" if left_out else ""
     )
@@ -371,8 +378,9 @@ def _relaunch(
         srun_args=args,
     )
     out = f" without {', '.join(left_out)}" if left_out else ""
+    smaller = f", going on with {n} of cluster.nodes={cluster.nodes}" if n < cluster.nodes else ""
     print(
-        f"[hpc_train] restarting inside the allocation{out} ({spares} spare(s) left): srun {args}",
+        f"[hpc_train] restarting inside the allocation{out} ({spares} spare(s) left{smaller}): srun {args}",
         file=sys.stderr,
         flush=True,
     )
@@ -400,7 +408,7 @@ def _update_next_attempt(
 
 
 def elastic(env: Any, cfg: Any) -> bool:
-    return env.executor == "slurm" and (cfg.cluster.min_nodes or cfg.cluster.nodes) < cfg.cluster.nodes
+    return env.executor == "slurm" and cfg.cluster.elastic()
 
 
 def queue_wait_s(
@@ -436,10 +444,11 @@ def queue_wait_s(
 def next_attempt_size(
     env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]
 ) -> tuple[dict[str, str], dict[str, Any]]:
-    """An elastic job (cluster.min_nodes < cluster.nodes), just requeued: wait for all its nodes if they are
-    free within requeue.shrink_after_s, else go on with the nodes free now (preempt.next_size). Returns
-    (the NumNodes/NumTasks fields for _update_next_attempt, the requeue event's fields: nodes_next,
-    full_size_wait_s (None: unknown) and the snapshot's facts); ({}, {}) for a job that is not elastic."""
+    """An elastic job (cluster.min_nodes < cluster.nodes, no hot spares: ClusterConfig.elastic), just requeued:
+    wait for all its nodes if they are free within requeue.shrink_after_s, else go on with the nodes free now
+    (preempt.next_size). Returns (the NumNodes/NumTasks fields for _update_next_attempt, the requeue event's
+    fields: nodes_next, full_size_wait_s (None: unknown) and the snapshot's facts); ({}, {}) for a job that is
+    not elastic: a hot spares job is requeued as it was queued, nodes + spare_nodes."""
     if not elastic(env, cfg):
         return {}, {}
     c, (wait_s, facts) = cfg.cluster, wait

@@ -466,7 +466,8 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
                     e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits
                 ),
                 "signals": [s for e in named(evs, SIGNAL) for s in e.get("signals", [])],
-                "nodes_next": next((e.get("nodes_next") for e in named(evs, REQUEUE)), None),  # elastic
+                # an elastic requeue's NumNodes ("2-2"), or an in-job restart's node count (fewer: min_nodes)
+                "nodes_next": next((e.get("nodes_next") for e in named(evs, REQUEUE, IN_JOB_RESTART)), None),
                 # an in-job restart (hot spares): the allocation's nodes it left out, the spares it kept
                 **{k: next((e.get(k) for e in named(evs, IN_JOB_RESTART)), None) for k in ("left_out", "spares_left")},
                 **{

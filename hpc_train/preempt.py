@@ -227,45 +227,50 @@ def in_job_restart(
     left_s: float = float("inf"),
     startup_s: float = 0.0,
     signal_lead_s: float = 0.0,
-) -> str:
+    min_nodes: int | None = None,
+) -> tuple[int, str]:
     """Relaunch the training step inside the allocation instead of the requeue `decide` chose? (pure)
-    "" to relaunch, else why not ("" reasons never print: no spares asked for, or no requeue to replace).
+    (the relaunch's node count, "") to relaunch, else (0, why not) ("" reasons never print: no spares asked
+    for, or no requeue to replace).
 
     Only in place of a requeue after a failure or a failed preflight (reason "failure" | "node_health") of a
     job Slurm still runs (fate "running", or "unknown" as `decide` reads it) with no stop signal seen: a
     time limit or a preemption gives the allocation back through the stop save and the requeue as before.
     Needs the budget (used: in-job restarts in a row, journal.in_job_restarts_in_a_row), `nodes` of the
-    allocation's job_nodes that are not left_out (the nodes of this job blamed so far), and time: left_s
+    allocation's job_nodes that are not left_out (the nodes of this job blamed so far; with cluster.min_nodes,
+    at least min_nodes: the step goes on smaller once no spare is left, on all the healthy nodes up to
+    `nodes`, as an elastic requeue would), and time: left_s
     (now to Slurm's EndTime) at least startup_s (the run's slowest launch -> first step, journal.startup_s)
     + signal_lead_s, so the relaunched step trains before the time-limit warning; with less it would reach
     its first step boundary after the warning, or be killed before it, and the requeue it ends in (if any)
     is one a requeue now makes without the start-up."""
     if not spare_nodes or action != "requeue":
-        return "no spares asked for" if not spare_nodes else f"not a requeue ({action})"
+        return 0, "no spares asked for" if not spare_nodes else f"not a requeue ({action})"
     if reason not in ("failure", "node_health") or signals:
-        return f"a stop signal ({reason}, {signals}): the stop save and the requeue give the allocation back"
+        return 0, f"a stop signal ({reason}, {signals}): the stop save and the requeue give the allocation back"
     if fate not in ("running", "unknown"):
-        return f"Slurm is not running the job as before ({fate})"
+        return 0, f"Slurm is not running the job as before ({fate})"
     if budget == 0:
-        return "requeue.max_in_job_restarts=0: never inside the allocation; requeueing"
+        return 0, "requeue.max_in_job_restarts=0: never inside the allocation; requeueing"
     if used >= budget:
-        return (
+        return 0, (
             f"in-job restart budget spent: {used} in a row without a newer checkpoint "
             f"(requeue.max_in_job_restarts={budget}); requeueing"
         )
     healthy = sorted(set(job_nodes) - set(left_out))
-    if len(healthy) < nodes:
-        return (
+    if len(healthy) < (min_nodes or nodes):
+        floor = f"cluster.nodes={nodes}" if min_nodes is None else f"cluster.min_nodes={min_nodes}"
+        return 0, (
             f"no spare left: {len(healthy)} healthy nodes of the allocation ({', '.join(healthy) or 'none'}; "
-            f"left out: {', '.join(left_out)}) for cluster.nodes={nodes}; requeueing"
+            f"left out: {', '.join(left_out)}) for {floor}; requeueing"
         )
     if left_s < startup_s + signal_lead_s:
-        return (
+        return 0, (
             f"{max(left_s, 0.0):.0f} s left before the time limit, under the {startup_s + signal_lead_s:.0f} s a "
             f"relaunch needs to train before its warning (the slowest start-up so far, {startup_s:.0f} s, + "
             f"cluster.signal_lead_s={signal_lead_s:g}); requeueing"
         )
-    return ""
+    return min(len(healthy), nodes), ""
 
 
 def hung_ranks(counts: dict[int, int], world_size: int) -> list[int]:
@@ -317,9 +322,10 @@ def exclusion(
 
     Not left out when requeue.max_excluded_nodes is spent or the partition would keep too few nodes
     (spare_nodes = its usable nodes - the nodes the run needs; None: unknown). For an in-job restart,
-    `allocation` (the job's nodes) with spare_nodes = its nodes beyond the run's: only the left-out nodes
-    in it count, since the step starts there, whatever the partition holds (on a partition of exactly
-    nodes + spare_nodes the partition's count has no node to spare). Either way the run requeues anyway,
+    `allocation` (the job's nodes) with spare_nodes = its nodes beyond the run's fewest (cluster.min_nodes,
+    else cluster.nodes): only the left-out nodes in it count, since the step starts there, whatever the
+    partition holds (on a partition of exactly nodes + spare_nodes the partition's count has no node to
+    spare). Either way the run requeues anyway,
     under requeue.max_failures, so three unrelated faults weeks apart do not stop a healthy run. A node
     sick again though left out: its ExcNodeList may have been lost (the requeued job's KillWait); set it
     once more; it stops the run only when ExcNodeList took (or was set twice) and the node is back."""
@@ -369,7 +375,7 @@ def exclusion(
         where = (
             f"the partition has {room} usable nodes beyond those it needs"
             if allocation is None
-            else f"the allocation holds {room} node(s) beyond cluster.nodes"
+            else f"the allocation holds {room} node(s) beyond cluster.min_nodes (else cluster.nodes)"
         )
         return (
             sorted(before),

@@ -36,6 +36,8 @@ class ClusterConfig:
     min_nodes: int | None = None
     # Hot spares: the job allocates nodes + spare_nodes and trains on `nodes`; a failure blamed on a node
     # relaunches the training step inside the allocation without it, on a spare (requeue.max_in_job_restarts).
+    # With min_nodes the allocation stays nodes + spare_nodes (a requeue too): once no spare is left, the
+    # relaunch goes on with the healthy nodes left, down to min_nodes, before it requeues.
     spare_nodes: int = 0
     tasks_per_node: int = 2  # one task per rank (per GPU on GPU nodes)
     cpus_per_task: int = 1
@@ -100,14 +102,8 @@ class ClusterConfig:
             )
         if self.spare_nodes < 0:
             raise ValueError(f"cluster.spare_nodes={self.spare_nodes} must be >= 0 (0: no hot spares)")
-        if self.spare_nodes and (self.min_nodes or self.nodes) < self.nodes:
-            raise ValueError(
-                f"cluster.spare_nodes={self.spare_nodes} with cluster.min_nodes={self.min_nodes} < cluster.nodes="
-                f"{self.nodes}: hot spares need a fixed allocation of nodes + spare_nodes; set cluster.min_nodes=null "
-                f"or cluster.spare_nodes=0"
-            )
         mincpus, extra = self.tasks_per_node * self.cpus_per_task, str(self.sbatch_extra.get("mincpus", ""))
-        if (self.min_nodes or self.nodes) < self.nodes and extra.isdigit() and int(extra) < mincpus:
+        if self.elastic() and extra.isdigit() and int(extra) < mincpus:
             raise ValueError(
                 f"cluster.sbatch_extra.mincpus={self.sbatch_extra['mincpus']} is below the "
                 f"{self.tasks_per_node} x {self.cpus_per_task} CPUs an elastic run's ranks need on each "
@@ -155,6 +151,12 @@ class ClusterConfig:
                 f"cluster.template={self.template!r}: no {TEMPLATES_DIR}/{self.template}.sh; "
                 f"use one of {known} or add the file"
             )
+
+    def elastic(self) -> bool:
+        """Does the allocation's size change across requeues (sbatch --nodes=<min_nodes>-<nodes>)? Not with hot
+        spares: their allocation is nodes + spare_nodes every time, and min_nodes only lets an in-job
+        relaunch go on smaller (preempt.in_job_restart)."""
+        return (self.min_nodes or self.nodes) < self.nodes and not self.spare_nodes
 
     def _check_site_options(self) -> None:
         for key in ("account", "qos", "reservation"):
@@ -503,7 +505,7 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
     }
     if max_parallel is not None:
         params["array_parallelism"] = max_parallel
-    if (cluster.min_nodes or cluster.nodes) < cluster.nodes:
+    if cluster.elastic():
         # --nodes=2-4: Slurm starts it on as many as are free, at least 2. An additional parameter overrides
         # "nodes" in the script only. No --ntasks-per-node in the header: with it sbatch sets ntasks to
         # min_nodes x tasks_per_node and Slurm never gives more nodes than tasks (--nodes=2-4
