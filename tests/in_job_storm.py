@@ -155,7 +155,8 @@ def run_storm(
     )
     storm = Storm(seed, faults, run_dir, job_id, reference, memory_every_steps)
     wait_until(lambda: _squeue_state(job_id, env) == "RUNNING", 120, "the storm's job to hold its 4 nodes")
-    queue = ["sbatch", "--parsable", "-p", "debug", "-N", "1", "-J", "competitor", "-o", "/dev/null"]
+    # --exclusive: a whole node, as a GPU job takes one (the storm's job uses 1 of each node's 4 CPUs)
+    queue = ["sbatch", "--parsable", "-p", "debug", "-N", "1", "--exclusive", "-J", "competitor", "-o", "/dev/null"]
     proc = run([*queue, "--wrap", "sleep 600"], env=env)
     assert proc.returncode == 0, proc.stderr
     competitor = proc.stdout.strip().split(";")[0]
@@ -174,10 +175,11 @@ def run_storm(
                 say(f"the run finished after {i} faults")
                 break
             storm.competitor.append(_squeue_state(competitor, env))
-            attempt, node, t0 = start["restart"], start["rank_nodes"][rank], time.time()
+            attempt, node = start["restart"], start["rank_nodes"][rank]
             say(f"fault {i}: {fault} on rank {rank} ({node}) in attempt {attempt}")
             if fault == "hang":
                 stop = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "-N1", "-n1"]
+                t0 = time.time()
                 proc = run([*stop, "kill", "-STOP", str(start["pids"][rank])], env=env)
                 assert proc.returncode == 0, proc.stderr
                 journal.log(
@@ -191,6 +193,7 @@ def run_storm(
                     fault,
                     ("kill-rank", 1 - rank),  # sick-node: the rank on the healthy node dies
                 )
+                t0 = time.time()  # the fault is the kill: a sick-node drill alone stops nothing
                 done = chaos(action, "--rank", str(target))
                 assert done.returncode == 0, done.stdout + done.stderr
             storm.injected.append({"fault": fault, "rank": rank, "node": node, "time": t0, "attempt": attempt})
@@ -279,16 +282,17 @@ def check(storm: Storm) -> list[str]:
 
 
 def figures(storm: Storm) -> dict[str, Any]:
-    """Per fault: seconds from injection to the next attempt's first step, and the steps lost (the last step
-    done before the fault minus the step the recovering attempt resumed at)."""
-    events, metrics = read_events(storm.run_dir), _metrics(storm.run_dir)
+    """Per fault: seconds from injection to the next attempt's first step, and the steps lost (the step the
+    failed attempt reached, its `fail` events', minus the step the recovering attempt resumed at)."""
+    events = read_events(storm.run_dir)
     per = []
     for inj in storm.injected:
         resumed = _recovered(events, inj["attempt"])
         if resumed is None:
             continue
         first = next(e for e in events if e["event"] == journal.FIRST_STEP and e["restart"] == resumed["restart"])
-        done = max((m["step"] for m in metrics if m["time"] <= inj["time"]), default=0)
+        failed = [e["step"] for e in events if e["event"] == journal.FAIL and e["restart"] == inj["attempt"]]
+        done = max(failed, default=resumed["step"])
         per.append(
             {
                 "fault": inj["fault"],
