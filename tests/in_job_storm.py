@@ -157,7 +157,8 @@ def run_storm(
     wait_until(lambda: _squeue_state(job_id, env) == "RUNNING", 120, "the storm's job to hold its 4 nodes")
     # --exclusive: a whole node, as a GPU job takes one (the storm's job uses 1 of each node's 4 CPUs)
     queue = ["sbatch", "--parsable", "-p", "debug", "-N", "1", "--exclusive", "-J", "competitor", "-o", "/dev/null"]
-    proc = run([*queue, "--wrap", "sleep 600"], env=env)
+    # 60 s once it runs: a run that gave its nodes back waits that long in the queue, and a failing test ends
+    proc = run([*queue, "--wrap", "sleep 60"], env=env)
     assert proc.returncode == 0, proc.stderr
     competitor = proc.stdout.strip().split(";")[0]
     chaos = lambda *args: run([HPC_TRAIN, "chaos", str(run_dir), *args], env=env)  # noqa: E731
