@@ -211,19 +211,13 @@ def run_storm(
     return storm
 
 
-def check(storm: Storm) -> list[str]:
-    """What must hold after any storm; returns the violations (empty when all hold)."""
-    events = read_events(storm.run_dir)
-    bad = []
-    if storm.summary is None:
-        bad.append(f"the run did not finish: {[e for e in events if e['event'] in ('stopped', 'fail')][-3:]}")
-    elif storm.summary["params_sha256"] != storm.reference["params_sha256"]:
-        bad.append("final weights differ from the uninterrupted run's")
-    # A committed checkpoint is deleted only once a newer one is known good in that attempt
+def committed_lost(events: list[dict]) -> list[str]:
+    """A committed checkpoint is deleted only once a newer one is known good in that attempt: the violations."""
     good: dict[int, set[int]] = {}
+    bad = []
     for e in events:
         r = e["restart"]
-        if e["event"] == "start" and e.get("resumed_from"):
+        if e["event"] == "start" and str(e.get("resumed_from") or "").startswith("/"):  # not "memory step N"
             good.setdefault(r, set()).add(int(Path(e["resumed_from"]).name.split("_")[1]))
         elif e["event"] == "checkpoint_committed":
             good.setdefault(r, set()).add(e["step"])
@@ -232,6 +226,18 @@ def check(storm: Storm) -> list[str]:
                 bad.append(
                     f"step {e['step']} deleted in attempt {r} with anchor {e['anchor']}, not a newer verified one"
                 )
+    return bad
+
+
+def check(storm: Storm) -> list[str]:
+    """What must hold after any storm; returns the violations (empty when all hold)."""
+    events = read_events(storm.run_dir)
+    bad = []
+    if storm.summary is None:
+        bad.append(f"the run did not finish: {[e for e in events if e['event'] in ('stopped', 'fail')][-3:]}")
+    elif storm.summary["params_sha256"] != storm.reference["params_sha256"]:
+        bad.append("final weights differ from the uninterrupted run's")
+    bad += committed_lost(events)
     # Every fault shows: its chaos event, then the job's answer
     chaos_events = [e for e in events if e["event"] == "chaos"]
     for inj in storm.injected:
