@@ -9,7 +9,6 @@ import json
 import os
 import random
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -220,7 +219,7 @@ def _digest(state: object) -> str:
     return h.hexdigest()
 
 
-def _ranks(rank: int, world: int, port: int, out: str) -> None:
+def _ranks(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -237,8 +236,10 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
     facts: dict[str, object] = {}
     (root / "shm").mkdir(exist_ok=True)
 
-    def attempt(seed: int, port: int) -> tuple[TrainState, MemoryTier, Saver]:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    def attempt(seed: int) -> tuple[TrainState, MemoryTier, Saver]:
+        # a file rendezvous per attempt: a TCP port picked free in the parent was taken by then in a loaded suite
+        init = f"file://{root}/rendezvous-{seed}"
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 3))
@@ -257,7 +258,7 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
         state.data.position += 4
         torch.rand(3)  # the RNG moves with each step
 
-    state, memory, saver = attempt(0, port)
+    state, memory, saver = attempt(0)
     facts["no_buddy"] = memory.buddy is None
     if rank == 0:  # rank 0's own copy of step 1 cannot be written (a folder by its name): step 1 is not complete
         (memory.folder / "step-1" / "rank-0.pt").mkdir(parents=True)
@@ -276,7 +277,7 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
 
     # A relaunch: fresh weights; rank 1's own copy is gone, so its buddy (rank 2) sends it. An earlier job's folder
     # of this run on each node (SIGKILLed before its cleanup) goes at the load.
-    state, memory, saver = attempt(1, port + 1)
+    state, memory, saver = attempt(1)
     (memory.base / "76" / f"n{rank}" / memory.folder.name / "step-9").mkdir(parents=True)
     if rank == 1:
         for suffix in ("pt", "json"):
@@ -288,7 +289,7 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
     # Another: rank 0's own copy is corrupt (same size): every rank falls back to the disk checkpoint.
-    state, memory, saver = attempt(2, port + 2)
+    state, memory, saver = attempt(2)
     copy = memory.folder / "step-3" / "rank-0.pt"
     if rank == 0 and copy.exists():  # else the load above already failed: the assertions below say so
         data = bytearray(copy.read_bytes())
@@ -307,12 +308,6 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
     record.write_text(json.dumps(facts))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_path: Path) -> None:
     """FSDP2 shards (uneven), AdamW with a lazy parameter, a data position and RNGs on 3 gloo ranks, one per
     "node". Memory copies at steps 1-3: at step 1 rank 0's own copy cannot be written, so no node keeps step 1
@@ -321,7 +316,7 @@ def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_pat
     deleted: rank 1's state comes from its buddy, rank 2, and every rank's state is the saved one bit for bit.
     An earlier job's folders of the run go at the load. Relaunched again with rank 0's copy corrupted: no rank loads from memory, the disk checkpoint of step 2
     loads, and the tier's folders are gone after clean()."""
-    mp.start_processes(_ranks, args=(3, _free_port(), str(tmp_path)), nprocs=3, join=True, start_method="fork")
+    mp.start_processes(_ranks, args=(3, str(tmp_path)), nprocs=3, join=True, start_method="fork")
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     for f in facts:
         assert f["no_buddy"] is False

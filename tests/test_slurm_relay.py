@@ -78,8 +78,9 @@ def test_a_stopped_task_after_the_relaunch_marker_is_killed_and_the_step_relaunc
         'echo "task $SLURM_PROCID of step $SLURM_STEP_ID"\n'
     )
     (tmp_path / "batch.sh").write_text(
-        f"#!/bin/bash\nset -u\nexport HPC_TRAIN_STEP_ARGS='--nodes=2 --ntasks=2' HPC_TRAIN_STEP_END_S=3\n"
-        f"source {relay}\nsrun bash {tmp_path}/step.sh {folder}\n"
+        # the spares' export after the relay, as sbatch.py renders it (the relay unsets an inherited one)
+        f"#!/bin/bash\nset -u\nsource {relay}\nexport HPC_TRAIN_STEP_ARGS='--nodes=2 --ntasks=2' HPC_TRAIN_STEP_END_S=3\n"
+        f"srun bash {tmp_path}/step.sh {folder}\n"
     )
     log = tmp_path / "batch.log"
     sub = ["sbatch", "--parsable", "-p", "debug", "-N", "2", "-t", "3", "-o", str(log), str(tmp_path / "batch.sh")]
