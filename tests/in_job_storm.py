@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import HPC_TRAIN, read_events, run, submit, wait_finished, wait_until
-from storm import committed_lost
+from storm import outcome
 
 from hpc_train import journal
 
@@ -237,11 +237,7 @@ def _recovered(events: list[dict], attempt: int) -> dict | None:
 def check(storm: Storm) -> list[str]:
     """What must hold after any storm within the spares; returns the violations (empty when all hold)."""
     events = read_events(storm.run_dir)
-    bad = []
-    if storm.summary is None:
-        bad.append(f"the run did not finish: {[e for e in events if e['event'] in ('stopped', 'fail')][-3:]}")
-    elif storm.summary["params_sha256"] != storm.reference["params_sha256"]:
-        bad.append("final weights differ from the uninterrupted run's")
+    bad = outcome(storm.summary, storm.reference, events)
     if storm.restarts != "Restarts=0":
         bad.append(f"Slurm requeued the job: {storm.restarts}")
     if ids := {e["job_id"] for e in events if e.get("job_id")} - {storm.job_id}:
@@ -250,7 +246,6 @@ def check(storm: Storm) -> list[str]:
         bad.append(f"requeued or stopped: {requeues}")
     if any(s != "PENDING" for s in storm.competitor):
         bad.append(f"the competing job ran before the run ended: {storm.competitor}")
-    bad += committed_lost(events)
     restarts = {e["restart"]: e for e in journal.named(events, journal.IN_JOB_RESTART)}
     for inj in storm.injected:
         fault, r = inj["fault"], inj["attempt"]

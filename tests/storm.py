@@ -229,15 +229,21 @@ def committed_lost(events: list[dict]) -> list[str]:
     return bad
 
 
+def outcome(summary: dict | None, reference: dict, events: list[dict]) -> list[str]:
+    """What every storm must end with: the run finished with the uninterrupted run's weights, no committed
+    checkpoint lost."""
+    bad = []
+    if summary is None:
+        bad.append(f"the run did not finish: {[e for e in events if e['event'] in ('stopped', 'fail')][-3:]}")
+    elif summary["params_sha256"] != reference["params_sha256"]:
+        bad.append("final weights differ from the uninterrupted run's")
+    return bad + committed_lost(events)
+
+
 def check(storm: Storm) -> list[str]:
     """What must hold after any storm; returns the violations (empty when all hold)."""
     events = read_events(storm.run_dir)
-    bad = []
-    if storm.summary is None:
-        bad.append(f"the run did not finish: {[e for e in events if e['event'] in ('stopped', 'fail')][-3:]}")
-    elif storm.summary["params_sha256"] != storm.reference["params_sha256"]:
-        bad.append("final weights differ from the uninterrupted run's")
-    bad += committed_lost(events)
+    bad = outcome(storm.summary, storm.reference, events)
     # Every fault shows: its chaos event, then the job's answer
     chaos_events = [e for e in events if e["event"] == "chaos"]
     for inj in storm.injected:
