@@ -533,8 +533,7 @@ def _after_failure(
         until = time.monotonic() + 60
         while time.monotonic() < until and not journal.decided(journal.read(paths.run_dir), env.restart_count):
             time.sleep(0.5)
-        # the local executor restarts in place after a requeue (the deciding rank knows which, and cleans its copy)
-        _clean_memory(journal.relaunched(journal.read(paths.run_dir), env.restart_count) or env.executor == "local")
+        _clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
         return "", 0.0
     _deciding[0] = True
     try:
@@ -557,17 +556,23 @@ def _after_failure(
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
     verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick)
-    _clean_memory(verdict == "relaunch" or (verdict == "requeue" and env.executor == "local"))
+    # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
+    # (its own hardware error, its hang) has no rank here to read this node's copies
+    _clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
     return verdict, cfg.cluster.preempt_grace_s
 
 
-def _clean_memory(keep: bool) -> None:
-    """checkpoint.memory_every_steps: this node's copies go unless the step starts again in this allocation (a
-    relaunch, or the local executor's restart in place, which reads them)."""
+def _clean_memory(end: dict[str, Any] | None, local: bool) -> None:
+    """checkpoint.memory_every_steps: this node's copies go unless the failed attempt's verdict `end` starts
+    the step again in this allocation on this node (journal.keeps_memory): a requeue's allocation (another
+    Slurm restart count) never reads them, and nothing else removes them from a node the run does not come
+    back to (RAM until the node's reboot)."""
     if "hpc_train.memory_tier" in sys.modules:  # built by this attempt (Attempt.build imports it)
         from hpc_train import memory_tier
 
-        memory_tier.clean_after_failure(keep)
+        tier = memory_tier.BUILT[0]
+        if tier is not None and not journal.keeps_memory(end, tier.node, local):
+            tier.clean()
 
 
 def _decide_together(

@@ -174,14 +174,25 @@ def new_job_attempt(events: list[Event], slurm_restarts: int | None, job_id: str
     return base + slurm_restarts + len(in_job)
 
 
+def verdict(events: list[Event], restart: int) -> Event | None:
+    """Attempt `restart`'s requeue-or-stop verdict on record (the last), or None while there is none."""
+    ends = named(events, REQUEUE, REQUEUE_FAILED, STOPPED, IN_JOB_RESTART)
+    return next((e for e in reversed(ends) if e.get("restart") == restart), None)
+
+
 def decided(events: list[Event], restart: int) -> bool:
     """Whether attempt `restart`'s requeue-or-stop verdict is on record."""
-    return any(e.get("restart") == restart for e in named(events, REQUEUE, REQUEUE_FAILED, STOPPED, IN_JOB_RESTART))
+    return verdict(events, restart) is not None
 
 
-def relaunched(events: list[Event], restart: int) -> bool:
-    """Whether attempt `restart`'s verdict was an in-job restart (the step starts again in this allocation)."""
-    return any(e.get("restart") == restart for e in named(events, IN_JOB_RESTART))
+def keeps_memory(end: Event | None, node: str, local: bool = False) -> bool:
+    """Whether a failed attempt's memory copies on `node` stay (checkpoint.memory_every_steps), by its verdict
+    `end`: an in-job restart whose step runs on `node`, or the local executor's requeue (it restarts in
+    place). An in-job restart that leaves `node` out has no rank there to read them, and nothing else would
+    free that RAM before the node reboots."""
+    if end is not None and end["event"] == IN_JOB_RESTART:
+        return node not in (end.get("left_out") or [])
+    return local and (end is None or end["event"] == REQUEUE)
 
 
 def committed_steps(events: list[Event]) -> list[int]:
