@@ -500,6 +500,15 @@ def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
     return out if len(out) < len(set(env.nodes)) or env.executor != "slurm" else {}
 
 
+# How long a rank that did not decide waits for the verdict on record: the deciding rank's failure path at
+# its worst, when Slurm does not answer: a hang's blame (30 s, _hung_nodes), the job's fate (slurm.FATE, 33 s),
+# EndTime (3 s), sinfo for an exclusion (21 s), an elastic queue snapshot (3 x 21 s), the requeue and the
+# ExcNodeList update (slurm.REQUEUE, 33 s each) and 10 s for the config and the records: 226 s. It was 60 s,
+# and a slower decision that came to a relaunch found the copies of the ranks that had left deleted.
+# It ends as soon as the verdict is there (within ms of the relay's marker, which it follows at once).
+VERDICT_WAIT_S = (
+    30.0 + slurm.worst_s(*slurm.FATE) + 3.0 + 4 * slurm.worst_s(10.0, 1) + 2 * slurm.worst_s(*slurm.REQUEUE) + 10.0
+)
 _placed: list[Any] = [None]  # this task's env once placed by the rendezvous (ranks in topology order)
 _deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
 
@@ -527,13 +536,22 @@ def _after_failure(
         # the other way round: this thread must not end the process under the deciding one, which exits.
         while _deciding[0]:
             time.sleep(1)
-        # Another rank decides: stay until its verdict is on record (<= 60 s). Exiting at once closed this
-        # rank's sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a
-        # site's KillOnBadExit=1 srun would kill the deciding rank with us.
-        until = time.monotonic() + 60
-        while time.monotonic() < until and not journal.decided(journal.read(paths.run_dir), env.restart_count):
+        # Another rank decides: stay until its verdict is on record. Exiting at once closed this rank's
+        # sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a site's
+        # KillOnBadExit=1 srun would kill the deciding rank with us. Still none by VERDICT_WAIT_S (the
+        # deciding rank died): this node's copies stay, since a relaunch could still come and read them.
+        until = time.monotonic() + VERDICT_WAIT_S
+        while (end := journal.verdict(journal.read(paths.run_dir), env.restart_count)) is None:
+            if time.monotonic() >= until:
+                print(
+                    f"[hpc_train] no verdict on record {VERDICT_WAIT_S:.0f} s after this rank failed: leaving "
+                    f"without it, this node's memory copies kept for a relaunch that may still come",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
             time.sleep(0.5)
-        _clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
+        _clean_memory(end, env.executor == "local")
         return "", 0.0
     _deciding[0] = True
     try:

@@ -12,11 +12,11 @@
 # that step ended goes to the relaunched one as HPC_TRAIN_PENDING_SIGNAL (preempt.install_handlers).
 # A rank that never exits (SIGSTOP, D state) would hold the step, and this shell, until the time limit.
 # Once the marker is there (looked for every 5 s; on NFS up to acdirmax, 60 s, later) the step gets
-# HPC_TRAIN_STEP_END_S (90 s: the ranks that did not decide wait up to 60 s for the verdict on record,
-# job._after_failure, then 30 s to exit), then srun a TERM, which it turns into SIGKILL for every task (a
-# stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the default UnkillableStepTimeout of 60 s that
-# slurmstepd gives a D-state task) before SIGKILL to srun itself, whose shepherd then has slurmctld kill
-# the step, and the relaunch goes on.
+# HPC_TRAIN_STEP_END_S (90 s: the verdict goes on record right after the marker, and the ranks that did
+# not decide, polling for it every 0.5 s in job._after_failure, then exit), then srun a TERM, which it
+# turns into SIGKILL for every task (a stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the
+# default UnkillableStepTimeout of 60 s that slurmstepd gives a D-state task) before SIGKILL to srun
+# itself, whose shepherd then has slurmctld kill the step, and the relaunch goes on.
 # A job submitted from a rank of a spares job inherits its HPC_TRAIN_STEP_ARGS (sbatch --export=ALL), not this job:
 # only the line the renderer writes after this one, for a job with spares, sets it.
 unset HPC_TRAIN_STEP_ARGS

@@ -171,6 +171,57 @@ def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
         )
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], seed: int
+) -> None:
+    """Review of issue 20: a rank that did not decide waited 60 s for the verdict on record, then removed its
+    node's copies as if there were no relaunch; a deciding rank slower than that (a hang's blame, scontrol
+    retries: up to ~226 s) relaunched onto nodes whose copies were gone. Seeded verdicts, nodes left out and
+    decision times around the wait (job.VERDICT_WAIT_S, 1 s here): the copies go only on a verdict seen that
+    no step in this allocation reads them by; a verdict seen in time is acted on; none seen keeps them."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    rng = random.Random(seed)
+    run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
+    paths = RunPaths(run_dir)
+    paths.failure_claim("77", 0).touch()  # another rank claimed the failure: this one waits for its verdict
+    monkeypatch.setattr(job, "VERDICT_WAIT_S", 1.0)
+    monkeypatch.setattr(job, "_deciding", [False])
+    env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=3, node_rank=1, nodes=("n1", "n2"))
+    name = rng.choice([journal.IN_JOB_RESTART, journal.IN_JOB_RESTART, journal.REQUEUE, journal.STOPPED])
+    left_out = rng.choice([[], ["n2"], ["n1"], ["n1", "n2"]]) if name == journal.IN_JOB_RESTART else None
+    delay = rng.choice([rng.uniform(0.0, 0.4), rng.uniform(1.6, 2.2)])  # well inside the wait, or well past it
+
+    def decide() -> None:
+        journal.log(run_dir, journal.FAIL, 5, "77", 0, rank=0, error="RuntimeError: Xid 79")  # no verdict
+        time.sleep(delay)
+        journal.log(run_dir, name, 5, "77", 0, **({"left_out": left_out} if left_out is not None else {}))
+
+    decider = threading.Thread(target=decide)
+    t0 = time.monotonic()
+    decider.start()
+    assert job._after_failure(paths, env, RuntimeError("Connection closed by peer")) == ("", 0.0)
+    waited = time.monotonic() - t0
+    decider.join()
+    needed = name == journal.IN_JOB_RESTART and "n2" not in (left_out or [])
+    kept = (folder / "step-5").is_dir()
+    assert kept or not needed, (name, left_out, delay)  # the invariant: never what the relaunch reads
+    if delay < 1.0:  # seen: acted on, within a poll of its writing
+        assert kept == needed and waited < delay + 0.9, (name, left_out, delay, waited)
+    else:  # not seen: kept, and said
+        assert (
+            kept
+            and 1.0 <= waited < 1.9
+            and "no verdict on record 1 s after this rank failed" in capsys.readouterr().err
+        )
+
+
 def test_status_and_report_say_an_attempt_resumed_from_memory(tmp_path: Path) -> None:
     import io
     from contextlib import redirect_stdout
