@@ -416,6 +416,35 @@ def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
     assert "spares-1: 1 in-job restart(s); 0 spare node(s) left" in out.getvalue()
 
 
+def test_report_names_the_next_size_of_an_in_job_restart_only_when_it_is_smaller(tmp_path: Path) -> None:
+    """Review of issue 20: every in-job row said `(next: 2 nodes)`, a relaunch on a spare at full size too;
+    only going on smaller than cluster.nodes (min_nodes, no spare left) is news. Here cluster.nodes=2 + 1
+    spare: a kill (same nodes), a sick node (its spare), a second sick node (one node left)."""
+    from test_local_ops import local_run, table_rows
+
+    def attempt(restart: int, t: float, nodes: list[str], **end: object) -> list[dict]:
+        base = {"job_id": "4242", "restart": restart, "step": 10 * restart}
+        start = {**base, "time": t, "event": "start", "launched_at": t - 5, "world_size": len(nodes), "nodes": nodes}
+        return [start, *([{**base, "time": t + 5, "event": journal.IN_JOB_RESTART, **end}] if end else [])]
+
+    events = [
+        *attempt(0, 100.0, ["n1", "n2"], left_out=[], nodes_next=2, spares_left=1),
+        *attempt(1, 120.0, ["n1", "n2"], left_out=["n2"], nodes_next=2, spares_left=0),
+        *attempt(2, 140.0, ["n1", "n3"], left_out=["n2", "n3"], nodes_next=1, spares_left=0),
+        *attempt(3, 160.0, ["n1"]),
+    ]
+    run_dir = local_run(tmp_path / "spares", 999999, {"start_time": 0, "boot_id": "gone", "host": "gone"}, events)
+    (run_dir / "config.yaml").write_text("cluster: {executor: local, nodes: 2, spare_nodes: 1}\n")
+    proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")])
+    assert proc.returncode == 0, proc.stderr
+    assert [r["ended by"] for r in table_rows(proc.stdout, "attempt")] == [
+        "in_job_restart",
+        "in_job_restart (left out: n2; 0 spare(s) left)",
+        "in_job_restart (next: 1 nodes) (left out: n2,n3; 0 spare(s) left)",
+        "running",
+    ], proc.stdout
+
+
 RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
 
 
