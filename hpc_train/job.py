@@ -210,7 +210,7 @@ def requeue_or_stop(
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
     if in_job and _in_job_restart(env, cfg, reason, fate, events, budgets, sick or {}, record):
         return "relaunch"
-    excluded = sorted(journal.excluded_nodes(events))
+    excluded = list(journal.excluded_nodes(events))  # oldest blame first: _update_next_attempt lets those in first
     if action != "stop" and sick:
         excluded, not_out, stop = preempt.exclusion(
             events, sick, budgets.max_excluded_nodes, spare_nodes(env, cfg.cluster), local=env.executor != "slurm"
@@ -224,6 +224,8 @@ def requeue_or_stop(
             action, why = preempt.decide(reason, events, budgets, fate)
         for node, because in sick.items() if not (stop or not_out) else ():
             record(journal.NODE_EXCLUDED, node=node, why=because)
+        order = [*(n for n in journal.excluded_nodes(events) if n not in sick), *sick]  # the sick ones: newest
+        excluded = sorted(excluded, key=lambda n: order.index(n) if n in order else len(order))
     if action == "stop":
         record(journal.STOPPED, reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
@@ -395,16 +397,47 @@ def _update_next_attempt(
     with a failed NumNodes could leave NumTasks=8 on too few usable nodes: pending for good). Only now:
     Slurm 22.05 refuses both on a running job ("Job is no longer pending execution"); the requeued job is
     PENDING and cannot start before cred_expire (10 s on the dev cluster, 120 s by default). Set at every
-    requeue while the run has excluded nodes: it also survives a lost first try. Returns "" or the error."""
+    requeue while the run has excluded nodes: it also survives a lost first try. `nodes`: oldest blame
+    first; the oldest are let back in where the partition would keep too few for the job (_fit_exclusions).
+    Returns "" or the error."""
     if env.executor != "slurm" or not (nodes or size):
         return ""
-    value = ",".join([*nodes, *([cluster.exclude] if cluster.exclude else [])])
+    kept, let_in, why = _fit_exclusions(cluster, nodes)
+    value = ",".join([*kept, *([cluster.exclude] if cluster.exclude else [])])  # "": clears an earlier one
     err = slurm.update_job(env.job_id, {**({"ExcNodeList": value} if nodes else {}), **size})
     if nodes:
-        record(journal.EXCLUDE_NODES, nodes=value, ok=not err, **({"error": err} if err else {}))
+        extra = {"let_in": let_in, "why": why} if let_in else {}
+        record(journal.EXCLUDE_NODES, nodes=value, ok=not err, **extra, **({"error": err} if err else {}))
+        if let_in:
+            print(f"[hpc_train] {why}", file=sys.stderr, flush=True)
         if err:
             print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
     return err
+
+
+def _fit_exclusions(cluster: Any, nodes: list[str]) -> tuple[list[str], list[str], str]:
+    """(the nodes the requeued job still leaves out, sorted; those let back in; the sentence that says so):
+    the partition must keep the job's nodes (nodes + spare_nodes, else min_nodes or nodes) usable beyond them
+    (preempt.fit_exclusions). One sinfo try of 5 s (slurm.STOP_SNAPSHOT: this runs after a stop's requeue
+    too, inside KillWait); no answer: all stay out, as before."""
+    from hpc_train.env import parse_nodelist
+
+    need = cluster.nodes + cluster.spare_nodes if cluster.spare_nodes else cluster.min_nodes or cluster.nodes
+    partition = cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    try:
+        states = slurm.node_states(partition, slurm.STOP_SNAPSHOT) if nodes else {}
+    except slurm.SlurmError:
+        states = {}
+    if not states:
+        return sorted(nodes), [], ""
+    kept, let_in = preempt.fit_exclusions(nodes, states, need, parse_nodelist(cluster.exclude or ""))
+    usable = len(preempt.usable_nodes(states) - set(parse_nodelist(cluster.exclude or "")))
+    why = (
+        f"ExcNodeList lets {','.join(let_in)} back in (left out longest ago): the job needs {need} nodes and "
+        f"partition {partition or '(default)'} has {usable} usable, so leaving out all {len(nodes)} of "
+        f"{','.join(sorted(nodes))} would keep it pending for good; {','.join(kept) or 'none'} stay out"
+    )
+    return kept, let_in, why if let_in else ""
 
 
 def elastic(env: Any, cfg: Any) -> bool:

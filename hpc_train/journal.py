@@ -52,7 +52,7 @@ REQUEUE_FAILED = "requeue_failed"
 STOPPED = "stopped"
 NODE_EXCLUDED = "node_excluded"
 NODE_NOT_EXCLUDED = "node_not_excluded"
-EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not
+EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not; let_in: nodes let back in
 # the training step relaunched inside the allocation (cluster.spare_nodes): reason, left_out (nodes of this
 # job it leaves out), nodes_next, spares_left, in_job_restarts (in a row, this one included)
 IN_JOB_RESTART = "in_job_restart"
@@ -368,22 +368,30 @@ def data_change_allowed(events: list[Event]) -> bool:
 
 
 def excluded_nodes(events: list[Event]) -> dict[str, str]:
-    """node -> why, from the `node_excluded` events since the last `hpc-train resume` (a person's word that
-    the nodes are fixed; the resumed job starts without the exclusions and the preflight judges again)."""
-    return {
-        e["node"]: str(e.get("why", ""))
-        for e in named(since_resume(events), NODE_EXCLUDED)
-        if isinstance(e.get("node"), str)
-    }
+    """node -> why, oldest blame first, from the `node_excluded` events since the last `hpc-train resume` (a
+    person's word that the nodes are fixed; the resumed job starts without the exclusions and the preflight
+    judges again), less the nodes a requeue let back in since (`exclude_nodes` with `let_in`: the partition
+    would have kept too few for the run, preempt.fit_exclusions)."""
+    out: dict[str, str] = {}
+    for e in since_resume(events):
+        if e["event"] == NODE_EXCLUDED and isinstance(e.get("node"), str):
+            out.pop(e["node"], None)  # blamed again: the newest
+            out[e["node"]] = str(e.get("why", ""))
+        elif e["event"] == EXCLUDE_NODES:
+            for node in e.get("let_in") or []:
+                out.pop(node, None)
+    return out
 
 
 def exclusion_took(events: list[Event], node: str) -> tuple[bool, int]:
     """(an `exclude_nodes` event with ok=True named `node` after it was first left out, how many times it
-    was left out), since the last resume."""
+    was left out), since the last resume or since a requeue let it back in (its `let_in`)."""
     took, times = False, 0
     for e in since_resume(events):
         if e["event"] == NODE_EXCLUDED and e.get("node") == node:
             times += 1
+        elif e["event"] == EXCLUDE_NODES and node in (e.get("let_in") or []):
+            took, times = False, 0
         elif e["event"] == EXCLUDE_NODES and e.get("ok") and times and node in str(e.get("nodes", "")).split(","):
             took = True
     return took, times

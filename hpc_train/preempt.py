@@ -416,6 +416,21 @@ def not_free(job_id: str, states: dict[str, str], free: set[str], jobs: list[dic
     }
 
 
+def fit_exclusions(
+    excluded: list[str], states: dict[str, str], need: int, exclude: list[str]
+) -> tuple[list[str], list[str]]:
+    """Which of the run's left-out nodes (`excluded`, oldest blame first) a requeued job can keep in its
+    ExcNodeList and still find `need` nodes in the partition (pure): (kept, let back in), both sorted. An
+    in-job restart counts only its allocation, so exclusions grow past what the partition can spare: 2 nodes
+    left out inside a 3 + 1 allocation on a 4-node partition left the requeued job pending for good. The
+    most recently blamed stay out; a node unusable anyway (drained, down) costs nothing and stays too.
+    states: node -> sinfo's short state; exclude: cluster.exclude, never let in."""
+    usable = usable_nodes(states) - set(exclude)
+    costly = [n for n in excluded if n in usable]
+    back = costly[: max(0, len(costly) - max(0, len(usable) - need))]
+    return sorted(set(excluded) - set(back)), sorted(back)
+
+
 def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:
     """The partition's nodes in a usable state (states: node -> sinfo's short state), less cluster.exclude,
     beyond the `need` the run has (pure). Not TotalNodes: it counts drained and down nodes, so exclusions

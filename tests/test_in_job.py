@@ -172,6 +172,40 @@ def test_an_in_job_exclusion_counts_the_allocation_a_requeue_the_partition(seed:
         assert inside == sorted(after) and "the partition has 0 usable nodes" in not_out
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_a_requeue_leaves_out_only_what_the_partition_can_spare_the_newest_blames_first(seed: int) -> None:
+    """Review of issue 20: an in-job restart counts its allocation only, so the run's exclusions grew past what
+    the partition can spare, and a later requeue's ExcNodeList (all of them) left the job pending for good.
+    Seeded partitions, blames (oldest first; a node blamed again is the newest) and needs: the job keeps room
+    for `need` usable nodes when the partition has them, lets in the fewest, the longest ago blamed first, and
+    keeps out what is unusable anyway; the journal then counts the let-in nodes as no longer left out."""
+    rng = random.Random(seed)
+    nodes = [f"n{i}" for i in range(rng.randint(2, 8))]
+    states = {n: rng.choice(["idle", "idle", "mix", "alloc", "drain", "down*", "idle*"]) for n in nodes}
+    exclude = rng.sample(nodes, rng.randint(0, 1))
+    need = rng.randint(1, len(nodes))
+    blames = [rng.choice(nodes) for _ in range(rng.randint(0, 6))]
+    events = [ev(journal.NODE_EXCLUDED, node=n, why=f"blame {i}") for i, n in enumerate(blames)]
+    order = list(journal.excluded_nodes(events))
+    assert order == [n for i, n in enumerate(blames) if n not in blames[i + 1 :]]  # by the latest blame
+    kept, let_in = preempt.fit_exclusions(order, states, need, exclude)
+    usable = preempt.usable_nodes(states) - set(exclude)
+    assert sorted(kept + let_in) == sorted(order) and not set(kept) & set(let_in)
+    assert set(let_in) <= usable  # an unusable node costs nothing: it stays out
+    if len(usable) >= need:
+        assert len(usable - set(kept)) >= need  # the requeued job fits
+        if let_in:  # no fewer would do: one more left out would not fit
+            assert len(usable - set(kept)) == need
+    else:
+        assert not set(kept) & usable  # it cannot fit: nothing usable is held back from it
+    rank = {n: i for i, n in enumerate(order)}
+    assert all(rank[a] < rank[b] for a in let_in for b in kept if b in usable)  # the longest ago blamed go first
+    after = [*events, ev(journal.EXCLUDE_NODES, nodes=",".join(kept), ok=True, let_in=let_in)]
+    assert list(journal.excluded_nodes(after)) == [n for n in order if n in kept]
+    for n in let_in:
+        assert journal.exclusion_took(after, n) == (False, 0)  # blamed again: a new exclusion, not "took"
+
+
 def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
     """SLURM_RESTART_COUNT does not move at an in-job restart: the attempt counts this job's relaunches."""
     # the ranks that did not decide log their `fail` after the verdict: the verdict still ends the attempt
@@ -634,5 +668,66 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         assert (
             "not restarting inside the allocation: " in said and " s left before the time limit, under the 90 s" in said
         )
+    finally:
+        run(["scancel", job_id], env=slurm_env)
+
+
+@pytest.mark.slurm
+def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fits(
+    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review of issue 20 on the dev cluster: cluster.nodes=2 + 1 spare on the 4-node `debug` partition, two
+    nodes left out by in-job restarts (they count the allocation), then a time-limit requeue of the real job.
+    ExcNodeList held both: 2 usable nodes for a 3-node job, pending for good. Now it keeps the newest blame
+    out and lets the older one in (exclude_nodes event with let_in, a line in the job log); the requeued job
+    runs again, not on the node still left out. Then as a 4-node job (3 + 1): none to spare, ExcNodeList
+    cleared."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.env import parse_nodelist
+    from hpc_train.paths import RunPaths
+
+    for key, value in slurm_env.items():
+        monkeypatch.setenv(key, value)
+    cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"]))
+    sub = ["sbatch", "--parsable", "--requeue", "-p", "debug", "-N", "3", "-t", "10", "-o", "/dev/null"]
+    job_id = run([*sub, "--wrap", "sleep 300"], env=slurm_env).stdout.strip()
+
+    def state() -> str:
+        return run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=slurm_env).stdout.strip()
+
+    try:
+        wait_until(lambda: state() == "RUNNING", 60, "3 nodes")
+        nodelist = run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=slurm_env).stdout.strip()
+        old, new = parse_nodelist(nodelist)[:2]
+        monkeypatch.setenv("SLURM_JOB_ID", job_id)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        for node in (old, new):  # as two in-job restarts record them
+            journal.log(run_dir, journal.NODE_EXCLUDED, 5, job_id, 0, node=node, why="Xid 79")
+        env = SimpleNamespace(executor="slurm", job_id=job_id, restart_count=0, nodes=tuple(parse_nodelist(nodelist)))
+        assert job.requeue_or_stop(RunPaths(run_dir), env, cfg, "time_limit", 5) == "requeue"
+        (exc,) = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES]
+        assert (exc["nodes"], exc["let_in"], exc["ok"]) == (new, [old], True), exc
+        assert list(journal.excluded_nodes(read_events(run_dir))) == [new]
+        assert f"[hpc_train] ExcNodeList lets {old} back in (left out longest ago): the job needs 3 nodes" in (
+            capsys.readouterr().err
+        )
+        shown = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+        assert f" ExcNodeList={new} " in shown, shown
+        wait_until(lambda: state() == "RUNNING", 90, "the requeued job running again")
+        again = run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=slurm_env).stdout.strip()
+        assert new not in parse_nodelist(again), again
+        # a job of all 4 nodes has none to spare: the last one left out is let in, ExcNodeList cleared
+        whole = to_run_config(compose(["cluster=dev", "cluster.nodes=3", "cluster.spare_nodes=1"]))
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this allocation's: Slurm requeued it once
+        assert job.requeue_or_stop(RunPaths(run_dir), env, whole, "time_limit", 6) == "requeue"
+        last = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES][-1]
+        assert (last["nodes"], last["let_in"], last["ok"]) == ("", [new], True), last
+        assert journal.excluded_nodes(read_events(run_dir)) == {}
+        shown = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+        assert " ExcNodeList=(null) " in shown, shown
     finally:
         run(["scancel", job_id], env=slurm_env)
