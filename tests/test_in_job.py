@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +226,22 @@ def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
     assert journal.in_job_restarts_in_a_row([*events, ev("resume", 1)]) == 0
 
 
+def test_a_stop_is_judged_by_when_its_signal_came_not_when_a_relaunched_step_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review of issue 20: a USR2 held by the relay while the failed step ended was judged as if it came when
+    the relaunched step first checked: one that came 800 s before the end (a preemption's USR2, far from the
+    time limit's 2-minute lead) was judged a time limit once the relaunch had brought the end near."""
+    from types import SimpleNamespace
+
+    cluster = SimpleNamespace(signal_lead_s=120, preempt_grace_s=60, timeout_min=60)
+    monkeypatch.setattr(preempt, "received", ["SIGUSR2"])
+    for ago, end_in, reason, left in ((600.0, 200.0, 2.0, 60 - 600), (10.0, 200.0, 1.0, 120 - 10)):
+        monkeypatch.setattr(preempt, "received_at", [time.monotonic() - ago])
+        got_left, got_reason = preempt.time_left(cluster, time.time() + end_in, False, 0.0, 0.0)
+        assert got_reason == reason and abs(got_left - min(left, end_in)) < 2, (ago, got_left, got_reason)
+
+
 def test_a_step_on_fewer_nodes_than_the_job_has_places_by_the_steps_nodes() -> None:
     env = {
         "SLURM_PROCID": "3",
@@ -277,9 +295,21 @@ def test_spares_with_min_nodes_keep_a_fixed_allocation_of_nodes_plus_spares() ->
 def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
     """A stop signal trapped while the failed step ended is recorded as received when the next step's
     handlers go in: its stop save and requeue happen, not a step that never heard of the time limit."""
-    code = "from hpc_train import preempt; preempt.install_handlers(); import os; print(preempt.received, 'HPC_TRAIN_PENDING_SIGNAL' in os.environ)"  # noqa: E501
+    code = (
+        "from hpc_train import preempt; preempt.install_handlers(); import os, time; print(preempt.received, "
+        "'HPC_TRAIN_PENDING_SIGNAL' in os.environ, [round(time.monotonic() - t, -1) for t in preempt.received_at])"
+    )
     root = str(Path(__file__).resolve().parents[1])
-    for pending, want in (("SIGUSR2", "['SIGUSR2'] False"), ("", "[] False"), ("bogus", "[] False")):
+    # the relay's "SIGUSR2@<Unix s>": as when it came (review: as if it came when the relaunched step started)
+    came = int(time.time()) - 40
+    for pending, want in (
+        ("SIGUSR2", "['SIGUSR2'] False [0.0]"),
+        (f"SIGUSR2@{came}", "['SIGUSR2'] False [40.0]"),
+        (f"SIGTERM@{came + 3600}", "['SIGTERM'] False [0.0]"),  # a clock ahead of ours: now
+        ("SIGUSR2@0", "['SIGUSR2'] False [0.0]"),  # bash before 5.0 has no EPOCHSECONDS
+        ("", "[] False []"),
+        ("bogus@12", "[] False []"),
+    ):
         out = subprocess.run(
             [sys.executable, "-c", code],
             env={**os.environ, "PYTHONPATH": root, "HPC_TRAIN_PENDING_SIGNAL": pending},
@@ -582,7 +612,9 @@ def test_a_signal_caught_while_the_step_ends_reaches_the_relaunched_step(tmp_pat
     )
     status, calls, marker, err = _relay(tmp_path, "--nodes=2 --ntasks=4", None, fake)
     assert status == 0 and len(calls) == 2, err
-    assert Path(f"{marker}.pending").read_text().split() == ["pending=", "pending=SIGUSR2"]
+    first, second = Path(f"{marker}.pending").read_text().split()
+    assert first == "pending=" and re.fullmatch(r"pending=SIGUSR2@\d+", second), second
+    assert abs(int(second.split("@")[1]) - time.time()) < 30  # when it came, in Unix s
 
 
 def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
