@@ -262,7 +262,7 @@ def requeue_or_stop(
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
     # No requeue, so no pending job to set ExcNodeList on: the node's next preflight finds it and sets it then.
-    unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
+    unset = {"exclude_nodes": f"not set ({','.join(sorted(excluded))}): the job was not requeued"} if excluded else {}
     record(journal.REQUEUE_FAILED, reason=reason, fate=fate, error=err, **unset)
     preempted = reason == "preempt" or "SIGTERM" in preempt.received  # a crash inside a preemption's grace too
     then = (
