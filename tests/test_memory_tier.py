@@ -196,7 +196,8 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
     env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=3, node_rank=1, nodes=("n1", "n2"))
     name = rng.choice([journal.IN_JOB_RESTART, journal.IN_JOB_RESTART, journal.REQUEUE, journal.STOPPED])
     left_out = rng.choice([[], ["n2"], ["n1"], ["n1", "n2"]]) if name == journal.IN_JOB_RESTART else None
-    delay = rng.choice([rng.uniform(0.0, 0.4), rng.uniform(1.6, 2.2)])  # well inside the wait, or well past it
+    # well inside the wait, or well past it: margins for a loaded machine (the wait polls every 0.5 s)
+    delay = rng.choice([rng.uniform(0.0, 0.3), rng.uniform(2.4, 2.8)])
 
     def decide() -> None:
         journal.log(run_dir, journal.FAIL, 5, "77", 0, rank=0, error="RuntimeError: Xid 79")  # no verdict
@@ -213,11 +214,11 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
     kept = (folder / "step-5").is_dir()
     assert kept or not needed, (name, left_out, delay)  # the invariant: never what the relaunch reads
     if delay < 1.0:  # seen: acted on, within a poll of its writing
-        assert kept == needed and waited < delay + 0.9, (name, left_out, delay, waited)
+        assert kept == needed and waited < delay + 1.5, (name, left_out, delay, waited)
     else:  # not seen: kept, and said
         assert (
             kept
-            and 1.0 <= waited < 1.9
+            and 1.0 <= waited < 2.4
             and "no verdict on record 1 s after this rank failed" in capsys.readouterr().err
         )
 
