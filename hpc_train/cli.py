@@ -340,6 +340,7 @@ def _report(args: argparse.Namespace) -> int:
     for run in _runs(args.run):
         png = Path(args.png) if args.png else run.run_dir / "report.png"
         parts, atts, made = report.report(run, png)
+        nodes = report.cluster_nodes(run.run_dir)
         table = Table(title=f"{run.label}: goodput {parts['goodput']:.1%} of {parts['allocated']:.1f} s allocated")
         for col in ("part", "seconds", "share"):
             table.add_column(col)
@@ -386,13 +387,7 @@ def _report(args: argparse.Namespace) -> int:
                 f"{a['end'] - a['launched']:.1f}",
                 f"{(a['start'] or a['end']) - a['launched']:.1f}",
                 phases,
-                a["ended_by"]
-                + (f" (next: {a['nodes_next']} nodes)" if a["nodes_next"] else "")
-                + (
-                    f" (left out: {','.join(map(str, a['left_out']))}; {a['spares_left']} spare(s) left)"
-                    if isinstance(a["left_out"], list) and a["left_out"]
-                    else ""
-                ),
+                report.ended_text(a, nodes),
                 ",".join(a["signals"]),
             )
         console = Console(width=200)

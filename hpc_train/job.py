@@ -210,7 +210,7 @@ def requeue_or_stop(
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
     if in_job and _in_job_restart(env, cfg, reason, fate, events, budgets, sick or {}, record):
         return "relaunch"
-    excluded = sorted(journal.excluded_nodes(events))
+    excluded = list(journal.excluded_nodes(events))  # oldest blame first: _update_next_attempt lets those in first
     if action != "stop" and sick:
         excluded, not_out, stop = preempt.exclusion(
             events, sick, budgets.max_excluded_nodes, spare_nodes(env, cfg.cluster), local=env.executor != "slurm"
@@ -224,6 +224,8 @@ def requeue_or_stop(
             action, why = preempt.decide(reason, events, budgets, fate)
         for node, because in sick.items() if not (stop or not_out) else ():
             record(journal.NODE_EXCLUDED, node=node, why=because)
+        order = [*(n for n in journal.excluded_nodes(events) if n not in sick), *sick]  # the sick ones: newest
+        excluded = sorted(excluded, key=lambda n: order.index(n) if n in order else len(order))
     if action == "stop":
         record(journal.STOPPED, reason=why)
         print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
@@ -260,7 +262,7 @@ def requeue_or_stop(
     # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
     # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
     # No requeue, so no pending job to set ExcNodeList on: the node's next preflight finds it and sets it then.
-    unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
+    unset = {"exclude_nodes": f"not set ({','.join(sorted(excluded))}): the job was not requeued"} if excluded else {}
     record(journal.REQUEUE_FAILED, reason=reason, fate=fate, error=err, **unset)
     preempted = reason == "preempt" or "SIGTERM" in preempt.received  # a crash inside a preemption's grace too
     then = (
@@ -395,16 +397,47 @@ def _update_next_attempt(
     with a failed NumNodes could leave NumTasks=8 on too few usable nodes: pending for good). Only now:
     Slurm 22.05 refuses both on a running job ("Job is no longer pending execution"); the requeued job is
     PENDING and cannot start before cred_expire (10 s on the dev cluster, 120 s by default). Set at every
-    requeue while the run has excluded nodes: it also survives a lost first try. Returns "" or the error."""
+    requeue while the run has excluded nodes: it also survives a lost first try. `nodes`: oldest blame
+    first; the oldest are let back in where the partition would keep too few for the job (_fit_exclusions).
+    Returns "" or the error."""
     if env.executor != "slurm" or not (nodes or size):
         return ""
-    value = ",".join([*nodes, *([cluster.exclude] if cluster.exclude else [])])
+    kept, let_in, why = _fit_exclusions(cluster, nodes)
+    value = ",".join([*kept, *([cluster.exclude] if cluster.exclude else [])])  # "": clears an earlier one
     err = slurm.update_job(env.job_id, {**({"ExcNodeList": value} if nodes else {}), **size})
     if nodes:
-        record(journal.EXCLUDE_NODES, nodes=value, ok=not err, **({"error": err} if err else {}))
+        extra = {"let_in": let_in, "why": why} if let_in else {}
+        record(journal.EXCLUDE_NODES, nodes=value, ok=not err, **extra, **({"error": err} if err else {}))
+        if let_in:
+            print(f"[hpc_train] {why}", file=sys.stderr, flush=True)
         if err:
             print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
     return err
+
+
+def _fit_exclusions(cluster: Any, nodes: list[str]) -> tuple[list[str], list[str], str]:
+    """(the nodes the requeued job still leaves out, sorted; those let back in; the sentence that says so):
+    the partition must keep the job's nodes (nodes + spare_nodes, else min_nodes or nodes) usable beyond them
+    (preempt.fit_exclusions). One sinfo try of 5 s (slurm.STOP_SNAPSHOT: this runs after a stop's requeue
+    too, inside KillWait); no answer: all stay out, as before."""
+    from hpc_train.env import parse_nodelist
+
+    need = cluster.nodes + cluster.spare_nodes if cluster.spare_nodes else cluster.min_nodes or cluster.nodes
+    partition = cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    try:
+        states = slurm.node_states(partition, slurm.STOP_SNAPSHOT) if nodes else {}
+    except slurm.SlurmError:
+        states = {}
+    if not states:
+        return sorted(nodes), [], ""
+    kept, let_in = preempt.fit_exclusions(nodes, states, need, parse_nodelist(cluster.exclude or ""))
+    usable = len(preempt.usable_nodes(states) - set(parse_nodelist(cluster.exclude or "")))
+    why = (
+        f"ExcNodeList lets {','.join(let_in)} back in (left out longest ago): the job needs {need} nodes and "
+        f"partition {partition or '(default)'} has {usable} usable, so leaving out all {len(nodes)} of "
+        f"{','.join(sorted(nodes))} would keep it pending for good; {','.join(kept) or 'none'} stay out"
+    )
+    return kept, let_in, why if let_in else ""
 
 
 def elastic(env: Any, cfg: Any) -> bool:
@@ -500,6 +533,15 @@ def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
     return out if len(out) < len(set(env.nodes)) or env.executor != "slurm" else {}
 
 
+# How long a rank that did not decide waits for the verdict on record: the deciding rank's failure path at
+# its worst, when Slurm does not answer: a hang's blame (30 s, _hung_nodes), the job's fate (slurm.FATE, 33 s),
+# EndTime (3 s), sinfo for an exclusion (21 s), an elastic queue snapshot (3 x 21 s), the requeue and the
+# ExcNodeList update (slurm.REQUEUE, 33 s each) and 10 s for the config and the records: 226 s. It was 60 s,
+# and a slower decision that came to a relaunch found the copies of the ranks that had left deleted.
+# It ends as soon as the verdict is there (within ms of the relay's marker, which it follows at once).
+VERDICT_WAIT_S = (
+    30.0 + slurm.worst_s(*slurm.FATE) + 3.0 + 4 * slurm.worst_s(10.0, 1) + 2 * slurm.worst_s(*slurm.REQUEUE) + 10.0
+)
 _placed: list[Any] = [None]  # this task's env once placed by the rendezvous (ranks in topology order)
 _deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
 
@@ -527,14 +569,22 @@ def _after_failure(
         # the other way round: this thread must not end the process under the deciding one, which exits.
         while _deciding[0]:
             time.sleep(1)
-        # Another rank decides: stay until its verdict is on record (<= 60 s). Exiting at once closed this
-        # rank's sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a
-        # site's KillOnBadExit=1 srun would kill the deciding rank with us.
-        until = time.monotonic() + 60
-        while time.monotonic() < until and not journal.decided(journal.read(paths.run_dir), env.restart_count):
+        # Another rank decides: stay until its verdict is on record. Exiting at once closed this rank's
+        # sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a site's
+        # KillOnBadExit=1 srun would kill the deciding rank with us. Still none by VERDICT_WAIT_S (the
+        # deciding rank died): this node's copies stay, since a relaunch could still come and read them.
+        until = time.monotonic() + VERDICT_WAIT_S
+        while (end := journal.verdict(journal.read(paths.run_dir), env.restart_count)) is None:
+            if time.monotonic() >= until:
+                print(
+                    f"[hpc_train] no verdict on record {VERDICT_WAIT_S:.0f} s after this rank failed: leaving "
+                    f"without it, this node's memory copies kept for a relaunch that may still come",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
             time.sleep(0.5)
-        # the local executor restarts in place after a requeue (the deciding rank knows which, and cleans its copy)
-        _clean_memory(journal.relaunched(journal.read(paths.run_dir), env.restart_count) or env.executor == "local")
+        _clean_memory(end, env.executor == "local")
         return "", 0.0
     _deciding[0] = True
     try:
@@ -557,17 +607,23 @@ def _after_failure(
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
     verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick)
-    _clean_memory(verdict == "relaunch" or (verdict == "requeue" and env.executor == "local"))
+    # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
+    # (its own hardware error, its hang) has no rank here to read this node's copies
+    _clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
     return verdict, cfg.cluster.preempt_grace_s
 
 
-def _clean_memory(keep: bool) -> None:
-    """checkpoint.memory_every_steps: this node's copies go unless the step starts again in this allocation (a
-    relaunch, or the local executor's restart in place, which reads them)."""
+def _clean_memory(end: dict[str, Any] | None, local: bool) -> None:
+    """checkpoint.memory_every_steps: this node's copies go unless the failed attempt's verdict `end` starts
+    the step again in this allocation on this node (journal.keeps_memory): a requeue's allocation (another
+    Slurm restart count) never reads them, and nothing else removes them from a node the run does not come
+    back to (RAM until the node's reboot)."""
     if "hpc_train.memory_tier" in sys.modules:  # built by this attempt (Attempt.build imports it)
         from hpc_train import memory_tier
 
-        memory_tier.clean_after_failure(keep)
+        tier = memory_tier.BUILT[0]
+        if tier is not None and not journal.keeps_memory(end, tier.node, local):
+            tier.clean()
 
 
 def _decide_together(

@@ -52,7 +52,7 @@ REQUEUE_FAILED = "requeue_failed"
 STOPPED = "stopped"
 NODE_EXCLUDED = "node_excluded"
 NODE_NOT_EXCLUDED = "node_not_excluded"
-EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not
+EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not; let_in: nodes let back in
 # the training step relaunched inside the allocation (cluster.spare_nodes): reason, left_out (nodes of this
 # job it leaves out), nodes_next, spares_left, in_job_restarts (in a row, this one included)
 IN_JOB_RESTART = "in_job_restart"
@@ -174,14 +174,28 @@ def new_job_attempt(events: list[Event], slurm_restarts: int | None, job_id: str
     return base + slurm_restarts + len(in_job)
 
 
+def verdict(events: list[Event], restart: int) -> Event | None:
+    """Attempt `restart`'s requeue-or-stop verdict on record (the last), or None while there is none."""
+    ends = named(events, REQUEUE, REQUEUE_FAILED, STOPPED, IN_JOB_RESTART)
+    return next((e for e in reversed(ends) if e.get("restart") == restart), None)
+
+
 def decided(events: list[Event], restart: int) -> bool:
     """Whether attempt `restart`'s requeue-or-stop verdict is on record."""
-    return any(e.get("restart") == restart for e in named(events, REQUEUE, REQUEUE_FAILED, STOPPED, IN_JOB_RESTART))
+    return verdict(events, restart) is not None
 
 
-def relaunched(events: list[Event], restart: int) -> bool:
-    """Whether attempt `restart`'s verdict was an in-job restart (the step starts again in this allocation)."""
-    return any(e.get("restart") == restart for e in named(events, IN_JOB_RESTART))
+def keeps_memory(end: Event | None, node: str, local: bool = False) -> bool:
+    """Whether a failed attempt's memory copies on `node` stay (checkpoint.memory_every_steps), by its verdict
+    `end`: an in-job restart whose step runs on `node`, the local executor's requeue (it restarts in place),
+    or no verdict seen (None: the deciding rank was slower than job.VERDICT_WAIT_S, or died): one may still
+    come and read them. An in-job restart that leaves `node` out has no rank there to read them, and
+    nothing else would free that RAM before the node reboots."""
+    if end is None:
+        return True
+    if end["event"] == IN_JOB_RESTART:
+        return node not in (end.get("left_out") or [])
+    return local and end["event"] == REQUEUE
 
 
 def committed_steps(events: list[Event]) -> list[int]:
@@ -354,22 +368,30 @@ def data_change_allowed(events: list[Event]) -> bool:
 
 
 def excluded_nodes(events: list[Event]) -> dict[str, str]:
-    """node -> why, from the `node_excluded` events since the last `hpc-train resume` (a person's word that
-    the nodes are fixed; the resumed job starts without the exclusions and the preflight judges again)."""
-    return {
-        e["node"]: str(e.get("why", ""))
-        for e in named(since_resume(events), NODE_EXCLUDED)
-        if isinstance(e.get("node"), str)
-    }
+    """node -> why, oldest blame first, from the `node_excluded` events since the last `hpc-train resume` (a
+    person's word that the nodes are fixed; the resumed job starts without the exclusions and the preflight
+    judges again), less the nodes a requeue let back in since (`exclude_nodes` with `let_in`: the partition
+    would have kept too few for the run, preempt.fit_exclusions)."""
+    out: dict[str, str] = {}
+    for e in since_resume(events):
+        if e["event"] == NODE_EXCLUDED and isinstance(e.get("node"), str):
+            out.pop(e["node"], None)  # blamed again: the newest
+            out[e["node"]] = str(e.get("why", ""))
+        elif e["event"] == EXCLUDE_NODES:
+            for node in e.get("let_in") or []:
+                out.pop(node, None)
+    return out
 
 
 def exclusion_took(events: list[Event], node: str) -> tuple[bool, int]:
     """(an `exclude_nodes` event with ok=True named `node` after it was first left out, how many times it
-    was left out), since the last resume."""
+    was left out), since the last resume or since a requeue let it back in (its `let_in`)."""
     took, times = False, 0
     for e in since_resume(events):
         if e["event"] == NODE_EXCLUDED and e.get("node") == node:
             times += 1
+        elif e["event"] == EXCLUDE_NODES and node in (e.get("let_in") or []):
+            took, times = False, 0
         elif e["event"] == EXCLUDE_NODES and e.get("ok") and times and node in str(e.get("nodes", "")).split(","):
             took = True
     return took, times

@@ -19,7 +19,8 @@ if it is at least as new as the newest committed disk checkpoint and written by 
 each rank's bytes come from its own node when they are there, else from a holder by gloo send/recv; every
 rank checks the sha256 and all must agree, else every rank resumes from disk. tmpfs outlives the training
 step's processes but not the allocation: a folder is used only by the job (and Slurm restart count) that
-wrote it, and removed when the run finishes, stops or is requeued (after a failure too, unless relaunched).
+wrote it, and removed when the run finishes, stops or is requeued (after a failure too, unless relaunched on
+that node: job._clean_memory).
 """
 
 from __future__ import annotations
@@ -396,19 +397,16 @@ class MemoryTier:
                 shutil.rmtree(other, ignore_errors=True)
                 clean_empty(other.parent, self.base)
 
+    @property
+    def node(self) -> str:
+        """The node whose folder this is (SLURMD_NODENAME where the tier was built)."""
+        return self.folder.parent.name
+
     def clean(self) -> None:
         """Best effort, on every rank: this node's folder of this job and run goes (the run finished, stopped or
         is requeued: no relaunch inside this allocation will read it); then the empty folders above it."""
         shutil.rmtree(self.folder, ignore_errors=True)
         clean_empty(self.folder.parent, self.base)
-
-
-def clean_after_failure(keep: bool) -> None:
-    """A failed attempt's copies on this rank's node go unless the step starts again in this allocation (keep):
-    a requeue's allocation (another Slurm restart count) never reads them, and nothing else would remove them
-    from a node the run does not come back to (RAM until the node's reboot)."""
-    if BUILT[0] is not None and not keep:
-        BUILT[0].clean()
 
 
 def clean_empty(folder: Path, base: Path) -> None:

@@ -70,11 +70,13 @@ def install_handlers() -> None:
             signal.signal(sig, _record)
         installed_at[0] = time.time()
         # A stop signal the batch shell caught while the last training step ended, relayed into this one
-        # (an in-job restart, sbatch_templates/signal_relay.sh): as if it came now.
-        pending = os.environ.pop("HPC_TRAIN_PENDING_SIGNAL", "")
-        if pending in ("SIGUSR2", "SIGTERM") and not received:
-            received_at.append(time.monotonic())
-            received.append(pending)
+        # (an in-job restart, sbatch_templates/signal_relay.sh) as "SIGUSR2@<Unix s>": as when it came, so
+        # the stop save gets the time Slurm still gives, not that plus the relaunch (a bare name: now).
+        name, _, at = os.environ.pop("HPC_TRAIN_PENDING_SIGNAL", "").partition("@")
+        if name in ("SIGUSR2", "SIGTERM") and not received:
+            age = time.time() - int(at) if at.isdigit() and int(at) > 0 else 0.0
+            received_at.append(time.monotonic() - max(0.0, age))  # another node's clock ahead: now
+            received.append(name)
 
 
 def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempted: bool = False) -> str:
@@ -94,13 +96,15 @@ def time_left(
     """This rank's (seconds from now until Slurm's SIGKILL, 1.0 for a time limit | 2.0 for a preemption)
     from its first stop signal; (inf, 0.0) with none. The end is Slurm's EndTime asked now (end_s; 0: no
     answer), else as the attempt started (start_end_s), else the frozen cluster.timeout_min from
-    allocated_at; never later than Slurm's EndTime. One judgement for the built-in trainer's Attempt and a
-    user's script (script.py): callers all-reduce it (the least time left, the strongest reason)."""
+    allocated_at; never later than Slurm's EndTime. The reason is judged by the end as it was when the
+    signal came (a relayed one came before this step started). One judgement for the built-in trainer's
+    Attempt and a user's script (script.py): callers all-reduce it (the least time left, the strongest reason)."""
     said = end_s or start_end_s
     end_in_s = (said or allocated_at + cluster.timeout_min * 60) - time.time()
     if not received_at:
         return float("inf"), 0.0
-    reason = stop_reason(received, end_in_s, cluster.signal_lead_s, preempted=preempted)
+    since_s = max(0.0, time.monotonic() - received_at[0])
+    reason = stop_reason(received, end_in_s + since_s, cluster.signal_lead_s, preempted=preempted)
     left = received_at[0] + seconds_to_kill(reason, cluster.signal_lead_s, cluster.preempt_grace_s) - time.monotonic()
     return (min(left, end_in_s) if said else left), 2.0 if reason == "preempt" else 1.0
 
@@ -414,6 +418,21 @@ def not_free(job_id: str, states: dict[str, str], free: set[str], jobs: list[dic
         for n, st in sorted(states.items())
         if n not in free and n not in held
     }
+
+
+def fit_exclusions(
+    excluded: list[str], states: dict[str, str], need: int, exclude: list[str]
+) -> tuple[list[str], list[str]]:
+    """Which of the run's left-out nodes (`excluded`, oldest blame first) a requeued job can keep in its
+    ExcNodeList and still find `need` nodes in the partition (pure): (kept, let back in), both sorted. An
+    in-job restart counts only its allocation, so exclusions grow past what the partition can spare: 2 nodes
+    left out inside a 3 + 1 allocation on a 4-node partition left the requeued job pending for good. The
+    most recently blamed stay out; a node unusable anyway (drained, down) costs nothing and stays too.
+    states: node -> sinfo's short state; exclude: cluster.exclude, never let in."""
+    usable = usable_nodes(states) - set(exclude)
+    costly = [n for n in excluded if n in usable]
+    back = costly[: max(0, len(costly) - max(0, len(usable) - need))]
+    return sorted(set(excluded) - set(back)), sorted(back)
 
 
 def spare_nodes(states: dict[str, str], need: int, exclude: list[str]) -> int:

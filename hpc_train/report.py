@@ -21,6 +21,35 @@ def size_text(att: dict[str, Any]) -> str:
     return f"{att['world_size']} on {','.join(nodes) if len(nodes) <= 4 else f'{len(nodes)} nodes'}"
 
 
+def ended_text(att: dict[str, Any], nodes: int | None) -> str:
+    """How an attempt ended, for `report`: an elastic requeue's next size always ("requeue (next: 2-2 nodes)",
+    what Slurm may start it on), an in-job restart's only when it goes on smaller than cluster.nodes (`nodes`;
+    None: not known, shown) since a relaunch on a spare keeps the size; then the nodes it left out."""
+    end, nxt = att["ended_by"], att["nodes_next"]
+    smaller = end != journal.IN_JOB_RESTART or not isinstance(nxt, int) or nodes is None or nxt < nodes
+    left = att["left_out"]
+    return (
+        end
+        + (f" (next: {nxt} nodes)" if nxt and smaller else "")
+        + (
+            f" (left out: {','.join(map(str, left))}; {att['spares_left']} spare(s) left)"
+            if left and isinstance(left, list)
+            else ""
+        )
+    )
+
+
+def cluster_nodes(run_dir: Path) -> int | None:
+    """The frozen cluster.nodes of a run (config.yaml), None when it cannot be read."""
+    import yaml
+
+    try:
+        nodes = yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["nodes"]
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return nodes if isinstance(nodes, int) else None
+
+
 def batch_text(atts: list[dict[str, Any]]) -> list[str] | None:
     """Per attempt "32 seqs x1" (global batch, micro-batches per step) when it differs between attempts
     (an elastic resume accumulates more, or a batch_changed one steps fewer sequences), else None."""

@@ -499,12 +499,16 @@ def parse_queue(text: str) -> list[dict[str, Any]]:
     return jobs
 
 
-def node_states(partition: str) -> dict[str, str]:
+def node_states(partition: str, policy: tuple[float, int] = (10.0, 1)) -> dict[str, str]:
     """The partition's nodes -> sinfo's short state ("idle", "mix", "drain", "down*", ...), from inside the job."""
+    timeout_s, retries = policy
     return dict(
         line.split("|", 1)
         for line in call(
-            ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"], timeout_s=10, retries=1, ignore_term=True
+            ["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"],
+            timeout_s=timeout_s,
+            retries=retries,
+            ignore_term=True,
         ).split()
         if "|" in line
     )

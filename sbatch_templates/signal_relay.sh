@@ -9,23 +9,25 @@
 # In-job restarts (cluster.spare_nodes): the deciding rank writes FOLDER/.relaunch-JOBID (FOLDER: srun's
 # last word, sbatch.entry_command) holding the next step's srun options; each is read once and removed
 # before the relaunch, so a crash loop ends within requeue.max_in_job_restarts. A signal that came while
-# that step ended goes to the relaunched one as HPC_TRAIN_PENDING_SIGNAL (preempt.install_handlers).
+# that step ended goes to the relaunched one as HPC_TRAIN_PENDING_SIGNAL, with the time it came
+# in Unix seconds: SIGUSR2@1700000000, read by preempt.install_handlers.
 # A rank that never exits (SIGSTOP, D state) would hold the step, and this shell, until the time limit.
 # Once the marker is there (looked for every 5 s; on NFS up to acdirmax, 60 s, later) the step gets
-# HPC_TRAIN_STEP_END_S (90 s: the ranks that did not decide wait up to 60 s for the verdict on record,
-# job._after_failure, then 30 s to exit), then srun a TERM, which it turns into SIGKILL for every task (a
-# stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the default UnkillableStepTimeout of 60 s that
-# slurmstepd gives a D-state task) before SIGKILL to srun itself, whose shepherd then has slurmctld kill
-# the step, and the relaunch goes on.
+# HPC_TRAIN_STEP_END_S (90 s: the verdict goes on record right after the marker, and the ranks that did
+# not decide, polling for it every 0.5 s in job._after_failure, then exit), then srun a TERM, which it
+# turns into SIGKILL for every task (a stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the
+# default UnkillableStepTimeout of 60 s that slurmstepd gives a D-state task) before SIGKILL to srun
+# itself, whose shepherd then has slurmctld kill the step, and the relaunch goes on.
 # A job submitted from a rank of a spares job inherits its HPC_TRAIN_STEP_ARGS (sbatch --export=ALL), not this job:
 # only the line the renderer writes after this one, for a job with spares, sets it.
 unset HPC_TRAIN_STEP_ARGS
 srun() {
   local marker="${!#}/.relaunch-${SLURM_JOB_ID}" step="${HPC_TRAIN_STEP_ARGS:-}" pending="" now="" pid="" status watch
   # Single-quoted: each trap reads $pid when it fires, so a signal during a launch reaches no stale pid
-  # and stays pending (sent to the step once it runs).
-  trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
-  trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
+  # and stays pending (sent to the step once it runs). A pending signal keeps the time of the first,
+  # in whole Unix seconds: the relaunched step judges and times its stop from when it came.
+  trap 'pending="${pending:-SIGUSR2@${EPOCHSECONDS:-0}}"; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
+  trap 'pending="${pending:-SIGUSR2@${EPOCHSECONDS:-0}}"; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
   [ -z "$step" ] || rm -f "$marker"  # a requeued job's leftover from its last allocation: never relaunch on it
   while true; do
     now="$pending" pending="" pid=""

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +174,40 @@ def test_an_in_job_exclusion_counts_the_allocation_a_requeue_the_partition(seed:
         assert inside == sorted(after) and "the partition has 0 usable nodes" in not_out
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_a_requeue_leaves_out_only_what_the_partition_can_spare_the_newest_blames_first(seed: int) -> None:
+    """Review of issue 20: an in-job restart counts its allocation only, so the run's exclusions grew past what
+    the partition can spare, and a later requeue's ExcNodeList (all of them) left the job pending for good.
+    Seeded partitions, blames (oldest first; a node blamed again is the newest) and needs: the job keeps room
+    for `need` usable nodes when the partition has them, lets in the fewest, the longest ago blamed first, and
+    keeps out what is unusable anyway; the journal then counts the let-in nodes as no longer left out."""
+    rng = random.Random(seed)
+    nodes = [f"n{i}" for i in range(rng.randint(2, 8))]
+    states = {n: rng.choice(["idle", "idle", "mix", "alloc", "drain", "down*", "idle*"]) for n in nodes}
+    exclude = rng.sample(nodes, rng.randint(0, 1))
+    need = rng.randint(1, len(nodes))
+    blames = [rng.choice(nodes) for _ in range(rng.randint(0, 6))]
+    events = [ev(journal.NODE_EXCLUDED, node=n, why=f"blame {i}") for i, n in enumerate(blames)]
+    order = list(journal.excluded_nodes(events))
+    assert order == [n for i, n in enumerate(blames) if n not in blames[i + 1 :]]  # by the latest blame
+    kept, let_in = preempt.fit_exclusions(order, states, need, exclude)
+    usable = preempt.usable_nodes(states) - set(exclude)
+    assert sorted(kept + let_in) == sorted(order) and not set(kept) & set(let_in)
+    assert set(let_in) <= usable  # an unusable node costs nothing: it stays out
+    if len(usable) >= need:
+        assert len(usable - set(kept)) >= need  # the requeued job fits
+        if let_in:  # no fewer would do: one more left out would not fit
+            assert len(usable - set(kept)) == need
+    else:
+        assert not set(kept) & usable  # it cannot fit: nothing usable is held back from it
+    rank = {n: i for i, n in enumerate(order)}
+    assert all(rank[a] < rank[b] for a in let_in for b in kept if b in usable)  # the longest ago blamed go first
+    after = [*events, ev(journal.EXCLUDE_NODES, nodes=",".join(kept), ok=True, let_in=let_in)]
+    assert list(journal.excluded_nodes(after)) == [n for n in order if n in kept]
+    for n in let_in:
+        assert journal.exclusion_took(after, n) == (False, 0)  # blamed again: a new exclusion, not "took"
+
+
 def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
     """SLURM_RESTART_COUNT does not move at an in-job restart: the attempt counts this job's relaunches."""
     # the ranks that did not decide log their `fail` after the verdict: the verdict still ends the attempt
@@ -188,6 +224,22 @@ def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
     assert journal.in_job_restarts_in_a_row([*events, *events[1:]]) == 2
     assert journal.in_job_restarts_in_a_row([*events, ev(journal.CHECKPOINT_COMMITTED, 1, 5), *events[1:]]) == 1
     assert journal.in_job_restarts_in_a_row([*events, ev("resume", 1)]) == 0
+
+
+def test_a_stop_is_judged_by_when_its_signal_came_not_when_a_relaunched_step_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review of issue 20: a USR2 held by the relay while the failed step ended was judged as if it came when
+    the relaunched step first checked: one that came 800 s before the end (a preemption's USR2, far from the
+    time limit's 2-minute lead) was judged a time limit once the relaunch had brought the end near."""
+    from types import SimpleNamespace
+
+    cluster = SimpleNamespace(signal_lead_s=120, preempt_grace_s=60, timeout_min=60)
+    monkeypatch.setattr(preempt, "received", ["SIGUSR2"])
+    for ago, end_in, reason, left in ((600.0, 200.0, 2.0, 60 - 600), (10.0, 200.0, 1.0, 120 - 10)):
+        monkeypatch.setattr(preempt, "received_at", [time.monotonic() - ago])
+        got_left, got_reason = preempt.time_left(cluster, time.time() + end_in, False, 0.0, 0.0)
+        assert got_reason == reason and abs(got_left - min(left, end_in)) < 2, (ago, got_left, got_reason)
 
 
 def test_a_step_on_fewer_nodes_than_the_job_has_places_by_the_steps_nodes() -> None:
@@ -243,9 +295,21 @@ def test_spares_with_min_nodes_keep_a_fixed_allocation_of_nodes_plus_spares() ->
 def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
     """A stop signal trapped while the failed step ended is recorded as received when the next step's
     handlers go in: its stop save and requeue happen, not a step that never heard of the time limit."""
-    code = "from hpc_train import preempt; preempt.install_handlers(); import os; print(preempt.received, 'HPC_TRAIN_PENDING_SIGNAL' in os.environ)"  # noqa: E501
+    code = (
+        "from hpc_train import preempt; preempt.install_handlers(); import os, time; print(preempt.received, "
+        "'HPC_TRAIN_PENDING_SIGNAL' in os.environ, [round(time.monotonic() - t, -1) for t in preempt.received_at])"
+    )
     root = str(Path(__file__).resolve().parents[1])
-    for pending, want in (("SIGUSR2", "['SIGUSR2'] False"), ("", "[] False"), ("bogus", "[] False")):
+    # the relay's "SIGUSR2@<Unix s>": as when it came (review: as if it came when the relaunched step started)
+    came = int(time.time()) - 40
+    for pending, want in (
+        ("SIGUSR2", "['SIGUSR2'] False [0.0]"),
+        (f"SIGUSR2@{came}", "['SIGUSR2'] False [40.0]"),
+        (f"SIGTERM@{came + 3600}", "['SIGTERM'] False [0.0]"),  # a clock ahead of ours: now
+        ("SIGUSR2@0", "['SIGUSR2'] False [0.0]"),  # bash before 5.0 has no EPOCHSECONDS
+        ("", "[] False []"),
+        ("bogus@12", "[] False []"),
+    ):
         out = subprocess.run(
             [sys.executable, "-c", code],
             env={**os.environ, "PYTHONPATH": root, "HPC_TRAIN_PENDING_SIGNAL": pending},
@@ -416,6 +480,35 @@ def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
     assert "spares-1: 1 in-job restart(s); 0 spare node(s) left" in out.getvalue()
 
 
+def test_report_names_the_next_size_of_an_in_job_restart_only_when_it_is_smaller(tmp_path: Path) -> None:
+    """Review of issue 20: every in-job row said `(next: 2 nodes)`, a relaunch on a spare at full size too;
+    only going on smaller than cluster.nodes (min_nodes, no spare left) is news. Here cluster.nodes=2 + 1
+    spare: a kill (same nodes), a sick node (its spare), a second sick node (one node left)."""
+    from test_local_ops import local_run, table_rows
+
+    def attempt(restart: int, t: float, nodes: list[str], **end: object) -> list[dict]:
+        base = {"job_id": "4242", "restart": restart, "step": 10 * restart}
+        start = {**base, "time": t, "event": "start", "launched_at": t - 5, "world_size": len(nodes), "nodes": nodes}
+        return [start, *([{**base, "time": t + 5, "event": journal.IN_JOB_RESTART, **end}] if end else [])]
+
+    events = [
+        *attempt(0, 100.0, ["n1", "n2"], left_out=[], nodes_next=2, spares_left=1),
+        *attempt(1, 120.0, ["n1", "n2"], left_out=["n2"], nodes_next=2, spares_left=0),
+        *attempt(2, 140.0, ["n1", "n3"], left_out=["n2", "n3"], nodes_next=1, spares_left=0),
+        *attempt(3, 160.0, ["n1"]),
+    ]
+    run_dir = local_run(tmp_path / "spares", 999999, {"start_time": 0, "boot_id": "gone", "host": "gone"}, events)
+    (run_dir / "config.yaml").write_text("cluster: {executor: local, nodes: 2, spare_nodes: 1}\n")
+    proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")])
+    assert proc.returncode == 0, proc.stderr
+    assert [r["ended by"] for r in table_rows(proc.stdout, "attempt")] == [
+        "in_job_restart",
+        "in_job_restart (left out: n2; 0 spare(s) left)",
+        "in_job_restart (next: 1 nodes) (left out: n2,n3; 0 spare(s) left)",
+        "running",
+    ], proc.stdout
+
+
 RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
 
 
@@ -519,7 +612,9 @@ def test_a_signal_caught_while_the_step_ends_reaches_the_relaunched_step(tmp_pat
     )
     status, calls, marker, err = _relay(tmp_path, "--nodes=2 --ntasks=4", None, fake)
     assert status == 0 and len(calls) == 2, err
-    assert Path(f"{marker}.pending").read_text().split() == ["pending=", "pending=SIGUSR2"]
+    first, second = Path(f"{marker}.pending").read_text().split()
+    assert first == "pending=" and re.fullmatch(r"pending=SIGUSR2@\d+", second), second
+    assert abs(int(second.split("@")[1]) - time.time()) < 30  # when it came, in Unix s
 
 
 def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -605,5 +700,66 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         assert (
             "not restarting inside the allocation: " in said and " s left before the time limit, under the 90 s" in said
         )
+    finally:
+        run(["scancel", job_id], env=slurm_env)
+
+
+@pytest.mark.slurm
+def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fits(
+    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review of issue 20 on the dev cluster: cluster.nodes=2 + 1 spare on the 4-node `debug` partition, two
+    nodes left out by in-job restarts (they count the allocation), then a time-limit requeue of the real job.
+    ExcNodeList held both: 2 usable nodes for a 3-node job, pending for good. Now it keeps the newest blame
+    out and lets the older one in (exclude_nodes event with let_in, a line in the job log); the requeued job
+    runs again, not on the node still left out. Then as a 4-node job (3 + 1): none to spare, ExcNodeList
+    cleared."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.env import parse_nodelist
+    from hpc_train.paths import RunPaths
+
+    for key, value in slurm_env.items():
+        monkeypatch.setenv(key, value)
+    cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"]))
+    sub = ["sbatch", "--parsable", "--requeue", "-p", "debug", "-N", "3", "-t", "10", "-o", "/dev/null"]
+    job_id = run([*sub, "--wrap", "sleep 300"], env=slurm_env).stdout.strip()
+
+    def state() -> str:
+        return run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=slurm_env).stdout.strip()
+
+    try:
+        wait_until(lambda: state() == "RUNNING", 60, "3 nodes")
+        nodelist = run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=slurm_env).stdout.strip()
+        old, new = parse_nodelist(nodelist)[:2]
+        monkeypatch.setenv("SLURM_JOB_ID", job_id)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        for node in (old, new):  # as two in-job restarts record them
+            journal.log(run_dir, journal.NODE_EXCLUDED, 5, job_id, 0, node=node, why="Xid 79")
+        env = SimpleNamespace(executor="slurm", job_id=job_id, restart_count=0, nodes=tuple(parse_nodelist(nodelist)))
+        assert job.requeue_or_stop(RunPaths(run_dir), env, cfg, "time_limit", 5) == "requeue"
+        (exc,) = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES]
+        assert (exc["nodes"], exc["let_in"], exc["ok"]) == (new, [old], True), exc
+        assert list(journal.excluded_nodes(read_events(run_dir))) == [new]
+        assert f"[hpc_train] ExcNodeList lets {old} back in (left out longest ago): the job needs 3 nodes" in (
+            capsys.readouterr().err
+        )
+        shown = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+        assert f" ExcNodeList={new} " in shown, shown
+        wait_until(lambda: state() == "RUNNING", 90, "the requeued job running again")
+        again = run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=slurm_env).stdout.strip()
+        assert new not in parse_nodelist(again), again
+        # a job of all 4 nodes has none to spare: the last one left out is let in, ExcNodeList cleared
+        whole = to_run_config(compose(["cluster=dev", "cluster.nodes=3", "cluster.spare_nodes=1"]))
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this allocation's: Slurm requeued it once
+        assert job.requeue_or_stop(RunPaths(run_dir), env, whole, "time_limit", 6) == "requeue"
+        last = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES][-1]
+        assert (last["nodes"], last["let_in"], last["ok"]) == ("", [new], True), last
+        assert journal.excluded_nodes(read_events(run_dir)) == {}
+        shown = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+        assert " ExcNodeList=(null) " in shown, shown
     finally:
         run(["scancel", job_id], env=slurm_env)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
+from hpc_train import journal
 from hpc_train.config import compose, to_run_config
 from hpc_train.memory_tier import Held, pick
 
@@ -117,21 +118,109 @@ def test_the_tier_lives_only_under_a_private_directory_of_ours(tmp_path: Path) -
     assert "is not this user's alone (owner uid" in _not_ours(ours) and "mode 755" in _not_ours(ours)
 
 
-def test_a_failed_attempts_copies_go_unless_the_step_starts_again_here(tmp_path: Path) -> None:
-    """Review: only finish and the stop path removed a node's copies; after a failure's requeue or stop they
-    stayed in RAM on every node the run did not come back to."""
-    from hpc_train import memory_tier
+def _failed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node: str) -> tuple[Path, Path]:
+    """A run directory with its frozen config, and this rank's tier of job 77 on `node` holding step 5."""
+    from dataclasses import asdict
 
-    folder = tmp_path / "base" / "77" / "n1" / "run-x"
+    from hpc_train import memory_tier
+    from hpc_train.submit import frozen_yaml
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = to_run_config(compose(["cluster=dev", "cluster.spare_nodes=1", "checkpoint.memory_every_steps=5"]))
+    (run_dir / "config.yaml").write_text(frozen_yaml(asdict(cfg)))
+    folder = tmp_path / "base" / "77" / node / "run-x"
     (folder / "step-5").mkdir(parents=True)
-    memory_tier.BUILT[0] = memory_tier.MemoryTier(5, folder, tmp_path / "base", 0, 2, (2, 1), "77.0", 1, 1)
-    try:
-        memory_tier.clean_after_failure(keep=True)  # a relaunch reads them
-        assert (folder / "step-5").is_dir()
-        memory_tier.clean_after_failure(keep=False)
-        assert not (tmp_path / "base" / "77").exists() and (tmp_path / "base").is_dir()
-    finally:
-        memory_tier.BUILT[0] = None
+    monkeypatch.setattr(
+        memory_tier, "BUILT", [memory_tier.MemoryTier(5, folder, tmp_path / "base", 0, 4, (4, 1), "77.0", 2, 2)]
+    )
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    return run_dir, folder
+
+
+@pytest.mark.parametrize("left_out, kept", [([], True), (["n3"], True), (["n2"], False), (["n1", "n2"], False)])
+def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, left_out: list[str], kept: bool
+) -> None:
+    """Review of issue 20: the first rank to fail decides, and its node is often the one blamed (its own
+    hardware error, its hang). It kept its node's copies at any relaunch, though the relaunched step leaves
+    that node out: nothing read them again, RAM held until the node reboots. Also every verdict that is no
+    in-job restart removes them (a requeue's allocation never reads them)."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
+    env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=2, node_rank=1, nodes=("n1", "n2"))
+
+    def decide(paths: RunPaths, env: object, cfg: object, reason: str, step: int, sick: object) -> str:
+        journal.log(paths.run_dir, journal.IN_JOB_RESTART, step, "77", 0, left_out=left_out, nodes_next=2)
+        return "relaunch"
+
+    monkeypatch.setattr(job, "requeue_or_stop", decide)
+    monkeypatch.setattr(job, "_deciding", [False])
+    assert job._after_failure(RunPaths(run_dir), env, RuntimeError("Xid 79"))[0] == "relaunch"
+    assert (folder / "step-5").is_dir() == kept
+    assert (tmp_path / "base").is_dir()  # ours, the empty folders above the run's go with it
+    assert kept or not (tmp_path / "base" / "77").exists()
+    for name in (journal.REQUEUE, journal.STOPPED, journal.REQUEUE_FAILED):
+        end = {"event": name, "restart": 0}
+        assert not journal.keeps_memory(end, "n2") and journal.keeps_memory(end, "n2", local=True) == (
+            name == journal.REQUEUE
+        )
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], seed: int
+) -> None:
+    """Review of issue 20: a rank that did not decide waited 60 s for the verdict on record, then removed its
+    node's copies as if there were no relaunch; a deciding rank slower than that (a hang's blame, scontrol
+    retries: up to ~226 s) relaunched onto nodes whose copies were gone. Seeded verdicts, nodes left out and
+    decision times around the wait (job.VERDICT_WAIT_S, 1 s here): the copies go only on a verdict seen that
+    no step in this allocation reads them by; a verdict seen in time is acted on; none seen keeps them."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    rng = random.Random(seed)
+    run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
+    paths = RunPaths(run_dir)
+    paths.failure_claim("77", 0).touch()  # another rank claimed the failure: this one waits for its verdict
+    monkeypatch.setattr(job, "VERDICT_WAIT_S", 1.0)
+    monkeypatch.setattr(job, "_deciding", [False])
+    env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=3, node_rank=1, nodes=("n1", "n2"))
+    name = rng.choice([journal.IN_JOB_RESTART, journal.IN_JOB_RESTART, journal.REQUEUE, journal.STOPPED])
+    left_out = rng.choice([[], ["n2"], ["n1"], ["n1", "n2"]]) if name == journal.IN_JOB_RESTART else None
+    # well inside the wait, or well past it: margins for a loaded machine (the wait polls every 0.5 s)
+    delay = rng.choice([rng.uniform(0.0, 0.3), rng.uniform(2.4, 2.8)])
+
+    def decide() -> None:
+        journal.log(run_dir, journal.FAIL, 5, "77", 0, rank=0, error="RuntimeError: Xid 79")  # no verdict
+        time.sleep(delay)
+        journal.log(run_dir, name, 5, "77", 0, **({"left_out": left_out} if left_out is not None else {}))
+
+    decider = threading.Thread(target=decide)
+    t0 = time.monotonic()
+    decider.start()
+    assert job._after_failure(paths, env, RuntimeError("Connection closed by peer")) == ("", 0.0)
+    waited = time.monotonic() - t0
+    decider.join()
+    needed = name == journal.IN_JOB_RESTART and "n2" not in (left_out or [])
+    kept = (folder / "step-5").is_dir()
+    assert kept or not needed, (name, left_out, delay)  # the invariant: never what the relaunch reads
+    if delay < 1.0:  # seen: acted on, within a poll of its writing
+        assert kept == needed and waited < delay + 1.5, (name, left_out, delay, waited)
+    else:  # not seen: kept, and said
+        assert (
+            kept
+            and 1.0 <= waited < 2.4
+            and "no verdict on record 1 s after this rank failed" in capsys.readouterr().err
+        )
 
 
 def test_status_and_report_say_an_attempt_resumed_from_memory(tmp_path: Path) -> None:
