@@ -587,6 +587,8 @@ def _decide_together(
     import torch.distributed as dist
 
     actions = ("stop", "requeue", "wait", "relaunch")
+    if memory is not None:  # every rank is here (a stop): the copy in flight completes before the verdict
+        memory.wait()  # and before destroy_process_group, which would wait on its group's work
     verdict = torch.tensor([0])
     if env.rank == 0:
         verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, reason, step, sick))
