@@ -2,16 +2,17 @@
 
     .venv/bin/python benchmarks/memory_tier.py                      # model=tiny, 60 steps, 2 rounds, 64 MiB save
     .venv/bin/python benchmarks/memory_tier.py --model small --steps 60 --mib 256
-    .venv/bin/python benchmarks/memory_tier.py --ranks 1 --mib 0     # 1 rank: a core left for its copy thread
+    .venv/bin/python benchmarks/memory_tier.py --mib 0               # the trainer runs only
 
 Prints (never asserts):
-  - the trainer's median and mean wall time per step on the local executor (--ranks, one node: the own copy only)
+  - the trainer's median and mean wall time per step on the local executor (2 ranks, one node: the own copy only)
     with checkpoint.memory_every_steps=0 (off), 1 and 10, the same run otherwise, side by side, run --rounds
     times in turn (off, 1, 10, off, ...) so a change of the machine's load falls on all three; the overhead
     against off (aim <= 5% at 1), and rank 0's seconds per step that the loop was blocked by the tier
-    (metrics.jsonl memory_blocked_s: the snapshot, and waiting for the copy in flight) and a copy's seconds in
-    its thread (memory_copy_s): the background thread competes for the same cores, so on a machine with
-    fewer cores than ranks x 2 the wall-time overhead exceeds the blocked time
+    (metrics.jsonl memory_blocked_s: the snapshot, and memory_wait_s, waiting for the copy in flight) and a
+    copy's seconds in its thread (memory_copy_s, wall; memory_copy_cpu_s, the thread's own CPU time): the
+    thread competes for the same cores (and the GIL), so where the ranks already fill the cores the wall-time
+    overhead exceeds the blocked time, and a copy's wall time its CPU time, which makes the next snapshot wait
   - one memory save (the snapshot the loop waits for, then the thread: torch.save to bytes, sha256, the own copy
     into /dev/shm, the buddy exchange over gloo and the buddy copy; 2 gloo ranks as 2 "nodes") against one
     synchronous disk save (checkpoint.start_save + commit: DCP files fsynced, hashed, COMMITTED) of the same
@@ -39,15 +40,12 @@ import torch.multiprocessing as mp
 HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
 
 
-def step_times(
-    out: Path, name: str, steps: int, model: str, memory_every_steps: int, ranks: int
-) -> tuple[list[float], list[dict]]:
+def step_times(out: Path, name: str, steps: int, model: str, memory_every_steps: int) -> tuple[list[float], list[dict]]:
     """A local run's wall seconds per step: the time between consecutive metrics.jsonl rows (one every step), so
     the step_end work (the memory copy) counts, which step_time_s (the step itself) leaves out; the first 5
     (warm-up) left out. And those rows."""
     args = [f"train.steps={steps}", f"model={model}", "train.log_every_steps=1", f"checkpoint.every_steps={steps}"]
     args += [f"checkpoint.memory_every_steps={memory_every_steps}", f"out_dir={out}", f"name={name}"]
-    args += [f"cluster.tasks_per_node={ranks}"]
     proc = subprocess.run([HPC_TRAIN, "submit", "cluster=local", *args], capture_output=True, text=True)
     run_dir = next(out.glob(f"{name}-*"), None)
     if proc.returncode or run_dir is None:
@@ -103,7 +101,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each setting, in turn")
-    ap.add_argument("--ranks", type=int, default=2, help="local ranks of the trainer runs")
     ap.add_argument("--mib", type=int, default=64, help="parameter bytes per rank for the save timing (0: none)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -114,7 +111,7 @@ def main() -> None:
     try:
         for i in range(args.rounds):
             for n in every:
-                wall, got = step_times(out, f"every{n}-{i}", args.steps, args.model, n, args.ranks)
+                wall, got = step_times(out, f"every{n}-{i}", args.steps, args.model, n)
                 walls[n] += wall
                 rows[n] += got
         if args.mib:
@@ -129,22 +126,23 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
     base = statistics.median(walls[0])
     print(
-        f"wall time per step, model={args.model}, local executor, {args.ranks} rank(s), "
-        f"{args.rounds} x {args.steps} steps, "
+        f"wall time per step, model={args.model}, local executor, 2 ranks, {args.rounds} x {args.steps} steps, "
         f"{len(walls[0])} timed after 5 warm-up ones a run ({os.cpu_count()} CPUs here):"
     )
-    print(f"  {'':32s} {'median ms':>10s} {'mean ms':>10s} {'overhead':>9s} {'blocked ms':>11s} {'copy ms':>8s}")
+    head = ("median ms", "mean ms", "overhead", "blocked ms", "of it wait", "copy ms", "copy CPU ms")
+    print(f"  {'':32s} " + " ".join(f"{h:>11s}" for h in head))
     for n in every:
-        label = f"checkpoint.memory_every_steps={n}"
         med, mean = statistics.median(walls[n]), statistics.mean(walls[n])
-        blocked = sum(r.get("memory_blocked_s", 0.0) for r in rows[n]) / max(1, len(rows[n]))
-        copies = [r["memory_copy_s"] for r in rows[n] if r.get("memory_copy_s")]
-        copy = f"{statistics.median(copies) * 1e3:8.1f}" if copies else f"{'-':>8s}"
-        extra = f"{med / base - 1:+9.1%} {blocked * 1e3:11.2f} {copy}" if n else f"{'':9s} {'-':>11s} {'-':>8s}"
-        print(f"  {label:32s} {med * 1e3:10.1f} {mean * 1e3:10.1f} {extra}")
+        cells = [f"{med * 1e3:11.1f}", f"{mean * 1e3:11.1f}"]
+        if n:
+            per_step = [sum(r[k] for r in rows[n]) / len(rows[n]) for k in ("memory_blocked_s", "memory_wait_s")]
+            copies = [statistics.median(r[k] for r in rows[n] if r[k]) for k in ("memory_copy_s", "memory_copy_cpu_s")]
+            cells += [f"{med / base - 1:+11.1%}", *(f"{x * 1e3:11.2f}" for x in per_step + copies)]
+        print(f"  {f'checkpoint.memory_every_steps={n}':32s} " + " ".join(cells))
     print(
-        "  (overhead: of the median wall time per step against memory_every_steps=0; blocked: rank 0's loop in the\n"
-        "   tier per step, the snapshot and any wait for the copy in flight; copy: one copy's time in its thread)"
+        "  overhead: of the median wall time per step against memory_every_steps=0; blocked: rank 0's loop in the\n"
+        "  tier, per step (the snapshot, and any wait for the copy in flight); copy: one copy in its thread, wall\n"
+        "  time and the thread's own CPU time (medians)"
     )
     if saves is None:
         return

@@ -196,6 +196,7 @@ class MemoryTier:
     blocked_s: float = 0.0  # the loop's seconds in save() (the snapshot, and any wait), since figures() last read
     wait_s: float = 0.0  # of those, waiting for the previous copy
     copy_s: float = 0.0  # the newest finished copy's seconds in its thread (serialise, hash, write, send, agree)
+    copy_cpu_s: float = 0.0  # of which the thread's own CPU time: less when it waited for cores or the GIL
     warned_wait: bool = False
 
     @classmethod
@@ -308,7 +309,7 @@ class MemoryTier:
         but skips no collective, so every rank's thread makes the same calls and none is left waiting. Complete
         only when every rank wrote both its copies: then the older steps go, so a node holds one step (own +
         buddy) between copies; else this step goes and the last complete one stays."""
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             if ready is not None:
                 ready.synchronize()
@@ -352,7 +353,7 @@ class MemoryTier:
         except Exception as e:  # gloo: a peer closed its connection; nothing was agreed, nothing removed
             self.error = f"{type(e).__name__}: {str(e)[:300]}"
         finally:
-            self.copy_s = time.monotonic() - t0
+            self.copy_s, self.copy_cpu_s = time.monotonic() - t0, time.thread_time() - cpu0
 
     def wait(self) -> float:
         """Joins the copy in flight; returns the seconds it took. Ends once every rank's thread has done the
@@ -373,8 +374,9 @@ class MemoryTier:
     def figures(self) -> dict[str, float]:
         """The metrics row's fields (train.Log.step), since the previous row: the loop's seconds blocked by the
         copies (snapshot + waiting), of which waiting for the one in flight, and the newest copy's seconds in
-        the background."""
+        the background, wall and its thread's CPU."""
         out = {"memory_blocked_s": self.blocked_s, "memory_wait_s": self.wait_s, "memory_copy_s": self.copy_s}
+        out["memory_copy_cpu_s"] = self.copy_cpu_s
         self.blocked_s = self.wait_s = 0.0
         return out
 
