@@ -31,6 +31,7 @@ import hashlib
 import io
 import json
 import os
+import queue
 import re
 import shutil
 import stat
@@ -189,7 +190,12 @@ class MemoryTier:
     # with training's collectives on the default group, which the loop runs meanwhile.
     group: Any = None
     buffers: HostBuffers = field(default_factory=HostBuffers)  # the snapshot: one state's worth of host memory
-    thread: threading.Thread | None = None  # the copy in flight, at most one
+    # The copy thread, started at the first copy and kept for the attempt: a thread started per copy cost the
+    # loop ~3 ms a copy, since Thread.start() waits until the new thread runs, and it runs into torch.save
+    # holding the GIL (model=tiny, benchmarks/memory_tier.py).
+    thread: threading.Thread | None = None
+    todo: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the next copy: (step, snapshot, ready)
+    idle: threading.Event = field(default_factory=lambda: _set(threading.Event()))  # clear while one is in flight
     lock: threading.Lock = field(default_factory=threading.Lock)  # the copy thread holds it for each file it touches
     abandoned: bool = False  # abandon(): the copy in flight writes and removes nothing more, and never counts
     error: str = ""  # the copy thread's collectives failed (a peer gone): raised at the next save
@@ -275,7 +281,7 @@ class MemoryTier:
         if self.off:
             return 0.0
         t0 = time.monotonic()
-        busy = self.thread is not None and self.thread.is_alive()
+        busy = not self.idle.is_set()
         self.wait()
         waited = time.monotonic() - t0
         if self.error:
@@ -294,14 +300,25 @@ class MemoryTier:
         if cuda:  # the thread reads the pinned buffers once the copies queued before this event ran
             ready = torch.cuda.Event()
             ready.record()
-        self.thread = threading.Thread(
-            target=self._copy, args=(state.step, snapshot, ready), name="hpc_train-memory", daemon=True
-        )
-        self.thread.start()
+        self.idle.clear()
+        self.todo.put((state.step, snapshot, ready))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._copies, name="hpc_train-memory", daemon=True)
+            self.thread.start()
         blocked = time.monotonic() - t0
         self.blocked_s += blocked
         self.wait_s += waited
         return blocked
+
+    def _copies(self) -> None:
+        """The copy thread's life: one copy after another, as save() hands them over (daemon: a failure's
+        os._exit, or the interpreter's exit, ends it wherever it is)."""
+        while True:
+            step, snapshot, ready = self.todo.get()
+            try:
+                self._copy(step, snapshot, ready)
+            finally:
+                self.idle.set()
 
     def _copy(self, step: int, snapshot: dict[str, Any], ready: Any) -> None:
         """The copy thread: the bytes and their sha256, the own copy, the buddy exchange, the buddy copy, then
@@ -356,12 +373,10 @@ class MemoryTier:
             self.copy_s, self.copy_cpu_s = time.monotonic() - t0, time.thread_time() - cpu0
 
     def wait(self) -> float:
-        """Joins the copy in flight; returns the seconds it took. Ends once every rank's thread has done the
-        same collectives: call it on every rank (the stop path, finish) or on none (a failure: abandon())."""
+        """Waits for the copy in flight; returns the seconds it took. Ends once every rank's thread has done
+        the same collectives: call it on every rank (the stop path, finish) or on none (a failure: abandon())."""
         t0 = time.monotonic()
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        self.idle.wait()
         return time.monotonic() - t0
 
     def abandon(self) -> None:
@@ -499,6 +514,11 @@ class MemoryTier:
         self.abandon()
         shutil.rmtree(self.folder, ignore_errors=True)
         clean_empty(self.folder.parent, self.base)
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
 
 
 def clean_after_failure(keep: bool) -> None:
