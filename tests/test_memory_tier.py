@@ -1,6 +1,7 @@
 """The checkpoint tier in memory (checkpoint.memory_every_steps): the pure choice of a memory step over seeded
 inventories; 3 gloo ranks that save copies (in a thread of their own; one abandoned), lose one (the buddy's
-is loaded) and find one corrupt (the disk is); then on the dev cluster a killed rank relaunched on a spare, resumed from memory, bit-exact."""
+is loaded) and find one corrupt (the disk is); then on the dev cluster a killed rank relaunched on a spare,
+resumed from memory, bit-exact."""
 
 from __future__ import annotations
 
