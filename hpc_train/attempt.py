@@ -425,7 +425,8 @@ class Attempt:
         if self.env.rank == 0:  # whole or absent: readers poll for it
             write_atomic(self.paths.summary, json.dumps(self.finished, indent=1, default=str) + "\n")
         self.event(journal.FINISH, step, **self.finished)
-        if self.memory:  # no relaunch will read it
+        if self.memory:  # no relaunch will read it; the copy in flight first (every rank is here)
+            self.memory.wait()
             self.memory.clean()
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()

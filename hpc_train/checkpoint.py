@@ -386,13 +386,13 @@ def _layout(obj: Any) -> Any:
     return type(obj)
 
 
-class _ReusedHostBuffers:
+class HostBuffers:
     """DCP's AsyncStager protocol: copy into host buffers reused from save to save, made again whenever
     the state's layout (_layout) differs from the one they were made for. torch's _copy_state_dict copies
     into whatever it is given: a tensor that shrank to 1 element was broadcast into the old size, one of
     another dtype cast to the old one, and the wrong values committed and verified. (torch's
     BlockingAsyncStager caches too, but pins memory, which fails on CPU-only machines.) Safe because at
-    most one background save is in flight (Saver.periodic waits for the previous)."""
+    most one background save is in flight (Saver.periodic waits for the previous; MemoryTier.save too)."""
 
     should_synchronize_after_execute = False
 
@@ -400,7 +400,9 @@ class _ReusedHostBuffers:
         self.buffers: Any = None
         self.layout: Any = None
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any], non_blocking: bool = False) -> dict[str, Any]:
+        """The copy in host memory. non_blocking (memory_tier.py, GPU): the device-to-host copies are only queued
+        on the current stream; the caller waits for them (a CUDA event) before reading the buffers."""
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
         layout = _layout(state_dict)  # ~2.5 us a tensor, compare included: 20 ms for 8000, beside GBs copied
@@ -408,7 +410,7 @@ class _ReusedHostBuffers:
             self.buffers = None  # the old ones go before the new ones are made: one state's worth of host memory
             self.buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             self.layout = layout
-        return _copy_state_dict(state_dict, self.buffers)
+        return _copy_state_dict(state_dict, self.buffers, non_blocking=non_blocking)
 
     def synchronize_staging(self) -> None:
         pass
@@ -425,7 +427,7 @@ class Writer:
     1.6 GB state, benchmarks/checkpoint_bench.py); one thread that waits for DCP's write and hashes it."""
 
     group: Any = field(default_factory=lambda: dist.new_group(backend="gloo"))
-    stager: _ReusedHostBuffers = field(default_factory=_ReusedHostBuffers)
+    stager: HostBuffers = field(default_factory=HostBuffers)
     pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpc_train-ckpt")
     )

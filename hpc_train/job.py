@@ -622,8 +622,10 @@ def _clean_memory(end: dict[str, Any] | None, local: bool) -> None:
         from hpc_train import memory_tier
 
         tier = memory_tier.BUILT[0]
-        if tier is not None and not journal.keeps_memory(end, tier.node, local):
-            tier.clean()
+        if tier is not None:
+            tier.abandon()  # the copy in flight either way (a peer may be gone): a relaunch reads complete steps only
+            if not journal.keeps_memory(end, tier.node, local):
+                tier.clean()
 
 
 def _decide_together(
@@ -643,6 +645,8 @@ def _decide_together(
     import torch.distributed as dist
 
     actions = ("stop", "requeue", "wait", "relaunch")
+    if memory is not None:  # every rank is here (a stop): the copy in flight completes before the verdict
+        memory.wait()  # and before destroy_process_group, which would wait on its group's work
     verdict = torch.tensor([0])
     if env.rank == 0:
         verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, reason, step, sick))

@@ -3,11 +3,14 @@ the last disk checkpoint.
 
     hpc-train submit cluster=mysite cluster.nodes=8 cluster.spare_nodes=1 checkpoint.memory_every_steps=5
 
-Every checkpoint.memory_every_steps (Attempt.step_end, the same step on every rank) each rank torch.saves its
-state (TrainState.state_dict() with DTensors as their local shards, and its RNGs) to bytes, writes them into
-node-local tmpfs and sends them to its buddy, rank (R + tasks_per_node) % world on the next node, which writes
-them as the buddy copy. One folder per node, job and run (the node's name keeps the dev cluster's 4 "nodes",
-which share one /dev/shm, apart: a rank only ever reads its own node's folder):
+Every checkpoint.memory_every_steps (Attempt.step_end, the same step on every rank) each rank copies its state
+(TrainState.state_dict() with DTensors as their local shards, and its RNGs) into host buffers reused from copy
+to copy (on a GPU pinned, the copy queued non-blocking), and the loop goes on: a thread of its own torch.saves
+the copy to bytes, writes them into node-local tmpfs and sends them to its buddy, rank (R + tasks_per_node) %
+world on the next node, which writes them as the buddy copy, over a gloo group only that thread uses; then the
+ranks agree, on that group, that every rank wrote both. One copy in flight at most: the next waits for it. One
+folder per node, job and run (the node's name keeps the dev cluster's 4 "nodes", which share one /dev/shm,
+apart: a rank only ever reads its own node's folder):
 
     <checkpoint.memory_dir>/hpc_train-<uid>/<job id>/<node>/<run key>/step-<S>/rank-<R>.pt   torch.save bytes
                                                                               rank-<R>.json  sha256, size, who
@@ -29,13 +32,15 @@ import hashlib
 import io
 import json
 import os
+import queue
 import re
 import shutil
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpc_train.checkpoint import TrainState, drop_optimizer_state
+from hpc_train.checkpoint import HostBuffers, TrainState, drop_optimizer_state
 from hpc_train.config import CheckpointConfig
 from hpc_train.env import RankEnv
 from hpc_train.paths import MARKER, make_dir, step_folders, untrusted, write_atomic
@@ -179,9 +184,27 @@ class MemoryTier:
     buddy: int | None  # the rank that keeps a copy of this rank's state; None on one node
     source: int | None  # the rank whose copy this rank keeps
     off: str = ""
-    last: int = -1  # the newest step saved (or loaded) here: complete on every rank once the next is due
+    last: int = -1  # the newest step saved (or loaded) here and agreed complete on every rank
     warned: bool = False
     say: Callable[[str], None] = print
+    # The copy thread's own gloo group (build, once per attempt): its sends and its agreement never interleave
+    # with training's collectives on the default group, which the loop runs meanwhile.
+    group: Any = None
+    buffers: HostBuffers = field(default_factory=HostBuffers)  # the snapshot: one state's worth of host memory
+    # The copy thread, started at the first copy and kept for the attempt: a thread started per copy cost the
+    # loop ~3 ms a copy, since Thread.start() waits until the new thread runs, and it runs into torch.save
+    # holding the GIL (model=tiny, benchmarks/memory_tier.py).
+    thread: threading.Thread | None = None
+    todo: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the next copy: (step, snapshot, ready)
+    idle: threading.Event = field(default_factory=lambda: _set(threading.Event()))  # clear while one is in flight
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the copy thread holds it for each file it touches
+    abandoned: bool = False  # abandon(): the copy in flight writes and removes nothing more, and never counts
+    error: str = ""  # the copy thread's collectives failed (a peer gone): raised at the next save
+    blocked_s: float = 0.0  # the loop's seconds in save() (the snapshot, and any wait), since figures() last read
+    wait_s: float = 0.0  # of those, waiting for the previous copy
+    copy_s: float = 0.0  # the newest finished copy's seconds in its thread (serialise, hash, write, send, agree)
+    copy_cpu_s: float = 0.0  # of which the thread's own CPU time: less when it waited for cores or the GIL
+    warned_wait: bool = False
 
     @classmethod
     def build(
@@ -218,6 +241,8 @@ class MemoryTier:
         whys: list[Any] = [None] * world
         dist.all_gather_object(whys, why)
         tier.off = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), "")
+        if not tier.off:  # on every rank alike: new_group is collective
+            tier.group = dist.new_group(backend="gloo")
         BUILT[0] = tier
         if tier.off:
             say(f"[hpc_train] warning: checkpoint.memory_every_steps is off in this attempt: {tier.off}")
@@ -232,58 +257,144 @@ class MemoryTier:
         return not self.off and step % self.every_steps == 0
 
     def _write(self, step: int, rank: int, data: Any, digest: str, kind: str) -> str:
-        """One copy, the data then its record (the record last: a copy without one is not listed); "" or why not."""
+        """One copy, the data then its record (the record last: a copy without one is not listed); "" or why not.
+        Nothing once abandoned: a folder clean() removed is not made again."""
         folder = self.folder / f"step-{step}"
         info = {"step": step, "rank": rank, "sha256": digest, "bytes": len(data), "kind": kind}
         info |= {"world_size": self.world_size, "mesh": list(self.mesh), "allocation": self.allocation}
-        try:
-            make_dir(folder, exist_ok=True)
-            write_atomic(folder / f"rank-{rank}.pt", data, private=True)
-            write_atomic(folder / f"rank-{rank}.json", json.dumps(info), private=True)
-        except OSError as e:  # a full tmpfs: this copy is missing, the buddy's may do
-            return f"{folder}: {e}"
+        with self.lock:
+            if self.abandoned:
+                return "abandoned"
+            try:
+                make_dir(folder, exist_ok=True)
+                write_atomic(folder / f"rank-{rank}.pt", data, private=True)
+                write_atomic(folder / f"rank-{rank}.json", json.dumps(info), private=True)
+            except OSError as e:  # a full tmpfs: this copy is missing, the buddy's may do
+                return f"{folder}: {e}"
         return ""
 
     def save(self, state: TrainState) -> float:
-        """Collective (every rank sends one copy to its buddy, receives one, then one all-reduce): this step's
-        copies; once every rank wrote both, the older steps go. Returns the seconds it took."""
-        t0 = time.monotonic()
+        """At the step boundary, the same step on every rank: waits for the copy in flight (at most one; the
+        first wait of an attempt is said, with the figures), copies this rank's state into the reused host
+        buffers (GPU: queued on the stream, so the next step's kernels run after it) and starts the copy thread
+        on them. Returns the seconds the loop was blocked. Raises RuntimeError when the previous copy's
+        collectives failed (a peer gone): the attempt fails as it would in its next collective."""
         if self.off:
             return 0.0
-        buf = io.BytesIO()
-        torch.save({"state": _local(state.state_dict()), "rng": state.rank_state()}, buf)
-        data = buf.getbuffer()
-        digest = hashlib.sha256(data).hexdigest()
-        why = self._write(state.step, self.rank, data, digest, "own")
-        if self.buddy is not None and self.source is not None:
-            head = torch.tensor([len(data), *struct.unpack("<4q", bytes.fromhex(digest))], dtype=torch.int64)
-            got = torch.empty(5, dtype=torch.int64)
-            for r in [dist.isend(head, self.buddy, tag=TAG), dist.irecv(got, self.source, tag=TAG)]:
-                r.wait()
-            theirs = bytearray(int(got[0]))
-            mine = torch.frombuffer(data, dtype=torch.uint8)
-            for r in [
-                dist.isend(mine, self.buddy, tag=TAG + 1),
-                dist.irecv(torch.frombuffer(theirs, dtype=torch.uint8), self.source, tag=TAG + 1),
-            ]:
-                r.wait()
-            del mine
-            sent = struct.pack("<4q", *got[1:].tolist()).hex()  # the sender's hash: a torn transfer never loads
-            why = self._write(state.step, self.source, theirs, sent, "buddy") or why  # written even if ours was not
-        del data
-        if why and not self.warned:
-            self.warned = True
-            self.say(f"[hpc_train] warning: a copy in memory was not written ({why}); the disk checkpoints go on")
-        # Complete only when every rank wrote both its copies (a full tmpfs on one node): then the older steps
-        # go, so a node holds one step (own + buddy) between saves; else this step goes and the last stays.
-        ok = torch.tensor([0 if why else 1], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item():
-            self._remove(lambda s: s < state.step)
-            self.last = state.step
-        else:
-            self._remove(lambda s: s == state.step)
+        t0 = time.monotonic()
+        busy = not self.idle.is_set()
+        self.wait()
+        waited = time.monotonic() - t0
+        if self.error:
+            raise RuntimeError(f"the memory copy before step {state.step} failed: {self.error}")
+        if busy and not self.warned_wait:
+            self.warned_wait = True
+            self.say(
+                f"[hpc_train] warning: checkpoint.memory_every_steps={self.every_steps}: step {state.step}'s copy "
+                f"waited {waited * 1e3:.1f} ms for the previous one (a copy takes {self.copy_s * 1e3:.0f} ms in "
+                "the background): raise checkpoint.memory_every_steps so that one copy fits between two "
+                "(metrics.jsonl: memory_wait_s)"
+            )
+        cuda = torch.cuda.is_available()
+        snapshot = self.buffers.stage({"state": _local(state.state_dict()), "rng": state.rank_state()}, cuda)
+        ready = None
+        if cuda:  # the thread reads the pinned buffers once the copies queued before this event ran
+            ready = torch.cuda.Event()
+            ready.record()
+        self.idle.clear()
+        self.todo.put((state.step, snapshot, ready))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._copies, name="hpc_train-memory", daemon=True)
+            self.thread.start()
+        blocked = time.monotonic() - t0
+        self.blocked_s += blocked
+        self.wait_s += waited
+        return blocked
+
+    def _copies(self) -> None:
+        """The copy thread's life: one copy after another, as save() hands them over (daemon: a failure's
+        os._exit, or the interpreter's exit, ends it wherever it is)."""
+        while True:
+            step, snapshot, ready = self.todo.get()
+            try:
+                self._copy(step, snapshot, ready)
+            finally:
+                self.idle.set()
+
+    def _copy(self, step: int, snapshot: dict[str, Any], ready: Any) -> None:
+        """The copy thread: the bytes and their sha256, the own copy, the buddy exchange, the buddy copy, then
+        one all-reduce, all on self.group. A local failure (a full tmpfs, abandon()) makes the step incomplete
+        but skips no collective, so every rank's thread makes the same calls and none is left waiting. Complete
+        only when every rank wrote both its copies: then the older steps go, so a node holds one step (own +
+        buddy) between copies; else this step goes and the last complete one stays."""
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        try:
+            if ready is not None:
+                ready.synchronize()
+            buf = io.BytesIO()
+            torch.save(snapshot, buf)
+            data = buf.getbuffer()
+            digest = hashlib.sha256(data).hexdigest()
+            why = self._write(step, self.rank, data, digest, "own")
+            if self.buddy is not None and self.source is not None:
+                head = torch.tensor([len(data), *struct.unpack("<4q", bytes.fromhex(digest))], dtype=torch.int64)
+                got = torch.empty(5, dtype=torch.int64)
+                for r in [
+                    dist.isend(head, self.buddy, group=self.group, tag=TAG),
+                    dist.irecv(got, self.source, group=self.group, tag=TAG),
+                ]:
+                    r.wait()
+                theirs = bytearray(int(got[0]))
+                mine = torch.frombuffer(data, dtype=torch.uint8)
+                for r in [
+                    dist.isend(mine, self.buddy, group=self.group, tag=TAG + 1),
+                    dist.irecv(torch.frombuffer(theirs, dtype=torch.uint8), self.source, group=self.group, tag=TAG + 1),
+                ]:
+                    r.wait()
+                del mine
+                sent = struct.pack("<4q", *got[1:].tolist()).hex()  # the sender's hash: a torn transfer never loads
+                why = self._write(step, self.source, theirs, sent, "buddy") or why  # written even if ours was not
+            del data
+            if why and why != "abandoned" and not self.warned:
+                self.warned = True
+                self.say(f"[hpc_train] warning: a copy in memory was not written ({why}); the disk checkpoints go on")
+            ok = torch.tensor([0 if why or self.abandoned else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+            with self.lock:
+                if self.abandoned:  # after a complete agreement too: clean() or the failure path decides
+                    return
+                if ok.item():
+                    self._remove(lambda s: s < step)
+                    self.last = step
+                else:
+                    self._remove(lambda s: s == step)
+        except Exception as e:  # gloo: a peer closed its connection; nothing was agreed, nothing removed
+            self.error = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            self.copy_s, self.copy_cpu_s = time.monotonic() - t0, time.thread_time() - cpu0
+
+    def wait(self) -> float:
+        """Waits for the copy in flight; returns the seconds it took. Ends once every rank's thread has done
+        the same collectives: call it on every rank (the stop path, finish) or on none (a failure: abandon())."""
+        t0 = time.monotonic()
+        self.idle.wait()
         return time.monotonic() - t0
+
+    def abandon(self) -> None:
+        """For paths that cannot wait (a failure: a peer may be gone, the thread blocked in a collective with
+        it until the process exits): from now the copy in flight writes and removes nothing, and this rank
+        tells the agreement its step is incomplete, so the newest complete step stays on every node."""
+        with self.lock:  # a file being written is finished first: none is written after this returns
+            self.abandoned = True
+
+    def figures(self) -> dict[str, float]:
+        """The metrics row's fields (train.Log.step), since the previous row: the loop's seconds blocked by the
+        copies (snapshot + waiting), of which waiting for the one in flight, and the newest copy's seconds in
+        the background, wall and its thread's CPU."""
+        out = {"memory_blocked_s": self.blocked_s, "memory_wait_s": self.wait_s, "memory_copy_s": self.copy_s}
+        out["memory_copy_cpu_s"] = self.copy_cpu_s
+        self.blocked_s = self.wait_s = 0.0
+        return out
 
     def _remove(self, doomed: Callable[[int], bool]) -> None:
         if not self.folder.is_dir():
@@ -404,9 +515,16 @@ class MemoryTier:
 
     def clean(self) -> None:
         """Best effort, on every rank: this node's folder of this job and run goes (the run finished, stopped or
-        is requeued: no relaunch inside this allocation will read it); then the empty folders above it."""
+        is requeued: no relaunch inside this allocation will read it); then the empty folders above it. A copy
+        still in flight writes nothing after it (abandon)."""
+        self.abandon()
         shutil.rmtree(self.folder, ignore_errors=True)
         clean_empty(self.folder.parent, self.base)
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
 
 
 def clean_empty(folder: Path, base: Path) -> None:

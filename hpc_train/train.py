@@ -371,6 +371,7 @@ class Log:
     ) -> None:
         """Collective (the loss is averaged over every rank); rank 0 writes."""
         mean_loss, at, steps = global_mean(loss), self.at, self.at.cfg.train.steps
+        memory = at.memory.figures() if at.memory and not at.memory.off else {}  # this rank's, since the last row
         if at.env.rank != 0:
             return
         tokens_per_s = self.tokens_per_step / step_time_s
@@ -388,6 +389,7 @@ class Log:
             "peak_memory_mb": peak_memory_mb(at.device),
             "mfu": mfu(self.flops_per_token, tokens_per_s / at.env.world_size, self.peak_flops),
             **({} if val_loss is None else {"val_loss": val_loss}),
+            **memory,
         }
         append_line(at.paths.metrics, row)
         self.tracker.log(step, row)

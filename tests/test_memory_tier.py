@@ -1,6 +1,7 @@
 """The checkpoint tier in memory (checkpoint.memory_every_steps): the pure choice of a memory step over seeded
-inventories; 3 gloo ranks that save copies, lose one (the buddy's is loaded) and find one corrupt (the disk
-is); then on the dev cluster a killed rank relaunched on a spare, resumed from memory, bit-exact."""
+inventories; 3 gloo ranks that save copies (in a thread of their own; one abandoned), lose one (the buddy's
+is loaded) and find one corrupt (the disk is); then on the dev cluster a killed rank relaunched on a spare,
+resumed from memory, bit-exact."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -323,6 +325,7 @@ def _ranks(rank: int, world: int, out: str) -> None:
     env = RankEnv("slurm", rank, 0, world, 1, rank, world, tuple(f"n{r}" for r in range(world)), "", 0, "77", 0)
     os.environ.pop("SLURMD_NODENAME", None)  # each rank its own node: n0, n1, n2
     facts: dict[str, object] = {}
+    said: list[str] = []
     (root / "shm").mkdir(exist_ok=True)
 
     def attempt(seed: int) -> tuple[TrainState, MemoryTier, Saver]:
@@ -335,7 +338,7 @@ def _ranks(rank: int, world: int, out: str) -> None:
         fully_shard(model, mesh=mesh)  # 5 rows over 3 ranks: shards of 2, 2 and 1
         state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=0.1), data=Position())
         saver = Saver(root / "run" / "checkpoints", cfg, root / "drills", lambda *a, **k: None, 0.0)
-        return state, MemoryTier.build(cfg, env, root / "run", (world, 1), print), saver
+        return state, MemoryTier.build(cfg, env, root / "run", (world, 1), said.append), saver
 
     def train(state: TrainState) -> None:
         x = torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * state.step + rank))
@@ -356,12 +359,26 @@ def _ranks(rank: int, world: int, out: str) -> None:
         if state.step == 2:
             saver.save(state, "periodic", background=False)
             facts["disk"] = _digest(state)
+        if state.step == 3:  # from here each step's copy thread waits for its gate before it reads the snapshot
+            gates, copy = {3: threading.Event(), 4: threading.Event()}, memory._copy
+            memory._copy = lambda step, *a: (gates[step].wait(), copy(step, *a))  # type: ignore[method-assign]
         memory.save(state)
+        if state.step < 3:  # done before the next: the first wait said is step 4's (below)
+            memory.wait()
         if state.step == 1:
             facts["step_1"] = [(memory.folder / "step-1").exists(), memory.last]
     facts["saved"] = _digest(state)
+    # The loop moves on while step 3's copy has not read its snapshot yet: what loads below is step 3's state.
+    train(state)
+    threading.Timer(0.3, gates[3].set).start()
+    memory.save(state)  # step 4: waits >= 0.3 s for step 3's copy, and says so
+    facts["figures"] = memory.figures()
+    if rank == 2:  # rank 2 fails (the failure path abandons) before its copy of step 4 wrote anything
+        memory.abandon()
+    gates[4].set()
+    memory.wait()
     facts["steps_kept"] = sorted(p.name for p in memory.folder.iterdir())
-    train(state)  # moved on: what is loaded below is the saved state, not this one
+    facts["last"] = memory.last
     dist.destroy_process_group()
 
     # A relaunch: fresh weights; rank 1's own copy is gone, so its buddy (rank 2) sends it. An earlier job's folder
@@ -394,23 +411,31 @@ def _ranks(rank: int, world: int, out: str) -> None:
     dist.barrier()
     facts["left"] = sorted(str(p.relative_to(root / "shm")) for p in (root / "shm").rglob("*"))
     dist.destroy_process_group()
+    facts["said"] = said
     record.write_text(json.dumps(facts))
 
 
 def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_path: Path) -> None:
     """FSDP2 shards (uneven), AdamW with a lazy parameter, a data position and RNGs on 3 gloo ranks, one per
-    "node". Memory copies at steps 1-3: at step 1 rank 0's own copy cannot be written, so no node keeps step 1
-    (review: a partial step advanced the kept one, and the next save removed the only complete step); each
-    complete step removes the older ones, so step 3 alone is kept; relaunched with fresh weights and rank 1's own copy
-    deleted: rank 1's state comes from its buddy, rank 2, and every rank's state is the saved one bit for bit.
-    An earlier job's folders of the run go at the load. Relaunched again with rank 0's copy corrupted: no rank loads from memory, the disk checkpoint of step 2
-    loads, and the tier's folders are gone after clean()."""
+    "node". Memory copies at steps 1-4, each written by a thread while the loop goes on: at step 1 rank 0's own
+    copy cannot be written, so no node keeps step 1 (review: a partial step advanced the kept one, and the next
+    save removed the only complete step); each complete step removes the older ones. Step 3's copy reads its
+    snapshot only after the loop trained step 4 (the snapshot is a copy, not the live tensors); step 4's save
+    waits for it and says so; rank 2 abandons step 4's copy (the failure path), so no node keeps step 4 and step
+    3 stays the newest complete one. Relaunched with fresh weights and rank 1's own copy deleted: rank 1's state
+    comes from its buddy, rank 2, and every rank's state is step 3's bit for bit. An earlier job's folders of
+    the run go at the load. Relaunched again with rank 0's copy corrupted: no rank loads from memory, the disk
+    checkpoint of step 2 loads, and the tier's folders are gone after clean()."""
     mp.start_processes(_ranks, args=(3, str(tmp_path)), nprocs=3, join=True, start_method="fork")
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     for f in facts:
         assert f["no_buddy"] is False
-        assert f["steps_kept"] == ["step-3"]
+        assert f["steps_kept"] == ["step-3"] and f["last"] == 3  # step 4 abandoned on rank 2: incomplete everywhere
         assert f["step_1"] == [False, -1]  # on every node, not only rank 0's
+        assert f["figures"]["memory_wait_s"] >= 0.25 and f["figures"]["memory_blocked_s"] >= 0.25, f["figures"]
+        waited = [line for line in f["said"] if "copy waited" in line]
+        assert len(waited) == 1 and "checkpoint.memory_every_steps=1: step 4's copy waited" in waited[0], f["said"]
+        assert "raise checkpoint.memory_every_steps so that one copy fits between two" in waited[0]
     for f in facts:
         assert f["from_buddy"]["step"] == 3 and (f["from_buddy"]["own"], f["from_buddy"]["buddy"]) == (2, 1)
         assert f["loaded"] == f["saved"]
