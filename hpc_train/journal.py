@@ -55,7 +55,7 @@ NODE_NOT_EXCLUDED = "node_not_excluded"
 EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not
 # the training step relaunched inside the allocation (cluster.spare_nodes): reason, left_out (nodes of this
 # job it leaves out), nodes_next, spares_left, in_job_restarts (in a row, this one included)
-IN_JOB_RESTART = "in_job_restart"
+IN_JOB_RESTART = "in_job_restart"  # in_process: True when the ranks that survived rejoined in their processes
 # side services
 STRAGGLER = "straggler"
 STRAGGLER_CLEARED = "straggler_cleared"
@@ -182,6 +182,17 @@ def decided(events: list[Event], restart: int) -> bool:
 def relaunched(events: list[Event], restart: int) -> bool:
     """Whether attempt `restart`'s verdict was an in-job restart (the step starts again in this allocation)."""
     return any(e.get("restart") == restart for e in named(events, IN_JOB_RESTART))
+
+
+def step_over(events: list[Event], restart: int) -> bool:
+    """Whether the training step a standby waits in (started at attempt `restart`) is ending: the run finished,
+    or a verdict since then other than an in-process restart (which keeps the step) is on record."""
+    ends = (FINISH, REQUEUE, REQUEUE_FAILED, STOPPED, LEASE_REFUSED)
+    return any(
+        e.get("restart", -1) >= restart
+        and (e["event"] in ends or (e["event"] == IN_JOB_RESTART and not e.get("in_process")))
+        for e in events
+    )
 
 
 def committed_steps(events: list[Event]) -> list[int]:
