@@ -381,7 +381,7 @@ def _relaunch(
         )
         return False
     spares = len(set(job_nodes) - set(left_out)) - n
-    step = n + (spares if cluster.in_process_restart else 0)  # the spares left run the step's standbys again
+    step = n + (spares if cluster.in_process_restart else 0)  # the spares left run the standbys again
     args = f"--nodes={step} --ntasks={step * cluster.tasks_per_node}" + (
         f" --exclude={','.join(left_out)}" if left_out else ""
     )

@@ -26,7 +26,7 @@ srun() {
   # and stays pending (sent to the step once it runs).
   trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
   trap 'pending=SIGUSR2; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
-  [ -z "$step" ] || rm -f "$marker"  # a requeued job's leftover from its last allocation: never relaunch on it
+  [ -z "$step" ] || rm -f "$marker" "${!#}/.finished-${SLURM_JOB_ID}"  # a requeued job's leftovers: never act on them
   while true; do
     now="$pending" pending="" pid=""
     HPC_TRAIN_PENDING_SIGNAL="$now" command srun $step "$@" &

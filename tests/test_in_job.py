@@ -211,6 +211,14 @@ def test_a_step_on_fewer_nodes_than_the_job_has_places_by_the_steps_nodes() -> N
         (["cluster=dev", "cluster.spare_nodes=-1"], r"cluster.spare_nodes=-1 must be >= 0 \(0: no hot spares\)"),
         (["cluster=local", "cluster.spare_nodes=1"], r"cluster.spare_nodes=1 but the local executor runs on this"),
         (["requeue.max_in_job_restarts=-1"], r"requeue budgets must be >= 0"),
+        (
+            ["cluster=dev", "cluster.in_process_restart=true"],
+            r"cluster.in_process_restart=true needs a warm standby on a spare node; set cluster.spare_nodes=1",
+        ),
+        (
+            ["cluster=dev", "cluster.spare_nodes=1", "cluster.in_process_restart=true", "script.cmd=[echo]"],
+            r"a command after -- \(script.cmd\) runs in processes of its own; set cluster.in_process_restart=false",
+        ),
     ],
 )
 def test_spare_config_errors(overrides: list[str], message: str) -> None:
@@ -238,6 +246,65 @@ def test_spares_with_min_nodes_keep_a_fixed_allocation_of_nodes_plus_spares() ->
     assert not job.elastic(env, cfg) and job.next_attempt_size(env, cfg, (None, {"free_nodes": ["node1"]})) == ({}, {})
     assert job.queue_wait_s(env, cfg, []) == (None, {})  # no snapshot taken (slurm is not called)
     assert job.decision_reserve_s(env, cfg) == job.REQUEUE_RESERVE_S  # nor reserved for
+
+
+def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cluster.in_process_restart: the step spans nodes + spares (rendered, and again at a relaunch), its first
+    cluster.nodes nodes train and the tasks beyond are standbys; a step gone on smaller has none; without the
+    option, or srun by hand (no HPC_TRAIN_STEP_ARGS), nothing changes."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.sbatch import executor_parameters
+
+    overrides = ["cluster=dev", "cluster.spare_nodes=1", "cluster.tasks_per_node=2", "cluster.in_process_restart=true"]
+    cfg = to_run_config(compose(overrides))
+    assert "export HPC_TRAIN_STEP_ARGS='--nodes=3 --ntasks=6'" in executor_parameters(cfg.cluster, "x")["setup"]
+    off = to_run_config(compose(overrides[:-1]))
+    assert "export HPC_TRAIN_STEP_ARGS='--nodes=2 --ntasks=4'" in executor_parameters(off.cluster, "x")["setup"]
+
+    def task(procid: int, nodes: str = "node[1-3]") -> dict[str, str]:
+        n = len(nodes.split(",")) if "[" not in nodes else 3
+        return {
+            "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": str(procid % 2),
+            "SLURM_NTASKS": str(2 * n),
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_NODEID": str(procid // 2),
+            "SLURM_JOB_NODELIST": "node[1-3]",
+            "SLURM_STEP_NODELIST": nodes,
+            "SLURM_JOB_ID": "7",
+        }
+
+    monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=3 --ntasks=6")
+    split = [job._split_standby(from_env(task(r)), cfg) for r in range(6)]
+    assert [standby for _, standby in split] == [False] * 4 + [True] * 2
+    assert {(e.world_size, e.nodes) for e, _ in split} == {(4, ("node1", "node2"))}
+    smaller = job._split_standby(from_env(task(1, "node1")), cfg)[0]
+    assert smaller == from_env(task(1, "node1"))  # no spare left: every task trains
+    assert job._split_standby(from_env(task(5)), off) == (from_env(task(5)), False)
+    # a relaunch (the in-process path could not take it) starts the standbys on the spares left again
+    monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    marker, nodes, record = tmp_path / ".relaunch-7", ["node1", "node2", "node3"], lambda *a, **k: None
+    assert job._relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, [], 0, record, 2)
+    assert marker.read_text() == "--nodes=3 --ntasks=6\n"
+    assert job._relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, ["node2"], 0, record, 2)
+    assert marker.read_text() == "--nodes=2 --ntasks=4 --exclude=node2\n"
+    monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # srun by hand: no standby
+    assert job._split_standby(from_env(task(5)), cfg) == (from_env(task(5)), False)
+
+
+def test_a_standby_leaves_when_its_step_ends() -> None:
+    """journal.step_over: a verdict since the standby's attempt other than an in-process restart, or the finish."""
+    base = [ev("start", 2), ev(journal.IN_JOB_RESTART, 1, in_process=True)]
+    assert not journal.step_over(base, 2)
+    assert not journal.step_over([*base, ev(journal.IN_JOB_RESTART, 2, in_process=True)], 2)  # keeps the step
+    for end in (journal.IN_JOB_RESTART, "requeue", "requeue_failed", "stopped", "finish", "lease_refused"):
+        assert journal.step_over([*base, ev(end, 3)], 2), end
+    assert not journal.step_over([*base, ev("requeue", 1)], 2)  # an earlier step's
 
 
 def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
@@ -426,7 +493,7 @@ def _relay(
     step_args after it as sbatch.py renders it, and a value inherited from a job that submitted this one in the
     environment: (the function's status, each srun call's arguments, the marker's path, its stderr)."""
     folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=bool(extra_env.pop("folder_exists", "")))
     bin_dir.mkdir()
     marker = folder / ".relaunch-77"
     if marker_at_start is not None:
@@ -461,6 +528,21 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
     status, calls, marker, _ = _relay(tmp_path / "c", "--nodes=2 --ntasks=4", "--nodes=2 --exclude=old", "exit 3")
     assert status == 3 and len(calls) == 1 and not marker.exists()  # the stale marker: removed, not used
+
+
+def test_a_finished_run_ends_its_job_completed_though_a_replaced_task_died(tmp_path: Path) -> None:
+    """cluster.in_process_restart: a task the in-process restart replaced died by SIGKILL, so srun's status is
+    137; the ranks finished the run (job._run wrote .finished-JOBID): the job's status is 0, the file consumed.
+    Without the file the status stays 137; a leftover from the job's last allocation is removed at the start."""
+    finish = 'touch "$(dirname "$MARKER")/.finished-77"; exit 137'
+    status, calls, marker, _ = _relay(tmp_path / "a", "--nodes=3 --ntasks=3", None, finish)
+    assert status == 0 and len(calls) == 1 and not (marker.parent / ".finished-77").exists()
+    status, calls, marker, _ = _relay(tmp_path / "b", "--nodes=3 --ntasks=3", None, "exit 137")
+    assert status == 137 and len(calls) == 1
+    (tmp_path / "c" / "submitit").mkdir(parents=True)
+    (tmp_path / "c" / "submitit" / ".finished-77").touch()
+    status, calls, marker, _ = _relay(tmp_path / "c", "--nodes=3 --ntasks=3", None, "exit 137", folder_exists="1")
+    assert status == 137
 
 
 def test_the_relaunch_survives_set_e_and_runs_only_our_own_options(tmp_path: Path) -> None:
@@ -531,7 +613,7 @@ def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monk
     from hpc_train import job
 
     recorded: list[str] = []
-    cluster = SimpleNamespace(nodes=2, tasks_per_node=2)
+    cluster = SimpleNamespace(nodes=2, tasks_per_node=2, in_process_restart=False)
     monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS", raising=False)
