@@ -379,6 +379,47 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(sick, 1)]
 
 
+@pytest.mark.slurm
+@pytest.mark.usefixtures("no_node_left_drained")
+@pytest.mark.parametrize("victim", ["last", "first"])
+def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict, victim: str
+) -> None:
+    """cluster.in_process_restart, 2 nodes + 1 spare whose task waits warm. Once a checkpoint committed a rank is
+    SIGKILLed (the last; or rank 0, whose process held the rendezvous store): the survivor drops its process group
+    and rejoins, in the same process, with the standby in the dead rank's place; both resume from the memory tier
+    (the standby from the buddy copy); one job id, Slurm's Restarts still 0, the job COMPLETED, and the uninterrupted
+    run's weights."""
+    args = [*RUN_ARGS, "cluster.spare_nodes=1", "cluster.in_process_restart=true", "checkpoint.memory_every_steps=1"]
+    run_dir, job_id = submit([*args, f"out_dir={tmp_path}", f"name=inproc-{victim}"], env=slurm_env)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
+    first = next(e for e in read_events(run_dir) if e["event"] == "start")
+    dead = first["world_size"] - 1 if victim == "last" else 0
+    done = run([HPC_TRAIN, "chaos", str(run_dir), "kill-rank", "--rank", str(dead)], env=slurm_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    events = read_events(run_dir)
+    (restart,) = [e for e in events if e["event"] == "in_job_restart"]
+    spare = next(n for n in ("node1", "node2", "node3") if n not in first["nodes"])
+    assert (restart["restart"], restart["in_process"], restart["spares_left"]) == (0, True, 0), restart
+    assert restart["replaced"] == {first["rank_nodes"][dead]: spare}
+    starts = {e["restart"]: e for e in events if e["event"] == "start"}
+    assert sorted(starts) == [0, 1] and {e["job_id"] for e in events if e.get("job_id")} == {job_id}
+    survivor = 1 - dead
+    assert starts[1]["pids"][survivor] == first["pids"][survivor]  # no new process for the rank that survived
+    assert starts[1]["pids"][dead] != first["pids"][dead] and starts[1]["rank_nodes"][dead] == spare
+    failed_at = max(e["step"] for e in events if e["event"] == "fail")
+    assert starts[1]["resumed_from"].startswith("memory step") and failed_at - starts[1]["step"] <= 1, starts[1]
+    assert starts[1]["memory"]["buddy"] == 1  # the standby's state came from the survivor's buddy copy
+    job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+    assert " Restarts=0 " in job, job
+    status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
+    assert "1 in-job restart(s) (1 in process)" in status, status
+    log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
+    assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead]} by the standby on {spare})" in log
+
+
 # An elastic resume is not bit-exact: the global batch is kept by 2 micro-batches on 1 rank (final loss measured
 # 4.2e-8 from the uninterrupted run's; test_elastic.py's requeue shrink, 6.2e-8 at worst over 80 steps).
 LOSS_RTOL = 1e-4
@@ -481,6 +522,9 @@ def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
     with redirect_stdout(out):
         print_status([{**row, "in_job_restarts": 1, "spares_left": 0.0}])
     assert "spares-1: 1 in-job restart(s); 0 spare node(s) left" in out.getvalue()
+    with redirect_stdout(out):
+        print_status([{**row, "in_job_restarts": 2, "in_process_restarts": 1, "spares_left": 0.0}])
+    assert "spares-1: 2 in-job restart(s) (1 in process); 0 spare node(s) left" in out.getvalue()
 
 
 RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
