@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,69 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
     assert marker.read_text() == "--nodes=2 --ntasks=4 --exclude=node2\n"
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # srun by hand: no standby
     assert job._split_standby(from_env(task(5)), cfg) == (from_env(task(5)), False)
+
+
+def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """_plan_rejoin: a rank is alive once it wrote its heartbeat count, dead once its life lock is free (or after
+    REJOIN_SETTLE_S); each dead node needs all its ranks dead and a standby node; else (a node blamed, no first
+    step in this attempt) the step is relaunched, saying why."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths, hold_for_life
+
+    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 0.2)
+    trained = [ev(journal.FIRST_STEP, 0)]
+
+    def plan(world: int, per: int, wrote: list[int], held: list[int], standbys: dict[str, str], **kw: object):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        paths, nodes = RunPaths(run), tuple(f"node{i + 1}" for i in range(world // per))
+        for folder in (paths.alive("7", 0), paths.run_dir / ".hang-7-0", paths.standbys("7")):
+            folder.mkdir(parents=True)
+        fds = [hold_for_life(paths.alive("7", 0) / str(r)) for r in held]  # a second open file: a live holder
+        for r in range(world):
+            (paths.alive("7", 0) / str(r)).touch()
+        for r in wrote:
+            (paths.run_dir / ".hang-7-0" / str(r)).write_text("5")
+        for task, node in standbys.items():
+            (paths.standbys("7") / task).write_text(node)
+        env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes)
+        recorded: list[dict] = []
+        args = (kw.get("events", trained), kw.get("sick", {}), 0, "failure")
+        ok = job._plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}))
+        for fd in fds:
+            os.close(fd)  # type: ignore[arg-type]
+        return ok, job.read_rejoin_plan(paths, "7") if ok else None, recorded
+
+    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 5.0)
+    t0 = time.monotonic()
+    ok, got, recorded = plan(2, 1, [0], [], {"2": "node3"})  # rank 1's lock free: dead at once, not after 5 s
+    assert time.monotonic() - t0 < 1.0
+    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 0.2)
+    assert ok and (got["nodes"], got["survivors"], got["standby"], got["attempt"]) == (
+        ["node1", "node3"],
+        [0],
+        {"2": 1},
+        1,
+    )
+    assert recorded[0]["in_process"] and recorded[0]["replaced"] == {"node2": "node3"}
+    assert recorded[0]["spares_left"] == 0 and recorded[0]["in_job_restarts"] == 1
+    ok, got, _ = plan(2, 1, [0], [1], {"2": "node3"})  # rank 1 silent but holding its lock: dead after the wait
+    assert ok and got["survivors"] == [0]
+    ok, got, _ = plan(2, 1, [0, 1], [], {"2": "node3"})  # an exception, no death: everyone rejoins, no standby
+    assert ok and got["standby"] == {} and got["nodes"] == ["node1", "node2"]
+    ok, got, _ = plan(4, 2, [0, 1, 2], [], {"4": "node3", "5": "node3"})  # rank 3 dead, rank 2 beside it alive
+    assert not ok and "ranks on node2 survived beside the dead" in capsys.readouterr().err
+    ok, got, _ = plan(4, 2, [0, 1], [], {"4": "node3", "5": "node3"})  # node2 lost whole: its 2 ranks by the 2 standbys
+    assert ok and got["standby"] == {"4": 2, "5": 3} and got["nodes"] == ["node1", "node3"]
+    ok, _, _ = plan(2, 1, [0], [], {})
+    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, events=[])
+    assert not ok and "failed before its first step" in capsys.readouterr().err
+    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "Xid 79"})
+    assert not ok and "a node was blamed (node2)" in capsys.readouterr().err
 
 
 def test_a_standby_leaves_when_its_step_ends() -> None:
