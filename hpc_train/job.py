@@ -799,7 +799,7 @@ def _plan_rejoin(
             continue
     free = [n for n, tasks in sorted(standbys.items()) if len(tasks) == per and n not in env.nodes]
     mixed = [env.nodes[n] for n in dead_nodes if any(n * per + i in alive for i in range(per))]
-    trained = any(e["event"] == journal.FIRST_STEP and e.get("restart") == env.restart_count for e in events)
+    trained = journal.trained(events, env.restart_count)
     why = (
         f"a node was blamed ({', '.join(sick)}): it is left out by a relaunch"
         if sick

@@ -184,6 +184,11 @@ def relaunched(events: list[Event], restart: int) -> bool:
     return any(e.get("restart") == restart for e in named(events, IN_JOB_RESTART))
 
 
+def trained(events: list[Event], restart: int) -> bool:
+    """Whether attempt `restart` reached its first step (an in-process restart rejoins only such an attempt)."""
+    return any(e.get("restart") == restart for e in named(events, FIRST_STEP))
+
+
 def step_over(events: list[Event], restart: int) -> bool:
     """Whether the training step a standby waits in (started at attempt `restart`) is ending: the run finished,
     or a verdict since then other than an in-process restart (which keeps the step) is on record."""
