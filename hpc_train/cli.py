@@ -392,6 +392,13 @@ def _report(args: argparse.Namespace) -> int:
                     f" (left out: {','.join(map(str, a['left_out']))}; {a['spares_left']} spare(s) left)"
                     if isinstance(a["left_out"], list) and a["left_out"]
                     else ""
+                )
+                + (
+                    " (in process"
+                    + "".join(f"; {dead} -> {spare}" for dead, spare in (a["replaced"] or {}).items())
+                    + ")"
+                    if a.get("in_process")
+                    else ""
                 ),
                 ",".join(a["signals"]),
             )

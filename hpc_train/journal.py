@@ -484,8 +484,12 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
                 "signals": [s for e in named(evs, SIGNAL) for s in e.get("signals", [])],
                 # an elastic requeue's NumNodes ("2-2"), or an in-job restart's node count (fewer: min_nodes)
                 "nodes_next": next((e.get("nodes_next") for e in named(evs, REQUEUE, IN_JOB_RESTART)), None),
-                # an in-job restart (hot spares): the allocation's nodes it left out, the spares it kept
-                **{k: next((e.get(k) for e in named(evs, IN_JOB_RESTART)), None) for k in ("left_out", "spares_left")},
+                # an in-job restart (hot spares): the allocation's nodes it left out, the spares it kept; in process
+                # (cluster.in_process_restart): the dead nodes and the standbys' that replaced them
+                **{
+                    k: next((e.get(k) for e in named(evs, IN_JOB_RESTART)), None)
+                    for k in ("left_out", "spares_left", "in_process", "replaced")
+                },
                 **{
                     k: start.get(k) if start else None
                     for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")

@@ -369,6 +369,9 @@ def test_a_standby_leaves_when_its_step_ends() -> None:
     for end in (journal.IN_JOB_RESTART, "requeue", "requeue_failed", "stopped", "finish", "lease_refused"):
         assert journal.step_over([*base, ev(end, 3)], 2), end
     assert not journal.step_over([*base, ev("requeue", 1)], 2)  # an earlier step's
+    restart = ev(journal.IN_JOB_RESTART, 0, in_process=True, replaced={"node2": "node3"}, left_out=[], spares_left=0)
+    (att,) = journal.attempts([ev("start", 0), restart])
+    assert (att["ended_by"], att["in_process"], att["replaced"]) == (journal.IN_JOB_RESTART, True, {"node2": "node3"})
 
 
 def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
@@ -482,6 +485,8 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     assert "1 in-job restart(s) (1 in process)" in status, status
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
     assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead]} by the standby on {spare})" in log
+    report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
+    assert f"in_job_restart (next: 2 nodes) (in process; {first['rank_nodes'][dead]} -> {spare})" in report, report
 
 
 # An elastic resume is not bit-exact: the global batch is kept by 2 micro-batches on 1 rank (final loss measured
