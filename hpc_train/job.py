@@ -16,6 +16,8 @@ An attempt, from process start to exit (docs/lifecycle.md draws it):
     the loop: at.step_end() each step                      -> `first_step`, saves, a `signal`
     stopped: rank 0 decides (preempt.decide) and requeues  -> `requeue` | `requeue_failed` | `stopped`
     failed, with hot spares: relaunched in the allocation  -> `in_job_restart` (preempt.in_job_restart)
+    ... cluster.in_process_restart: survivors and a standby -> `in_job_restart` (in_process); a new attempt in
+        rejoin in their processes (_plan_rejoin, _rejoin)     the same processes: Attempt.build, fn again
     finished: at.finish(): final save, summary.json        -> `finish`
     raised or hung: the first rank to fail decides alike   -> `fail`, then as stopped
 """
