@@ -448,45 +448,51 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("no_node_left_drained")
-@pytest.mark.parametrize("victim", ["last", "first"])
+@pytest.mark.parametrize("victim", ["last", "first", "node"])
 def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     slurm_env: dict[str, str], tmp_path: Path, reference: dict, victim: str
 ) -> None:
-    """cluster.in_process_restart, 2 nodes + 1 spare whose task waits warm. Once a checkpoint committed a rank is
-    SIGKILLed (the last; or rank 0, whose process held the rendezvous store): the survivor drops its process group
-    and rejoins, in the same process, with the standby in the dead rank's place; both resume from the memory tier
-    (the standby from the buddy copy); one job id, Slurm's Restarts still 0, the job COMPLETED, and the uninterrupted
-    run's weights."""
+    """cluster.in_process_restart, 2 nodes + 1 spare whose tasks wait warm. Once a checkpoint committed a rank is
+    SIGKILLed (the last; or rank 0, whose process held the rendezvous store; or, 2 ranks per node, both of the last
+    node, `lose-node`): the survivors drop their process groups and rejoin, in the same processes, with the standbys
+    in the dead ranks' places; all resume from the memory tier (the standbys from the buddy copies); one job id,
+    Slurm's Restarts still 0, the job COMPLETED, and (one rank per node) the uninterrupted run's weights. With 2 per
+    node a survivor once waited, blocked on the other survivor, until it was taken for dead (gloo's sockets stayed
+    open after destroy_process_group): the step was relaunched instead."""
     args = [*RUN_ARGS, "cluster.spare_nodes=1", "cluster.in_process_restart=true", "checkpoint.memory_every_steps=1"]
+    args += ["cluster.tasks_per_node=2"] if victim == "node" else []
     run_dir, job_id = submit([*args, f"out_dir={tmp_path}", f"name=inproc-{victim}"], env=slurm_env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
-    dead = first["world_size"] - 1 if victim == "last" else 0
-    done = run([HPC_TRAIN, "chaos", str(run_dir), "kill-rank", "--rank", str(dead)], env=slurm_env)
+    per = 2 if victim == "node" else 1
+    dead = [0] if victim == "first" else list(range(first["world_size"] - per, first["world_size"]))
+    action = "lose-node" if victim == "node" else "kill-rank"
+    done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", str(dead[-1])], env=slurm_env)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
-    assert summary["params_sha256"] == reference["params_sha256"]
+    if per == 1:  # the reference has one rank per node
+        assert summary["params_sha256"] == reference["params_sha256"]
     events = read_events(run_dir)
     (restart,) = [e for e in events if e["event"] == "in_job_restart"]
     spare = next(n for n in ("node1", "node2", "node3") if n not in first["nodes"])
     assert (restart["restart"], restart["in_process"], restart["spares_left"]) == (0, True, 0), restart
-    assert restart["replaced"] == {first["rank_nodes"][dead]: spare}
+    assert restart["replaced"] == {first["rank_nodes"][dead[0]]: spare}
     starts = {e["restart"]: e for e in events if e["event"] == "start"}
     assert sorted(starts) == [0, 1] and {e["job_id"] for e in events if e.get("job_id")} == {job_id}
-    survivor = 1 - dead
-    assert starts[1]["pids"][survivor] == first["pids"][survivor]  # no new process for the rank that survived
-    assert starts[1]["pids"][dead] != first["pids"][dead] and starts[1]["rank_nodes"][dead] == spare
+    for r in range(first["world_size"]):  # no new process for a rank that survived; the standby's for a dead one
+        assert (starts[1]["pids"][r] == first["pids"][r]) == (r not in dead), (r, starts[1]["pids"], first["pids"])
+        assert (starts[1]["rank_nodes"][r] == spare) == (r in dead)
     failed_at = max(e["step"] for e in events if e["event"] == "fail")
     assert starts[1]["resumed_from"].startswith("memory step") and failed_at - starts[1]["step"] <= 1, starts[1]
-    assert starts[1]["memory"]["buddy"] == 1  # the standby's state came from the survivor's buddy copy
+    assert starts[1]["memory"]["buddy"] == per  # the standbys' states came from the survivors' buddy copies
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
     assert " Restarts=0 " in job, job
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
     assert "1 in-job restart(s) (1 in process)" in status, status
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
-    assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead]} by the standby on {spare})" in log
+    assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
     report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
-    assert f"in_job_restart (next: 2 nodes) (in process; {first['rank_nodes'][dead]} -> {spare})" in report, report
+    assert f"in_job_restart (next: 2 nodes) (in process; {first['rank_nodes'][dead[0]]} -> {spare})" in report, report
 
 
 # An elastic resume is not bit-exact: the global batch is kept by 2 micro-batches on 1 rank (final loss measured
