@@ -361,6 +361,69 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert not ok and "a node was blamed (node2)" in capsys.readouterr().err
 
 
+CUT_SCRIPT = """
+import os, sys, time
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from hpc_train import job
+
+def rank_main(rank, store, cut):
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=3)
+    t = torch.zeros(1)
+    dist.barrier()
+    if rank == 2:  # dies
+        time.sleep(0.5)
+        os._exit(9)
+    if rank == 1:  # fails on the dead rank, then drops its group, cut or not; lives on
+        try:
+            dist.recv(t, src=2)
+        except RuntimeError:
+            pass
+        held = dist.group.WORLD  # as the trainer's traceback holds it (frames -> model -> DDP -> group)
+        if cut:
+            job._drop_group(SimpleNamespace(nodes=("localhost",), master_addr="127.0.0.1"))
+        else:
+            dist.destroy_process_group()
+        time.sleep(8)
+        os._exit(0 if held else 1)
+    t0 = time.time()  # rank 0: blocked on rank 1, alive
+    try:
+        dist.recv(t, src=1)
+    except RuntimeError:
+        pass
+    print(f"blocked for {time.time() - t0:.1f} s", flush=True)
+    os._exit(0)
+
+store, cut = sys.argv[1], sys.argv[2] == "cut"
+kids = []
+for r in range(3):
+    pid = os.fork()
+    if pid == 0:
+        rank_main(r, store, cut)
+    kids.append(pid)
+os.waitpid(kids[0], 0)
+for pid in kids[1:]:
+    os.kill(pid, 9)
+"""
+
+
+def test_a_failing_rank_cuts_its_connections_so_a_peer_blocked_on_it_fails_too(tmp_path: Path) -> None:
+    """3 gloo processes: rank 2 dies, rank 1 fails on it and drops its group (job._drop_group) but lives on; rank 0,
+    blocked in a recv from rank 1, fails at once. destroy_process_group closes gloo's sockets only with the group's
+    last reference, which a failing trainer's traceback still holds: rank 0 then stays blocked until rank 1 exits
+    (after 8 s here)."""
+    out = {}
+    for how in ("cut", "destroy"):
+        done = subprocess.run(
+            [sys.executable, "-c", CUT_SCRIPT, str(tmp_path / f"store-{how}"), how],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        out[how] = float(done.stdout.split("blocked for ")[1].split()[0])
+    assert out["cut"] < 3.0 and out["destroy"] > 5.0, out
+
+
 def test_a_standby_leaves_when_its_step_ends() -> None:
     """journal.step_over: a verdict since the standby's attempt other than an in-process restart, or the finish."""
     base = [ev("start", 2), ev(journal.IN_JOB_RESTART, 1, in_process=True)]
