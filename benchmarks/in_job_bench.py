@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/in_job_bench.py                       # both modes, a 60 s competitor
     .venv/bin/python benchmarks/in_job_bench.py --modes in-job --competitor-s 120
     .venv/bin/python benchmarks/in_job_bench.py --memory-every-steps 1  # in-job mode also with the memory tier
+    .venv/bin/python benchmarks/in_job_bench.py --modes in-job+memory,in-process  # the in-process restart beside it
 
 On the dev cluster (tests/cluster.py; export HPC_TRAIN_CLUSTER_DIR / _PORT_OFFSET for your own), its
 `debug` partition of 4 nodes. A run of 2 nodes x 1 rank (tiny, 0.25 s a step); mode "in-job" adds
@@ -12,7 +13,10 @@ it waits behind the run; then the last rank is SIGKILLed (`hpc-train chaos RUN k
 step is relaunched on the allocation the run still holds; requeued, the run goes back to the queue, where
 the competitor is first in line for the nodes it gives back. Prints, from the run's events: kill -> the
 next attempt's first step, the steps lost (the failed step - the step resumed at), and whether the
-competitor ran before the run resumed. Figures are printed, never asserted.
+competitor ran before the run resumed. Mode "in-process" is in-job+memory with cluster.in_process_restart: the
+rank that survived rejoins in its process with the spare's warm standby; it also prints the failure the survivor
+saw -> first step (the kill's own srun into the allocation takes 0.5-1 s of kill -> first step here), and whether
+the survivor kept its pid. Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ ARGS = [
 
 def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> dict:
     wait(lambda: sh(["sinfo", "-h", "-p", "debug", "-t", "idle", "-o", "%D"], env) == "4", 120, "4 idle nodes")
-    extra = ["cluster.spare_nodes=1"] if mode.startswith("in-job") else []
-    if mode == "in-job+memory":
+    extra = ["cluster.spare_nodes=1"] if mode.startswith("in-") else []
+    if mode in ("in-job+memory", "in-process"):
         extra.append(f"checkpoint.memory_every_steps={args.memory_every_steps}")
+    if mode == "in-process":
+        extra.append("cluster.in_process_restart=true")
     line = sh([HPC_TRAIN, "submit", *ARGS, *extra, f"out_dir={out}", f"name={mode.replace('+', '-')}"], env)
     line = next(l for l in line.splitlines() if l.startswith("submitted job"))
     job_id, run_dir = line.split()[2].rstrip(";"), Path(line.split("run directory ")[1])
@@ -69,6 +75,8 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
     first = next(e for e in ev if e["event"] == "first_step" and e["time"] > killed_at)
     start = next(e for e in ev if e["event"] == "start" and e["restart"] == first["restart"])
     reached = max(e["step"] for e in ev if e["restart"] < first["restart"])  # the failing rank's `fail` step
+    failed = next(e for e in ev if e["event"] == "fail" and e["time"] > killed_at)
+    before = next(e for e in ev if e["event"] == "start" and e["restart"] < first["restart"])
     competitor_rows = sh(["sacct", "-n", "-X", "-P", "-j", competitor, "-o", "Start,End"], env).split("|")
     competitor_start = competitor_rows[0] if competitor_rows else "Unknown"
     ran_first = competitor_start not in ("Unknown", "None", "") and time.mktime(
@@ -77,6 +85,8 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
     return {
         "mode": mode,
         "kill_to_first_step_s": first["time"] - killed_at,
+        "fail_to_first_step_s": first["time"] - failed["time"],
+        "survivor_kept_pid": before["pids"][0] == start["pids"][0],
         "steps_lost": max(0, reached - int(start["step"])),
         "reached": reached,
         "resumed_at": start["step"],
@@ -89,7 +99,7 @@ def one(mode: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="in-job,requeue", help="in-job, requeue, in-job+memory")
+    ap.add_argument("--modes", default="in-job,requeue", help="in-job, requeue, in-job+memory, in-process")
     ap.add_argument("--competitor-s", type=float, default=60.0, help="how long the queued competitor runs")
     ap.add_argument("--run-on-s", type=float, default=5.0, help="training after the competitor queued, before the kill")
     ap.add_argument("--memory-every-steps", type=int, default=1, help="checkpoint.memory_every_steps of in-job+memory")
@@ -106,9 +116,11 @@ def main() -> None:
     )
     for r in rows:
         print(
-            f"{r['mode']:14s}: kill -> first step {r['kill_to_first_step_s']:6.1f} s; steps lost {r['steps_lost']:3d} "
+            f"{r['mode']:14s}: kill -> first step {r['kill_to_first_step_s']:6.1f} s (failure seen -> first step "
+            f"{r['fail_to_first_step_s']:.1f} s); steps lost {r['steps_lost']:3d} "
             f"(reached {r['reached']}, resumed at {r['resumed_at']} from {r['resumed_from']}); "
-            f"same job {r['same_job']}; competitor ran first {r['competitor_ran_first']}  [{r['run_dir']}]"
+            f"same job {r['same_job']}; rank 0 kept its pid {r['survivor_kept_pid']}; competitor ran first "
+            f"{r['competitor_ran_first']}  [{r['run_dir']}]"
         )
     if started:
         cluster.down()

@@ -354,6 +354,11 @@ class RunConfig:
                 f"Slurm every failure then requeues into a new allocation, which cannot read copies in the old "
                 f"nodes' memory; set cluster.spare_nodes=1 (or more) or checkpoint.memory_every_steps=0"
             )
+        if self.cluster.in_process_restart and self.script.cmd:
+            raise ValueError(
+                "cluster.in_process_restart=true keeps the trainer's processes across a crash, but a command after "
+                "-- (script.cmd) runs in processes of its own; set cluster.in_process_restart=false"
+            )
         if self.script.cmd and self.fn._target_:
             raise ValueError(
                 f"fn._target_={self.fn._target_!r} and a command after -- (script.cmd) both say what every rank "

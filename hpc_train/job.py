@@ -16,6 +16,8 @@ An attempt, from process start to exit (docs/lifecycle.md draws it):
     the loop: at.step_end() each step                      -> `first_step`, saves, a `signal`
     stopped: rank 0 decides (preempt.decide) and requeues  -> `requeue` | `requeue_failed` | `stopped`
     failed, with hot spares: relaunched in the allocation  -> `in_job_restart` (preempt.in_job_restart)
+    ... cluster.in_process_restart: survivors and a standby -> `in_job_restart` (in_process); a new attempt in
+        rejoin in their processes (_plan_rejoin, _rejoin)     the same processes: Attempt.build, fn again
     finished: at.finish(): final save, summary.json        -> `finish`
     raised or hung: the first rank to fail decides alike   -> `fail`, then as stopped
 """
@@ -23,6 +25,7 @@ An attempt, from process start to exit (docs/lifecycle.md draws it):
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import json
 import os
@@ -35,7 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal, preempt, script, slurm
-from hpc_train.paths import RunPaths, locked, make_dir, relaunch_marker, write_atomic
+from hpc_train.paths import (
+    RunPaths,
+    finished_marker,
+    hold_for_life,
+    holder_gone,
+    locked,
+    make_dir,
+    relaunch_marker,
+    write_atomic,
+)
 
 
 def process_start_time() -> float:
@@ -103,24 +115,33 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
-        # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
-        # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
-        env = _placed[0] or env
-        journal.log(
-            paths.run_dir,
-            journal.FAIL,
-            preempt.step_reached[0],
-            env.job_id,
-            env.restart_count,
-            rank=env.rank,
-            error=f"{type(e).__name__}: {e}",
-            traceback=traceback.format_exc(limit=5),
-        )
-        verdict, grace_s = _after_failure(paths, env, e)
-        traceback.print_exc()  # this rank's log keeps the whole story
-        if verdict in ("wait", "relaunch") or (verdict == "requeue" and env.executor == "local"):
-            _leave(verdict, grace_s)  # 144: the local controller restarts every task on this code
-        _leave("stop", 0.0)
+        verdict, grace_s = _failed(paths, env, e)
+        _leave_after_failure(verdict, grace_s, env)
+
+
+def _failed(paths: RunPaths, env: Any, e: BaseException) -> tuple[str, float]:
+    """This rank's `fail` event, then the one decision (_after_failure): (verdict, grace_s)."""
+    # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
+    # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
+    env = _placed[0] or env
+    journal.log(
+        paths.run_dir,
+        journal.FAIL,
+        preempt.step_reached[0],
+        env.job_id,
+        env.restart_count,
+        rank=env.rank,
+        error=f"{type(e).__name__}: {e}",
+        traceback=traceback.format_exc(limit=5),
+    )
+    return _after_failure(paths, env, e)
+
+
+def _leave_after_failure(verdict: str, grace_s: float, env: Any) -> None:
+    traceback.print_exc()  # this rank's log keeps the whole story
+    if verdict in ("wait", "relaunch") or (verdict == "requeue" and env.executor == "local"):
+        _leave(verdict, grace_s)  # 144: the local controller restarts every task on this code
+    _leave("stop", 0.0)
 
 
 def spare_nodes(env: Any, cluster: Any) -> int | None:
@@ -208,8 +229,8 @@ def requeue_or_stop(
     # Hot spares replace a failure's requeue only; the stop path's reserve (REQUEUE_RESERVE_S) has no room for
     # the EndTime call the time check makes.
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
-    if in_job and _in_job_restart(env, cfg, reason, fate, events, budgets, sick or {}, record):
-        return "relaunch"
+    if in_job and (how := _in_job_restart(paths, env, cfg, reason, fate, events, budgets, sick or {}, record)):
+        return how
     excluded = list(journal.excluded_nodes(events))  # oldest blame first: _update_next_attempt lets those in first
     if action != "stop" and sick:
         excluded, not_out, stop = preempt.exclusion(
@@ -275,6 +296,7 @@ def requeue_or_stop(
 
 
 def _in_job_restart(
+    paths: RunPaths,
     env: Any,
     cfg: Any,
     reason: str,
@@ -283,11 +305,12 @@ def _in_job_restart(
     budgets: Any,
     sick: dict[str, str],
     record: Callable[..., None],
-) -> bool:
+) -> str:
     """Hot spares: relaunch the training step inside the allocation in place of the failure's requeue `decide`
     chose (preempt.in_job_restart), leaving the sick nodes out of the allocation (preempt.exclusion counting the
-    allocation's nodes: the step starts there, whatever the partition holds)? True once the marker is
-    written and recorded; False: the requeue path decides as without spares, counting the partition."""
+    allocation's nodes: the step starts there, whatever the partition holds)? "relaunch" once the marker is
+    written and recorded, "rejoin" once an in-process restart is (cluster.in_process_restart, _plan_rejoin);
+    "": the requeue path decides as without spares, counting the partition."""
     from hpc_train.env import parse_nodelist
 
     job_nodes = parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
@@ -304,7 +327,7 @@ def _in_job_restart(
     )
     # A blamed node that could not be left out (its budget spent): relaunched, the step could land on it again.
     if stop or not_out:
-        return False
+        return ""
     # Time left: Slurm's EndTime (one scontrol call, 3 s at most), else the frozen time limit from the start
     # of the allocation the batch script noted.
     end = (
@@ -331,8 +354,10 @@ def _in_job_restart(
     )
     if why_not:
         print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
-        return False
-    return _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, n, sick)
+        return ""
+    if cfg.cluster.in_process_restart and _plan_rejoin(paths, env, events, sick, used, reason, record):
+        return "rejoin"
+    return "relaunch" if _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, n, sick) else ""
 
 
 def _relaunch(
@@ -359,7 +384,9 @@ def _relaunch(
             flush=True,
         )
         return False
-    args = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}" + (
+    spares = len(set(job_nodes) - set(left_out)) - n
+    step = n + (spares if cluster.in_process_restart else 0)  # the spares left run the standbys again
+    args = f"--nodes={step} --ntasks={step * cluster.tasks_per_node}" + (
         f" --exclude={','.join(left_out)}" if left_out else ""
     )
     try:
@@ -367,7 +394,6 @@ def _relaunch(
     except OSError as e:  # a full disk: the requeue still brings the run back
         print(f"[hpc_train] could not write the relaunch marker ({e}): requeueing", file=sys.stderr, flush=True)
         return False  # said here: the caller's sentence would have no reason to give
-    spares = len(set(job_nodes) - set(left_out)) - n
     for node, because in (sick or {}).items():
         record(journal.NODE_EXCLUDED, node=node, why=because)
     record(
@@ -585,6 +611,9 @@ def _after_failure(
                 break
             time.sleep(0.5)
         _clean_memory(end, env.executor == "local")
+        plan = read_rejoin_plan(paths, env.job_id)
+        if not hang and plan and plan["from"] == env.restart_count and env.rank in plan["survivors"]:
+            return "rejoin", 0.0
         return "", 0.0
     _deciding[0] = True
     try:
@@ -728,9 +757,225 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             f"resolves here and that port {env.master_port} is free on it."
         ) from e
     os.environ.update(torchrun_vars(placed))
+    if cfg.cluster.in_process_restart:  # this rank's life, for a deciding rank's _plan_rejoin
+        make_dir(paths.alive(env.job_id, env.restart_count), exist_ok=True)
+        if _alive_fd[0] is not None:
+            os.close(_alive_fd[0])
+        _alive_fd[0] = hold_for_life(paths.alive(env.job_id, env.restart_count) / str(placed.rank))
     print(f"[hpc_train] placed task {env.rank} as rank {placed.rank} on {node}", flush=True)
     _placed[0] = placed
     return placed
+
+
+# cluster.in_process_restart: the deciding rank waits until every rank either said it survived (its heartbeat
+# count, written as it fails: within one step of the crash) or is known dead (its lock of paths.alive is free:
+# at once for a killed process), at most this long: a lost node's lock on NFS outlives it (~90 s), and a rank
+# silent by then is taken for dead. One that was only late finds itself out of the plan and exits.
+REJOIN_SETTLE_S = 2.0
+_alive_fd: list[int | None] = [None]  # this process's lock of its attempt's paths.alive file
+
+
+def _split_standby(env: Any, cfg: Any) -> tuple[Any, bool]:
+    """cluster.in_process_restart: the step spans the spares too (sbatch renders it so; job._relaunch again);
+    its first cluster.nodes nodes train, every task beyond them is a warm standby. (the training env, standby?)"""
+    lws = env.local_world_size
+    if not (cfg.cluster.in_process_restart and env.executor == "slurm" and os.environ.get("HPC_TRAIN_STEP_ARGS")):
+        return env, False
+    n = min(cfg.cluster.nodes, env.num_nodes)
+    if n == env.num_nodes:  # a step gone on smaller (cluster.min_nodes): no spare left, no standby
+        return env, False
+    train = dataclasses.replace(env, world_size=n * lws, num_nodes=n, nodes=env.nodes[:n])
+    return train, env.rank >= n * lws
+
+
+def _warm_up() -> None:
+    """What a standby's first attempt would otherwise import on the clock: torch.optim's first optimizer imports
+    torch._dynamo (2.9 s of a 4 s in-process restart here, before this), its first step the fused kernels."""
+    import torch
+
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+
+
+def read_rejoin_plan(paths: RunPaths, job_id: str) -> dict[str, Any] | None:
+    try:
+        plan = json.loads(paths.rejoin_plan(job_id).read_text())
+    except (OSError, ValueError):
+        return None
+    return plan if isinstance(plan, dict) else None
+
+
+def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
+    """A standby's wait, warm: every 20 ms for a plan that names its Slurm task (then it returns it), every
+    second for the step's end (journal.step_over: it exits 0, so the step's status is the training ranks')."""
+    task, node = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURMD_NODENAME", "")
+    mine = paths.standbys(env.job_id) / task
+    make_dir(mine.parent, exist_ok=True)
+    write_atomic(mine, node)
+    print(f"[hpc_train] task {task} on {node}: warm standby (cluster.in_process_restart)", flush=True)
+    check = 0.0
+    while True:
+        plan = read_rejoin_plan(paths, env.job_id)
+        if plan and plan.get("attempt", -1) > env.restart_count and task in plan.get("standby", {}):
+            mine.unlink(missing_ok=True)
+            return plan
+        if time.monotonic() >= check:
+            check = time.monotonic() + 1.0
+            if journal.step_over(journal.read(paths.run_dir), env.restart_count):
+                mine.unlink(missing_ok=True)
+                sys.stdout.flush()
+                os._exit(0)
+        time.sleep(0.02)
+
+
+def _plan_rejoin(
+    paths: RunPaths,
+    env: Any,
+    events: list[dict[str, Any]],
+    sick: dict[str, str],
+    used: int,
+    reason: str,
+    record: Callable[..., None],
+) -> bool:
+    """The deciding rank, once an in-job restart is decided (cluster.in_process_restart): can the ranks that
+    survived rejoin in their processes, each dead node replaced by a standby's? True once the plan is written
+    (paths.rejoin_plan) and recorded (`in_job_restart`, in_process); False (said why): the step is relaunched."""
+    from hpc_train.env import rendezvous_port
+
+    per, hangs = env.local_world_size, paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
+    locks, until = paths.alive(env.job_id, env.restart_count), time.monotonic() + REJOIN_SETTLE_S
+    while True:
+        alive = {int(p.name) for p in hangs.iterdir() if p.name.isdigit()} if hangs.is_dir() else set()
+        gone = {r for r in set(range(env.world_size)) - alive if holder_gone(locks / str(r))}
+        if len(alive | gone) >= env.world_size or time.monotonic() >= until:
+            break
+        time.sleep(0.01)
+    dead_nodes = sorted({r // per for r in set(range(env.world_size)) - alive})
+    standbys: dict[str, list[str]] = {}
+    for p in paths.standbys(env.job_id).iterdir() if paths.standbys(env.job_id).is_dir() else []:
+        try:
+            standbys.setdefault(p.read_text().strip(), []).append(p.name)
+        except OSError:
+            continue
+    free = [n for n, tasks in sorted(standbys.items()) if len(tasks) == per and n not in env.nodes]
+    mixed = [env.nodes[n] for n in dead_nodes if any(n * per + i in alive for i in range(per))]
+    trained = journal.trained(events, env.restart_count)
+    why = (
+        f"a node was blamed ({', '.join(sick)}): it is left out by a relaunch"
+        if sick
+        else "this attempt failed before its first step (while rejoining?)"
+        if not trained
+        else f"ranks on {', '.join(mixed)} survived beside the dead: a standby replaces whole nodes"
+        if mixed
+        else f"{len(dead_nodes)} node(s) lost, {len(free)} warm standby node(s) left"
+        if len(free) < len(dead_nodes)
+        else ""
+    )
+    if why:
+        print(f"[hpc_train] not restarting in process: {why}; relaunching the step", file=sys.stderr, flush=True)
+        return False
+    nodes, standby = list(env.nodes), {}
+    for n, node in zip(dead_nodes, free):
+        nodes[n] = node
+        for i, task in enumerate(sorted(standbys[node], key=int)):  # block distribution: task order = local id
+            standby[task] = n * per + i
+    attempt = env.restart_count + 1
+    plan = {"from": env.restart_count, "attempt": attempt, "world_size": env.world_size, "nodes": nodes}
+    plan |= {"master_port": rendezvous_port(env.job_id, attempt), "survivors": sorted(alive), "standby": standby}
+    try:
+        write_atomic(paths.rejoin_plan(env.job_id), json.dumps(plan | {"at": time.time()}) + "\n")
+    except OSError as e:
+        print(f"[hpc_train] could not write the rejoin plan ({e}): relaunching the step", file=sys.stderr, flush=True)
+        return False
+    replaced = {env.nodes[n]: nodes[n] for n in dead_nodes}
+    record(
+        journal.IN_JOB_RESTART,
+        reason=reason,
+        in_process=True,
+        replaced=replaced,
+        left_out=[],
+        nodes_next=len(nodes),
+        spares_left=len(free) - len(dead_nodes),
+        in_job_restarts=used + 1,
+    )
+    swaps = ", ".join(f"{a} by the standby on {b}" for a, b in replaced.items()) or "no node lost"
+    print(f"[hpc_train] restarting in process ({swaps}): the ranks that survived rejoin", file=sys.stderr, flush=True)
+    return True
+
+
+def _drop_group(env: Any) -> None:
+    """A failed rank that will rejoin: cut its connections to the job's nodes (gloo's and the old store's), so a
+    peer blocked on this rank fails now too, then destroy its process groups. destroy_process_group (and
+    ProcessGroupGloo.abort) close gloo's sockets only with the group's last reference, and the exception's traceback
+    still holds one (frames -> model -> DDP -> group): a peer blocked in recv failed only when this process exited
+    (torch 2.13), and with 2 ranks per node a survivor was silent for REJOIN_SETTLE_S and taken for dead.
+    No gc.collect(): 0.5 s of a loaded core here; the old model goes with the exception."""
+    import torch.distributed as dist
+
+    _cut_connections({*env.nodes, env.master_addr})
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # a group a failure left half torn down: the new one does not need it
+        print(f"[hpc_train] destroying the failed process group: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _cut_connections(hosts: set[str]) -> None:
+    """shutdown(2) every TCP connection of this process to one of `hosts` (its fds stay open, for their owners to
+    close): the peer reads EOF at once. Only the job's nodes by their names: a tracker's or Prometheus' connections
+    elsewhere are left alone (gloo on an interface other than the names' would be too: the watchdog then)."""
+    import socket
+
+    addresses = set()
+    for host in hosts:
+        try:
+            addresses |= {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
+        except OSError:
+            continue
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))  # a dup: closing it leaves the fd to its owner
+        except (OSError, ValueError):
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                if str(sock.getpeername()[0]).removeprefix("::ffff:") in addresses:
+                    sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected (a listening socket), or already shut
+            pass
+        finally:
+            sock.close()
+
+
+def _rejoin(
+    paths: RunPaths, cfg: Any, plan: dict[str, Any], env: Any, standby: bool = False
+) -> tuple[Any, float, dict[str, float]]:
+    """Join the plan's attempt in this process: a survivor under its rank, a standby under the dead rank it
+    replaces; the rendezvous of _rendezvous on the plan's nodes and port. Returns (placed env, the attempt's
+    start: the plan's time, its phases)."""
+    rank = plan["standby"][os.environ.get("SLURM_PROCID", "")] if standby else env.rank
+    nodes, per = tuple(plan["nodes"]), env.local_world_size
+    env = dataclasses.replace(
+        env,
+        rank=rank,
+        local_rank=rank % per,
+        world_size=plan["world_size"],
+        node_rank=rank // per,
+        num_nodes=len(nodes),
+        nodes=nodes,
+        master_addr=nodes[0],
+        master_port=plan["master_port"],
+        restart_count=plan["attempt"],
+    )
+    os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)
+    _deciding[0] = False  # this attempt's failure, if any, is decided afresh
+    for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
+        print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
+    _placed[0] = env  # a failure in the rendezvous is this attempt's (not yet trained: _plan_rejoin relaunches)
+    placed = _rendezvous(env, cfg, paths)
+    return placed, float(plan["at"]), {"rejoin": time.time() - float(plan["at"])}
 
 
 def collective_timeout_s(watchdog_s: float) -> float:
@@ -747,13 +992,17 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
     import faulthandler
     import threading
 
+    env0 = env
+
     def watch() -> None:
         renewed = time.monotonic()
         while time.monotonic() - preempt.last_beat[0] < limit_s:
             time.sleep(min(5.0, limit_s / 10))
-            if env.rank == 0 and time.monotonic() - renewed >= preempt.LEASE_RENEW_S:
-                _renew_lease(paths, env)
+            now = _placed[0] or env0  # an in-process restart rejoins under another rank and attempt
+            if now.rank == 0 and time.monotonic() - renewed >= preempt.LEASE_RENEW_S:
+                _renew_lease(paths, now)
                 renewed = time.monotonic()
+        env = _placed[0] or env0
         print(
             f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow",
             file=sys.stderr,
@@ -938,12 +1187,25 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
             raise preempt.Unrecoverable(f"{os.environ.get('SLURMD_NODENAME', env.nodes[env.node_rank])}: {why}")
         make_dir(paths.nccl_trace, exist_ok=True)
         os.environ.update(nccl_env(str(paths.nccl_trace), os.environ))
-    t0 = time.time()
-    env = _rendezvous(env, cfg, paths)
-    phases_s["rendezvous"] = time.time() - t0
-    _start_watchdog(cfg.train.watchdog_s, paths, env)
-    _own_run_dir(paths, env)
-    if cfg.preflight.enabled:
+    if cfg.cluster.in_process_restart:
+        # What is imported lives as long as the process: out of the collector's sight, so the collections of a
+        # rank that rejoins (freeing the failed attempt's model) and the DDP search of the resume
+        # (attempt.ddps_to_rebucket) see only what an attempt made: 0.67 s -> ms of each here.
+        gc.freeze()
+    env, standby = _split_standby(env, cfg)
+    if standby:  # cluster.in_process_restart: warm (torch and the trainer imported) until a rank dies
+        resolve(cfg.fn._target_)
+        _warm_up()
+        plan = _standby_wait(paths, env)
+        env, process_start, phases_s = _rejoin(paths, cfg, plan, env, standby=True)
+        _start_watchdog(cfg.train.watchdog_s, paths, env)
+    else:
+        t0 = time.time()
+        env = _rendezvous(env, cfg, paths)
+        phases_s["rendezvous"] = time.time() - t0
+        _start_watchdog(cfg.train.watchdog_s, paths, env)
+        _own_run_dir(paths, env)
+    if cfg.preflight.enabled and not standby:
         from hpc_train import preflight
 
         t0 = time.time()
@@ -972,14 +1234,40 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         dist.destroy_process_group()
         return summary if env.rank == 0 else None
     fn = resolve(cfg.fn._target_)
-    at = Attempt.build(env, cfg, paths, process_start, phases_s, decision_reserve_s(env, cfg))
-    result = fn(at, **cfg.fn.kwargs)
+    plan: dict[str, Any] | None = None
+    while True:  # once, unless cluster.in_process_restart rejoins after a crash (_plan_rejoin)
+        try:
+            if plan is not None:  # inside the try: a failure while rejoining relaunches the step (_plan_rejoin)
+                gc.collect()  # the failed attempt's model and optimizer (GPU memory too), held in cycles
+                env, process_start, phases_s = _rejoin(paths, cfg, plan, env)
+                plan = None
+            at = Attempt.build(env, cfg, paths, process_start, phases_s, decision_reserve_s(env, cfg))
+            result = fn(at, **cfg.fn.kwargs)
+            break
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
+            if not (cfg.cluster.in_process_restart and env.executor == "slurm"):
+                raise
+            _drop_group(_placed[0] or env)  # first: a peer blocked on this rank fails now, not at the timeout
+            verdict, grace_s = _failed(paths, env, e)
+            if verdict != "rejoin":
+                _leave_after_failure(verdict, grace_s, env)
+            traceback.print_exc()
+            print(f"[hpc_train] rank {env.rank}: {type(e).__name__}: {e}; rejoining in this process", flush=True)
+            plan, env = read_rejoin_plan(paths, env.job_id), _placed[0] or env
     if at.finished is None and not at.stopped and at.should_stop():  # returned at its own stop check
         at.stopped, at.stop_reason = True, at.time_left_s()[1]
     if at.stopped and at.finished is None:
         at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check
         _decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
+    folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
+    if env.rank == 0 and cfg.cluster.in_process_restart and folder and slurm_job:
+        try:
+            write_atomic(finished_marker(Path(folder), slurm_job), "finished\n")
+        except OSError:  # the job ends FAILED (137) if a replaced task died in this step; the run is finished
+            pass
     dist.barrier()
     dist.destroy_process_group()
     return summary if env.rank == 0 else None

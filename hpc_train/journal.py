@@ -55,7 +55,7 @@ NODE_NOT_EXCLUDED = "node_not_excluded"
 EXCLUDE_NODES = "exclude_nodes"  # the ExcNodeList set on the requeued job, ok or not; let_in: nodes let back in
 # the training step relaunched inside the allocation (cluster.spare_nodes): reason, left_out (nodes of this
 # job it leaves out), nodes_next, spares_left, in_job_restarts (in a row, this one included)
-IN_JOB_RESTART = "in_job_restart"
+IN_JOB_RESTART = "in_job_restart"  # in_process: True when the ranks that survived rejoined in their processes
 # side services
 STRAGGLER = "straggler"
 STRAGGLER_CLEARED = "straggler_cleared"
@@ -196,6 +196,22 @@ def keeps_memory(end: Event | None, node: str, local: bool = False) -> bool:
     if end["event"] == IN_JOB_RESTART:
         return node not in (end.get("left_out") or [])
     return local and end["event"] == REQUEUE
+
+
+def trained(events: list[Event], restart: int) -> bool:
+    """Whether attempt `restart` reached its first step (an in-process restart rejoins only such an attempt)."""
+    return any(e.get("restart") == restart for e in named(events, FIRST_STEP))
+
+
+def step_over(events: list[Event], restart: int) -> bool:
+    """Whether the training step a standby waits in (started at attempt `restart`) is ending: the run finished,
+    or a verdict since then other than an in-process restart (which keeps the step) is on record."""
+    ends = (FINISH, REQUEUE, REQUEUE_FAILED, STOPPED, LEASE_REFUSED)
+    return any(
+        e.get("restart", -1) >= restart
+        and (e["event"] in ends or (e["event"] == IN_JOB_RESTART and not e.get("in_process")))
+        for e in events
+    )
 
 
 def committed_steps(events: list[Event]) -> list[int]:
@@ -490,8 +506,12 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
                 "signals": [s for e in named(evs, SIGNAL) for s in e.get("signals", [])],
                 # an elastic requeue's NumNodes ("2-2"), or an in-job restart's node count (fewer: min_nodes)
                 "nodes_next": next((e.get("nodes_next") for e in named(evs, REQUEUE, IN_JOB_RESTART)), None),
-                # an in-job restart (hot spares): the allocation's nodes it left out, the spares it kept
-                **{k: next((e.get(k) for e in named(evs, IN_JOB_RESTART)), None) for k in ("left_out", "spares_left")},
+                # an in-job restart (hot spares): the allocation's nodes it left out, the spares it kept; in process
+                # (cluster.in_process_restart): the dead nodes and the standbys' that replaced them
+                **{
+                    k: next((e.get(k) for e in named(evs, IN_JOB_RESTART)), None)
+                    for k in ("left_out", "spares_left", "in_process", "replaced")
+                },
                 **{
                     k: start.get(k) if start else None
                     for k in ("world_size", "nodes", "grad_accum_steps", "global_batch_seqs")

@@ -116,6 +116,25 @@ class RunPaths:
         """Created O_EXCL by the first rank to fail in an attempt: that rank alone decides the requeue."""
         return self.run_dir / f".failed-{job_id}-{restart}"
 
+    def rejoin_plan(self, job_id: str) -> Path:
+        """cluster.in_process_restart: the deciding rank's plan for the next attempt in the same processes (who
+        keeps its rank, which standby takes a dead one's; job._plan_rejoin), rewritten at each one."""
+        return self.run_dir / f".rejoin-{job_id}"
+
+    def alive(self, job_id: str, restart: int) -> Path:
+        """cluster.in_process_restart: one file per rank of an attempt, flocked by it for life (hold_for_life)."""
+        return self.run_dir / f".alive-{job_id}-{restart}"
+
+    def standbys(self, job_id: str) -> Path:
+        """cluster.in_process_restart: one file per warm standby task (its Slurm task id), holding its node."""
+        return self.run_dir / f".standby-{job_id}"
+
+
+def finished_marker(submitit_folder: Path, slurm_job_id: str) -> Path:
+    """cluster.in_process_restart: the step's ranks finished the run (job._run writes it), so the batch script's
+    srun() ends the job with 0 though a task the in-process restart replaced died (srun's status: 137)."""
+    return submitit_folder / f".finished-{slurm_job_id}"
+
 
 def relaunch_marker(submitit_folder: Path, slurm_job_id: str) -> Path:
     """The next training step's srun options after an in-job restart (job.py writes it, the batch script's
@@ -217,6 +236,34 @@ def locked(
         yield ok
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def hold_for_life(lock_file: Path) -> int | None:
+    """flock lock_file and keep it (the fd stays open) while this process lives: its death frees it at once, so
+    another node can tell a dead process from a slow one (holder_gone). None where the file system has no flock."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def holder_gone(lock_file: Path) -> bool:
+    """Whether the process that holds lock_file (hold_for_life) is gone: the lock is free. False when unknown (no
+    such file, no flock; a lost node's lock on NFS stays until its lease ends, ~90 s)."""
+    try:
+        fd = os.open(lock_file, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def dir_mode(share_with_group: bool) -> int:

@@ -36,6 +36,11 @@ def ended_text(att: dict[str, Any], nodes: int | None) -> str:
             if left and isinstance(left, list)
             else ""
         )
+        + (
+            " (in process" + "".join(f"; {dead} -> {new}" for dead, new in (att.get("replaced") or {}).items()) + ")"
+            if att.get("in_process")
+            else ""
+        )
     )
 
 

@@ -39,6 +39,10 @@ class ClusterConfig:
     # With min_nodes the allocation stays nodes + spare_nodes (a requeue too): once no spare is left, the
     # relaunch goes on with the healthy nodes left, down to min_nodes, before it requeues.
     spare_nodes: int = 0
+    # With spare_nodes: the training step spans the spares too, where a warm standby (torch imported) waits per
+    # task; a crashed rank's node is replaced by one without a new process for the ranks that survived: they
+    # drop the process group and rejoin with the standby (docs/preemption.md). Anything else relaunches the step.
+    in_process_restart: bool = False
     tasks_per_node: int = 2  # one task per rank (per GPU on GPU nodes)
     cpus_per_task: int = 1
     gpus_per_node: int = 0
@@ -108,6 +112,11 @@ class ClusterConfig:
                 f"cluster.sbatch_extra.mincpus={self.sbatch_extra['mincpus']} is below the "
                 f"{self.tasks_per_node} x {self.cpus_per_task} CPUs an elastic run's ranks need on each "
                 f"node (it sets --mincpus={mincpus}); raise it or leave it out"
+            )
+        if self.in_process_restart and not self.spare_nodes:
+            raise ValueError(
+                "cluster.in_process_restart=true needs a warm standby on a spare node; set cluster.spare_nodes=1 "
+                "(or more), or cluster.in_process_restart=false"
             )
         if self.executor == "local" and self.spare_nodes:
             raise ValueError(
@@ -522,7 +531,9 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
     if cluster.spare_nodes:
         # The training step on `nodes` of the allocation; the signal relay's srun() reads this and, after an
         # in-job restart, replaces it with the relaunch's nodes and exclusions (sbatch_templates/signal_relay.sh).
-        step = f"--nodes={cluster.nodes} --ntasks={cluster.nodes * cluster.tasks_per_node}"
+        # With in_process_restart the spares run the step's standbys (job._split_standby)
+        n = cluster.nodes + (cluster.spare_nodes if cluster.in_process_restart else 0)
+        step = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}"
         params["setup"] = [*params["setup"], f"export HPC_TRAIN_STEP_ARGS='{step}'"]
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches

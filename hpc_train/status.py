@@ -145,6 +145,8 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
                 "warnings": warnings,
                 "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
                 "in_job_restarts": len(journal.in_job_restarts(events)),  # hot spares (cluster.spare_nodes)
+                # of them, the ranks that survived rejoined in their processes (cluster.in_process_restart)
+                "in_process_restarts": sum(bool(e.get("in_process")) for e in journal.in_job_restarts(events)),
                 "spares_left": journal.spares_left(events, cfg["cluster"].get("spare_nodes", 0)),
                 # the latest attempt that started: where it resumed from ("memory (step S)", "step_000040", None)
                 "resumed": next(((a["restart"], a["resumed_from"]) for a in reversed(atts) if a["start"]), None),
@@ -206,7 +208,9 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r.get("in_job_restarts"):
             console.print(
-                f"{r['run']}: {r['in_job_restarts']} in-job restart(s); {r['spares_left']:.0f} spare node(s) left",
+                f"{r['run']}: {r['in_job_restarts']} in-job restart(s)"
+                + (f" ({r['in_process_restarts']} in process)" if r.get("in_process_restarts") else "")
+                + f"; {r['spares_left']:.0f} spare node(s) left",
                 markup=False,
                 highlight=False,
             )

@@ -28,7 +28,7 @@ srun() {
   # in whole Unix seconds: the relaunched step judges and times its stop from when it came.
   trap 'pending="${pending:-SIGUSR2@${EPOCHSECONDS:-0}}"; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
   trap 'pending="${pending:-SIGUSR2@${EPOCHSECONDS:-0}}"; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
-  [ -z "$step" ] || rm -f "$marker"  # a requeued job's leftover from its last allocation: never relaunch on it
+  [ -z "$step" ] || rm -f "$marker" "${!#}/.finished-${SLURM_JOB_ID}"  # a requeued job's leftovers: never act on them
   while true; do
     now="$pending" pending="" pid=""
     HPC_TRAIN_PENDING_SIGNAL="$now" command srun $step "$@" &
@@ -45,6 +45,12 @@ srun() {
     # A listing first: on NFS this shell's negative lookup of the marker (the rm above) may be cached for
     # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
     [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1 || true
+    # cluster.in_process_restart: the ranks finished the run (job._run wrote the file) in a step where a task
+    # that an in-process restart replaced died (SIGKILL: srun's status 137): the job completed.
+    if [ -f "${!#}/.finished-${SLURM_JOB_ID}" ] && [ ! -L "${!#}/.finished-${SLURM_JOB_ID}" ] && [ -O "${!#}/.finished-${SLURM_JOB_ID}" ]; then
+      rm -f "${!#}/.finished-${SLURM_JOB_ID}" "$marker"
+      return 0
+    fi
     [ -s "$marker" ] || return "$status"
     # Its words become srun options: only a plain file of this user, only the options job._relaunch writes
     # (a group-writable folder must not let a teammate add --task-prolog or --export to the step of this user).

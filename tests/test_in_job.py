@@ -263,6 +263,14 @@ def test_a_step_on_fewer_nodes_than_the_job_has_places_by_the_steps_nodes() -> N
         (["cluster=dev", "cluster.spare_nodes=-1"], r"cluster.spare_nodes=-1 must be >= 0 \(0: no hot spares\)"),
         (["cluster=local", "cluster.spare_nodes=1"], r"cluster.spare_nodes=1 but the local executor runs on this"),
         (["requeue.max_in_job_restarts=-1"], r"requeue budgets must be >= 0"),
+        (
+            ["cluster=dev", "cluster.in_process_restart=true"],
+            r"cluster.in_process_restart=true needs a warm standby on a spare node; set cluster.spare_nodes=1",
+        ),
+        (
+            ["cluster=dev", "cluster.spare_nodes=1", "cluster.in_process_restart=true", "script.cmd=[echo]"],
+            r"a command after -- \(script.cmd\) runs in processes of its own; set cluster.in_process_restart=false",
+        ),
     ],
 )
 def test_spare_config_errors(overrides: list[str], message: str) -> None:
@@ -290,6 +298,194 @@ def test_spares_with_min_nodes_keep_a_fixed_allocation_of_nodes_plus_spares() ->
     assert not job.elastic(env, cfg) and job.next_attempt_size(env, cfg, (None, {"free_nodes": ["node1"]})) == ({}, {})
     assert job.queue_wait_s(env, cfg, []) == (None, {})  # no snapshot taken (slurm is not called)
     assert job.decision_reserve_s(env, cfg) == job.REQUEUE_RESERVE_S  # nor reserved for
+
+
+def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cluster.in_process_restart: the step spans nodes + spares (rendered, and again at a relaunch), its first
+    cluster.nodes nodes train and the tasks beyond are standbys; a step gone on smaller has none; without the
+    option, or srun by hand (no HPC_TRAIN_STEP_ARGS), nothing changes."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.sbatch import executor_parameters
+
+    overrides = ["cluster=dev", "cluster.spare_nodes=1", "cluster.tasks_per_node=2", "cluster.in_process_restart=true"]
+    cfg = to_run_config(compose(overrides))
+    assert "export HPC_TRAIN_STEP_ARGS='--nodes=3 --ntasks=6'" in executor_parameters(cfg.cluster, "x")["setup"]
+    off = to_run_config(compose(overrides[:-1]))
+    assert "export HPC_TRAIN_STEP_ARGS='--nodes=2 --ntasks=4'" in executor_parameters(off.cluster, "x")["setup"]
+
+    def task(procid: int, nodes: str = "node[1-3]") -> dict[str, str]:
+        n = len(nodes.split(",")) if "[" not in nodes else 3
+        return {
+            "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": str(procid % 2),
+            "SLURM_NTASKS": str(2 * n),
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_NODEID": str(procid // 2),
+            "SLURM_JOB_NODELIST": "node[1-3]",
+            "SLURM_STEP_NODELIST": nodes,
+            "SLURM_JOB_ID": "7",
+        }
+
+    monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=3 --ntasks=6")
+    split = [job._split_standby(from_env(task(r)), cfg) for r in range(6)]
+    assert [standby for _, standby in split] == [False] * 4 + [True] * 2
+    assert {(e.world_size, e.nodes) for e, _ in split} == {(4, ("node1", "node2"))}
+    smaller = job._split_standby(from_env(task(1, "node1")), cfg)[0]
+    assert smaller == from_env(task(1, "node1"))  # no spare left: every task trains
+    assert job._split_standby(from_env(task(5)), off) == (from_env(task(5)), False)
+    # a relaunch (the in-process path could not take it) starts the standbys on the spares left again
+    monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    marker, nodes, record = tmp_path / ".relaunch-7", ["node1", "node2", "node3"], lambda *a, **k: None
+    assert job._relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, [], 0, record, 2)
+    assert marker.read_text() == "--nodes=3 --ntasks=6\n"
+    assert job._relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, ["node2"], 0, record, 2)
+    assert marker.read_text() == "--nodes=2 --ntasks=4 --exclude=node2\n"
+    monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # srun by hand: no standby
+    assert job._split_standby(from_env(task(5)), cfg) == (from_env(task(5)), False)
+
+
+def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """_plan_rejoin: a rank is alive once it wrote its heartbeat count, dead once its life lock is free (or after
+    REJOIN_SETTLE_S); each dead node needs all its ranks dead and a standby node; else (a node blamed, no first
+    step in this attempt) the step is relaunched, saying why."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths, hold_for_life
+
+    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 0.2)
+    trained = [ev(journal.FIRST_STEP, 0)]
+
+    def plan(world: int, per: int, wrote: list[int], held: list[int], standbys: dict[str, str], **kw: object):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        paths, nodes = RunPaths(run), tuple(f"node{i + 1}" for i in range(world // per))
+        for folder in (paths.alive("7", 0), paths.run_dir / ".hang-7-0", paths.standbys("7")):
+            folder.mkdir(parents=True)
+        fds = [hold_for_life(paths.alive("7", 0) / str(r)) for r in held]  # a second open file: a live holder
+        for r in range(world):
+            (paths.alive("7", 0) / str(r)).touch()
+        for r in wrote:
+            (paths.run_dir / ".hang-7-0" / str(r)).write_text("5")
+        for task, node in standbys.items():
+            (paths.standbys("7") / task).write_text(node)
+        env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes)
+        recorded: list[dict] = []
+        args = (kw.get("events", trained), kw.get("sick", {}), 0, "failure")
+        ok = job._plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}))
+        for fd in fds:
+            os.close(fd)  # type: ignore[arg-type]
+        return ok, job.read_rejoin_plan(paths, "7") if ok else None, recorded
+
+    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 5.0)
+    t0 = time.monotonic()
+    ok, got, recorded = plan(2, 1, [0], [], {"2": "node3"})  # rank 1's lock free: dead at once, not after 5 s
+    assert time.monotonic() - t0 < 1.0
+    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 0.2)
+    assert ok and (got["nodes"], got["survivors"], got["standby"], got["attempt"]) == (
+        ["node1", "node3"],
+        [0],
+        {"2": 1},
+        1,
+    )
+    assert recorded[0]["in_process"] and recorded[0]["replaced"] == {"node2": "node3"}
+    assert recorded[0]["spares_left"] == 0 and recorded[0]["in_job_restarts"] == 1
+    ok, got, _ = plan(2, 1, [0], [1], {"2": "node3"})  # rank 1 silent but holding its lock: dead after the wait
+    assert ok and got["survivors"] == [0]
+    ok, got, _ = plan(2, 1, [0, 1], [], {"2": "node3"})  # an exception, no death: everyone rejoins, no standby
+    assert ok and got["standby"] == {} and got["nodes"] == ["node1", "node2"]
+    ok, got, _ = plan(4, 2, [0, 1, 2], [], {"4": "node3", "5": "node3"})  # rank 3 dead, rank 2 beside it alive
+    assert not ok and "ranks on node2 survived beside the dead" in capsys.readouterr().err
+    ok, got, _ = plan(4, 2, [0, 1], [], {"4": "node3", "5": "node3"})  # node2 lost whole: its 2 ranks by the 2 standbys
+    assert ok and got["standby"] == {"4": 2, "5": 3} and got["nodes"] == ["node1", "node3"]
+    ok, _, _ = plan(2, 1, [0], [], {})
+    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, events=[])
+    assert not ok and "failed before its first step" in capsys.readouterr().err
+    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "Xid 79"})
+    assert not ok and "a node was blamed (node2)" in capsys.readouterr().err
+
+
+CUT_SCRIPT = """
+import os, sys, time
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from hpc_train import job
+
+def rank_main(rank, store, cut):
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=3)
+    t = torch.zeros(1)
+    dist.barrier()
+    if rank == 2:  # dies
+        time.sleep(0.5)
+        os._exit(9)
+    if rank == 1:  # fails on the dead rank, then drops its group, cut or not; lives on
+        try:
+            dist.recv(t, src=2)
+        except RuntimeError:
+            pass
+        held = dist.group.WORLD  # as the trainer's traceback holds it (frames -> model -> DDP -> group)
+        if cut:
+            job._drop_group(SimpleNamespace(nodes=("localhost",), master_addr="127.0.0.1"))
+        else:
+            dist.destroy_process_group()
+        time.sleep(8)
+        os._exit(0 if held else 1)
+    t0 = time.time()  # rank 0: blocked on rank 1, alive
+    try:
+        dist.recv(t, src=1)
+    except RuntimeError:
+        pass
+    print(f"blocked for {time.time() - t0:.1f} s", flush=True)
+    os._exit(0)
+
+store, cut = sys.argv[1], sys.argv[2] == "cut"
+kids = []
+for r in range(3):
+    pid = os.fork()
+    if pid == 0:
+        rank_main(r, store, cut)
+    kids.append(pid)
+os.waitpid(kids[0], 0)
+for pid in kids[1:]:
+    os.kill(pid, 9)
+"""
+
+
+def test_a_failing_rank_cuts_its_connections_so_a_peer_blocked_on_it_fails_too(tmp_path: Path) -> None:
+    """3 gloo processes: rank 2 dies, rank 1 fails on it and drops its group (job._drop_group) but lives on; rank 0,
+    blocked in a recv from rank 1, fails at once. destroy_process_group closes gloo's sockets only with the group's
+    last reference, which a failing trainer's traceback still holds: rank 0 then stays blocked until rank 1 exits
+    (after 8 s here)."""
+    out = {}
+    for how in ("cut", "destroy"):
+        done = subprocess.run(
+            [sys.executable, "-c", CUT_SCRIPT, str(tmp_path / f"store-{how}"), how],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        out[how] = float(done.stdout.split("blocked for ")[1].split()[0])
+    assert out["cut"] < 3.0 and out["destroy"] > 5.0, out
+
+
+def test_a_standby_leaves_when_its_step_ends() -> None:
+    """journal.step_over: a verdict since the standby's attempt other than an in-process restart, or the finish."""
+    base = [ev("start", 2), ev(journal.IN_JOB_RESTART, 1, in_process=True)]
+    assert not journal.step_over(base, 2)
+    assert not journal.step_over([*base, ev(journal.IN_JOB_RESTART, 2, in_process=True)], 2)  # keeps the step
+    for end in (journal.IN_JOB_RESTART, "requeue", "requeue_failed", "stopped", "finish", "lease_refused"):
+        assert journal.step_over([*base, ev(end, 3)], 2), end
+    assert not journal.step_over([*base, ev("requeue", 1)], 2)  # an earlier step's
+    restart = ev(journal.IN_JOB_RESTART, 0, in_process=True, replaced={"node2": "node3"}, left_out=[], spares_left=0)
+    (att,) = journal.attempts([ev("start", 0), restart])
+    assert (att["ended_by"], att["in_process"], att["replaced"]) == (journal.IN_JOB_RESTART, True, {"node2": "node3"})
 
 
 def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
@@ -374,6 +570,55 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
     assert f"{run_dir.name}: 2 in-job restart(s); 1 spare node(s) left" in status, status  # the new allocation's
     assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(sick, 1)]
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("no_node_left_drained")
+@pytest.mark.parametrize("victim", ["last", "first", "node"])
+def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict, victim: str
+) -> None:
+    """cluster.in_process_restart, 2 nodes + 1 spare whose tasks wait warm. Once a checkpoint committed a rank is
+    SIGKILLed (the last; or rank 0, whose process held the rendezvous store; or, 2 ranks per node, both of the last
+    node, `lose-node`): the survivors drop their process groups and rejoin, in the same processes, with the standbys
+    in the dead ranks' places; all resume from the memory tier (the standbys from the buddy copies); one job id,
+    Slurm's Restarts still 0, the job COMPLETED, and (one rank per node) the uninterrupted run's weights. With 2 per
+    node a survivor once waited, blocked on the other survivor, until it was taken for dead (gloo's sockets stayed
+    open after destroy_process_group): the step was relaunched instead."""
+    args = [*RUN_ARGS, "cluster.spare_nodes=1", "cluster.in_process_restart=true", "checkpoint.memory_every_steps=1"]
+    args += ["cluster.tasks_per_node=2"] if victim == "node" else []
+    run_dir, job_id = submit([*args, f"out_dir={tmp_path}", f"name=inproc-{victim}"], env=slurm_env)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
+    first = next(e for e in read_events(run_dir) if e["event"] == "start")
+    per = 2 if victim == "node" else 1
+    dead = [0] if victim == "first" else list(range(first["world_size"] - per, first["world_size"]))
+    action = "lose-node" if victim == "node" else "kill-rank"
+    done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", str(dead[-1])], env=slurm_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    if per == 1:  # the reference has one rank per node
+        assert summary["params_sha256"] == reference["params_sha256"]
+    events = read_events(run_dir)
+    (restart,) = [e for e in events if e["event"] == "in_job_restart"]
+    spare = next(n for n in ("node1", "node2", "node3") if n not in first["nodes"])
+    assert (restart["restart"], restart["in_process"], restart["spares_left"]) == (0, True, 0), restart
+    assert restart["replaced"] == {first["rank_nodes"][dead[0]]: spare}
+    starts = {e["restart"]: e for e in events if e["event"] == "start"}
+    assert sorted(starts) == [0, 1] and {e["job_id"] for e in events if e.get("job_id")} == {job_id}
+    for r in range(first["world_size"]):  # no new process for a rank that survived; the standby's for a dead one
+        assert (starts[1]["pids"][r] == first["pids"][r]) == (r not in dead), (r, starts[1]["pids"], first["pids"])
+        assert (starts[1]["rank_nodes"][r] == spare) == (r in dead)
+    failed_at = max(e["step"] for e in events if e["event"] == "fail")
+    assert starts[1]["resumed_from"].startswith("memory step") and failed_at - starts[1]["step"] <= 1, starts[1]
+    assert starts[1]["memory"]["buddy"] == per  # the standbys' states came from the survivors' buddy copies
+    job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
+    assert " Restarts=0 " in job, job
+    status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
+    assert "1 in-job restart(s) (1 in process)" in status, status
+    log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
+    assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
+    report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
+    assert f"in_job_restart (next: 2 nodes) (in process; {first['rank_nodes'][dead[0]]} -> {spare})" in report, report
 
 
 # An elastic resume is not bit-exact: the global batch is kept by 2 micro-batches on 1 rank (final loss measured
@@ -478,6 +723,9 @@ def test_status_and_prometheus_count_in_job_restarts(tmp_path: Path) -> None:
     with redirect_stdout(out):
         print_status([{**row, "in_job_restarts": 1, "spares_left": 0.0}])
     assert "spares-1: 1 in-job restart(s); 0 spare node(s) left" in out.getvalue()
+    with redirect_stdout(out):
+        print_status([{**row, "in_job_restarts": 2, "in_process_restarts": 1, "spares_left": 0.0}])
+    assert "spares-1: 2 in-job restart(s) (1 in process); 0 spare node(s) left" in out.getvalue()
 
 
 def test_report_names_the_next_size_of_an_in_job_restart_only_when_it_is_smaller(tmp_path: Path) -> None:
@@ -519,7 +767,7 @@ def _relay(
     step_args after it as sbatch.py renders it, and a value inherited from a job that submitted this one in the
     environment: (the function's status, each srun call's arguments, the marker's path, its stderr)."""
     folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=bool(extra_env.pop("folder_exists", "")))
     bin_dir.mkdir()
     marker = folder / ".relaunch-77"
     if marker_at_start is not None:
@@ -554,6 +802,21 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
     status, calls, marker, _ = _relay(tmp_path / "c", "--nodes=2 --ntasks=4", "--nodes=2 --exclude=old", "exit 3")
     assert status == 3 and len(calls) == 1 and not marker.exists()  # the stale marker: removed, not used
+
+
+def test_a_finished_run_ends_its_job_completed_though_a_replaced_task_died(tmp_path: Path) -> None:
+    """cluster.in_process_restart: a task the in-process restart replaced died by SIGKILL, so srun's status is
+    137; the ranks finished the run (job._run wrote .finished-JOBID): the job's status is 0, the file consumed.
+    Without the file the status stays 137; a leftover from the job's last allocation is removed at the start."""
+    finish = 'touch "$(dirname "$MARKER")/.finished-77"; exit 137'
+    status, calls, marker, _ = _relay(tmp_path / "a", "--nodes=3 --ntasks=3", None, finish)
+    assert status == 0 and len(calls) == 1 and not (marker.parent / ".finished-77").exists()
+    status, calls, marker, _ = _relay(tmp_path / "b", "--nodes=3 --ntasks=3", None, "exit 137")
+    assert status == 137 and len(calls) == 1
+    (tmp_path / "c" / "submitit").mkdir(parents=True)
+    (tmp_path / "c" / "submitit" / ".finished-77").touch()
+    status, calls, marker, _ = _relay(tmp_path / "c", "--nodes=3 --ntasks=3", None, "exit 137", folder_exists="1")
+    assert status == 137
 
 
 def test_the_relaunch_survives_set_e_and_runs_only_our_own_options(tmp_path: Path) -> None:
@@ -626,7 +889,7 @@ def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monk
     from hpc_train import job
 
     recorded: list[str] = []
-    cluster = SimpleNamespace(nodes=2, tasks_per_node=2)
+    cluster = SimpleNamespace(nodes=2, tasks_per_node=2, in_process_restart=False)
     monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS", raising=False)
