@@ -49,10 +49,11 @@ FAULT_BIN = Path(__file__).resolve().parent / "fault_bin"
 STEP_S = 0.1  # per step: 10 steps between checkpoints = 1 s, so async writes slowed by 1.5 s overlap
 
 
-def train_args(steps: int) -> list[str]:
+def train_args(steps: int, tasks_per_node: int = 2) -> list[str]:
     return [
         "cluster=dev",
         "cluster.partition=low",
+        f"cluster.tasks_per_node={tasks_per_node}",
         f"train.steps={steps}",
         f"train.min_step_time_s={STEP_S}",
         "checkpoint.every_steps=10",
@@ -100,18 +101,26 @@ def _ready(run_dir: Path, after: float) -> dict | None:
 
 
 def run_storm(
-    env: dict[str, str], out: Path, seed: int, n_faults: int, steps: int, say: Callable[[str], None] = print
+    env: dict[str, str],
+    out: Path,
+    seed: int,
+    n_faults: int,
+    steps: int,
+    say: Callable[[str], None] = print,
+    tasks_per_node: int = 2,
 ) -> Storm:
     rng = random.Random(seed)
     faults = sequence(rng, n_faults)
     say(f"storm seed {seed}: {' '.join(faults)}")
     # The uninterrupted reference runs first: beside the storm it would share nodes the `high` job must take.
-    ref_dir, _ = submit([*train_args(steps), "cluster.partition=debug", f"out_dir={out}", "name=ref"], env=env)
+    ref_dir, _ = submit(
+        [*train_args(steps, tasks_per_node), "cluster.partition=debug", f"out_dir={out}", "name=ref"], env=env
+    )
     wait_until(lambda: (ref_dir / "summary.json").exists(), 600, "the storm's uninterrupted reference")
     trigger = out / "storm-1" / "drills" / "scontrol_fail_once"
     run_dir, job_id = submit(
         [
-            *train_args(steps),
+            *train_args(steps, tasks_per_node),
             f"out_dir={out}",
             "name=storm",
             f"cluster.setup=['export PATH={FAULT_BIN}:$PATH']",

@@ -100,8 +100,10 @@ def test_crash_loop_stops_after_failure_budget(slurm_env: dict[str, str], tmp_pa
 
 
 def test_array_task_preempted_while_siblings_run(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    """Two trials, each a whole node (2 tasks x 2 CPUs); a `high` job takes one trial's node only. The
-    trials differ only in their step-time floor, so the sibling is the victim's uninterrupted twin."""
+    """Two trials, each a whole node (--exclusive, 2 tasks); a `high` job takes one trial's node only. The
+    trials differ only in their step-time floor, so the sibling is the victim's uninterrupted twin. Not
+    2 tasks x 2 CPUs: 4 ranks of 2 intra-op threads on the machine's 2 cores spun in each other's way, 15
+    CPU-s a rank and 156 s for the test."""
     proc = run(
         [
             HPC_TRAIN,
@@ -112,7 +114,7 @@ def test_array_task_preempted_while_siblings_run(slurm_env: dict[str, str], tmp_
             "name=arr",
             "cluster.nodes=1",
             "cluster.tasks_per_node=2",
-            "cluster.cpus_per_task=2",
+            "cluster.exclusive=true",
             "train.min_step_time_s=0.25,0.26",
         ],
         env=slurm_env,
