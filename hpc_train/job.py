@@ -124,6 +124,12 @@ def _failed(paths: RunPaths, env: Any, e: BaseException) -> tuple[str, float]:
     # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
     # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
     env = _placed[0] or env
+    _log_fail(paths, env, f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
+    return _after_failure(paths, env, e)
+
+
+def _log_fail(paths: RunPaths, env: Any, error: str, **extra: Any) -> None:
+    """This rank's `fail` event at the step it reached (a crash, or the watchdog's hang)."""
     journal.log(
         paths.run_dir,
         journal.FAIL,
@@ -131,10 +137,9 @@ def _failed(paths: RunPaths, env: Any, e: BaseException) -> tuple[str, float]:
         env.job_id,
         env.restart_count,
         rank=env.rank,
-        error=f"{type(e).__name__}: {e}",
-        traceback=traceback.format_exc(limit=5),
+        error=error,
+        **extra,
     )
-    return _after_failure(paths, env, e)
 
 
 def _leave_after_failure(verdict: str, grace_s: float, env: Any) -> None:
@@ -1009,15 +1014,7 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
             flush=True,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        journal.log(
-            paths.run_dir,
-            journal.FAIL,
-            preempt.step_reached[0],
-            env.job_id,
-            env.restart_count,
-            rank=env.rank,
-            error=f"hang: no step finished in train.watchdog_s={limit_s:.0f} s",
-        )
+        _log_fail(paths, env, f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
         verdict, grace_s = _after_failure(paths, env, hang=True)
         local_requeue = verdict == "requeue" and env.executor == "local"
         _leave(verdict if verdict in ("wait", "relaunch") or local_requeue else "stop", grace_s)
