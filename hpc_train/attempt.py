@@ -239,7 +239,8 @@ class Attempt:
         if cfg.checkpoint.memory_every_steps:
             say = lambda line: print(line, flush=True) if env.rank == 0 else None  # noqa: E731
             shape = (mesh["dp"].size(), mesh["tp"].size())
-            memory = MemoryTier.build(cfg.checkpoint, env, paths.run_dir, shape, say)
+            timeout_s = preempt.collective_timeout_s(cfg.train.watchdog_s)  # as the training's group's
+            memory = MemoryTier.build(cfg.checkpoint, env, paths.run_dir, shape, say, timeout_s)
         return cls(
             env,
             cfg,

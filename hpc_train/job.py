@@ -679,13 +679,19 @@ def _decide_together(
     import torch.distributed as dist
 
     actions = ("stop", "requeue", "wait", "relaunch")
-    if memory is not None:  # every rank is here (a stop): the copy in flight completes before the verdict
-        memory.wait()  # and before destroy_process_group, which would wait on its group's work
+    if memory is not None:  # a stop: its disk save is newer than any copy, and the requeue must not wait on one
+        memory.abandon()  # the copy in flight writes nothing more (its collectives still end on every rank)
     verdict = torch.tensor([0])
     if env.rank == 0:
         verdict[0] = actions.index(requeue_or_stop(paths, env, cfg, reason, step, sick))
     dist.broadcast(verdict, src=0)
-    dist.destroy_process_group()
+    # destroy_process_group would wait on the copy thread's group: that copy first, until 5 s before the kill;
+    # still running then, no teardown (_leave's os._exit ends the process either way)
+    if memory is not None:
+        left_s = kill_deadline - time.monotonic() - 5
+        memory.wait(None if left_s == float("inf") else max(0.0, left_s))
+    if memory is None or memory.idle.is_set():
+        dist.destroy_process_group()
     again = actions[int(verdict)] == "relaunch" or (actions[int(verdict)] == "requeue" and env.executor == "local")
     if memory is not None and not again:
         memory.clean()
@@ -753,7 +759,7 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             store=store,
             rank=placed.rank,
             world_size=env.world_size,
-            timeout=max(timeout, timedelta(seconds=collective_timeout_s(cfg.train.watchdog_s))),
+            timeout=max(timeout, timedelta(seconds=preempt.collective_timeout_s(cfg.train.watchdog_s))),
         )
     except Exception as e:
         raise RuntimeError(
@@ -981,12 +987,6 @@ def _rejoin(
     _placed[0] = env  # a failure in the rendezvous is this attempt's (not yet trained: _plan_rejoin relaunches)
     placed = _rendezvous(env, cfg, paths)
     return placed, float(plan["at"]), {"rejoin": time.time() - float(plan["at"])}
-
-
-def collective_timeout_s(watchdog_s: float) -> float:
-    """How long a collective may block before torch.distributed raises: past the watchdog's limit plus its
-    polling interval (min(5, watchdog_s / 10) s), so the watchdog names a hang first."""
-    return watchdog_s + 60.0
 
 
 def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:

@@ -37,10 +37,12 @@ import re
 import shutil
 import stat
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +186,6 @@ class MemoryTier:
     buddy: int | None  # the rank that keeps a copy of this rank's state; None on one node
     source: int | None  # the rank whose copy this rank keeps
     off: str = ""
-    last: int = -1  # the newest step saved (or loaded) here and agreed complete on every rank
     warned: bool = False
     say: Callable[[str], None] = print
     # The copy thread's own gloo group (build, once per attempt): its sends and its agreement never interleave
@@ -198,6 +199,7 @@ class MemoryTier:
     todo: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the next copy: (step, snapshot, ready)
     idle: threading.Event = field(default_factory=lambda: _set(threading.Event()))  # clear while one is in flight
     lock: threading.Lock = field(default_factory=threading.Lock)  # the copy thread holds it for each file it touches
+    last: int = -1  # the newest step saved (or loaded) here and agreed complete on every rank
     abandoned: bool = False  # abandon(): the copy in flight writes and removes nothing more, and never counts
     error: str = ""  # the copy thread's collectives failed (a peer gone): raised at the next save
     blocked_s: float = 0.0  # the loop's seconds in save() (the snapshot, and any wait), since figures() last read
@@ -205,10 +207,17 @@ class MemoryTier:
     copy_s: float = 0.0  # the newest finished copy's seconds in its thread (serialise, hash, write, send, agree)
     copy_cpu_s: float = 0.0  # of which the thread's own CPU time: less when it waited for cores or the GIL
     warned_wait: bool = False
+    warned_incomplete: bool = False
 
     @classmethod
     def build(
-        cls, cfg: CheckpointConfig, env: RankEnv, run_dir: Path, mesh: tuple[int, int], say: Callable[[str], None]
+        cls,
+        cfg: CheckpointConfig,
+        env: RankEnv,
+        run_dir: Path,
+        mesh: tuple[int, int],
+        say: Callable[[str], None],
+        timeout_s: float = 960.0,  # preempt.collective_timeout_s at the default train.watchdog_s=900
     ) -> MemoryTier:
         """Collective (one all_gather_object): this node's folder made (0700), owned by us and writable by no
         one else on every rank, else the tier is off in this attempt on every rank alike."""
@@ -242,7 +251,7 @@ class MemoryTier:
         dist.all_gather_object(whys, why)
         tier.off = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), "")
         if not tier.off:  # on every rank alike: new_group is collective
-            tier.group = dist.new_group(backend="gloo")
+            tier.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         BUILT[0] = tier
         if tier.off:
             say(f"[hpc_train] warning: checkpoint.memory_every_steps is off in this attempt: {tier.off}")
@@ -279,7 +288,7 @@ class MemoryTier:
         buffers (GPU: queued on the stream, so the next step's kernels run after it) and starts the copy thread
         on them. Returns the seconds the loop was blocked. Raises RuntimeError when the previous copy's
         collectives failed (a peer gone): the attempt fails as it would in its next collective."""
-        if self.off:
+        if self.off or self.abandoned:  # abandoned: its thread has ended
             return 0.0
         t0 = time.monotonic()
         busy = not self.idle.is_set()
@@ -314,12 +323,14 @@ class MemoryTier:
     def _copies(self) -> None:
         """The copy thread's life: one copy after another, as save() hands them over (daemon: a failure's
         os._exit, or the interpreter's exit, ends it wherever it is)."""
-        while True:
-            step, snapshot, ready = self.todo.get()
+        while (item := self.todo.get()) is not None:
             try:
-                self._copy(step, snapshot, ready)
+                self._copy(*item)
             finally:
                 self.idle.set()
+        # abandon(): an in-process restart builds the next attempt's tier in this process; this one's host
+        # buffers (a whole state, pinned on a GPU) and gloo group must not stay with a thread that waits forever
+        self.buffers, self.group = HostBuffers(), None
 
     def _copy(self, step: int, snapshot: dict[str, Any], ready: Any) -> None:
         """The copy thread: the bytes and their sha256, the own copy, the buddy exchange, the buddy copy, then
@@ -329,13 +340,18 @@ class MemoryTier:
         buddy) between copies; else this step goes and the last complete one stays."""
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
-            if ready is not None:
-                ready.synchronize()
-            buf = io.BytesIO()
-            torch.save(snapshot, buf)
-            data = buf.getbuffer()
-            digest = hashlib.sha256(data).hexdigest()
-            why = self._write(step, self.rank, data, digest, "own")
+            data: Any = memoryview(b"")
+            digest = hashlib.sha256(b"").hexdigest()
+            try:  # anything local (CUDA, a MemoryError in torch.save): this step is incomplete, the calls still made
+                if ready is not None:
+                    ready.synchronize()
+                buf = io.BytesIO()
+                torch.save(snapshot, buf)
+                data = buf.getbuffer()
+                digest = hashlib.sha256(data).hexdigest()
+                why = self._write(step, self.rank, data, digest, "own")
+            except Exception as e:
+                why, data = f"{type(e).__name__}: {str(e)[:200]}", memoryview(b"")
             if self.buddy is not None and self.source is not None:
                 head = torch.tensor([len(data), *struct.unpack("<4q", bytes.fromhex(digest))], dtype=torch.int64)
                 got = torch.empty(5, dtype=torch.int64)
@@ -345,19 +361,30 @@ class MemoryTier:
                 ]:
                     r.wait()
                 theirs = bytearray(int(got[0]))
-                mine = torch.frombuffer(data, dtype=torch.uint8)
-                for r in [
-                    dist.isend(mine, self.buddy, group=self.group, tag=TAG + 1),
-                    dist.irecv(torch.frombuffer(theirs, dtype=torch.uint8), self.source, group=self.group, tag=TAG + 1),
-                ]:
+                # the payloads only where there are bytes (each side knows both lengths now): none is waited for
+                waits = []
+                if len(data):
+                    mine = torch.frombuffer(data, dtype=torch.uint8)
+                    waits.append(dist.isend(mine, self.buddy, group=self.group, tag=TAG + 1))
+                if theirs:
+                    recv = torch.frombuffer(theirs, dtype=torch.uint8)
+                    waits.append(dist.irecv(recv, self.source, group=self.group, tag=TAG + 1))
+                for r in waits:
                     r.wait()
-                del mine
                 sent = struct.pack("<4q", *got[1:].tolist()).hex()  # the sender's hash: a torn transfer never loads
-                why = self._write(step, self.source, theirs, sent, "buddy") or why  # written even if ours was not
+                if theirs:  # written even if ours was not
+                    why = self._write(step, self.source, theirs, sent, "buddy") or why
+                else:
+                    why = why or f"rank {self.source} sent no copy"
             del data
             if why and why != "abandoned" and not self.warned:
                 self.warned = True
-                self.say(f"[hpc_train] warning: a copy in memory was not written ({why}); the disk checkpoints go on")
+                print(  # this rank's log: say() prints on rank 0 only, which says the step is incomplete
+                    f"[hpc_train] warning: rank {self.rank}: a copy in memory was not written ({why}); the disk "
+                    "checkpoints go on",
+                    file=sys.stderr,
+                    flush=True,
+                )
             ok = torch.tensor([0 if why or self.abandoned else 1], dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
             with self.lock:
@@ -368,16 +395,22 @@ class MemoryTier:
                     self.last = step
                 else:
                     self._remove(lambda s: s == step)
+                    if not self.warned_incomplete:  # rank 0 says it (say prints there), whichever rank's failed
+                        self.warned_incomplete = True
+                        self.say(
+                            f"[hpc_train] warning: step {step}'s copies in memory are incomplete on some rank (a full "
+                            f"tmpfs? its log says why); a relaunch would read step {self.last} from memory, else disk"
+                        )
         except Exception as e:  # gloo: a peer closed its connection; nothing was agreed, nothing removed
             self.error = f"{type(e).__name__}: {str(e)[:300]}"
         finally:
             self.copy_s, self.copy_cpu_s = time.monotonic() - t0, time.thread_time() - cpu0
 
-    def wait(self) -> float:
-        """Waits for the copy in flight; returns the seconds it took. Ends once every rank's thread has done
-        the same collectives: call it on every rank (the stop path, finish) or on none (a failure: abandon())."""
+    def wait(self, timeout_s: float | None = None) -> float:
+        """Waits for the copy in flight (up to timeout_s); returns the seconds it took. Ends once every rank's
+        thread has done the same collectives: call it on every rank (finish, a stop) or on none (a failure)."""
         t0 = time.monotonic()
-        self.idle.wait()
+        self.idle.wait(timeout_s)
         return time.monotonic() - t0
 
     def abandon(self) -> None:
@@ -386,6 +419,7 @@ class MemoryTier:
         tells the agreement its step is incomplete, so the newest complete step stays on every node."""
         with self.lock:  # a file being written is finished first: none is written after this returns
             self.abandoned = True
+        self.todo.put(None)  # the thread ends after the copy in flight (its collectives end on every rank alike)
 
     def figures(self) -> dict[str, float]:
         """The metrics row's fields (train.Log.step), since the previous row: the loop's seconds blocked by the

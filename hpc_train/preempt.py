@@ -62,6 +62,12 @@ def _record(signum: int, frame: object) -> None:
     received.append(signal.Signals(signum).name)
 
 
+def collective_timeout_s(watchdog_s: float) -> float:
+    """How long a collective may block before torch.distributed raises: past the watchdog's limit plus its
+    polling interval (min(5, watchdog_s / 10) s), so the watchdog names a hang first."""
+    return watchdog_s + 60.0
+
+
 def install_handlers() -> None:
     """Record-only handlers for USR2 and TERM, in place of submitit's (which requeue from inside the
     handler, on rank 0 only, without a save). Idempotent."""

@@ -340,7 +340,7 @@ def test_collectives_outlast_the_hang_watchdog() -> None:
     """Found by an adversarial read: with the collective timeout equal to train.watchdog_s (both 900 s by
     default), gloo's own timeout usually fired before the watchdog (it polls every <= 5 s): the hang went down
     as an ordinary failure and the hung node was not left out."""
-    from hpc_train.job import collective_timeout_s
+    from hpc_train.preempt import collective_timeout_s
 
     for watchdog_s in (1.0, 8.0, 900.0):
         assert collective_timeout_s(watchdog_s) >= watchdog_s + min(5.0, watchdog_s / 10) + 30  # + the blame's wait

@@ -407,7 +407,23 @@ def _ranks(rank: int, world: int, out: str) -> None:
     facts["disk_folder"] = folder.name if folder else None
     facts["from_disk"] = _digest(state)
     facts["steps_after_fallback"] = sorted(p.name for p in memory.folder.iterdir())
+    # Rank 1's copy fails before any collective (a MemoryError in torch.save; review: its thread skipped the
+    # exchange and the agreement, and the other ranks' wait() at a stop or finish hung): the step is incomplete
+    # on every rank, no wait is left hanging, and the next copy completes over the same group.
+    if rank == 1:
+        real_save, torch.save = torch.save, lambda *a, **k: (_ for _ in ()).throw(MemoryError("injected"))
+    memory.save(state)
+    facts["failed_copy_waited"] = memory.wait(60) < 30
+    if rank == 1:
+        torch.save = real_save
+    facts["after_failed_copy"] = sorted(p.name for p in memory.folder.iterdir())
+    train(state)
+    memory.save(state)
+    memory.wait(60)
+    facts["after_next_copy"] = sorted(p.name for p in memory.folder.iterdir())
     memory.clean()
+    memory.thread.join(10)  # clean() abandons: the copy thread ends, its buffers and group let go
+    facts["thread_ended"] = not memory.thread.is_alive() and memory.group is None
     dist.barrier()
     facts["left"] = sorted(str(p.relative_to(root / "shm")) for p in (root / "shm").rglob("*"))
     dist.destroy_process_group()
@@ -425,7 +441,8 @@ def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_pat
     3 stays the newest complete one. Relaunched with fresh weights and rank 1's own copy deleted: rank 1's state
     comes from its buddy, rank 2, and every rank's state is step 3's bit for bit. An earlier job's folders of
     the run go at the load. Relaunched again with rank 0's copy corrupted: no rank loads from memory, the disk
-    checkpoint of step 2 loads, and the tier's folders are gone after clean()."""
+    checkpoint of step 2 loads; a copy that fails in rank 1's thread (MemoryError) is incomplete everywhere and
+    the next one completes; the tier's folders are gone after clean(), and its thread has ended."""
     mp.start_processes(_ranks, args=(3, str(tmp_path)), nprocs=3, join=True, start_method="fork")
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     for f in facts:
@@ -443,6 +460,8 @@ def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_pat
         assert f["corrupt"]["skipped"] == "memory step 3, rank 0's state: checksum differs"
         assert f["disk_folder"] == "step_000002" and f["from_disk"] == f["disk"]
         assert f["steps_after_fallback"] == [] and f["left"] == [f"hpc_train-{os.geteuid()}"]
+        assert f["failed_copy_waited"] and f["after_failed_copy"] == [] and f["after_next_copy"] == ["step-3"]
+        assert f["thread_ended"]
     assert len({f["saved"] for f in facts}) == 3  # each rank got its own state back, not another's
 
 
