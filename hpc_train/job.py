@@ -455,12 +455,16 @@ def _fit_exclusions(cluster: Any, nodes: list[str]) -> tuple[list[str], list[str
 
     need = cluster.nodes + cluster.spare_nodes if cluster.spare_nodes else cluster.min_nodes or cluster.nodes
     partition = cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    # cluster.nodelist's nodes are required (--nodelist): one of them in ExcNodeList keeps the job pending for good
+    required = sorted(n for n in nodes if n in set(parse_nodelist(cluster.nodelist or "")))
+    nodes = [n for n in nodes if n not in required]
+    said = f"ExcNodeList lets {','.join(required)} back in: cluster.nodelist requires them" if required else ""
     try:
         states = slurm.node_states(partition, slurm.STOP_SNAPSHOT) if nodes else {}
     except slurm.SlurmError:
         states = {}
     if not states:
-        return sorted(nodes), [], ""
+        return sorted(nodes), required, said
     kept, let_in = preempt.fit_exclusions(nodes, states, need, parse_nodelist(cluster.exclude or ""))
     usable = len(preempt.usable_nodes(states) - set(parse_nodelist(cluster.exclude or "")))
     why = (
@@ -468,7 +472,7 @@ def _fit_exclusions(cluster: Any, nodes: list[str]) -> tuple[list[str], list[str
         f"partition {partition or '(default)'} has {usable} usable, so leaving out all {len(nodes)} of "
         f"{','.join(sorted(nodes))} would keep it pending for good; {','.join(kept) or 'none'} stay out"
     )
-    return kept, let_in, why if let_in else ""
+    return kept, sorted([*let_in, *required]), "; ".join(filter(None, [said, why if let_in else ""]))
 
 
 def elastic(env: Any, cfg: Any) -> bool:

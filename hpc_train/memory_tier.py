@@ -208,6 +208,7 @@ class MemoryTier:
     copy_cpu_s: float = 0.0  # of which the thread's own CPU time: less when it waited for cores or the GIL
     warned_wait: bool = False
     warned_incomplete: bool = False
+    device: int | None = None  # the training thread's CUDA device, set in the copy thread too (else GPU 0)
 
     @classmethod
     def build(
@@ -308,6 +309,7 @@ class MemoryTier:
         snapshot = self.buffers.stage({"state": _local(state.state_dict()), "rng": state.rank_state()}, cuda)
         ready = None
         if cuda:  # the thread reads the pinned buffers once the copies queued before this event ran
+            self.device = torch.cuda.current_device()
             ready = torch.cuda.Event()
             ready.record()
         self.idle.clear()
@@ -324,6 +326,8 @@ class MemoryTier:
         """The copy thread's life: one copy after another, as save() hands them over (daemon: a failure's
         os._exit, or the interpreter's exit, ends it wherever it is)."""
         while (item := self.todo.get()) is not None:
+            if self.device is not None:  # a new thread's current device is 0: a context there for every rank
+                torch.cuda.set_device(self.device)
             try:
                 self._copy(*item)
             finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import journal, preempt
+from hpc_train import journal, preempt, slurm
 from hpc_train.config import compose, to_run_config
 from hpc_train.env import from_env
 
@@ -206,6 +206,34 @@ def test_a_requeue_leaves_out_only_what_the_partition_can_spare_the_newest_blame
     assert list(journal.excluded_nodes(after)) == [n for n in order if n in kept]
     for n in let_in:
         assert journal.exclusion_took(after, n) == (False, 0)  # blamed again: a new exclusion, not "took"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_requeue_never_leaves_out_a_node_cluster_nodelist_requires(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of the fix above: with cluster.nodelist (--nodelist, nodes the job must have) a required node in
+    ExcNodeList kept the job pending for good whatever the partition's room. Seeded: the required ones are let
+    in and said, the rest judged by the partition's room as before."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+
+    rng = random.Random(seed)
+    nodes = [f"n{i}" for i in range(rng.randint(2, 8))]
+    states = {n: rng.choice(["idle", "mix", "alloc", "drain"]) for n in nodes}
+    monkeypatch.setattr(slurm, "node_states", lambda partition, policy: states)
+    required = rng.sample(nodes, rng.randint(0, len(nodes)))
+    blamed = rng.sample(nodes, rng.randint(1, len(nodes)))
+    cluster = SimpleNamespace(
+        nodes=1, spare_nodes=0, min_nodes=None, partition="p", exclude=None, nodelist=",".join(required) or None
+    )
+    kept, let_in, why = job._fit_exclusions(cluster, blamed)
+    assert not set(kept) & set(required) and set(blamed) & set(required) <= set(let_in)
+    assert sorted(kept + let_in) == sorted(blamed)
+    assert ("cluster.nodelist requires them" in why) == bool(set(blamed) & set(required))
+    rest = [n for n in blamed if n not in required]
+    assert sorted(kept) == preempt.fit_exclusions(rest, states, 1, [])[0]  # the rest as the partition allows
 
 
 def test_an_in_job_restart_is_a_new_attempt_of_the_same_job() -> None:
