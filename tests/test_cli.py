@@ -347,6 +347,9 @@ def test_ctrl_c_during_sbatch_waits_until_the_job_id_is_recorded(tmp_path: Path)
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(
+            signal.SIGINT, signal.SIG_DFL
+        ),  # as at a terminal: a shell's `cmd &` ignores it
     )
     deadline = time.monotonic() + 60
     while not (state / "sbatch_started").exists() and proc.poll() is None and time.monotonic() < deadline:

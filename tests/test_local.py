@@ -94,6 +94,9 @@ def test_ctrl_c_while_waiting_detaches_and_the_run_finishes(tmp_path: Path) -> N
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(
+            signal.SIGINT, signal.SIG_DFL
+        ),  # as at a terminal: a shell's `cmd &` ignores it
     )
     run_dir = tmp_path / "demo-1"
     try:
