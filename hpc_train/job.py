@@ -211,7 +211,13 @@ def reserve_warning(cluster: Any) -> str:
 
 
 def requeue_or_stop(
-    paths: RunPaths, env: Any, cfg: Any, reason: str, step: int, sick: dict[str, str] | None = None
+    paths: RunPaths,
+    env: Any,
+    cfg: Any,
+    reason: str,
+    step: int,
+    sick: dict[str, str] | None = None,
+    hang: bool = False,
 ) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
     (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
@@ -219,7 +225,7 @@ def requeue_or_stop(
     script starts the training step again inside the allocation, without them; _relaunch), "wait" (only
     Slurm can bring it back: stay alive until it ends the job) or "stop". After a stop signal ("time_limit",
     "preempt") the Slurm calls take the stop path's shorter policies, whose worst case REQUEUE_RESERVE_S
-    reserves."""
+    reserves. hang: the watchdog fired (an in-job restart relaunches, never rejoins: _plan_rejoin)."""
     stopping = reason in ("time_limit", "preempt")
     events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
@@ -234,7 +240,7 @@ def requeue_or_stop(
     # Hot spares replace a failure's requeue only; the stop path's reserve (REQUEUE_RESERVE_S) has no room for
     # the EndTime call the time check makes.
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
-    if in_job and (how := _in_job_restart(paths, env, cfg, reason, fate, events, budgets, sick or {}, record)):
+    if in_job and (how := _in_job_restart(paths, env, cfg, reason, fate, events, budgets, sick or {}, record, hang)):
         return how
     excluded = list(journal.excluded_nodes(events))  # oldest blame first: _update_next_attempt lets those in first
     if action != "stop" and sick:
@@ -310,6 +316,7 @@ def _in_job_restart(
     budgets: Any,
     sick: dict[str, str],
     record: Callable[..., None],
+    hang: bool = False,
 ) -> str:
     """Hot spares: relaunch the training step inside the allocation in place of the failure's requeue `decide`
     chose (preempt.in_job_restart), leaving the sick nodes out of the allocation (preempt.exclusion counting the
@@ -360,7 +367,7 @@ def _in_job_restart(
     if why_not:
         print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
         return ""
-    if cfg.cluster.in_process_restart and _plan_rejoin(paths, env, events, sick, used, reason, record):
+    if cfg.cluster.in_process_restart and _plan_rejoin(paths, env, events, sick, used, reason, record, hang):
         return "rejoin"
     return "relaunch" if _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, n, sick) else ""
 
@@ -640,7 +647,7 @@ def _after_failure(
     sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
-    verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick)
+    verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
     _clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
@@ -843,10 +850,12 @@ def _plan_rejoin(
     used: int,
     reason: str,
     record: Callable[..., None],
+    hang: bool = False,
 ) -> bool:
     """The deciding rank, once an in-job restart is decided (cluster.in_process_restart): can the ranks that
     survived rejoin in their processes, each dead node replaced by a standby's? True once the plan is written
-    (paths.rejoin_plan) and recorded (`in_job_restart`, in_process); False (said why): the step is relaunched."""
+    (paths.rejoin_plan) and recorded (`in_job_restart`, in_process); False (said why): the step is relaunched.
+    hang: the watchdog fired, every rank leaves its process (job._start_watchdog), so none rejoins."""
     from hpc_train.env import rendezvous_port
 
     per, hangs = env.local_world_size, paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
@@ -868,7 +877,11 @@ def _plan_rejoin(
     mixed = [env.nodes[n] for n in dead_nodes if any(n * per + i in alive for i in range(per))]
     trained = journal.trained(events, env.restart_count)
     why = (
-        f"a node was blamed ({', '.join(sick)}): it is left out by a relaunch"
+        # Every rank blocked together (a deadlock, a storage stall) blames no node, yet the watchdog's rank exits
+        # and the others' wait ends with no rank to rejoin: the plan was held until the time limit.
+        "a hang (train.watchdog_s): its ranks leave their processes"
+        if hang
+        else f"a node was blamed ({', '.join(sick)}): it is left out by a relaunch"
         if sick
         else "this attempt failed before its first step (while rejoining?)"
         if not trained

@@ -378,7 +378,8 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
         env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes)
         recorded: list[dict] = []
         args = (kw.get("events", trained), kw.get("sick", {}), 0, "failure")
-        ok = job._plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}))
+        hang = bool(kw.get("hang"))
+        ok = job._plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}), hang)
         for fd in fds:
             os.close(fd)  # type: ignore[arg-type]
         return ok, job.read_rejoin_plan(paths, "7") if ok else None, recorded
@@ -410,6 +411,9 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert not ok and "failed before its first step" in capsys.readouterr().err
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "Xid 79"})
     assert not ok and "a node was blamed (node2)" in capsys.readouterr().err
+    # every rank hung level (no node blamed): the watchdog's rank leaves its process, so nobody may rejoin
+    ok, _, _ = plan(2, 1, [0, 1], [], {"2": "node3"}, hang=True)
+    assert not ok and "a hang (train.watchdog_s)" in capsys.readouterr().err
 
 
 CUT_SCRIPT = """
