@@ -631,7 +631,19 @@ def _after_failure(
     try:
         cfg = load_frozen(paths.run_dir)
         check_environment(cfg)
-    except Exception:  # the config itself, or what it needs of this node, is what fails: no point in retrying
+    except Exception as e:  # the config itself, or what it needs of this node, is what fails: no point in retrying
+        # on record: the other ranks' verdict wait (VERDICT_WAIT_S) and a standby's (journal.step_over) end now
+        why = (
+            f"the frozen config or this node's environment failed ({type(e).__name__}: {e}); fix it, then "
+            f"hpc-train resume {paths.run_dir}"
+        )
+        try:
+            journal.log(
+                paths.run_dir, journal.STOPPED, preempt.step_reached[0], env.job_id, env.restart_count, reason=why
+            )
+        except OSError:
+            pass
+        print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop", 0.0
     if isinstance(error, preempt.Unrecoverable):
         journal.log(
@@ -821,7 +833,7 @@ def read_rejoin_plan(paths: RunPaths, job_id: str) -> dict[str, Any] | None:
 
 def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
     """A standby's wait, warm: every 20 ms for a plan that names its Slurm task (then it returns it), every
-    second for the step's end (journal.step_over: it exits 0, so the step's status is the training ranks')."""
+    second for the step's end (_step_left: it exits 0, so the step's status is the training ranks')."""
     task, node = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURMD_NODENAME", "")
     mine = paths.standbys(env.job_id) / task
     make_dir(mine.parent, exist_ok=True)
@@ -835,11 +847,31 @@ def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
             return plan
         if time.monotonic() >= check:
             check = time.monotonic() + 1.0
-            if journal.step_over(journal.read(paths.run_dir), env.restart_count):
+            if why := _step_left(paths, env, plan):
+                print(f"[hpc_train] task {task} on {node}: standby leaves: {why}", flush=True)
                 mine.unlink(missing_ok=True)
                 sys.stdout.flush()
                 os._exit(0)
         time.sleep(0.02)
+
+
+def _step_left(paths: RunPaths, env: Any, plan: dict[str, Any] | None) -> str:
+    """Why a standby's training step is over, "" while it is not: a stop signal srun forwarded (the training ranks
+    decide; nothing rejoins after one), the step's verdict on record (journal.step_over), or every training rank of
+    the step's current attempt (the newest plan's, else the standby's own) gone without one (their paths.alive locks
+    free: the deciding rank died, its verdict wait ran out, the user's function called sys.exit). Without the last
+    two the standby alone kept srun's step, and the job, to its time limit. A rank not yet placed has no lock file:
+    not gone (holder_gone), so a step still starting is not taken for over."""
+    if preempt.received:
+        return f"{preempt.received[0]} received"
+    if journal.step_over(journal.read(paths.run_dir), env.restart_count):
+        return "the step's verdict is on record"
+    newer = plan is not None and plan.get("attempt", -1) > env.restart_count
+    attempt, world = (plan["attempt"], plan["world_size"]) if plan and newer else (env.restart_count, env.world_size)
+    locks = paths.alive(env.job_id, attempt)
+    if all(holder_gone(locks / str(r)) for r in range(world)):
+        return f"all {world} training ranks of attempt {attempt} are gone without a verdict"
+    return ""
 
 
 def _plan_rejoin(

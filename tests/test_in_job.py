@@ -416,6 +416,54 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert not ok and "a hang (train.watchdog_s)" in capsys.readouterr().err
 
 
+def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_came(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """_step_left: with no verdict on record, a standby still leaves once every training rank of the step's current
+    attempt is gone (their life locks free), or srun forwarded a stop signal; not while one holds its lock, nor
+    before the ranks are placed (no lock files). A config failure's stop is on record (journal.step_over)."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths, hold_for_life
+
+    paths = RunPaths(tmp_path)
+    env = SimpleNamespace(job_id="7", restart_count=0, world_size=2, rank=0)
+    monkeypatch.setattr(preempt, "received", [])
+    assert job._step_left(paths, env, None) == ""  # not placed yet: no lock files
+    paths.alive("7", 0).mkdir()
+    fd = hold_for_life(paths.alive("7", 0) / "0")
+    (paths.alive("7", 0) / "1").touch()  # rank 1 died
+    assert job._step_left(paths, env, None) == ""  # rank 0 lives
+    os.close(fd)  # type: ignore[arg-type]
+    assert "all 2 training ranks of attempt 0 are gone" in job._step_left(paths, env, None)
+    plan = {"attempt": 1, "world_size": 2, "standby": {}}  # rejoined without this standby: attempt 1's ranks count
+    paths.alive("7", 1).mkdir()
+    fd = hold_for_life(paths.alive("7", 1) / "1")
+    assert job._step_left(paths, env, plan) == ""
+    monkeypatch.setattr(preempt, "received", ["SIGTERM"])
+    assert job._step_left(paths, env, plan) == "SIGTERM received"
+    os.close(fd)  # type: ignore[arg-type]
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", leave)
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setattr(preempt, "received", [])
+    with pytest.raises(SystemExit):  # the wait itself leaves (exit 0), its registration removed
+        job._standby_wait(paths, env)
+    assert not list(paths.standbys("7").iterdir())
+    assert "standby leaves: all 2 training ranks of attempt 0 are gone" in capsys.readouterr().out
+    monkeypatch.setattr(preempt, "step_reached", [3])
+    monkeypatch.setattr(job, "_deciding", [False])
+    (tmp_path / "no-config").mkdir()
+    assert job._after_failure(RunPaths(tmp_path / "no-config"), env) == ("stop", 0.0)  # no config.yaml
+    (stopped,) = journal.named(journal.read(tmp_path / "no-config"), journal.STOPPED)
+    assert "the frozen config or this node's environment failed" in stopped["reason"]
+    assert journal.step_over([stopped], 0)
+
+
 CUT_SCRIPT = """
 import os, sys, time
 from types import SimpleNamespace
