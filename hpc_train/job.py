@@ -1021,6 +1021,11 @@ def _rejoin(
     )
     os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)
     _deciding[0] = False  # this attempt's failure, if any, is decided afresh
+    # Heartbeats from 1 on every rank, as a first attempt's (_start_watchdog's beat): a survivor kept the failed
+    # attempt's count (5000 against the standby's 12: a later hang was blamed on the standby's node). The beat
+    # also restarts a survivor's watchdog clock.
+    preempt.ticks[0] = 0
+    preempt.beat()
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
     _placed[0] = env  # a failure in the rendezvous is this attempt's (not yet trained: _plan_rejoin relaunches)
@@ -1239,8 +1244,8 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         resolve(cfg.fn._target_)
         _warm_up()
         plan = _standby_wait(paths, env)
+        _start_watchdog(cfg.train.watchdog_s, paths, env)  # before _rejoin, whose beat counts from 1 as a survivor's
         env, process_start, phases_s = _rejoin(paths, cfg, plan, env, standby=True)
-        _start_watchdog(cfg.train.watchdog_s, paths, env)
     else:
         t0 = time.time()
         env = _rendezvous(env, cfg, paths)

@@ -464,6 +464,44 @@ def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_ca
     assert journal.step_over([stopped], 0)
 
 
+def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """_rejoin: a survivor's heartbeat count restarts as a standby's does (the standby's watchdog beats once, before
+    its _rejoin), so a later hang's blame (preempt.hung_ranks) compares this attempt's steps only: a survivor's
+    5000 beats of the failed attempt against a standby's 12 blamed the standby."""
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    def task(procid: int) -> dict[str, str]:
+        return {
+            "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": "0",
+            "SLURM_NTASKS": "3",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_NODEID": str(procid),
+            "SLURM_JOB_NODELIST": "node[1-3]",
+            "SLURM_STEP_NODELIST": "node[1-3]",
+            "SLURM_JOB_ID": "7",
+        }
+
+    plan = {"from": 0, "attempt": 1, "world_size": 2, "nodes": ["node1", "node3"], "master_port": 29000}
+    plan |= {"survivors": [0], "standby": {"2": 1}, "at": time.time()}
+    monkeypatch.setattr(job, "_rendezvous", lambda env, cfg, paths: env)
+    monkeypatch.setattr(job, "_placed", [None])
+    monkeypatch.setattr(job, "_deciding", [False])
+    monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "0")
+    counts = {}
+    for procid, beats, standby in ((0, 5000, False), (2, 0, True)):
+        monkeypatch.setattr(preempt, "ticks", [beats])
+        monkeypatch.setenv("SLURM_PROCID", str(procid))
+        if standby:
+            preempt.beat()  # the standby's _start_watchdog, just before its _rejoin
+        placed = job._rejoin(RunPaths(tmp_path), None, plan, from_env(task(procid)), standby=standby)[0]
+        counts[placed.rank] = preempt.ticks[0]
+    assert counts == {0: 1, 1: 1} and preempt.hung_ranks({0: counts[0] + 7, 1: counts[1] + 7}, 2) == []
+
+
 CUT_SCRIPT = """
 import os, sys, time
 from types import SimpleNamespace
