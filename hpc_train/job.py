@@ -711,10 +711,12 @@ def _decide_together(
     _leave(actions[int(verdict)], cfg.cluster.preempt_grace_s, kill_deadline)
 
 
-def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
+def _rendezvous(env: Any, cfg: Any, paths: RunPaths, keep_order: bool = False) -> Any:
     """One TCPStore rendezvous that also places ranks: every task publishes its node and
     SLURM_TOPOLOGY_ADDR, the store's host (Slurm's task 0) plans the order (topology.py) and publishes
-    it, and every task joins the process group under its placed rank. Returns the placed RankEnv."""
+    it, and every task joins the process group under its placed rank. Returns the placed RankEnv.
+    keep_order: env.nodes is the order (an in-process restart's plan: re-planned by switch, a standby in a dead
+    node's place swapped the survivors' ranks, and their state with them)."""
     import dataclasses
     import json
     import socket
@@ -744,7 +746,7 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             for r in range(env.world_size):  # Slurm's task order = its node order
                 n, addr = json.loads(store.get(f"topo/{r}"))
                 addrs.setdefault(n, addr)
-            plan = topology.placement(addrs, env.local_world_size, cfg.train.tp)
+            plan = topology.placement(addrs, env.local_world_size, cfg.train.tp, env.nodes if keep_order else None)
             store.set("placement", json.dumps(plan))
             paths.placement.write_text(json.dumps(plan, indent=1) + "\n")
         plan = json.loads(store.get("placement"))
@@ -1029,7 +1031,7 @@ def _rejoin(
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
     _placed[0] = env  # a failure in the rendezvous is this attempt's (not yet trained: _plan_rejoin relaunches)
-    placed = _rendezvous(env, cfg, paths)
+    placed = _rendezvous(env, cfg, paths, keep_order=True)
     return placed, float(plan["at"]), {"rejoin": time.time() - float(plan["at"])}
 
 

@@ -4,6 +4,7 @@ on the dev cluster a killed rank and a sick node recovered inside one allocation
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -487,7 +488,7 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
 
     plan = {"from": 0, "attempt": 1, "world_size": 2, "nodes": ["node1", "node3"], "master_port": 29000}
     plan |= {"survivors": [0], "standby": {"2": 1}, "at": time.time()}
-    monkeypatch.setattr(job, "_rendezvous", lambda env, cfg, paths: env)
+    monkeypatch.setattr(job, "_rendezvous", lambda env, cfg, paths, keep_order: env)
     monkeypatch.setattr(job, "_placed", [None])
     monkeypatch.setattr(job, "_deciding", [False])
     monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "0")
@@ -500,6 +501,58 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
         placed = job._rejoin(RunPaths(tmp_path), None, plan, from_env(task(procid)), standby=standby)[0]
         counts[placed.rank] = preempt.ticks[0]
     assert counts == {0: 1, 1: 1} and preempt.hung_ranks({0: counts[0] + 7, 1: counts[1] + 7}, 2) == []
+
+
+KEEP_SCRIPT = """
+import os, socket, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from hpc_train import job
+from hpc_train.env import from_env
+from hpc_train.paths import RunPaths
+
+run, port = Path(sys.argv[1]), int(sys.argv[2])
+nodes, switch = ["localhost", "nodeC", "nodeB"], {"localhost": "s2", "nodeC": "s1", "nodeB": "s2"}
+plan = {"from": 0, "attempt": 1, "world_size": 3, "nodes": nodes, "master_port": port, "survivors": [0, 1, 2]}
+plan |= {"standby": {}, "at": time.time()}
+train = SimpleNamespace(rendezvous_timeout_s=60, tp=1, watchdog_s=60)
+cfg = SimpleNamespace(train=train, script=SimpleNamespace(cmd=[]), cluster=SimpleNamespace(in_process_restart=False))
+kids = []
+for r in range(3):
+    pid = os.fork()
+    if pid == 0:
+        os.environ |= {"SLURMD_NODENAME": nodes[r], "SLURM_TOPOLOGY_ADDR": f"{switch[nodes[r]]}.{nodes[r]}"}
+        task = {"SLURM_PROCID": str(r), "SLURM_LOCALID": "0", "SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "1"}
+        task |= {"SLURM_NODEID": str(r), "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "7"}
+        placed = job._rejoin(RunPaths(run), cfg, plan, from_env(task))[0]
+        dist.barrier()
+        print(f"rank {r} -> {placed.rank}", flush=True)
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+"""
+
+
+def test_a_rejoin_keeps_the_plans_ranks_though_the_switches_would_order_them_otherwise(tmp_path: Path) -> None:
+    """3 processes rejoin a plan whose node order the topology planner would change (localhost and nodeB on switch
+    s2, nodeC on s1: re-planned [localhost, nodeB, nodeC]): each keeps the plan's rank, so a survivor's state and
+    memory copies stay its own (they swapped ranks 1 and 2 before)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", KEEP_SCRIPT, str(tmp_path), str(port)], capture_output=True, text=True, timeout=120
+    )
+    assert sorted(re.findall(r"rank \d -> \d", done.stdout)) == ["rank 0 -> 0", "rank 1 -> 1", "rank 2 -> 2"], done
+    assert [r["node"] for r in json.loads((tmp_path / "placement.json").read_text())["ranks"]] == [
+        "localhost",
+        "nodeC",
+        "nodeB",
+    ]
 
 
 CUT_SCRIPT = """
