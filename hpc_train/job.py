@@ -840,12 +840,15 @@ def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
     mine = paths.standbys(env.job_id) / task
     make_dir(mine.parent, exist_ok=True)
     write_atomic(mine, node)
+    held = hold_for_life(mine)  # freed by its death: _plan_rejoin counts live standbys only
     print(f"[hpc_train] task {task} on {node}: warm standby (cluster.in_process_restart)", flush=True)
     check = 0.0
     while True:
         plan = read_rejoin_plan(paths, env.job_id)
         if plan and plan.get("attempt", -1) > env.restart_count and task in plan.get("standby", {}):
             mine.unlink(missing_ok=True)
+            if held is not None:
+                os.close(held)
             return plan
         if time.monotonic() >= check:
             check = time.monotonic() + 1.0
@@ -903,6 +906,10 @@ def _plan_rejoin(
     dead_nodes = sorted({r // per for r in set(range(env.world_size)) - alive})
     standbys: dict[str, list[str]] = {}
     for p in paths.standbys(env.job_id).iterdir() if paths.standbys(env.job_id).is_dir() else []:
+        # A standby that died waiting (the relay's SIGKILL), or one of this job id's allocation before a Slurm
+        # requeue: counted, the survivors waited train.rendezvous_timeout_s for it and the step relaunched.
+        if holder_gone(p):
+            continue
         try:
             standbys.setdefault(p.read_text().strip(), []).append(p.name)
         except OSError:

@@ -376,6 +376,8 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
             (paths.run_dir / ".hang-7-0" / str(r)).write_text("5")
         for task, node in standbys.items():
             (paths.standbys("7") / task).write_text(node)
+        stale = kw.get("stale", [])  # died waiting, or an earlier allocation's: their life locks free
+        fds += [hold_for_life(paths.standbys("7") / task) for task in standbys if task not in stale]  # type: ignore[operator]
         env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes)
         recorded: list[dict] = []
         args = (kw.get("events", trained), kw.get("sick", {}), 0, "failure")
@@ -408,6 +410,10 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert ok and got["standby"] == {"4": 2, "5": 3} and got["nodes"] == ["node1", "node3"]
     ok, _, _ = plan(2, 1, [0], [], {})
     assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, stale=["2"])
+    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    ok, got, _ = plan(2, 1, [0], [], {"2": "node3", "3": "node4"}, stale=["2"])  # the live one is taken
+    assert ok and got["standby"] == {"3": 1} and got["nodes"] == ["node1", "node4"]
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, events=[])
     assert not ok and "failed before its first step" in capsys.readouterr().err
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "Xid 79"})
