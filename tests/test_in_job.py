@@ -272,6 +272,16 @@ def test_a_step_on_fewer_nodes_than_the_job_has_places_by_the_steps_nodes() -> N
             ["cluster=dev", "cluster.spare_nodes=1", "cluster.in_process_restart=true", "script.cmd=[echo]"],
             r"a command after -- \(script.cmd\) runs in processes of its own; set cluster.in_process_restart=false",
         ),
+        (
+            [
+                "cluster=dev",
+                "cluster.spare_nodes=1",
+                "cluster.in_process_restart=true",
+                "+cluster.sbatch_extra.distribution=cyclic",
+            ],
+            r"cluster.sbatch_extra.distribution='cyclic' puts the step's tasks on its nodes in another order.*"
+            r"drop it, keep its node part block \(e.g. block:cyclic\), or set cluster.in_process_restart=false",
+        ),
     ],
 )
 def test_spare_config_errors(overrides: list[str], message: str) -> None:
@@ -314,6 +324,7 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
 
     overrides = ["cluster=dev", "cluster.spare_nodes=1", "cluster.tasks_per_node=2", "cluster.in_process_restart=true"]
     cfg = to_run_config(compose(overrides))
+    to_run_config(compose([*overrides, "+cluster.sbatch_extra.distribution=block:cyclic"]))  # nodes still in block
     assert "export HPC_TRAIN_STEP_ARGS='--nodes=3 --ntasks=6'" in executor_parameters(cfg.cluster, "x")["setup"]
     off = to_run_config(compose(overrides[:-1]))
     assert "export HPC_TRAIN_STEP_ARGS='--nodes=2 --ntasks=4'" in executor_parameters(off.cluster, "x")["setup"]
