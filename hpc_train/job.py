@@ -46,6 +46,7 @@ from hpc_train.paths import (
     locked,
     make_dir,
     relaunch_marker,
+    untrusted,
     write_atomic,
 )
 
@@ -826,11 +827,28 @@ def _warm_up() -> None:
 
 
 def read_rejoin_plan(paths: RunPaths, job_id: str) -> dict[str, Any] | None:
+    """The plan for the next attempt in these processes, or None: none, not a plan, or one that may not be this
+    user's alone (a symlink; a file or folder another user owns or can write: the hosts it names would be joined,
+    and the new group's broadcast_object_list unpickles their bytes), which is said once."""
+    where = paths.rejoin_plan(job_id)
     try:
-        plan = json.loads(paths.rejoin_plan(job_id).read_text())
-    except (OSError, ValueError):
+        text = where.read_text()
+        why = f"{where} is a symlink; remove it" if where.is_symlink() else untrusted(where, paths.run_dir)
+    except OSError:
+        return None
+    if why:
+        if why not in _refused_plans:
+            _refused_plans.add(why)
+            print(f"[hpc_train] not rejoining by {where}: {why}", file=sys.stderr, flush=True)
+        return None
+    try:
+        plan = json.loads(text)
+    except ValueError:
         return None
     return plan if isinstance(plan, dict) else None
+
+
+_refused_plans: set[str] = set()  # read_rejoin_plan's refusals said so far: the standby's poll reads every 20 ms
 
 
 def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:

@@ -520,6 +520,34 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
     assert counts == {0: 1, 1: 1} and preempt.hung_ranks({0: counts[0] + 7, 1: counts[1] + 7}, 2) == []
 
 
+def test_a_rejoin_plan_another_user_could_have_written_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """read_rejoin_plan: a plan names the hosts every rank joins (whose bytes the new group unpickles): one in a
+    folder others can write, or a symlink, is not read, and the refusal names the fix; a torn one is none."""
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    paths = RunPaths(run)
+    assert job.read_rejoin_plan(paths, "7") is None  # none yet
+    paths.rejoin_plan("7").write_text('{"attempt": 1}\n')
+    assert job.read_rejoin_plan(paths, "7") == {"attempt": 1}
+    run.chmod(0o770)
+    assert job.read_rejoin_plan(paths, "7") is None
+    assert f"not rejoining by {paths.rejoin_plan('7')}: {run} is writable by group" in capsys.readouterr().err
+    run.chmod(0o700)
+    (tmp_path / "planted").write_text('{"attempt": 1}\n')
+    paths.rejoin_plan("7").unlink()
+    paths.rejoin_plan("7").symlink_to(tmp_path / "planted")
+    assert job.read_rejoin_plan(paths, "7") is None
+    assert "is a symlink; remove it" in capsys.readouterr().err
+    paths.rejoin_plan("7").unlink()
+    paths.rejoin_plan("7").write_text('{"attempt": 1')  # torn
+    assert job.read_rejoin_plan(paths, "7") is None
+
+
 KEEP_SCRIPT = """
 import os, socket, sys, time
 from pathlib import Path
