@@ -945,6 +945,17 @@ def test_report_names_the_next_size_of_an_in_job_restart_only_when_it_is_smaller
     ], proc.stdout
 
 
+def test_report_names_an_in_process_restarts_replacements_and_survives_a_malformed_field() -> None:
+    """report.ended_text: `replaced` (dead node -> standby node) as recorded; one that is not a mapping (a
+    hand-edited or foreign journal line) is left out instead of crashing `hpc-train report`."""
+    from hpc_train import report
+
+    att = {"ended_by": journal.IN_JOB_RESTART, "nodes_next": 2, "left_out": [], "in_process": True}
+    assert report.ended_text({**att, "replaced": {"n2": "n3"}}, 2) == "in_job_restart (in process; n2 -> n3)"
+    for bad in (["n2"], "n2", 3, None):
+        assert report.ended_text({**att, "replaced": bad}, 2) == "in_job_restart (in process)", bad
+
+
 RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
 
 
