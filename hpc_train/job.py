@@ -624,8 +624,9 @@ def _after_failure(
                 break
             time.sleep(0.5)
         _clean_memory(end, env.executor == "local")
-        plan = read_rejoin_plan(paths, env.job_id)
-        if not hang and plan and plan["from"] == env.restart_count and env.rank in plan["survivors"]:
+        plan = read_rejoin_plan(paths, env.job_id)  # and the verdict: a plan alone may be a deciding rank's last act
+        mine = plan and plan["from"] == env.restart_count and env.rank in plan.get("survivors", [])
+        if not hang and mine and journal.rejoins(end):
             return "rejoin", 0.0
         return "", 0.0
     _deciding[0] = True
@@ -845,7 +846,8 @@ def read_rejoin_plan(paths: RunPaths, job_id: str) -> dict[str, Any] | None:
         plan = json.loads(text)
     except ValueError:
         return None
-    return plan if isinstance(plan, dict) else None
+    numbered = isinstance(plan, dict) and all(type(plan.get(k)) is int for k in ("from", "attempt"))
+    return plan if numbered else None
 
 
 _refused_plans: set[str] = set()  # read_rejoin_plan's refusals said so far: the standby's poll reads every 20 ms
@@ -860,17 +862,22 @@ def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
     write_atomic(mine, node)
     held = hold_for_life(mine)  # freed by its death: _plan_rejoin counts live standbys only
     print(f"[hpc_train] task {task} on {node}: warm standby (cluster.in_process_restart)", flush=True)
-    check = 0.0
+    check, confirmed = 0.0, env.restart_count  # the newest plan's attempt whose verdict is on record
     while True:
         plan = read_rejoin_plan(paths, env.job_id)
-        if plan and plan.get("attempt", -1) > env.restart_count and task in plan.get("standby", {}):
+        # Only a plan whose in-process verdict is on record (its deciding rank may die between the two writes, and
+        # the survivors then leave): the journal is read while a newer plan waits for it, ms in the normal case.
+        if plan and plan["attempt"] > confirmed:
+            if journal.rejoins(journal.verdict(journal.read(paths.run_dir), plan["from"])):
+                confirmed = plan["attempt"]
+        if plan and plan["attempt"] == confirmed > env.restart_count and task in plan.get("standby", {}):
             mine.unlink(missing_ok=True)
             if held is not None:
                 os.close(held)
             return plan
         if time.monotonic() >= check:
             check = time.monotonic() + 1.0
-            if why := _step_left(paths, env, plan):
+            if why := _step_left(paths, env, plan if plan and plan["attempt"] == confirmed else None):
                 print(f"[hpc_train] task {task} on {node}: standby leaves: {why}", flush=True)
                 mine.unlink(missing_ok=True)
                 sys.stdout.flush()

@@ -520,6 +520,40 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
     assert counts == {0: 1, 1: 1} and preempt.hung_ranks({0: counts[0] + 7, 1: counts[1] + 7}, 2) == []
 
 
+def test_a_plan_without_its_verdict_on_record_is_not_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deciding rank writes the plan, then records the in-process `in_job_restart`; dead between the two, no rank
+    may rejoin by the plan alone: a survivor leaves after its verdict wait, a standby once no training rank is left.
+    With the verdict on record both rejoin."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    env = SimpleNamespace(job_id="7", restart_count=0, world_size=2, rank=1, executor="slurm")
+    plan = {"from": 0, "attempt": 1, "world_size": 2, "nodes": ["node1", "node3"], "master_port": 29000}
+    paths.rejoin_plan("7").write_text(json.dumps(plan | {"survivors": [1], "standby": {"2": 0}, "at": 1.0}))
+    paths.failure_claim("7", 0).touch()  # rank 0 claimed the decision
+    paths.alive("7", 0).mkdir()
+    for r in range(2):
+        (paths.alive("7", 0) / str(r)).touch()  # their locks free: both training ranks gone
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(job, "VERDICT_WAIT_S", 0.2)
+    monkeypatch.setattr(job, "_deciding", [False])
+    monkeypatch.setattr(os, "_exit", leave)
+    monkeypatch.setattr(preempt, "received", [])
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    assert job._after_failure(paths, env) == ("", 0.0)
+    with pytest.raises(SystemExit):
+        job._standby_wait(paths, env)
+    journal.log(paths.run_dir, journal.IN_JOB_RESTART, 5, "7", 0, in_process=True, replaced={"node2": "node3"})
+    assert job._after_failure(paths, env) == ("rejoin", 0.0)
+    assert job._standby_wait(paths, env)["standby"] == {"2": 0}
+
+
 def test_a_rejoin_plan_another_user_could_have_written_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -532,20 +566,21 @@ def test_a_rejoin_plan_another_user_could_have_written_is_refused(
     run.mkdir(mode=0o700)
     paths = RunPaths(run)
     assert job.read_rejoin_plan(paths, "7") is None  # none yet
-    paths.rejoin_plan("7").write_text('{"attempt": 1}\n')
-    assert job.read_rejoin_plan(paths, "7") == {"attempt": 1}
+    paths.rejoin_plan("7").write_text('{"from": 0, "attempt": 1}\n')
+    assert job.read_rejoin_plan(paths, "7") == {"from": 0, "attempt": 1}
     run.chmod(0o770)
     assert job.read_rejoin_plan(paths, "7") is None
     assert f"not rejoining by {paths.rejoin_plan('7')}: {run} is writable by group" in capsys.readouterr().err
     run.chmod(0o700)
-    (tmp_path / "planted").write_text('{"attempt": 1}\n')
+    (tmp_path / "planted").write_text('{"from": 0, "attempt": 1}\n')
     paths.rejoin_plan("7").unlink()
     paths.rejoin_plan("7").symlink_to(tmp_path / "planted")
     assert job.read_rejoin_plan(paths, "7") is None
     assert "is a symlink; remove it" in capsys.readouterr().err
     paths.rejoin_plan("7").unlink()
-    paths.rejoin_plan("7").write_text('{"attempt": 1')  # torn
-    assert job.read_rejoin_plan(paths, "7") is None
+    for text in ('{"from": 0, "attempt": 1', '{"from": 0, "attempt": "1"}', "[1]"):  # torn, not a plan
+        paths.rejoin_plan("7").write_text(text)
+        assert job.read_rejoin_plan(paths, "7") is None, text
 
 
 KEEP_SCRIPT = """
