@@ -924,6 +924,7 @@ def _plan_rejoin(
     locks, until = paths.alive(env.job_id, env.restart_count), time.monotonic() + REJOIN_SETTLE_S
     while True:
         alive = {int(p.name) for p in hangs.iterdir() if p.name.isdigit()} if hangs.is_dir() else set()
+        alive.add(env.rank)  # this one decides, so lives, though its heartbeat write failed (a full disk)
         gone = {r for r in set(range(env.world_size)) - alive if holder_gone(locks / str(r))}
         if len(alive | gone) >= env.world_size or time.monotonic() >= until:
             break

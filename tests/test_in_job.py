@@ -389,7 +389,7 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
             (paths.standbys("7") / task).write_text(node)
         stale = kw.get("stale", [])  # died waiting, or an earlier allocation's: their life locks free
         fds += [hold_for_life(paths.standbys("7") / task) for task in standbys if task not in stale]  # type: ignore[operator]
-        env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes)
+        env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes, rank=0)
         recorded: list[dict] = []
         args = (kw.get("events", trained), kw.get("sick", {}), 0, "failure")
         hang = bool(kw.get("hang"))
@@ -429,6 +429,8 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert not ok and "failed before its first step" in capsys.readouterr().err
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "Xid 79"})
     assert not ok and "a node was blamed (node2)" in capsys.readouterr().err
+    ok, got, _ = plan(2, 1, [1], [0], {"2": "node3"})  # the deciding rank 0's own heartbeat write failed: it lives
+    assert ok and got["survivors"] == [0, 1] and got["standby"] == {}
     # every rank hung level (no node blamed): the watchdog's rank leaves its process, so nobody may rejoin
     ok, _, _ = plan(2, 1, [0, 1], [], {"2": "node3"}, hang=True)
     assert not ok and "a hang (train.watchdog_s)" in capsys.readouterr().err
