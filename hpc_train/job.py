@@ -585,6 +585,18 @@ _placed: list[Any] = [None]  # this task's env once placed by the rendezvous (ra
 _deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
 
 
+def _write_heartbeats(paths: RunPaths, env: Any) -> Path:
+    """This failing rank's heartbeat count, in the attempt's folder of them (returned): a hang's blame
+    (_hung_nodes) and, with cluster.in_process_restart, its word that it lives (_plan_rejoin)."""
+    hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
+    try:
+        make_dir(hangs, exist_ok=True)
+        write_atomic(hangs / str(env.rank), str(preempt.ticks[0]))
+    except OSError:
+        pass  # the deciding rank counts itself; another is then taken for dead after REJOIN_SETTLE_S
+    return hangs
+
+
 def _after_failure(
     paths: RunPaths, env: Any, error: BaseException | None = None, hang: bool = False
 ) -> tuple[str, float]:
@@ -594,12 +606,7 @@ def _after_failure(
     (hang=True: the watchdog fired) on the ranks that stopped first (_hung_nodes)."""
     from hpc_train.config import check_environment, load_frozen
 
-    hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
-    try:
-        make_dir(hangs, exist_ok=True)
-        write_atomic(hangs / str(env.rank), str(preempt.ticks[0]))
-    except OSError:
-        pass  # only a hang's blame needs it
+    hangs = _write_heartbeats(paths, env)
     try:
         claim = paths.failure_claim(env.job_id, env.restart_count)
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -990,9 +997,11 @@ def _plan_rejoin(
     return True
 
 
-def _drop_group(env: Any) -> None:
+def _drop_group(env: Any, paths: RunPaths | None = None) -> None:
     """A failed rank that will rejoin: cut its connections to the job's nodes (gloo's and the old store's), so a
-    peer blocked on this rank fails now too, then destroy its process groups. destroy_process_group (and
+    peer blocked on this rank fails now too, write its heartbeat count (with `paths`: before the teardown, which
+    can take longer than the deciding rank's REJOIN_SETTLE_S, 2 s, and a live rank silent that long is taken for
+    dead), then destroy its process groups. destroy_process_group (and
     ProcessGroupGloo.abort) close gloo's sockets only with the group's last reference, and the exception's traceback
     still holds one (frames -> model -> DDP -> group): a peer blocked in recv failed only when this process exited
     (torch 2.13), and with 2 ranks per node a survivor was silent for REJOIN_SETTLE_S and taken for dead.
@@ -1000,6 +1009,8 @@ def _drop_group(env: Any) -> None:
     import torch.distributed as dist
 
     _cut_connections({*env.nodes, env.master_addr})
+    if paths is not None:
+        _write_heartbeats(paths, env)
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -1331,7 +1342,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
             if not (cfg.cluster.in_process_restart and env.executor == "slurm"):
                 raise
-            _drop_group(_placed[0] or env)  # first: a peer blocked on this rank fails now, not at the timeout
+            _drop_group(_placed[0] or env, paths)  # first: a peer blocked on this rank fails now, not at the timeout
             verdict, grace_s = _failed(paths, env, e)
             if verdict != "rejoin":
                 _leave_after_failure(verdict, grace_s, env)

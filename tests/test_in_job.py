@@ -700,6 +700,27 @@ def test_a_failing_rank_cuts_its_connections_so_a_peer_blocked_on_it_fails_too(t
     assert out["cut"] < 3.0 and out["destroy"] > 5.0, out
 
 
+def test_a_failing_rank_says_it_lives_before_its_group_is_torn_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """_drop_group(env, paths): the heartbeat count (the deciding rank's sign of a survivor, _plan_rejoin) is written
+    before destroy_process_group, whose teardown can outlast REJOIN_SETTLE_S (2 s): a live survivor taken for dead
+    relaunched the step. Here the teardown only notes whether the count was already there."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    paths, seen = RunPaths(tmp_path), []
+    env = SimpleNamespace(job_id="7", restart_count=0, rank=1, nodes=("localhost",), master_addr="127.0.0.1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: seen.append((tmp_path / ".hang-7-0" / "1").exists()))
+    job._drop_group(env, paths)
+    assert seen == [True]
+
+
 def test_a_standby_leaves_when_its_step_ends() -> None:
     """journal.step_over: a verdict since the standby's attempt other than an in-process restart, or the finish."""
     base = [ev("start", 2), ev(journal.IN_JOB_RESTART, 1, in_process=True)]
