@@ -840,6 +840,9 @@ def read_rejoin_plan(paths: RunPaths, job_id: str) -> dict[str, Any] | None:
     and the new group's broadcast_object_list unpickles their bytes), which is said once."""
     where = paths.rejoin_plan(job_id)
     try:
+        # NFS: opening the folder revalidates it (close-to-open); else a standby's negative lookup of the plan (its
+        # reads before it existed) or a survivor's of the previous plan stays cached up to acdirmax (60 s)
+        os.listdir(paths.run_dir)
         text = where.read_text()
         why = f"{where} is a symlink; remove it" if where.is_symlink() else untrusted(where, paths.run_dir)
     except OSError:
