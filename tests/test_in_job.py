@@ -1122,6 +1122,16 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
     assert f"training step ended with status {137 if unkillable else 143}; relaunching" in err
 
 
+def test_a_step_that_outlives_its_runs_finish_is_ended_completed(tmp_path: Path) -> None:
+    """cluster.in_process_restart: a task taken for dead (SIGSTOP, D state) that never exits held the step after the
+    ranks finished the run (.finished-JOBID) until the time limit: the relay ends it as after a relaunch marker,
+    and the job's status is the finished run's, 0."""
+    fake = 'touch "$(dirname "$MARKER")/.finished-77"; sleep 20 >/dev/null 2>&1 & s=$!; trap "kill $s; exit 143" TERM; wait $s'
+    status, calls, _, err = _relay(tmp_path, "--nodes=3 --ntasks=3", None, fake, HPC_TRAIN_STEP_END_S="1")
+    assert status == 0 and len(calls) == 1, err
+    assert "did not end within 1 s of its run's finish (.finished-77); sent srun SIGTERM" in err
+
+
 def test_a_signal_caught_while_the_step_ends_reaches_the_relaunched_step(tmp_path: Path) -> None:
     """A time-limit warning (USR2 to the batch shell) that comes as the failed step ends is not lost: the relay
     holds it and hands it to the relaunched step (HPC_TRAIN_PENDING_SIGNAL; preempt.install_handlers records it)."""
