@@ -46,6 +46,7 @@ from hpc_train.paths import (
     locked,
     make_dir,
     relaunch_marker,
+    untrusted,
     write_atomic,
 )
 
@@ -211,7 +212,13 @@ def reserve_warning(cluster: Any) -> str:
 
 
 def requeue_or_stop(
-    paths: RunPaths, env: Any, cfg: Any, reason: str, step: int, sick: dict[str, str] | None = None
+    paths: RunPaths,
+    env: Any,
+    cfg: Any,
+    reason: str,
+    step: int,
+    sick: dict[str, str] | None = None,
+    hang: bool = False,
 ) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job, take the one decision
     (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
@@ -219,7 +226,7 @@ def requeue_or_stop(
     script starts the training step again inside the allocation, without them; _relaunch), "wait" (only
     Slurm can bring it back: stay alive until it ends the job) or "stop". After a stop signal ("time_limit",
     "preempt") the Slurm calls take the stop path's shorter policies, whose worst case REQUEUE_RESERVE_S
-    reserves."""
+    reserves. hang: the watchdog fired (an in-job restart relaunches, never rejoins: _plan_rejoin)."""
     stopping = reason in ("time_limit", "preempt")
     events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
@@ -234,7 +241,7 @@ def requeue_or_stop(
     # Hot spares replace a failure's requeue only; the stop path's reserve (REQUEUE_RESERVE_S) has no room for
     # the EndTime call the time check makes.
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
-    if in_job and (how := _in_job_restart(paths, env, cfg, reason, fate, events, budgets, sick or {}, record)):
+    if in_job and (how := _in_job_restart(paths, env, cfg, reason, fate, events, budgets, sick or {}, record, hang)):
         return how
     excluded = list(journal.excluded_nodes(events))  # oldest blame first: _update_next_attempt lets those in first
     if action != "stop" and sick:
@@ -310,6 +317,7 @@ def _in_job_restart(
     budgets: Any,
     sick: dict[str, str],
     record: Callable[..., None],
+    hang: bool = False,
 ) -> str:
     """Hot spares: relaunch the training step inside the allocation in place of the failure's requeue `decide`
     chose (preempt.in_job_restart), leaving the sick nodes out of the allocation (preempt.exclusion counting the
@@ -360,7 +368,7 @@ def _in_job_restart(
     if why_not:
         print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
         return ""
-    if cfg.cluster.in_process_restart and _plan_rejoin(paths, env, events, sick, used, reason, record):
+    if cfg.cluster.in_process_restart and _plan_rejoin(paths, env, events, sick, used, reason, record, hang):
         return "rejoin"
     return "relaunch" if _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, n, sick) else ""
 
@@ -581,6 +589,18 @@ _placed: list[Any] = [None]  # this task's env once placed by the rendezvous (ra
 _deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
 
 
+def _write_heartbeats(paths: RunPaths, env: Any) -> Path:
+    """This failing rank's heartbeat count, in the attempt's folder of them (returned): a hang's blame
+    (_hung_nodes) and, with cluster.in_process_restart, its word that it lives (_plan_rejoin)."""
+    hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
+    try:
+        make_dir(hangs, exist_ok=True)
+        write_atomic(hangs / str(env.rank), str(preempt.ticks[0]))
+    except OSError:
+        pass  # the deciding rank counts itself; another is then taken for dead after REJOIN_SETTLE_S
+    return hangs
+
+
 def _after_failure(
     paths: RunPaths, env: Any, error: BaseException | None = None, hang: bool = False
 ) -> tuple[str, float]:
@@ -590,12 +610,7 @@ def _after_failure(
     (hang=True: the watchdog fired) on the ranks that stopped first (_hung_nodes)."""
     from hpc_train.config import check_environment, load_frozen
 
-    hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
-    try:
-        make_dir(hangs, exist_ok=True)
-        write_atomic(hangs / str(env.rank), str(preempt.ticks[0]))
-    except OSError:
-        pass  # only a hang's blame needs it
+    hangs = _write_heartbeats(paths, env)
     try:
         claim = paths.failure_claim(env.job_id, env.restart_count)
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -620,15 +635,28 @@ def _after_failure(
                 break
             time.sleep(0.5)
         _clean_memory(end, env.executor == "local")
-        plan = read_rejoin_plan(paths, env.job_id)
-        if not hang and plan and plan["from"] == env.restart_count and env.rank in plan["survivors"]:
+        plan = read_rejoin_plan(paths, env.job_id)  # and the verdict: a plan alone may be a deciding rank's last act
+        mine = plan and plan["from"] == env.restart_count and env.rank in plan.get("survivors", [])
+        if not hang and mine and journal.rejoins(end):
             return "rejoin", 0.0
         return "", 0.0
     _deciding[0] = True
     try:
         cfg = load_frozen(paths.run_dir)
         check_environment(cfg)
-    except Exception:  # the config itself, or what it needs of this node, is what fails: no point in retrying
+    except Exception as e:  # the config itself, or what it needs of this node, is what fails: no point in retrying
+        # on record: the other ranks' verdict wait (VERDICT_WAIT_S) and a standby's (journal.step_over) end now
+        why = (
+            f"the frozen config or this node's environment failed ({type(e).__name__}: {e}); fix it, then "
+            f"hpc-train resume {paths.run_dir}"
+        )
+        try:
+            journal.log(
+                paths.run_dir, journal.STOPPED, preempt.step_reached[0], env.job_id, env.restart_count, reason=why
+            )
+        except OSError:
+            pass
+        print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
         return "stop", 0.0
     if isinstance(error, preempt.Unrecoverable):
         journal.log(
@@ -644,7 +672,7 @@ def _after_failure(
     sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
-    verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick)
+    verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
     _clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
@@ -702,10 +730,12 @@ def _decide_together(
     _leave(actions[int(verdict)], cfg.cluster.preempt_grace_s, kill_deadline)
 
 
-def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
+def _rendezvous(env: Any, cfg: Any, paths: RunPaths, keep_order: bool = False) -> Any:
     """One TCPStore rendezvous that also places ranks: every task publishes its node and
     SLURM_TOPOLOGY_ADDR, the store's host (Slurm's task 0) plans the order (topology.py) and publishes
-    it, and every task joins the process group under its placed rank. Returns the placed RankEnv."""
+    it, and every task joins the process group under its placed rank. Returns the placed RankEnv.
+    keep_order: env.nodes is the order (an in-process restart's plan: re-planned by switch, a standby in a dead
+    node's place swapped the survivors' ranks, and their state with them)."""
     import dataclasses
     import json
     import socket
@@ -735,7 +765,7 @@ def _rendezvous(env: Any, cfg: Any, paths: RunPaths) -> Any:
             for r in range(env.world_size):  # Slurm's task order = its node order
                 n, addr = json.loads(store.get(f"topo/{r}"))
                 addrs.setdefault(n, addr)
-            plan = topology.placement(addrs, env.local_world_size, cfg.train.tp)
+            plan = topology.placement(addrs, env.local_world_size, cfg.train.tp, env.nodes if keep_order else None)
             store.set("placement", json.dumps(plan))
             paths.placement.write_text(json.dumps(plan, indent=1) + "\n")
         plan = json.loads(store.get("placement"))
@@ -815,34 +845,83 @@ def _warm_up() -> None:
 
 
 def read_rejoin_plan(paths: RunPaths, job_id: str) -> dict[str, Any] | None:
+    """The plan for the next attempt in these processes, or None: none, not a plan, or one that may not be this
+    user's alone (a symlink; a file or folder another user owns or can write: the hosts it names would be joined,
+    and the new group's broadcast_object_list unpickles their bytes), which is said once."""
+    where = paths.rejoin_plan(job_id)
     try:
-        plan = json.loads(paths.rejoin_plan(job_id).read_text())
-    except (OSError, ValueError):
+        # NFS: opening the folder revalidates it (close-to-open); else a standby's negative lookup of the plan (its
+        # reads before it existed) or a survivor's of the previous plan stays cached up to acdirmax (60 s)
+        os.listdir(paths.run_dir)
+        text = where.read_text()
+        why = f"{where} is a symlink; remove it" if where.is_symlink() else untrusted(where, paths.run_dir)
+    except OSError:
         return None
-    return plan if isinstance(plan, dict) else None
+    if why:
+        if why not in _refused_plans:
+            _refused_plans.add(why)
+            print(f"[hpc_train] not rejoining by {where}: {why}", file=sys.stderr, flush=True)
+        return None
+    try:
+        plan = json.loads(text)
+    except ValueError:
+        return None
+    numbered = isinstance(plan, dict) and all(type(plan.get(k)) is int for k in ("from", "attempt"))
+    return plan if numbered else None
+
+
+_refused_plans: set[str] = set()  # read_rejoin_plan's refusals said so far: the standby's poll reads every 20 ms
 
 
 def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
     """A standby's wait, warm: every 20 ms for a plan that names its Slurm task (then it returns it), every
-    second for the step's end (journal.step_over: it exits 0, so the step's status is the training ranks')."""
+    second for the step's end (_step_left: it exits 0, so the step's status is the training ranks')."""
     task, node = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURMD_NODENAME", "")
     mine = paths.standbys(env.job_id) / task
     make_dir(mine.parent, exist_ok=True)
     write_atomic(mine, node)
+    held = hold_for_life(mine)  # freed by its death: _plan_rejoin counts live standbys only
     print(f"[hpc_train] task {task} on {node}: warm standby (cluster.in_process_restart)", flush=True)
-    check = 0.0
+    check, confirmed = 0.0, env.restart_count  # the newest plan's attempt whose verdict is on record
     while True:
         plan = read_rejoin_plan(paths, env.job_id)
-        if plan and plan.get("attempt", -1) > env.restart_count and task in plan.get("standby", {}):
+        # Only a plan whose in-process verdict is on record (its deciding rank may die between the two writes, and
+        # the survivors then leave): the journal is read while a newer plan waits for it, ms in the normal case.
+        if plan and plan["attempt"] > confirmed:
+            if journal.rejoins(journal.verdict(journal.read(paths.run_dir), plan["from"])):
+                confirmed = plan["attempt"]
+        if plan and plan["attempt"] == confirmed > env.restart_count and task in plan.get("standby", {}):
             mine.unlink(missing_ok=True)
+            if held is not None:
+                os.close(held)
             return plan
         if time.monotonic() >= check:
             check = time.monotonic() + 1.0
-            if journal.step_over(journal.read(paths.run_dir), env.restart_count):
+            if why := _step_left(paths, env, plan if plan and plan["attempt"] == confirmed else None):
+                print(f"[hpc_train] task {task} on {node}: standby leaves: {why}", flush=True)
                 mine.unlink(missing_ok=True)
                 sys.stdout.flush()
                 os._exit(0)
         time.sleep(0.02)
+
+
+def _step_left(paths: RunPaths, env: Any, plan: dict[str, Any] | None) -> str:
+    """Why a standby's training step is over, "" while it is not: a stop signal srun forwarded (the training ranks
+    decide; nothing rejoins after one), the step's verdict on record (journal.step_over), or every training rank of
+    the step's current attempt (the newest plan's, else the standby's own) gone without one (their paths.alive locks
+    free: the deciding rank died, its verdict wait ran out, the user's function called sys.exit). Without the last
+    two the standby alone kept srun's step, and the job, to its time limit. A rank not yet placed has no lock file:
+    not gone (holder_gone), so a step still starting is not taken for over."""
+    if preempt.received:
+        return f"{preempt.received[0]} received"
+    if journal.step_over(journal.read(paths.run_dir), env.restart_count):
+        return "the step's verdict is on record"
+    newer = plan is not None and plan.get("attempt", -1) > env.restart_count
+    attempt, world = (plan["attempt"], plan["world_size"]) if plan and newer else (env.restart_count, env.world_size)
+    locks = paths.alive(env.job_id, attempt)
+    if all(holder_gone(locks / str(r)) for r in range(world)):
+        return f"all {world} training ranks of attempt {attempt} are gone without a verdict"
+    return ""
 
 
 def _plan_rejoin(
@@ -853,16 +932,19 @@ def _plan_rejoin(
     used: int,
     reason: str,
     record: Callable[..., None],
+    hang: bool = False,
 ) -> bool:
     """The deciding rank, once an in-job restart is decided (cluster.in_process_restart): can the ranks that
     survived rejoin in their processes, each dead node replaced by a standby's? True once the plan is written
-    (paths.rejoin_plan) and recorded (`in_job_restart`, in_process); False (said why): the step is relaunched."""
+    (paths.rejoin_plan) and recorded (`in_job_restart`, in_process); False (said why): the step is relaunched.
+    hang: the watchdog fired, every rank leaves its process (job._start_watchdog), so none rejoins."""
     from hpc_train.env import rendezvous_port
 
     per, hangs = env.local_world_size, paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
     locks, until = paths.alive(env.job_id, env.restart_count), time.monotonic() + REJOIN_SETTLE_S
     while True:
         alive = {int(p.name) for p in hangs.iterdir() if p.name.isdigit()} if hangs.is_dir() else set()
+        alive.add(env.rank)  # this one decides, so lives, though its heartbeat write failed (a full disk)
         gone = {r for r in set(range(env.world_size)) - alive if holder_gone(locks / str(r))}
         if len(alive | gone) >= env.world_size or time.monotonic() >= until:
             break
@@ -870,6 +952,10 @@ def _plan_rejoin(
     dead_nodes = sorted({r // per for r in set(range(env.world_size)) - alive})
     standbys: dict[str, list[str]] = {}
     for p in paths.standbys(env.job_id).iterdir() if paths.standbys(env.job_id).is_dir() else []:
+        # A standby that died waiting (the relay's SIGKILL), or one of this job id's allocation before a Slurm
+        # requeue: counted, the survivors waited train.rendezvous_timeout_s for it and the step relaunched.
+        if holder_gone(p):
+            continue
         try:
             standbys.setdefault(p.read_text().strip(), []).append(p.name)
         except OSError:
@@ -878,7 +964,11 @@ def _plan_rejoin(
     mixed = [env.nodes[n] for n in dead_nodes if any(n * per + i in alive for i in range(per))]
     trained = journal.trained(events, env.restart_count)
     why = (
-        f"a node was blamed ({', '.join(sick)}): it is left out by a relaunch"
+        # Every rank blocked together (a deadlock, a storage stall) blames no node, yet the watchdog's rank exits
+        # and the others' wait ends with no rank to rejoin: the plan was held until the time limit.
+        "a hang (train.watchdog_s): its ranks leave their processes"
+        if hang
+        else f"a node was blamed ({', '.join(sick)}): it is left out by a relaunch"
         if sick
         else "this attempt failed before its first step (while rejoining?)"
         if not trained
@@ -920,9 +1010,11 @@ def _plan_rejoin(
     return True
 
 
-def _drop_group(env: Any) -> None:
+def _drop_group(env: Any, paths: RunPaths | None = None) -> None:
     """A failed rank that will rejoin: cut its connections to the job's nodes (gloo's and the old store's), so a
-    peer blocked on this rank fails now too, then destroy its process groups. destroy_process_group (and
+    peer blocked on this rank fails now too, write its heartbeat count (with `paths`: before the teardown, which
+    can take longer than the deciding rank's REJOIN_SETTLE_S, 2 s, and a live rank silent that long is taken for
+    dead), then destroy its process groups. destroy_process_group (and
     ProcessGroupGloo.abort) close gloo's sockets only with the group's last reference, and the exception's traceback
     still holds one (frames -> model -> DDP -> group): a peer blocked in recv failed only when this process exited
     (torch 2.13), and with 2 ranks per node a survivor was silent for REJOIN_SETTLE_S and taken for dead.
@@ -930,6 +1022,8 @@ def _drop_group(env: Any) -> None:
     import torch.distributed as dist
 
     _cut_connections({*env.nodes, env.master_addr})
+    if paths is not None:
+        _write_heartbeats(paths, env)
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -986,10 +1080,15 @@ def _rejoin(
     )
     os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)
     _deciding[0] = False  # this attempt's failure, if any, is decided afresh
+    # Heartbeats from 1 on every rank, as a first attempt's (_start_watchdog's beat): a survivor kept the failed
+    # attempt's count (5000 against the standby's 12: a later hang was blamed on the standby's node). The beat
+    # also restarts a survivor's watchdog clock.
+    preempt.ticks[0] = 0
+    preempt.beat()
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
     _placed[0] = env  # a failure in the rendezvous is this attempt's (not yet trained: _plan_rejoin relaunches)
-    placed = _rendezvous(env, cfg, paths)
+    placed = _rendezvous(env, cfg, paths, keep_order=True)
     return placed, float(plan["at"]), {"rejoin": time.time() - float(plan["at"])}
 
 
@@ -1198,8 +1297,8 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         resolve(cfg.fn._target_)
         _warm_up()
         plan = _standby_wait(paths, env)
+        _start_watchdog(cfg.train.watchdog_s, paths, env)  # before _rejoin, whose beat counts from 1 as a survivor's
         env, process_start, phases_s = _rejoin(paths, cfg, plan, env, standby=True)
-        _start_watchdog(cfg.train.watchdog_s, paths, env)
     else:
         t0 = time.time()
         env = _rendezvous(env, cfg, paths)
@@ -1250,7 +1349,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
             if not (cfg.cluster.in_process_restart and env.executor == "slurm"):
                 raise
-            _drop_group(_placed[0] or env)  # first: a peer blocked on this rank fails now, not at the timeout
+            _drop_group(_placed[0] or env, paths)  # first: a peer blocked on this rank fails now, not at the timeout
             verdict, grace_s = _failed(paths, env, e)
             if verdict != "rejoin":
                 _leave_after_failure(verdict, grace_s, env)

@@ -180,6 +180,11 @@ def verdict(events: list[Event], restart: int) -> Event | None:
     return next((e for e in reversed(ends) if e.get("restart") == restart), None)
 
 
+def rejoins(end: Event | None) -> bool:
+    """Whether a verdict (`verdict`) is an in-process restart: the survivors and standbys rejoin by its plan."""
+    return end is not None and end["event"] == IN_JOB_RESTART and bool(end.get("in_process"))
+
+
 def decided(events: list[Event], restart: int) -> bool:
     """Whether attempt `restart`'s requeue-or-stop verdict is on record."""
     return verdict(events, restart) is not None

@@ -27,7 +27,8 @@ def ended_text(att: dict[str, Any], nodes: int | None) -> str:
     None: not known, shown) since a relaunch on a spare keeps the size; then the nodes it left out."""
     end, nxt = att["ended_by"], att["nodes_next"]
     smaller = end != journal.IN_JOB_RESTART or not isinstance(nxt, int) or nodes is None or nxt < nodes
-    left = att["left_out"]
+    left, replaced = att["left_out"], att.get("replaced")
+    swaps = replaced.items() if isinstance(replaced, dict) else ()  # a hand-edited journal must not crash report
     return (
         end
         + (f" (next: {nxt} nodes)" if nxt and smaller else "")
@@ -36,11 +37,7 @@ def ended_text(att: dict[str, Any], nodes: int | None) -> str:
             if left and isinstance(left, list)
             else ""
         )
-        + (
-            " (in process" + "".join(f"; {dead} -> {new}" for dead, new in (att.get("replaced") or {}).items()) + ")"
-            if att.get("in_process")
-            else ""
-        )
+        + (" (in process" + "".join(f"; {dead} -> {new}" for dead, new in swaps) + ")" if att.get("in_process") else "")
     )
 
 

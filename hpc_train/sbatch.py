@@ -118,6 +118,14 @@ class ClusterConfig:
                 "cluster.in_process_restart=true needs a warm standby on a spare node; set cluster.spare_nodes=1 "
                 "(or more), or cluster.in_process_restart=false"
             )
+        spread = str(self.sbatch_extra.get("distribution", "block"))
+        if self.in_process_restart and spread.split(":")[0] not in ("block", "*"):  # job._split_standby's order
+            raise ValueError(
+                f"cluster.sbatch_extra.distribution={spread!r} puts the step's tasks on its nodes in another order, "
+                f"but cluster.in_process_restart=true takes the tasks of the first cluster.nodes nodes (Slurm's block "
+                f"order) as the trainers and the rest as standbys; drop it, keep its node part block (e.g. "
+                f"block:cyclic), or set cluster.in_process_restart=false"
+            )
         if self.executor == "local" and self.spare_nodes:
             raise ValueError(
                 f"cluster.spare_nodes={self.spare_nodes} but the local executor runs on this one machine; "

@@ -67,9 +67,12 @@ def mesh_shape(world_size: int, ranks_per_node: int, tp: int) -> dict[str, int]:
     return {"dp": world_size // tp, "tp": tp}
 
 
-def placement(topology_addr: Mapping[str, str], ranks_per_node: int, tp: int = 1) -> dict:
-    """The plan as written to placement.json: rank -> node -> switch, the mesh, and its ring quality."""
-    order = plan_nodes(topology_addr)
+def placement(
+    topology_addr: Mapping[str, str], ranks_per_node: int, tp: int = 1, order: Sequence[str] | None = None
+) -> dict:
+    """The plan as written to placement.json: rank -> node -> switch, the mesh, and its ring quality. order: the
+    nodes as already placed (an in-process restart: its survivors keep their ranks), else plan_nodes'."""
+    order = list(order) if order else plan_nodes(topology_addr)
     leaf_of = {n: switch_path(topology_addr[n], n) for n in topology_addr}
     return {
         "nodes": order,

@@ -11,8 +11,9 @@
 # before the relaunch, so a crash loop ends within requeue.max_in_job_restarts. A signal that came while
 # that step ended goes to the relaunched one as HPC_TRAIN_PENDING_SIGNAL, with the time it came
 # in Unix seconds: SIGUSR2@1700000000, read by preempt.install_handlers.
-# A rank that never exits (SIGSTOP, D state) would hold the step, and this shell, until the time limit.
-# Once the marker is there (looked for every 5 s; on NFS up to acdirmax, 60 s, later) the step gets
+# A rank that never exits (SIGSTOP, D state) would hold the step, and this shell, until the time limit;
+# so would a task an in-process restart took for dead once the run finished (FOLDER/.finished-JOBID).
+# Once the marker or that file is there (looked for every 5 s; on NFS up to acdirmax, 60 s, later) the step gets
 # HPC_TRAIN_STEP_END_S (90 s: the verdict goes on record right after the marker, and the ranks that did
 # not decide, polling for it every 0.5 s in job._after_failure, then exit), then srun a TERM, which it
 # turns into SIGKILL for every task (a stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the
@@ -35,7 +36,7 @@ srun() {
     pid=$!
     [ -z "$pending" ] || kill -USR2 "$pid" 2>/dev/null || true  # caught between the steps, after $now was read
     watch=""
-    [ -z "$step" ] || { _hpc_train_watch "$pid" "$marker" & watch=$!; }
+    [ -z "$step" ] || { _hpc_train_watch "$pid" "$marker" "${!#}/.finished-${SLURM_JOB_ID}" & watch=$!; }
     while true; do
       wait "$pid" && status=0 || status=$?  # not a bare wait: under set -e in a site template its 145 would end this shell
       kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
@@ -69,11 +70,12 @@ srun() {
     echo "hpc_train relay: training step ended with status $status; relaunching it inside the allocation: srun $step" >&2
   done
 }
-_hpc_train_watch() {  # srun's pid, the marker: end a step that outlives its relaunch marker (see srun() above)
-  local pid="$1" marker="$2" i
-  while kill -0 "$pid" 2>/dev/null && [ ! -e "$marker" ]; do sleep 5 >/dev/null 2>&1; done  # no pipe held
+_hpc_train_watch() {  # srun's pid, the marker, the finished file: end a step that outlives either (see srun() above)
+  local pid="$1" marker="$2" finished="$3" why="its relaunch marker" i
+  while kill -0 "$pid" 2>/dev/null && [ ! -e "$marker" ] && [ ! -e "$finished" ]; do sleep 5 >/dev/null 2>&1; done  # no pipe held
+  [ -e "$marker" ] || why="its run's finish (${finished##*/})"
   for i in $(seq "${HPC_TRAIN_STEP_END_S:-90}"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1 >/dev/null 2>&1; done
-  echo "hpc_train relay: the training step did not end within ${HPC_TRAIN_STEP_END_S:-90} s of its relaunch marker; sent srun SIGTERM, which kills every task" >&2
+  echo "hpc_train relay: the training step did not end within ${HPC_TRAIN_STEP_END_S:-90} s of $why; sent srun SIGTERM, which kills every task" >&2
   kill -TERM "$pid" 2>/dev/null || return 0
   for i in $(seq "${HPC_TRAIN_STEP_KILL_S:-120}"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1 >/dev/null 2>&1; done
   echo "hpc_train relay: srun still runs ${HPC_TRAIN_STEP_KILL_S:-120} s after SIGTERM, a task stuck in D state?; sent srun SIGKILL, so Slurm kills the step" >&2

@@ -4,6 +4,7 @@ on the dev cluster a killed rank and a sick node recovered inside one allocation
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -299,6 +300,16 @@ def test_a_step_on_fewer_nodes_than_the_job_has_places_by_the_steps_nodes() -> N
             ["cluster=dev", "cluster.spare_nodes=1", "cluster.in_process_restart=true", "script.cmd=[echo]"],
             r"a command after -- \(script.cmd\) runs in processes of its own; set cluster.in_process_restart=false",
         ),
+        (
+            [
+                "cluster=dev",
+                "cluster.spare_nodes=1",
+                "cluster.in_process_restart=true",
+                "+cluster.sbatch_extra.distribution=cyclic",
+            ],
+            r"cluster.sbatch_extra.distribution='cyclic' puts the step's tasks on its nodes in another order.*"
+            r"drop it, keep its node part block \(e.g. block:cyclic\), or set cluster.in_process_restart=false",
+        ),
     ],
 )
 def test_spare_config_errors(overrides: list[str], message: str) -> None:
@@ -341,6 +352,7 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
 
     overrides = ["cluster=dev", "cluster.spare_nodes=1", "cluster.tasks_per_node=2", "cluster.in_process_restart=true"]
     cfg = to_run_config(compose(overrides))
+    to_run_config(compose([*overrides, "+cluster.sbatch_extra.distribution=block:cyclic"]))  # nodes still in block
     assert "export HPC_TRAIN_STEP_ARGS='--nodes=3 --ntasks=6'" in executor_parameters(cfg.cluster, "x")["setup"]
     off = to_run_config(compose(overrides[:-1]))
     assert "export HPC_TRAIN_STEP_ARGS='--nodes=2 --ntasks=4'" in executor_parameters(off.cluster, "x")["setup"]
@@ -403,10 +415,13 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
             (paths.run_dir / ".hang-7-0" / str(r)).write_text("5")
         for task, node in standbys.items():
             (paths.standbys("7") / task).write_text(node)
-        env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes)
+        stale = kw.get("stale", [])  # died waiting, or an earlier allocation's: their life locks free
+        fds += [hold_for_life(paths.standbys("7") / task) for task in standbys if task not in stale]  # type: ignore[operator]
+        env = SimpleNamespace(job_id="7", restart_count=0, world_size=world, local_world_size=per, nodes=nodes, rank=0)
         recorded: list[dict] = []
         args = (kw.get("events", trained), kw.get("sick", {}), 0, "failure")
-        ok = job._plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}))
+        hang = bool(kw.get("hang"))
+        ok = job._plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}), hang)
         for fd in fds:
             os.close(fd)  # type: ignore[arg-type]
         return ok, job.read_rejoin_plan(paths, "7") if ok else None, recorded
@@ -434,10 +449,220 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert ok and got["standby"] == {"4": 2, "5": 3} and got["nodes"] == ["node1", "node3"]
     ok, _, _ = plan(2, 1, [0], [], {})
     assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, stale=["2"])
+    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    ok, got, _ = plan(2, 1, [0], [], {"2": "node3", "3": "node4"}, stale=["2"])  # the live one is taken
+    assert ok and got["standby"] == {"3": 1} and got["nodes"] == ["node1", "node4"]
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, events=[])
     assert not ok and "failed before its first step" in capsys.readouterr().err
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "Xid 79"})
     assert not ok and "a node was blamed (node2)" in capsys.readouterr().err
+    ok, got, _ = plan(2, 1, [1], [0], {"2": "node3"})  # the deciding rank 0's own heartbeat write failed: it lives
+    assert ok and got["survivors"] == [0, 1] and got["standby"] == {}
+    # every rank hung level (no node blamed): the watchdog's rank leaves its process, so nobody may rejoin
+    ok, _, _ = plan(2, 1, [0, 1], [], {"2": "node3"}, hang=True)
+    assert not ok and "a hang (train.watchdog_s)" in capsys.readouterr().err
+
+
+def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_came(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """_step_left: with no verdict on record, a standby still leaves once every training rank of the step's current
+    attempt is gone (their life locks free), or srun forwarded a stop signal; not while one holds its lock, nor
+    before the ranks are placed (no lock files). A config failure's stop is on record (journal.step_over)."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths, hold_for_life
+
+    paths = RunPaths(tmp_path)
+    env = SimpleNamespace(job_id="7", restart_count=0, world_size=2, rank=0)
+    monkeypatch.setattr(preempt, "received", [])
+    assert job._step_left(paths, env, None) == ""  # not placed yet: no lock files
+    paths.alive("7", 0).mkdir()
+    fd = hold_for_life(paths.alive("7", 0) / "0")
+    (paths.alive("7", 0) / "1").touch()  # rank 1 died
+    assert job._step_left(paths, env, None) == ""  # rank 0 lives
+    os.close(fd)  # type: ignore[arg-type]
+    assert "all 2 training ranks of attempt 0 are gone" in job._step_left(paths, env, None)
+    plan = {"attempt": 1, "world_size": 2, "standby": {}}  # rejoined without this standby: attempt 1's ranks count
+    paths.alive("7", 1).mkdir()
+    fd = hold_for_life(paths.alive("7", 1) / "1")
+    assert job._step_left(paths, env, plan) == ""
+    monkeypatch.setattr(preempt, "received", ["SIGTERM"])
+    assert job._step_left(paths, env, plan) == "SIGTERM received"
+    os.close(fd)  # type: ignore[arg-type]
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", leave)
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setattr(preempt, "received", [])
+    with pytest.raises(SystemExit):  # the wait itself leaves (exit 0), its registration removed
+        job._standby_wait(paths, env)
+    assert not list(paths.standbys("7").iterdir())
+    assert "standby leaves: all 2 training ranks of attempt 0 are gone" in capsys.readouterr().out
+    monkeypatch.setattr(preempt, "step_reached", [3])
+    monkeypatch.setattr(job, "_deciding", [False])
+    (tmp_path / "no-config").mkdir()
+    assert job._after_failure(RunPaths(tmp_path / "no-config"), env) == ("stop", 0.0)  # no config.yaml
+    (stopped,) = journal.named(journal.read(tmp_path / "no-config"), journal.STOPPED)
+    assert "the frozen config or this node's environment failed" in stopped["reason"]
+    assert journal.step_over([stopped], 0)
+
+
+def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """_rejoin: a survivor's heartbeat count restarts as a standby's does (the standby's watchdog beats once, before
+    its _rejoin), so a later hang's blame (preempt.hung_ranks) compares this attempt's steps only: a survivor's
+    5000 beats of the failed attempt against a standby's 12 blamed the standby."""
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    def task(procid: int) -> dict[str, str]:
+        return {
+            "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": "0",
+            "SLURM_NTASKS": "3",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_NODEID": str(procid),
+            "SLURM_JOB_NODELIST": "node[1-3]",
+            "SLURM_STEP_NODELIST": "node[1-3]",
+            "SLURM_JOB_ID": "7",
+        }
+
+    plan = {"from": 0, "attempt": 1, "world_size": 2, "nodes": ["node1", "node3"], "master_port": 29000}
+    plan |= {"survivors": [0], "standby": {"2": 1}, "at": time.time()}
+    monkeypatch.setattr(job, "_rendezvous", lambda env, cfg, paths, keep_order: env)
+    monkeypatch.setattr(job, "_placed", [None])
+    monkeypatch.setattr(job, "_deciding", [False])
+    monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "0")
+    counts = {}
+    for procid, beats, standby in ((0, 5000, False), (2, 0, True)):
+        monkeypatch.setattr(preempt, "ticks", [beats])
+        monkeypatch.setenv("SLURM_PROCID", str(procid))
+        if standby:
+            preempt.beat()  # the standby's _start_watchdog, just before its _rejoin
+        placed = job._rejoin(RunPaths(tmp_path), None, plan, from_env(task(procid)), standby=standby)[0]
+        counts[placed.rank] = preempt.ticks[0]
+    assert counts == {0: 1, 1: 1} and preempt.hung_ranks({0: counts[0] + 7, 1: counts[1] + 7}, 2) == []
+
+
+def test_a_plan_without_its_verdict_on_record_is_not_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deciding rank writes the plan, then records the in-process `in_job_restart`; dead between the two, no rank
+    may rejoin by the plan alone: a survivor leaves after its verdict wait, a standby once no training rank is left.
+    With the verdict on record both rejoin."""
+    from types import SimpleNamespace
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    env = SimpleNamespace(job_id="7", restart_count=0, world_size=2, rank=1, executor="slurm")
+    plan = {"from": 0, "attempt": 1, "world_size": 2, "nodes": ["node1", "node3"], "master_port": 29000}
+    paths.rejoin_plan("7").write_text(json.dumps(plan | {"survivors": [1], "standby": {"2": 0}, "at": 1.0}))
+    paths.failure_claim("7", 0).touch()  # rank 0 claimed the decision
+    paths.alive("7", 0).mkdir()
+    for r in range(2):
+        (paths.alive("7", 0) / str(r)).touch()  # their locks free: both training ranks gone
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(job, "VERDICT_WAIT_S", 0.2)
+    monkeypatch.setattr(job, "_deciding", [False])
+    monkeypatch.setattr(os, "_exit", leave)
+    monkeypatch.setattr(preempt, "received", [])
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    assert job._after_failure(paths, env) == ("", 0.0)
+    with pytest.raises(SystemExit):
+        job._standby_wait(paths, env)
+    journal.log(paths.run_dir, journal.IN_JOB_RESTART, 5, "7", 0, in_process=True, replaced={"node2": "node3"})
+    assert job._after_failure(paths, env) == ("rejoin", 0.0)
+    assert job._standby_wait(paths, env)["standby"] == {"2": 0}
+
+
+def test_a_rejoin_plan_another_user_could_have_written_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """read_rejoin_plan: a plan names the hosts every rank joins (whose bytes the new group unpickles): one in a
+    folder others can write, or a symlink, is not read, and the refusal names the fix; a torn one is none."""
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    paths = RunPaths(run)
+    assert job.read_rejoin_plan(paths, "7") is None  # none yet
+    paths.rejoin_plan("7").write_text('{"from": 0, "attempt": 1}\n')
+    assert job.read_rejoin_plan(paths, "7") == {"from": 0, "attempt": 1}
+    run.chmod(0o770)
+    assert job.read_rejoin_plan(paths, "7") is None
+    assert f"not rejoining by {paths.rejoin_plan('7')}: {run} is writable by group" in capsys.readouterr().err
+    run.chmod(0o700)
+    (tmp_path / "planted").write_text('{"from": 0, "attempt": 1}\n')
+    paths.rejoin_plan("7").unlink()
+    paths.rejoin_plan("7").symlink_to(tmp_path / "planted")
+    assert job.read_rejoin_plan(paths, "7") is None
+    assert "is a symlink; remove it" in capsys.readouterr().err
+    paths.rejoin_plan("7").unlink()
+    for text in ('{"from": 0, "attempt": 1', '{"from": 0, "attempt": "1"}', "[1]"):  # torn, not a plan
+        paths.rejoin_plan("7").write_text(text)
+        assert job.read_rejoin_plan(paths, "7") is None, text
+
+
+KEEP_SCRIPT = """
+import os, socket, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from hpc_train import job
+from hpc_train.env import from_env
+from hpc_train.paths import RunPaths
+
+run, port = Path(sys.argv[1]), int(sys.argv[2])
+nodes, switch = ["localhost", "nodeC", "nodeB"], {"localhost": "s2", "nodeC": "s1", "nodeB": "s2"}
+plan = {"from": 0, "attempt": 1, "world_size": 3, "nodes": nodes, "master_port": port, "survivors": [0, 1, 2]}
+plan |= {"standby": {}, "at": time.time()}
+train = SimpleNamespace(rendezvous_timeout_s=60, tp=1, watchdog_s=60)
+cfg = SimpleNamespace(train=train, script=SimpleNamespace(cmd=[]), cluster=SimpleNamespace(in_process_restart=False))
+kids = []
+for r in range(3):
+    pid = os.fork()
+    if pid == 0:
+        os.environ |= {"SLURMD_NODENAME": nodes[r], "SLURM_TOPOLOGY_ADDR": f"{switch[nodes[r]]}.{nodes[r]}"}
+        task = {"SLURM_PROCID": str(r), "SLURM_LOCALID": "0", "SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "1"}
+        task |= {"SLURM_NODEID": str(r), "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "7"}
+        placed = job._rejoin(RunPaths(run), cfg, plan, from_env(task))[0]
+        dist.barrier()
+        print(f"rank {r} -> {placed.rank}", flush=True)
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+"""
+
+
+def test_a_rejoin_keeps_the_plans_ranks_though_the_switches_would_order_them_otherwise(tmp_path: Path) -> None:
+    """3 processes rejoin a plan whose node order the topology planner would change (localhost and nodeB on switch
+    s2, nodeC on s1: re-planned [localhost, nodeB, nodeC]): each keeps the plan's rank, so a survivor's state and
+    memory copies stay its own (they swapped ranks 1 and 2 before)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", KEEP_SCRIPT, str(tmp_path), str(port)], capture_output=True, text=True, timeout=120
+    )
+    assert sorted(re.findall(r"rank \d -> \d", done.stdout)) == ["rank 0 -> 0", "rank 1 -> 1", "rank 2 -> 2"], done
+    assert [r["node"] for r in json.loads((tmp_path / "placement.json").read_text())["ranks"]] == [
+        "localhost",
+        "nodeC",
+        "nodeB",
+    ]
 
 
 CUT_SCRIPT = """
@@ -501,6 +726,27 @@ def test_a_failing_rank_cuts_its_connections_so_a_peer_blocked_on_it_fails_too(t
         )
         out[how] = float(done.stdout.split("blocked for ")[1].split()[0])
     assert out["cut"] < 3.0 and out["destroy"] > 5.0, out
+
+
+def test_a_failing_rank_says_it_lives_before_its_group_is_torn_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """_drop_group(env, paths): the heartbeat count (the deciding rank's sign of a survivor, _plan_rejoin) is written
+    before destroy_process_group, whose teardown can outlast REJOIN_SETTLE_S (2 s): a live survivor taken for dead
+    relaunched the step. Here the teardown only notes whether the count was already there."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpc_train import job
+    from hpc_train.paths import RunPaths
+
+    paths, seen = RunPaths(tmp_path), []
+    env = SimpleNamespace(job_id="7", restart_count=0, rank=1, nodes=("localhost",), master_addr="127.0.0.1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: seen.append((tmp_path / ".hang-7-0" / "1").exists()))
+    job._drop_group(env, paths)
+    assert seen == [True]
 
 
 def test_a_standby_leaves_when_its_step_ends() -> None:
@@ -785,6 +1031,17 @@ def test_report_names_the_next_size_of_an_in_job_restart_only_when_it_is_smaller
     ], proc.stdout
 
 
+def test_report_names_an_in_process_restarts_replacements_and_survives_a_malformed_field() -> None:
+    """report.ended_text: `replaced` (dead node -> standby node) as recorded; one that is not a mapping (a
+    hand-edited or foreign journal line) is left out instead of crashing `hpc-train report`."""
+    from hpc_train import report
+
+    att = {"ended_by": journal.IN_JOB_RESTART, "nodes_next": 2, "left_out": [], "in_process": True}
+    assert report.ended_text({**att, "replaced": {"n2": "n3"}}, 2) == "in_job_restart (in process; n2 -> n3)"
+    for bad in (["n2"], "n2", 3, None):
+        assert report.ended_text({**att, "replaced": bad}, 2) == "in_job_restart (in process)", bad
+
+
 RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
 
 
@@ -891,6 +1148,16 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
     assert "did not end within 1 s of its relaunch marker; sent srun SIGTERM, which kills every task" in err
     assert ("srun still runs 1 s after SIGTERM, a task stuck in D state?; sent srun SIGKILL" in err) is unkillable
     assert f"training step ended with status {137 if unkillable else 143}; relaunching" in err
+
+
+def test_a_step_that_outlives_its_runs_finish_is_ended_completed(tmp_path: Path) -> None:
+    """cluster.in_process_restart: a task taken for dead (SIGSTOP, D state) that never exits held the step after the
+    ranks finished the run (.finished-JOBID) until the time limit: the relay ends it as after a relaunch marker,
+    and the job's status is the finished run's, 0."""
+    fake = 'touch "$(dirname "$MARKER")/.finished-77"; sleep 20 >/dev/null 2>&1 & s=$!; trap "kill $s; exit 143" TERM; wait $s'
+    status, calls, _, err = _relay(tmp_path, "--nodes=3 --ntasks=3", None, fake, HPC_TRAIN_STEP_END_S="1")
+    assert status == 0 and len(calls) == 1, err
+    assert "did not end within 1 s of its run's finish (.finished-77); sent srun SIGTERM" in err
 
 
 def test_a_signal_caught_while_the_step_ends_reaches_the_relaunched_step(tmp_path: Path) -> None:
