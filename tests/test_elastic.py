@@ -360,7 +360,7 @@ def test_exclusion_and_next_size_go_in_one_scontrol_update(monkeypatch: pytest.M
     record = lambda name, **f: events.append((name, f))  # noqa: E731
     monkeypatch.setattr(slurm, "node_states", lambda partition, policy: {})  # the partition unknown: all stay out
     env = SimpleNamespace(executor="slurm", job_id="7")
-    cluster = SimpleNamespace(exclude="node9", nodes=2, spare_nodes=0, min_nodes=1, partition="debug")
+    cluster = SimpleNamespace(exclude="node9", nodelist=None, nodes=2, spare_nodes=0, min_nodes=1, partition="debug")
     size = {"NumNodes": "2-2", "NumTasks": "4"}
     assert job._update_next_attempt(env, cluster, ["node3"], size, record) == ""
     assert calls == [{"ExcNodeList": "node3,node9", "NumNodes": "2-2", "NumTasks": "4"}]

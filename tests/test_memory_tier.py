@@ -156,7 +156,7 @@ def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
     run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
     env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=2, node_rank=1, nodes=("n1", "n2"))
 
-    def decide(paths: RunPaths, env: object, cfg: object, reason: str, step: int, sick: object) -> str:
+    def decide(paths: RunPaths, env: object, cfg: object, reason: str, step: int, sick: object, hang: bool) -> str:
         journal.log(paths.run_dir, journal.IN_JOB_RESTART, step, "77", 0, left_out=left_out, nodes_next=2)
         return "relaunch"
 
