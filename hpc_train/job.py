@@ -672,11 +672,31 @@ def _after_failure(
     sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
+    if cfg.cluster.spare_nodes and env.executor == "slurm":  # sbatch --no-kill: the job outlived a lost node
+        sick = {**lost_nodes(os.environ.get("SLURM_JOB_NODELIST", ""), slurm.job_nodes(env.job_id)), **(sick or {})}
+        sick = sick or None
     verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
     _clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
     return verdict, cfg.cluster.preempt_grace_s
+
+
+def lost_nodes(allocated: str, now: list[str] | None) -> dict[str, str]:
+    """The nodes Slurm took out of this job since it started, {node: why} (pure): with hot spares the job is
+    submitted --no-kill, so a failed node (unresponsive for SlurmdTimeout, or an admin's State=DOWN) is excised
+    from it and the tasks there killed while the job goes on (slurm.job_nodes); `allocated`: SLURM_JOB_NODELIST,
+    which keeps the first list. {} when Slurm did not answer (now None): the blame then comes from the failure
+    alone (a hardware error, a hang), and the relaunch's srun only finds the nodes the job still holds."""
+    from hpc_train.env import parse_nodelist
+
+    if not now:
+        return {}
+    return {
+        node: f"{node} left the job's allocation, a node failure (Slurm's NodeList is now {','.join(now)})"
+        for node in parse_nodelist(allocated)
+        if node not in now
+    }
 
 
 def _clean_memory(end: dict[str, Any] | None, local: bool) -> None:
@@ -963,13 +983,17 @@ def _plan_rejoin(
     free = [n for n, tasks in sorted(standbys.items()) if len(tasks) == per and n not in env.nodes]
     mixed = [env.nodes[n] for n in dead_nodes if any(n * per + i in alive for i in range(per))]
     trained = journal.trained(events, env.restart_count)
+    # A blamed node whose ranks all died (a node failure Slurm took out of the job, job.lost_nodes) is replaced
+    # like any dead node, and left out (recorded) so that no later relaunch of this allocation lands on it.
+    gone_nodes = {env.nodes[n] for n in dead_nodes} - set(mixed)
+    blamed = [n for n in sick if n not in gone_nodes]
     why = (
         # Every rank blocked together (a deadlock, a storage stall) blames no node, yet the watchdog's rank exits
         # and the others' wait ends with no rank to rejoin: the plan was held until the time limit.
         "a hang (train.watchdog_s): its ranks leave their processes"
         if hang
-        else f"a node was blamed ({', '.join(sick)}): it is left out by a relaunch"
-        if sick
+        else f"a node was blamed ({', '.join(blamed)}): it is left out by a relaunch"
+        if blamed
         else "this attempt failed before its first step (while rejoining?)"
         if not trained
         else f"ranks on {', '.join(mixed)} survived beside the dead: a standby replaces whole nodes"
@@ -995,12 +1019,14 @@ def _plan_rejoin(
         print(f"[hpc_train] could not write the rejoin plan ({e}): relaunching the step", file=sys.stderr, flush=True)
         return False
     replaced = {env.nodes[n]: nodes[n] for n in dead_nodes}
+    for node, because in sick.items():
+        record(journal.NODE_EXCLUDED, node=node, why=because)
     record(
         journal.IN_JOB_RESTART,
         reason=reason,
         in_process=True,
         replaced=replaced,
-        left_out=[],
+        left_out=sorted(sick),
         nodes_next=len(nodes),
         spares_left=len(free) - len(dead_nodes),
         in_job_restarts=used + 1,

@@ -195,8 +195,9 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
     reason: "preempt" | "time_limit" | "failure" | "node_health" (the preflight found a sick node);
     events: the run's events.jsonl; budgets: RequeueConfig;
     fate: what Slurm is doing with the job (slurm.job_fate / journal.local_fate): "running", "requeued",
-    "cancelled" or "unknown" (scontrol did not answer: treated as running, since requeueing a live run
-    beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
+    "cancelled", "batch_host_lost" (hot spares' --no-kill job ended by the loss of its batch script's node:
+    requeued as a failure) or "unknown" (scontrol did not answer: treated as running, since requeueing a live
+    run beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
     does, ("stop", why) when the run ends here.
     """
     from hpc_train import journal  # here, not at the top: start.py imports this module before its handlers
@@ -256,6 +257,8 @@ def in_job_restart(
     is one a requeue now makes without the start-up."""
     if not spare_nodes or action != "requeue":
         return 0, "no spares asked for" if not spare_nodes else f"not a requeue ({action})"
+    if fate == "batch_host_lost":  # before the signals: the job's end sent its tasks a SIGTERM too
+        return 0, "the batch script's node was lost (Slurm ended the job): nothing here can relaunch the step; requeueing"
     if reason not in ("failure", "node_health") or signals:
         return 0, f"a stop signal ({reason}, {signals}): the stop save and the requeue give the allocation back"
     if fate not in ("running", "unknown"):

@@ -419,7 +419,10 @@ SBATCH_OWNED = {
     **dict.fromkeys(
         ("gpus", "gpus-per-task", "gpus-per-socket"), "one rank per GPU, counted per node; use cluster.gpus_per_node"
     ),
-    "no-kill": "a lost node must end the attempt so it requeues; the surviving ranks would hang in a collective",
+    "no-kill": (
+        "a lost node must end the attempt so it requeues; with cluster.spare_nodes hpc_train sets it and the "
+        "step goes on on a spare"
+    ),
     **dict.fromkeys(("uid", "gid"), "the run directory and its requeues belong to the submitting user"),
     **dict.fromkeys(("chdir", "D"), "the frozen config's relative paths are read from the submit directory"),
 }
@@ -543,6 +546,10 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         n = cluster.nodes + (cluster.spare_nodes if cluster.in_process_restart else 0)
         step = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}"
         params["setup"] = [*params["setup"], f"export HPC_TRAIN_STEP_ARGS='{step}'"]
+        # A failed node then leaves the job instead of ending it (Slurm 22.05 excises it and kills the tasks
+        # there); the relay's srun() runs the step --no-kill too, else Slurm SIGKILLs every task of it and no
+        # rank is left to decide. The failure path blames the node (job.lost_nodes) and relaunches without it.
+        params["additional_parameters"]["no-kill"] = True
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches
     if cluster.partition:

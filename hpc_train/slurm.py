@@ -242,13 +242,20 @@ def parse_fate(text: str, restart_count: int) -> str:
     "requeued" (Restarts passed ours: an operator's `scontrol requeue`, a node failure, or a preemption
     Slurm finished requeueing), "cancelled" (scancel: CANCELLED, or COMPLETING with Restarts unchanged
     and not for the time limit), "running" (a time-limit warning, the time limit itself, or a preemption
-    in its grace time: we requeue), "unknown"."""
+    in its grace time: we requeue), "batch_host_lost" (a --no-kill job, one with hot spares, whose batch
+    script's node failed: Slurm took that node out and ended the job, JobLaunchFailure, without requeueing
+    it as it would without --no-kill; we requeue, as a failure), "unknown"."""
+    from hpc_train.env import parse_nodelist
+
     fields = parse_key_values(text)
     state, restarts = fields.get("JobState"), fields.get("Restarts", "")
     if state is None or not restarts.isdigit():
         return "unknown"
     if int(restarts) > restart_count:
         return "requeued"
+    batch_host, nodelist = fields.get("BatchHost", ""), fields.get("NodeList", "")
+    if batch_host and nodelist not in ("", "(null)") and batch_host not in parse_nodelist(nodelist):
+        return "batch_host_lost"
     if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
         return "running"  # the limit came during the stop: a finished job can still be requeued
     if state in ("CANCELLED", "COMPLETING"):
@@ -300,6 +307,21 @@ def end_time(job_id: str, timeout_s: float = 3) -> tuple[float | None, bool]:
     except SlurmError:
         return None, False
     return parse_end_time(text)
+
+
+def job_nodes(job_id: str, timeout_s: float = 3) -> list[str] | None:
+    """The nodes the live job holds now (`scontrol show job`'s NodeList), None when scontrol does not answer.
+    Fewer than SLURM_JOB_NODELIST once Slurm took a failed node out of a --no-kill job (a job with hot spares):
+    22.05's kill_running_job_by_node_name excises it ("Removing failed node") and SIGKILLs the tasks there,
+    and the environment of the batch script and its steps keeps the old list. One try of 3 s, as end_time."""
+    from hpc_train.env import parse_nodelist
+
+    try:
+        text = call(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s, retries=0, ignore_term=True)
+    except SlurmError:
+        return None
+    nodelist = parse_key_values(text).get("NodeList", "")
+    return parse_nodelist(nodelist) if nodelist not in ("", "(null)") else None
 
 
 def requeue(job_id: str, policy: tuple[float, int] = REQUEUE) -> str:

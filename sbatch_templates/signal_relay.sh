@@ -32,7 +32,8 @@ srun() {
   [ -z "$step" ] || rm -f "$marker" "${!#}/.finished-${SLURM_JOB_ID}"  # a requeued job's leftovers: never act on them
   while true; do
     now="$pending" pending="" pid=""
-    HPC_TRAIN_PENDING_SIGNAL="$now" command srun $step "$@" &
+    # --no-kill with spares (the job's too, sbatch.executor_parameters): a failed node's tasks die, not the step's
+    HPC_TRAIN_PENDING_SIGNAL="$now" command srun ${step:+--no-kill} $step "$@" &
     pid=$!
     [ -z "$pending" ] || kill -USR2 "$pid" 2>/dev/null || true  # caught between the steps, after $now was read
     watch=""

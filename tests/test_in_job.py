@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import journal, preempt, slurm
+from hpc_train import job, journal, preempt, slurm
 from hpc_train.config import compose, to_run_config
 from hpc_train.env import from_env
 
 REASONS = ("failure", "node_health", "preempt", "time_limit")
-FATES = ("running", "unknown", "requeued", "cancelled")
+FATES = ("running", "unknown", "requeued", "cancelled", "batch_host_lost")
 
 
 def ev(name: str, restart: int = 0, step: int = 0, **f: object) -> dict:
@@ -104,6 +104,10 @@ def test_the_reasons_it_requeues_instead() -> None:
     assert relaunch(spare_nodes=0) == "no spares asked for"
     assert relaunch(reason="time_limit").startswith("a stop signal (time_limit")
     assert relaunch(signals=["SIGTERM"]).startswith("a stop signal (failure, ['SIGTERM'])")
+    # the job's end TERMs the tasks too: the sentence names the lost batch host, not the signal
+    assert relaunch(fate="batch_host_lost", signals=["SIGTERM"]) == (
+        "the batch script's node was lost (Slurm ended the job): nothing here can relaunch the step; requeueing"
+    )
     assert relaunch(used=3) == (
         "in-job restart budget spent: 3 in a row without a newer checkpoint (requeue.max_in_job_restarts=3); requeueing"
     )
@@ -128,6 +132,17 @@ def test_the_reasons_it_requeues_instead() -> None:
     assert relaunch(left_out=["node1", "node2", "node3"], min_nodes=1).startswith(
         "no spare left: 0 healthy nodes of the allocation (none; left out: node1, node2, node3) for cluster.min_nodes=1"
     )
+
+
+def test_a_node_slurm_took_out_of_the_job_is_blamed() -> None:
+    """job.lost_nodes: a --no-kill job's nodes at its start (SLURM_JOB_NODELIST) against what Slurm says it holds
+    now; nothing when Slurm did not answer."""
+    assert job.lost_nodes("node[1-3]", ["node1", "node3"]) == {
+        "node2": "node2 left the job's allocation, a node failure (Slurm's NodeList is now node1,node3)"
+    }
+    assert list(job.lost_nodes("node[1-4]", ["node3"])) == ["node1", "node2", "node4"]
+    assert job.lost_nodes("node[1-3]", ["node1", "node2", "node3"]) == {}
+    assert job.lost_nodes("node[1-3]", None) == {} and job.lost_nodes("node[1-3]", []) == {}
 
 
 def test_the_start_up_an_in_job_restart_expects_is_the_slowest_measured() -> None:
@@ -393,8 +408,8 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """_plan_rejoin: a rank is alive once it wrote its heartbeat count, dead once its life lock is free (or after
-    REJOIN_SETTLE_S); each dead node needs all its ranks dead and a standby node; else (a node blamed, no first
-    step in this attempt) the step is relaunched, saying why."""
+    REJOIN_SETTLE_S); each dead node needs all its ranks dead and a standby node; else (a node blamed that is not
+    dead whole, no first step in this attempt) the step is relaunched, saying why."""
     from types import SimpleNamespace
 
     from hpc_train import job
@@ -455,8 +470,12 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert ok and got["standby"] == {"3": 1} and got["nodes"] == ["node1", "node4"]
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, events=[])
     assert not ok and "failed before its first step" in capsys.readouterr().err
-    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "Xid 79"})
-    assert not ok and "a node was blamed (node2)" in capsys.readouterr().err
+    ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node1": "Xid 79"})  # blamed, its rank alive
+    assert not ok and "a node was blamed (node1)" in capsys.readouterr().err
+    # blamed and dead whole (a node failure Slurm took out of the job, job.lost_nodes): replaced, and left out
+    ok, got, recorded = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "node2 left the job's allocation"})
+    assert ok and got["nodes"] == ["node1", "node3"] and recorded[-1]["left_out"] == ["node2"]
+    assert recorded[0] == {"event": journal.NODE_EXCLUDED, "node": "node2", "why": "node2 left the job's allocation"}
     ok, got, _ = plan(2, 1, [1], [0], {"2": "node3"})  # the deciding rank 0's own heartbeat write failed: it lives
     assert ok and got["survivors"] == [0, 1] and got["standby"] == {}
     # every rank hung level (no node blamed): the watchdog's rank leaves its process, so nobody may rejoin
@@ -1079,9 +1098,9 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     allocation never relaunches."""
     status, calls, marker, _ = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, DECIDES_ONCE)
     assert status == 0 and not marker.exists()
-    assert [c.split(" python")[0] for c in calls] == [
-        "--nodes=2 --ntasks=4 --unbuffered",
-        "--nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
+    assert [c.split(" python")[0] for c in calls] == [  # --no-kill: a lost node's tasks die, not the step's
+        "--no-kill --nodes=2 --ntasks=4 --unbuffered",
+        "--no-kill --nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
     ]
     status, calls, marker, _ = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
     assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
@@ -1110,7 +1129,7 @@ def test_the_relaunch_survives_set_e_and_runs_only_our_own_options(tmp_path: Pat
     or holds other words than job._relaunch writes (--task-prolog, --export: code run as this user) is not used:
     the step's status is the job's, the marker removed."""
     status, calls, marker, _ = _relay(tmp_path / "e", "--nodes=2 --ntasks=4", None, DECIDES_ONCE, "set -euo pipefail")
-    assert status == 0 and len(calls) == 2 and calls[1].startswith("--nodes=2 --ntasks=4 --exclude=node2 ")
+    assert status == 0 and len(calls) == 2 and calls[1].startswith("--no-kill --nodes=2 --ntasks=4 --exclude=node2 ")
     plant = {
         "prolog": 'echo "--nodes=2 --ntasks=4 --task-prolog=/tmp/x" > "$MARKER"; exit 145',
         "export": 'echo "--nodes=2 --ntasks=4 --export=ALL,LD_PRELOAD=/tmp/x.so" > "$MARKER"; exit 145',
@@ -1142,8 +1161,8 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
     )
     assert status == 0 and not marker.exists(), err
     assert [c.split(" python")[0] for c in calls] == [
-        "--nodes=2 --ntasks=4 --unbuffered",
-        "--nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
+        "--no-kill --nodes=2 --ntasks=4 --unbuffered",
+        "--no-kill --nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
     ], err
     assert "did not end within 1 s of its relaunch marker; sent srun SIGTERM, which kills every task" in err
     assert ("srun still runs 1 s after SIGTERM, a task stuck in D state?; sent srun SIGKILL" in err) is unkillable

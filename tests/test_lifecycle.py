@@ -31,6 +31,29 @@ def test_job_fate_from_scontrol_captures() -> None:
     assert parse_fate("slurm_load_jobs error: Invalid job id specified", restart_count=0) == "unknown"
 
 
+# A --no-kill job (hot spares) whose batch host, node1, was set DOWN on the dev cluster: Slurm took node1 out and
+# ended the job without a requeue (FAILED, COMPLETING while its tasks die); without --no-kill it would requeue it.
+BATCH_HOST_LOST = (
+    "JobId=8 JobName=losebatch-1.b JobState=FAILED Reason=JobLaunchFailure Requeue=1 Restarts=0 BatchFlag=1 "
+    "ExitCode=0:9 NodeList=node[2-3] BatchHost=node1 NumNodes=2"
+)
+
+
+def test_a_job_that_lost_its_batch_host_is_requeued_by_us() -> None:
+    assert parse_fate(BATCH_HOST_LOST, restart_count=0) == "batch_host_lost"
+    assert parse_fate(BATCH_HOST_LOST.replace("FAILED", "COMPLETING"), restart_count=0) == "batch_host_lost"
+    # its batch host kept (another node was lost): running as before; Slurm's own requeue first
+    kept = BATCH_HOST_LOST.replace("NodeList=node[2-3]", "NodeList=node[1,3]")
+    assert parse_fate(kept.replace("FAILED", "COMPLETING"), 0) == "cancelled"
+    assert parse_fate(RUNNING + " NodeList=node[1,3] BatchHost=node1", 0) == "running"
+    assert parse_fate(BATCH_HOST_LOST.replace("Restarts=0", "Restarts=1"), 0) == "requeued"
+    assert parse_fate(REQUEUED + " NodeList=(null) BatchHost=node1", 0) == "requeued"
+    assert parse_fate(RUNNING + " NodeList=(null) BatchHost=node1", 0) == "running"
+    b = RequeueConfig(max_failures=2)
+    assert preempt.decide("failure", [], b, "batch_host_lost") == ("requeue", "")  # as a failure, in its budget
+    assert preempt.decide("failure", [{"event": "requeue", "reason": "failure"}] * 2, b, "batch_host_lost")[0] == "stop"
+
+
 def test_stop_reason_and_time_to_kill() -> None:
     # 120 s lead: a USR2 in the last 120 + 120 s of slack before Slurm's EndTime is the time-limit warning
     assert preempt.stop_reason(["SIGUSR2"], 200, 120) == "time_limit"
@@ -132,7 +155,7 @@ def test_decide_random_histories(seed: int) -> None:
         else:
             events.append(ev(kind))
     for reason in journal.BUDGET_KEYS:
-        for fate in ("running", "requeued", "cancelled", "unknown"):
+        for fate in ("running", "requeued", "cancelled", "unknown", "batch_host_lost"):
             action, why = preempt.decide(reason, events, budgets, fate)
             limit = getattr(budgets, journal.BUDGET_KEYS[reason])
             if fate == "cancelled":
