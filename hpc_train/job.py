@@ -32,7 +32,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -673,8 +673,9 @@ def _after_failure(
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
     if cfg.cluster.spare_nodes and env.executor == "slurm":  # sbatch --no-kill: the job outlived a lost node
-        sick = {**lost_nodes(os.environ.get("SLURM_JOB_NODELIST", ""), slurm.job_nodes(env.job_id)), **(sick or {})}
-        sick = sick or None
+        known = journal.excluded_nodes(journal.read(paths.run_dir))  # lost in an earlier attempt of this job
+        lost = lost_nodes(os.environ.get("SLURM_JOB_NODELIST", ""), slurm.job_nodes(env.job_id), known)
+        sick = {**lost, **(sick or {})} or None
     verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
@@ -682,12 +683,14 @@ def _after_failure(
     return verdict, cfg.cluster.preempt_grace_s
 
 
-def lost_nodes(allocated: str, now: list[str] | None) -> dict[str, str]:
+def lost_nodes(allocated: str, now: list[str] | None, known: Collection[str] = ()) -> dict[str, str]:
     """The nodes Slurm took out of this job since it started, {node: why} (pure): with hot spares the job is
     submitted --no-kill, so a failed node (unresponsive for SlurmdTimeout, or an admin's State=DOWN) is excised
     from it and the tasks there killed while the job goes on (slurm.job_nodes); `allocated`: SLURM_JOB_NODELIST,
-    which keeps the first list. {} when Slurm did not answer (now None): the blame then comes from the failure
-    alone (a hardware error, a hang), and the relaunch's srun only finds the nodes the job still holds."""
+    which keeps the first list. Not those `known` (left out already, journal.excluded_nodes): blamed again at a
+    later failure of the same allocation, such a node read as "sick again though left out" and stopped the run.
+    {} when Slurm did not answer (now None): the blame then comes from the failure alone (a hardware error, a
+    hang), and the relaunch's srun only finds the nodes the job still holds."""
     from hpc_train.env import parse_nodelist
 
     if not now:
@@ -695,7 +698,7 @@ def lost_nodes(allocated: str, now: list[str] | None) -> dict[str, str]:
     return {
         node: f"{node} left the job's allocation, a node failure (Slurm's NodeList is now {','.join(now)})"
         for node in parse_nodelist(allocated)
-        if node not in now
+        if node not in now and node not in known
     }
 
 

@@ -15,11 +15,12 @@ fault really is on this cluster:
                 heartbeat count of two no node is blamed (preempt.hung_ranks), so the step is relaunched on
                 the same nodes once the batch script's relay has ended the step it holds
                 (HPC_TRAIN_STEP_END_S after the relaunch marker, then srun's SIGKILL to every task)
-    node-loss   the rank's node marked sick (chaos sick-node), then every rank on it SIGKILLed (chaos
-                lose-node). A real lost node is NODE_FAIL on Slurm, which ends the whole job (the batch
-                script has no --no-kill): what the in-job path can recover is a node whose ranks all die and
-                whose preflight then fails. The relaunch on the same nodes fails its preflight, and the one
-                after it runs without that node, on a spare
+    node-loss   the node fails as Slurm sees it: `scontrol update State=DOWN` (what slurmctld does to a node
+                silent for SlurmdTimeout), then DRAIN so that it stays out once its slurmd registers again
+                (ReturnToService=2) until the storm ends. The job is --no-kill (hot spares): Slurm takes the
+                node out of it and kills the tasks there; the deciding survivor blames it (job.lost_nodes)
+                and the step is relaunched without it, on a spare. Never the batch script's node, whose loss
+                ends the job (a requeue: test_in_job.py's batch host test); then the seeded rank's peer's node is lost
     sick-node   the rank's node marked sick, the other rank (on a healthy node) SIGKILLed: the relaunch's
                 preflight finds the sick node, and the next one leaves it out for a spare
 A node fault costs a spare; the sequence holds at most cluster.spare_nodes of them, so every fault is
@@ -92,6 +93,7 @@ class Storm:
     injected: list[dict[str, Any]] = field(default_factory=list)  # fault, rank, node, time, attempt, step
     competitor: list[str] = field(default_factory=list)  # its squeue state at each look while the run ran
     restarts: str = ""  # `scontrol show job`'s Restarts= at the end
+    lost: list[str] = field(default_factory=list)  # the nodes set DOWN (node-loss), resumed at the end
     summary: dict[str, Any] | None = None
 
 
@@ -123,6 +125,11 @@ def _ready(run_dir: Path, after: float, offset: int) -> dict | None:
 
 def _squeue_state(job_id: str, env: dict[str, str]) -> str:
     return run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env).stdout.strip()
+
+
+def _batch_host(job_id: str, env: dict[str, str]) -> str:
+    text = run(["scontrol", "show", "job", "-o", job_id], env=env).stdout
+    return next((w.split("=", 1)[1] for w in text.split() if w.startswith("BatchHost=")), "")
 
 
 def run_storm(
@@ -177,6 +184,8 @@ def run_storm(
                 break
             storm.competitor.append(_squeue_state(competitor, env))
             attempt, node = start["restart"], start["rank_nodes"][rank]
+            if fault == "node-loss" and node == _batch_host(job_id, env):  # its loss ends the job: the peer's node
+                rank, node = 1 - rank, start["rank_nodes"][1 - rank]
             say(f"fault {i}: {fault} on rank {rank} ({node}) in attempt {attempt}")
             if fault == "hang":
                 stop = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "-N1", "-n1"]
@@ -186,14 +195,18 @@ def run_storm(
                 journal.log(
                     run_dir, journal.CHAOS, -1, job_id, attempt, action="hang", injected=f"SIGSTOP to rank {rank}"
                 )
+            elif fault == "node-loss":
+                t0 = time.time()
+                for state in ("DOWN", "DRAIN"):
+                    proc = run(["scontrol", "update", f"NodeName={node}", f"State={state}", "Reason=storm"], env=env)
+                    assert proc.returncode == 0, proc.stderr
+                storm.lost.append(node)
             else:
                 if fault in NODE_FAULTS:
                     done = chaos("sick-node", "--rank", str(rank))
                     assert done.returncode == 0, done.stdout + done.stderr
-                action, target = {"kill-rank": ("kill-rank", rank), "node-loss": ("lose-node", rank)}.get(
-                    fault,
-                    ("kill-rank", 1 - rank),  # sick-node: the rank on the healthy node dies
-                )
+                # sick-node: the rank on the healthy node dies
+                action, target = ("kill-rank", rank) if fault == "kill-rank" else ("kill-rank", 1 - rank)
                 t0 = time.time()  # the fault is the kill: a sick-node drill alone stops nothing
                 done = chaos(action, "--rank", str(target))
                 assert done.returncode == 0, done.stdout + done.stderr
@@ -219,6 +232,8 @@ def run_storm(
         storm.restarts = next((w for w in job.split() if w.startswith("Restarts=")), job)
     finally:
         run(["scancel", competitor], env=env)
+        for node in storm.lost:
+            run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env)
         for drill in (run_dir / "drills").glob("sick_node.*"):  # healed: later runs' preflights pass
             drill.unlink()
         # The left-out nodes' ranks died: their memory copies stay in tmpfs until the node's cleanup
@@ -256,7 +271,9 @@ def check(storm: Storm) -> list[str]:
             e["event"] == journal.FAIL and e["restart"] == r and "hang" in str(e.get("error")) for e in events
         ):
             bad.append(f"hang in attempt {r}: no watchdog named it")
-        if fault in NODE_FAULTS:
+        if fault == "node-loss" and inj["node"] not in restarts[r].get("left_out", []):
+            bad.append(f"node-loss of {inj['node']} in attempt {r}: not left out by the relaunch: {restarts[r]}")
+        if fault == "sick-node":
             then = restarts.get(r + 1, {})
             if then.get("reason") != "node_health" or inj["node"] not in then.get("left_out", []):
                 bad.append(f"{fault} on {inj['node']} in attempt {r}: not left out at the next preflight: {then}")

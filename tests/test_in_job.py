@@ -136,13 +136,15 @@ def test_the_reasons_it_requeues_instead() -> None:
 
 def test_a_node_slurm_took_out_of_the_job_is_blamed() -> None:
     """job.lost_nodes: a --no-kill job's nodes at its start (SLURM_JOB_NODELIST) against what Slurm says it holds
-    now; nothing when Slurm did not answer."""
+    now, less those left out already; nothing when Slurm did not answer."""
     assert job.lost_nodes("node[1-3]", ["node1", "node3"]) == {
         "node2": "node2 left the job's allocation, a node failure (Slurm's NodeList is now node1,node3)"
     }
     assert list(job.lost_nodes("node[1-4]", ["node3"])) == ["node1", "node2", "node4"]
     assert job.lost_nodes("node[1-3]", ["node1", "node2", "node3"]) == {}
     assert job.lost_nodes("node[1-3]", None) == {} and job.lost_nodes("node[1-3]", []) == {}
+    # left out already (a later failure of the same allocation): not blamed again, which stopped the storm's run
+    assert list(job.lost_nodes("node[1-4]", ["node3"], {"node2": "earlier"})) == ["node1", "node4"]
 
 
 def test_the_start_up_an_in_job_restart_expects_is_the_slowest_measured() -> None:
@@ -867,17 +869,18 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("no_node_left_drained")
-@pytest.mark.parametrize("victim", ["last", "first", "node"])
+@pytest.mark.parametrize("victim", ["last", "first", "node", "down"])
 def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     slurm_env: dict[str, str], tmp_path: Path, reference: dict, victim: str
 ) -> None:
     """cluster.in_process_restart, 2 nodes + 1 spare whose tasks wait warm. Once a checkpoint committed a rank is
     SIGKILLed (the last; or rank 0, whose process held the rendezvous store; or, 2 ranks per node, both of the last
-    node, `lose-node`): the survivors drop their process groups and rejoin, in the same processes, with the standbys
-    in the dead ranks' places; all resume from the memory tier (the standbys from the buddy copies); one job id,
-    Slurm's Restarts still 0, the job COMPLETED, and (one rank per node) the uninterrupted run's weights. With 2 per
-    node a survivor once waited, blocked on the other survivor, until it was taken for dead (gloo's sockets stayed
-    open after destroy_process_group): the step was relaunched instead."""
+    node, `lose-node`), or the last rank's node fails as Slurm sees it (`down`: State=DOWN, so Slurm takes it out of
+    the --no-kill job and kills its task): the survivors drop their process groups and rejoin, in the same
+    processes, with the standbys in the dead ranks' places; all resume from the memory tier (the standbys from the
+    buddy copies); one job id, Slurm's Restarts still 0, the job COMPLETED, and (one rank per node) the
+    uninterrupted run's weights. With 2 per node a survivor once waited, blocked on the other survivor, until it was
+    taken for dead (gloo's sockets stayed open after destroy_process_group): the step was relaunched instead."""
     args = [*RUN_ARGS, "cluster.spare_nodes=1", "cluster.in_process_restart=true", "checkpoint.memory_every_steps=1"]
     args += ["cluster.tasks_per_node=2"] if victim == "node" else []
     run_dir, job_id = submit([*args, f"out_dir={tmp_path}", f"name=inproc-{victim}"], env=slurm_env)
@@ -885,17 +888,28 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
     per = 2 if victim == "node" else 1
     dead = [0] if victim == "first" else list(range(first["world_size"] - per, first["world_size"]))
-    action = "lose-node" if victim == "node" else "kill-rank"
-    done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", str(dead[-1])], env=slurm_env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    lost = first["rank_nodes"][dead[0]]
+    if victim == "down":
+        try:
+            proc = run(["scontrol", "update", f"NodeName={lost}", "State=DOWN", "Reason=test"], env=slurm_env)
+            assert proc.returncode == 0, proc.stderr
+            summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+        finally:  # ReturnToService=2 brings it back once its slurmd registers; make sure
+            run(["scontrol", "update", f"NodeName={lost}", "State=RESUME"], env=slurm_env)
+    else:
+        action = "lose-node" if victim == "node" else "kill-rank"
+        done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", str(dead[-1])], env=slurm_env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
     if per == 1:  # the reference has one rank per node
         assert summary["params_sha256"] == reference["params_sha256"]
     events = read_events(run_dir)
     (restart,) = [e for e in events if e["event"] == "in_job_restart"]
     spare = next(n for n in ("node1", "node2", "node3") if n not in first["nodes"])
     assert (restart["restart"], restart["in_process"], restart["spares_left"]) == (0, True, 0), restart
-    assert restart["replaced"] == {first["rank_nodes"][dead[0]]: spare}
+    assert restart["replaced"] == {lost: spare}
+    # a node Slurm took out is left out for the rest of the allocation (a relaunch's --exclude); a killed rank's is not
+    assert restart["left_out"] == ([lost] if victim == "down" else []), restart
     starts = {e["restart"]: e for e in events if e["event"] == "start"}
     assert sorted(starts) == [0, 1] and {e["job_id"] for e in events if e.get("job_id")} == {job_id}
     for r in range(first["world_size"]):  # no new process for a rank that survived; the standby's for a dead one
@@ -912,6 +926,46 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
     report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
     assert f"in_job_restart (in process; {first['rank_nodes'][dead[0]]} -> {spare})" in report, report
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("no_node_left_drained")
+def test_losing_the_batch_scripts_node_requeues_the_job_without_it(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict
+) -> None:
+    """2 nodes + 1 spare (sbatch --no-kill). The batch script's node fails (State=DOWN): Slurm takes it out and
+    ends the job (FAILED, JobLaunchFailure) without the requeue a job without --no-kill gets, and no relay is left to
+    relaunch a step. The surviving rank reads the fate batch_host_lost and requeues the job as a failure, without
+    that node; the next attempt resumes from the last commit and finishes with the uninterrupted run's weights."""
+    run_dir, job_id = submit(
+        [*RUN_ARGS, "cluster.spare_nodes=1", f"out_dir={tmp_path}", "name=batchhost"], env=slurm_env
+    )
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
+    fields = slurm.parse_key_values(run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout)
+    host = fields["BatchHost"]
+    try:
+        proc = run(["scontrol", "update", f"NodeName={host}", "State=DOWN", "Reason=test"], env=slurm_env)
+        assert proc.returncode == 0, proc.stderr
+        summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    finally:  # ReturnToService=2 brings it back once its slurmd registers; make sure
+        run(["scontrol", "update", f"NodeName={host}", "State=RESUME"], env=slurm_env)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    events = read_events(run_dir)
+    (requeue,) = [e for e in events if e["event"] == "requeue"]
+    assert (requeue["restart"], requeue["reason"], requeue["by"], requeue["fate"]) == (
+        0,
+        "failure",
+        "hpc_train",
+        "batch_host_lost",
+    )
+    assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(host, 0)]
+    assert not [e for e in events if e["event"] in ("in_job_restart", "stopped", "requeue_failed")], events
+    starts = {e["restart"]: e for e in events if e["event"] == "start"}
+    assert sorted(starts) == [0, 1] and host not in starts[1]["nodes"]
+    job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout  # kept MinJobAge=300 s after the end
+    assert " Restarts=1 " in job and f" ExcNodeList={host} " in job and " NumNodes=3 " in job, job
+    log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
+    assert "not restarting inside the allocation: the batch script's node was lost" in log, log
 
 
 # An elastic resume is not bit-exact: the global batch is kept by 2 micro-batches on 1 rank (final loss measured
