@@ -46,6 +46,7 @@ from hpc_train.paths import (
     locked,
     make_dir,
     relaunch_marker,
+    relay_silent_s,
     untrusted,
     write_atomic,
 )
@@ -236,12 +237,27 @@ def requeue_or_stop(
         else journal.local_fate(events)
     )
     budgets = dataclasses.replace(cfg.requeue, **journal.budget_changes(events))  # raised by `hpc-train resume`
+    # Hot spares (sbatch --no-kill): the job outlives a lost node, which is blamed here, so that a relaunch and a
+    # requeue's ExcNodeList leave it out (a requeued job started on it again while its slurmd still held the old
+    # one: "Duplicate jobid", node drained, the job held). A stop asks only when its batch host is gone.
+    held: slurm.Allocation | None = None
+    if cfg.cluster.spare_nodes and env.executor == "slurm" and (not stopping or fate == "batch_host_lost"):
+        held = slurm.allocation(env.job_id, slurm.STOP_FATE if stopping else slurm.FATE)
+        lost = lost_nodes(os.environ.get("SLURM_JOB_NODELIST", ""), held, journal.excluded_nodes(events))
+        sick = {**lost, **(sick or {})} or None
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
     # Hot spares replace a failure's requeue only; the stop path's reserve (REQUEUE_RESERVE_S) has no room for
     # the EndTime call the time check makes.
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
-    if in_job and (how := _in_job_restart(paths, env, cfg, reason, fate, events, budgets, sick or {}, record, hang)):
+    if in_job and held is None:
+        print(
+            "[hpc_train] not restarting inside the allocation: Slurm did not say which nodes the job holds now "
+            "(scontrol show job); requeueing",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif in_job and (how := _in_job_restart(paths, env, cfg, reason, fate, events, budgets, sick or {}, record, hang)):
         return how
     excluded = list(journal.excluded_nodes(events))  # oldest blame first: _update_next_attempt lets those in first
     if action != "stop" and sick:
@@ -297,7 +313,8 @@ def requeue_or_stop(
     # No requeue, so no pending job to set ExcNodeList on: the node's next preflight finds it and sets it then.
     unset = {"exclude_nodes": f"not set ({','.join(sorted(excluded))}): the job was not requeued"} if excluded else {}
     record(journal.REQUEUE_FAILED, reason=reason, fate=fate, error=err, **unset)
-    preempted = reason == "preempt" or "SIGTERM" in preempt.received  # a crash inside a preemption's grace too
+    # a crash inside a preemption's grace too; not a job that ended with its batch host, which Slurm never requeues
+    preempted = (reason == "preempt" or "SIGTERM" in preempt.received) and fate != "batch_host_lost"
     then = (
         "waiting for Slurm to end and requeue the preempted job"
         if preempted
@@ -373,6 +390,12 @@ def _in_job_restart(
     return "relaunch" if _relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, n, sick) else ""
 
 
+# The relay writes its beat every 5 s while the step runs: 30 s is six missed beats (a loaded batch host, a slow
+# shared file system), far under the SlurmdTimeout (300 s by default) after which Slurm itself takes a silent
+# node out of the job.
+RELAY_SILENT_S = 30.0
+
+
 def _relaunch(
     env: Any,
     cluster: Any,
@@ -393,6 +416,15 @@ def _relaunch(
         print(
             "[hpc_train] not restarting inside the allocation: this step was not started by hpc_train's batch script "
             "with hot spares (no HPC_TRAIN_STEP_ARGS, e.g. srun by hand); requeueing",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    silent = relay_silent_s(Path(folder), slurm_job, time.time())
+    if silent is not None and silent > RELAY_SILENT_S:  # the relay's node is lost: nobody would read a marker
+        print(
+            f"[hpc_train] not restarting inside the allocation: the batch script's relay last wrote "
+            f"{Path(folder) / ('.relay-' + slurm_job)} {silent:.0f} s ago (its node lost?); requeueing",
             file=sys.stderr,
             flush=True,
         )
@@ -577,13 +609,14 @@ def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
 
 
 # How long a rank that did not decide waits for the verdict on record: the deciding rank's failure path at
-# its worst, when Slurm does not answer: a hang's blame (30 s, _hung_nodes), the job's fate (slurm.FATE, 33 s),
-# EndTime (3 s), sinfo for an exclusion (21 s), an elastic queue snapshot (3 x 21 s), the requeue and the
-# ExcNodeList update (slurm.REQUEUE, 33 s each) and 10 s for the config and the records: 226 s. It was 60 s,
+# its worst, when Slurm does not answer: a hang's blame (30 s, _hung_nodes), the job's fate and, with hot spares,
+# the nodes it holds (slurm.FATE, 33 s each), EndTime (3 s), sinfo for an exclusion (21 s), an elastic queue
+# snapshot (3 x 21 s), the requeue and the ExcNodeList update (slurm.REQUEUE, 33 s each) and 10 s for the config
+# and the records: 259 s. It was 60 s,
 # and a slower decision that came to a relaunch found the copies of the ranks that had left deleted.
 # It ends as soon as the verdict is there (within ms of the relay's marker, which it follows at once).
 VERDICT_WAIT_S = (
-    30.0 + slurm.worst_s(*slurm.FATE) + 3.0 + 4 * slurm.worst_s(10.0, 1) + 2 * slurm.worst_s(*slurm.REQUEUE) + 10.0
+    30.0 + 2 * slurm.worst_s(*slurm.FATE) + 3.0 + 4 * slurm.worst_s(10.0, 1) + 2 * slurm.worst_s(*slurm.REQUEUE) + 10.0
 )
 _placed: list[Any] = [None]  # this task's env once placed by the rendezvous (ranks in topology order)
 _deciding = [False]  # this process claimed the attempt's failure: a second failing thread must not end it
@@ -672,10 +705,6 @@ def _after_failure(
     sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = _hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
-    if cfg.cluster.spare_nodes and env.executor == "slurm":  # sbatch --no-kill: the job outlived a lost node
-        known = journal.excluded_nodes(journal.read(paths.run_dir))  # lost in an earlier attempt of this job
-        lost = lost_nodes(os.environ.get("SLURM_JOB_NODELIST", ""), slurm.job_nodes(env.job_id), known)
-        sick = {**lost, **(sick or {})} or None
     verdict = requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
@@ -683,22 +712,28 @@ def _after_failure(
     return verdict, cfg.cluster.preempt_grace_s
 
 
-def lost_nodes(allocated: str, now: list[str] | None, known: Collection[str] = ()) -> dict[str, str]:
-    """The nodes Slurm took out of this job since it started, {node: why} (pure): with hot spares the job is
-    submitted --no-kill, so a failed node (unresponsive for SlurmdTimeout, or an admin's State=DOWN) is excised
-    from it and the tasks there killed while the job goes on (slurm.job_nodes); `allocated`: SLURM_JOB_NODELIST,
-    which keeps the first list. Not those `known` (left out already, journal.excluded_nodes): blamed again at a
-    later failure of the same allocation, such a node read as "sick again though left out" and stopped the run.
-    {} when Slurm did not answer (now None): the blame then comes from the failure alone (a hardware error, a
-    hang), and the relaunch's srun only finds the nodes the job still holds."""
+def lost_nodes(allocated: str, now: slurm.Allocation | None, known: Collection[str] = ()) -> dict[str, str]:
+    """The nodes Slurm took out of this job since it started, {node: why} (pure). With hot spares the job is
+    submitted --no-kill, so a failed node (silent for SlurmdTimeout, or set DOWN by an admin or a health check) is
+    excised from it and the tasks there killed while the job goes on (slurm.allocation); `allocated`:
+    SLURM_JOB_NODELIST, which keeps the first list. Once the job ends (COMPLETING lists only the nodes still
+    completing: an idle spare drops out in ms) only the batch host can be named lost, when it is missing: it
+    completes last, since the batch shell outlives its steps. Not those `known` (left out already,
+    journal.excluded_nodes): blamed again at a later failure of the same allocation, such a node read as "sick
+    again though left out" and stopped the run. {} when Slurm did not answer (now None)."""
     from hpc_train.env import parse_nodelist
 
-    if not now:
+    if now is None or not now.nodes:
+        return {}
+    if now.state != "RUNNING":
+        host = now.batch_host
+        if host and host in parse_nodelist(allocated) and host not in now.nodes and host not in known:
+            return {host: f"{host}, the batch script's node, left the job's allocation: a node failure ended the job"}
         return {}
     return {
-        node: f"{node} left the job's allocation, a node failure (Slurm's NodeList is now {','.join(now)})"
+        node: f"{node} left the job's allocation, a node failure (Slurm's NodeList is now {','.join(now.nodes)})"
         for node in parse_nodelist(allocated)
-        if node not in now and node not in known
+        if node not in now.nodes and node not in known
     }
 
 
@@ -1132,13 +1167,20 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
     env0 = env
 
     def watch() -> None:
-        renewed = time.monotonic()
+        renewed, asked = time.monotonic(), False
         while time.monotonic() - preempt.last_beat[0] < limit_s:
             time.sleep(min(5.0, limit_s / 10))
             now = _placed[0] or env0  # an in-process restart rejoins under another rank and attempt
             if now.rank == 0 and time.monotonic() - renewed >= preempt.LEASE_RENEW_S:
                 _renew_lease(paths, now)
                 renewed = time.monotonic()
+            if not asked and "SIGTERM" in preempt.received and _batch_host_lost(now):
+                why = "the batch script's node was lost: Slurm ended the job while this rank waited in a collective"
+                print(f"[hpc_train] rank {now.rank}: {why}; deciding now", file=sys.stderr, flush=True)
+                _log_fail(paths, now, why)
+                verdict, grace_s = _after_failure(paths, now, RuntimeError(why))
+                _leave(verdict if verdict in ("wait", "relaunch") else "stop", grace_s)
+            asked = asked or "SIGTERM" in preempt.received
         env = _placed[0] or env0
         print(
             f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow",
@@ -1153,6 +1195,22 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
 
     preempt.beat()
     threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()
+
+
+def _batch_host_lost(env: Any) -> bool:
+    """At a SIGTERM, in the watchdog thread (the main one may be blocked in a collective on a peer that died with
+    no reset: a crashed node): has a spares job lost its batch script's node? Its relay's beat is older than
+    RELAY_SILENT_S (no Slurm call otherwise: a preemption TERMs every rank) and Slurm says so (one 10 s try).
+    Slurm ends such a --no-kill job without a requeue and SIGKILLs the ranks after KillWait (30 s by default), so
+    the watchdog decides then: a requeue as a failure, where the blocked main thread would have died undecided."""
+    folder, job_id = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
+    if env.executor != "slurm" or not (folder and job_id and os.environ.get("HPC_TRAIN_STEP_ARGS")):
+        return False
+    silent = relay_silent_s(Path(folder), job_id, time.time())
+    if silent is None or silent <= RELAY_SILENT_S:
+        return False
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    return slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE) == "batch_host_lost"
 
 
 def _read_lease(paths: RunPaths) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
 
@@ -309,19 +309,37 @@ def end_time(job_id: str, timeout_s: float = 3) -> tuple[float | None, bool]:
     return parse_end_time(text)
 
 
-def job_nodes(job_id: str, timeout_s: float = 3) -> list[str] | None:
-    """The nodes the live job holds now (`scontrol show job`'s NodeList), None when scontrol does not answer.
-    Fewer than SLURM_JOB_NODELIST once Slurm took a failed node out of a --no-kill job (a job with hot spares):
-    22.05's kill_running_job_by_node_name excises it ("Removing failed node") and SIGKILLs the tasks there,
-    and the environment of the batch script and its steps keeps the old list. One try of 3 s, as end_time."""
+class Allocation(NamedTuple):
+    """What `scontrol show job` says of a job's nodes now (parse_allocation)."""
+
+    state: str  # JobState: RUNNING while the job runs; COMPLETING / FAILED ... once it ends
+    nodes: list[str]  # NodeList: the allocation while RUNNING; once COMPLETING only the nodes still completing
+    batch_host: str  # BatchHost: where the batch script (the relay) runs
+
+
+def parse_allocation(text: str) -> Allocation | None:
+    """`scontrol show job -o` of one job -> its Allocation (pure); None without a JobState (not a job's line)."""
     from hpc_train.env import parse_nodelist
 
+    fields = parse_key_values(text)
+    if "JobState" not in fields:
+        return None
+    nodelist = fields.get("NodeList", "")
+    nodes = parse_nodelist(nodelist) if nodelist not in ("", "(null)") else []
+    return Allocation(fields["JobState"], nodes, fields.get("BatchHost", ""))
+
+
+def allocation(job_id: str, policy: tuple[float, int] = FATE) -> Allocation | None:
+    """parse_allocation of the live job; None when scontrol is missing or does not answer. A job with hot spares
+    is --no-kill: once Slurm takes a failed node out of it (22.05's kill_running_job_by_node_name: "Removing
+    failed node", its tasks SIGKILLed) NodeList is shorter than the SLURM_JOB_NODELIST of the batch script and
+    its steps, which keep the first list. The failure path's policy: it has no deadline."""
+    timeout_s, retries = policy
     try:
-        text = call(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s, retries=0, ignore_term=True)
+        text = call(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s, retries=retries, ignore_term=True)
     except SlurmError:
         return None
-    nodelist = parse_key_values(text).get("NodeList", "")
-    return parse_nodelist(nodelist) if nodelist not in ("", "(null)") else None
+    return parse_allocation(text)
 
 
 def requeue(job_id: str, policy: tuple[float, int] = REQUEUE) -> str:

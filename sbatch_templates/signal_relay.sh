@@ -32,12 +32,13 @@ srun() {
   [ -z "$step" ] || rm -f "$marker" "${!#}/.finished-${SLURM_JOB_ID}"  # a requeued job's leftovers: never act on them
   while true; do
     now="$pending" pending="" pid=""
-    # --no-kill with spares (the job's too, sbatch.executor_parameters): a failed node's tasks die, not the step's
-    HPC_TRAIN_PENDING_SIGNAL="$now" command srun ${step:+--no-kill} $step "$@" &
+    # With spares --no-kill (the job's too, sbatch.executor_parameters): a failed node's tasks die, not the step's;
+    # --kill-on-bad-exit=0: a site's KillOnBadExit=1 would kill every task at the first one to die, the deciding one too
+    HPC_TRAIN_PENDING_SIGNAL="$now" command srun ${step:+--no-kill --kill-on-bad-exit=0} $step "$@" &
     pid=$!
     [ -z "$pending" ] || kill -USR2 "$pid" 2>/dev/null || true  # caught between the steps, after $now was read
     watch=""
-    [ -z "$step" ] || { _hpc_train_watch "$pid" "$marker" "${!#}/.finished-${SLURM_JOB_ID}" & watch=$!; }
+    [ -z "$step" ] || { _hpc_train_watch "$pid" "$marker" "${!#}/.finished-${SLURM_JOB_ID}" "${!#}/.relay-${SLURM_JOB_ID}" & watch=$!; }
     while true; do
       wait "$pid" && status=0 || status=$?  # not a bare wait: under set -e in a site template its 145 would end this shell
       kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
@@ -71,9 +72,16 @@ srun() {
     echo "hpc_train relay: training step ended with status $status; relaunching it inside the allocation: srun $step" >&2
   done
 }
-_hpc_train_watch() {  # srun's pid, the marker, the finished file: end a step that outlives either (see srun() above)
-  local pid="$1" marker="$2" finished="$3" why="its relaunch marker" i
-  while kill -0 "$pid" 2>/dev/null && [ ! -e "$marker" ] && [ ! -e "$finished" ]; do sleep 5 >/dev/null 2>&1; done  # no pipe held
+# While the step runs it also writes the time (Unix s) into FOLDER/.relay-JOBID every 5 s: a deciding rank that
+# finds it older than 30 s (job.RELAY_SILENT_S) takes this shell's node for lost and requeues instead of
+# writing a marker nobody would read.
+_hpc_train_watch() {  # srun's pid, the marker, the finished file, the beat file: end a step that outlives either
+  local pid="$1" marker="$2" finished="$3" beat="$4" why="its relaunch marker" i
+  while kill -0 "$pid" 2>/dev/null && [ ! -e "$marker" ] && [ ! -e "$finished" ]; do
+    # mktemp: a new file of ours (O_EXCL), never through a name a teammate planted in a group-writable folder
+    { i=$(mktemp "$beat.XXXXXX") && echo "${EPOCHSECONDS:-0}" > "$i" && mv -f "$i" "$beat"; } >/dev/null 2>&1 || true
+    sleep 5 >/dev/null 2>&1  # no pipe held
+  done
   [ -e "$marker" ] || why="its run's finish (${finished##*/})"
   for i in $(seq "${HPC_TRAIN_STEP_END_S:-90}"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1 >/dev/null 2>&1; done
   echo "hpc_train relay: the training step did not end within ${HPC_TRAIN_STEP_END_S:-90} s of $why; sent srun SIGTERM, which kills every task" >&2

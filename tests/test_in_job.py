@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
@@ -136,15 +137,109 @@ def test_the_reasons_it_requeues_instead() -> None:
 
 def test_a_node_slurm_took_out_of_the_job_is_blamed() -> None:
     """job.lost_nodes: a --no-kill job's nodes at its start (SLURM_JOB_NODELIST) against what Slurm says it holds
-    now, less those left out already; nothing when Slurm did not answer."""
-    assert job.lost_nodes("node[1-3]", ["node1", "node3"]) == {
+    now, less those left out already; once the job ends only a missing batch host (COMPLETING lists the nodes still
+    completing, which an idle spare leaves in ms: it was blamed too, review); nothing when Slurm did not answer."""
+    running = slurm.Allocation("RUNNING", ["node1", "node3"], "node1")
+    assert job.lost_nodes("node[1-3]", running) == {
         "node2": "node2 left the job's allocation, a node failure (Slurm's NodeList is now node1,node3)"
     }
-    assert list(job.lost_nodes("node[1-4]", ["node3"])) == ["node1", "node2", "node4"]
-    assert job.lost_nodes("node[1-3]", ["node1", "node2", "node3"]) == {}
-    assert job.lost_nodes("node[1-3]", None) == {} and job.lost_nodes("node[1-3]", []) == {}
+    assert list(job.lost_nodes("node[1-4]", running._replace(nodes=["node3"]))) == ["node1", "node2", "node4"]
+    assert job.lost_nodes("node[1-3]", running._replace(nodes=["node1", "node2", "node3"])) == {}
+    assert job.lost_nodes("node[1-3]", None) == {} and job.lost_nodes("node[1-3]", running._replace(nodes=[])) == {}
     # left out already (a later failure of the same allocation): not blamed again, which stopped the storm's run
-    assert list(job.lost_nodes("node[1-4]", ["node3"], {"node2": "earlier"})) == ["node1", "node4"]
+    assert list(job.lost_nodes("node[1-4]", running._replace(nodes=["node3"]), {"node2": "earlier"})) == [
+        "node1",
+        "node4",
+    ]
+    ended = slurm.Allocation("COMPLETING", ["node2"], "node1")  # the batch host lost, node3 done completing
+    assert job.lost_nodes("node[1-3]", ended) == {
+        "node1": "node1, the batch script's node, left the job's allocation: a node failure ended the job"
+    }
+    assert job.lost_nodes("node[1-3]", ended._replace(nodes=["node1"])) == {}  # cancelled: completing, not lost
+    assert job.lost_nodes("node[1-3]", ended._replace(state="FAILED")) == job.lost_nodes("node[1-3]", ended)
+    assert job.lost_nodes("node[1-3]", ended, {"node1": "earlier"}) == {}
+    # one line of `scontrol show job -o`, as the dev cluster printed it after node2 went DOWN
+    line = "JobId=6 JobName=lose-1.b JobState=RUNNING Reason=None NodeList=node[1,3] BatchHost=node1 NumNodes=2"
+    assert slurm.parse_allocation(line) == running
+    assert slurm.parse_allocation("slurm_load_jobs error: Invalid job id specified") is None
+    assert slurm.parse_allocation("JobId=6 JobState=PENDING NodeList=(null)") == slurm.Allocation("PENDING", [], "")
+
+
+def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_relaunch writes no marker once the batch script's relay has not written its beat (FOLDER/.relay-JOBID) for
+    RELAY_SILENT_S: its node is lost and nobody would read the marker (the step would end, and the job with it, at
+    SlurmdTimeout, FAILED, without a requeue); the run requeues. A beat that is missing (a batch script from before
+    it), a symlink or not a number is no evidence: the relaunch goes on, as before."""
+    from types import SimpleNamespace
+
+    from hpc_train.paths import relay_silent_s
+
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    monkeypatch.setenv("SUBMITIT_FOLDER", str(folder))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=2 --ntasks=2")
+    cfg = to_run_config(compose(["cluster=dev", "cluster.tasks_per_node=1", "cluster.spare_nodes=1"])).cluster
+    recorded: list[dict] = []
+    record = lambda name, **f: recorded.append({"event": name, **f})  # noqa: E731
+    nodes, beat, marker = ["node1", "node2", "node3"], folder / ".relay-7", folder / ".relaunch-7"
+
+    def relaunch() -> bool:
+        marker.unlink(missing_ok=True)
+        return job._relaunch(SimpleNamespace(job_id="7"), cfg, "failure", nodes, ["node2"], 0, record, 2)
+
+    assert relay_silent_s(folder, "7", time.time()) is None and relaunch() and marker.exists()  # no beat: as before
+    beat.write_text(f"{time.time() - 10:.0f}\n")
+    assert relaunch() and marker.exists()
+    beat.write_text(f"{time.time() - job.RELAY_SILENT_S - 5:.0f}\n")
+    assert not relaunch() and not marker.exists() and len(recorded) == 2  # nothing recorded: the requeue decides
+    beat.write_text("garbage")
+    assert relay_silent_s(folder, "7", time.time()) is None and relaunch()
+    beat.unlink()
+    old = tmp_path / "old"
+    old.write_text("1")
+    beat.symlink_to(old)  # a teammate's planted name: not the relay's word
+    assert relay_silent_s(folder, "7", time.time()) is None and relaunch()
+
+
+def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collective(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that crashes sends no reset: the survivors' collective blocks, and when Slurm takes the batch host out
+    (SlurmdTimeout) it ends the --no-kill job with no requeue and TERMs them, then SIGKILLs them after KillWait. The
+    watchdog thread asks (job._batch_host_lost): only at a SIGTERM, only with the relay silent past RELAY_SILENT_S
+    (a preemption TERMs every rank: no Slurm call from each), and then believes Slurm's fate (a fake scontrol: a real
+    one cannot be made to show a crashed batch host in a test's time)."""
+    from conftest import fake_clients
+
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    line = "JobId=7 JobState={state} Reason=JobLaunchFailure Restarts=0 NodeList=node[2-3] BatchHost={host}"
+    bin_dir, state = fake_clients(tmp_path, {"scontrol": 'echo called >> "$STATE/calls"; cat "$STATE/show"'})
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for key, value in {"SUBMITIT_FOLDER": str(folder), "SLURM_JOB_ID": "7", "HPC_TRAIN_STEP_ARGS": "--nodes=2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    env = SimpleNamespace(executor="slurm", job_id="7")
+    beat = folder / ".relay-7"
+
+    def asks(beat_age_s: float | None, show: str) -> tuple[bool, int]:
+        (state / "show").write_text(show + "\n")
+        (state / "calls").write_text("")
+        if beat_age_s is None:
+            beat.unlink(missing_ok=True)
+        else:
+            beat.write_text(f"{time.time() - beat_age_s:.0f}\n")
+        lost = job._batch_host_lost(env)
+        return lost, len((state / "calls").read_text().splitlines())
+
+    lost_host = line.format(state="COMPLETING", host="node1")
+    assert asks(300, lost_host) == (True, 1)
+    assert asks(300, line.format(state="COMPLETING", host="node2")) == (False, 1)  # a cancel: its host completes last
+    assert asks(5, lost_host) == (False, 0)  # the relay lives: the main thread decides, no Slurm call
+    assert asks(None, lost_host) == (False, 0)  # no beat (an older batch script): as before
+    monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # no spares
+    assert asks(300, lost_host) == (False, 0)
 
 
 def test_the_start_up_an_in_job_restart_expects_is_the_slowest_measured() -> None:
@@ -925,7 +1020,8 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
     assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
     report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
-    assert f"in_job_restart (in process; {first['rank_nodes'][dead[0]]} -> {spare})" in report, report
+    left = f" (left out: {lost}; 0 spare(s) left)" if victim == "down" else ""
+    assert f"in_job_restart{left} (in process; {lost} -> {spare})" in report, report
 
 
 @pytest.mark.slurm
@@ -1153,8 +1249,8 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
     status, calls, marker, _ = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, DECIDES_ONCE)
     assert status == 0 and not marker.exists()
     assert [c.split(" python")[0] for c in calls] == [  # --no-kill: a lost node's tasks die, not the step's
-        "--no-kill --nodes=2 --ntasks=4 --unbuffered",
-        "--no-kill --nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
+        "--no-kill --kill-on-bad-exit=0 --nodes=2 --ntasks=4 --unbuffered",
+        "--no-kill --kill-on-bad-exit=0 --nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
     ]
     status, calls, marker, _ = _relay(tmp_path / "b", "", None, DECIDES_ONCE)
     assert status == 145 and len(calls) == 1 and calls[0].startswith("--unbuffered python")
@@ -1183,7 +1279,11 @@ def test_the_relaunch_survives_set_e_and_runs_only_our_own_options(tmp_path: Pat
     or holds other words than job._relaunch writes (--task-prolog, --export: code run as this user) is not used:
     the step's status is the job's, the marker removed."""
     status, calls, marker, _ = _relay(tmp_path / "e", "--nodes=2 --ntasks=4", None, DECIDES_ONCE, "set -euo pipefail")
-    assert status == 0 and len(calls) == 2 and calls[1].startswith("--no-kill --nodes=2 --ntasks=4 --exclude=node2 ")
+    assert (
+        status == 0
+        and len(calls) == 2
+        and calls[1].startswith("--no-kill --kill-on-bad-exit=0 --nodes=2 --ntasks=4 --exclude=node2 ")
+    )
     plant = {
         "prolog": 'echo "--nodes=2 --ntasks=4 --task-prolog=/tmp/x" > "$MARKER"; exit 145',
         "export": 'echo "--nodes=2 --ntasks=4 --export=ALL,LD_PRELOAD=/tmp/x.so" > "$MARKER"; exit 145',
@@ -1215,12 +1315,26 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
     )
     assert status == 0 and not marker.exists(), err
     assert [c.split(" python")[0] for c in calls] == [
-        "--no-kill --nodes=2 --ntasks=4 --unbuffered",
-        "--no-kill --nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
+        "--no-kill --kill-on-bad-exit=0 --nodes=2 --ntasks=4 --unbuffered",
+        "--no-kill --kill-on-bad-exit=0 --nodes=2 --ntasks=4 --exclude=node2 --unbuffered",
     ], err
     assert "did not end within 1 s of its relaunch marker; sent srun SIGTERM, which kills every task" in err
     assert ("srun still runs 1 s after SIGTERM, a task stuck in D state?; sent srun SIGKILL" in err) is unkillable
     assert f"training step ended with status {137 if unkillable else 143}; relaunching" in err
+
+
+def test_the_relay_writes_its_beat_while_the_step_runs(tmp_path: Path) -> None:
+    """With spares the relay writes the time into FOLDER/.relay-JOBID while the step runs (job._relaunch and the
+    watchdog read it: a silent relay is a lost batch host), through a fresh mktemp file each time (no temp name a
+    teammate could plant a symlink at), leaving no temp file; without spares it writes nothing."""
+    t0 = time.time()
+    status, calls, marker, err = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, "sleep 2; exit 0")
+    beat = marker.parent / ".relay-77"
+    assert status == 0 and len(calls) == 1, err
+    assert t0 - 1 <= int(beat.read_text()) <= time.time() and not beat.is_symlink()
+    assert sorted(p.name for p in marker.parent.iterdir() if p.name.startswith(".relay")) == [".relay-77"]
+    status, calls, marker, err = _relay(tmp_path / "b", "", None, "sleep 2; exit 0")
+    assert status == 0 and not (marker.parent / ".relay-77").exists(), err
 
 
 def test_a_step_that_outlives_its_runs_finish_is_ended_completed(tmp_path: Path) -> None:

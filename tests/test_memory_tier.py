@@ -180,7 +180,7 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
 ) -> None:
     """Review of issue 20: a rank that did not decide waited 60 s for the verdict on record, then removed its
     node's copies as if there were no relaunch; a deciding rank slower than that (a hang's blame, scontrol
-    retries: up to ~226 s) relaunched onto nodes whose copies were gone. Seeded verdicts, nodes left out and
+    retries: up to ~259 s) relaunched onto nodes whose copies were gone. Seeded verdicts, nodes left out and
     decision times around the wait (job.VERDICT_WAIT_S, 1 s here): the copies go only on a verdict seen that
     no step in this allocation reads them by; a verdict seen in time is acted on; none seen keeps them."""
     import threading
