@@ -230,8 +230,9 @@ def fake_clients(tmp_path: Path, scripts: dict[str, str]) -> tuple[Path, Path]:
 
 
 def sacct_state(job_id: str, env: dict[str, str]) -> str:
+    """The job's state in sacct: its last record (a --no-kill job that lost a node has a RESIZING one first)."""
     out = run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], env=env).stdout.split()
-    return out[0] if out else ""
+    return out[-1] if out else ""
 
 
 def wait_finished(run_dir: Path, job_id: str, env: dict[str, str], timeout_s: float = 240) -> dict[str, Any]:

@@ -1020,8 +1020,9 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
     assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
     report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
-    left = f" (left out: {lost}; 0 spare(s) left)" if victim == "down" else ""
-    assert f"in_job_restart{left} (in process; {lost} -> {spare})" in report, report
+    # down: the table wraps the row's end ("(in process; ..." on the next line), as in the shrink test
+    end = f" (left out: {lost}; 0 spare(s) left)" if victim == "down" else f" (in process; {lost} -> {spare})"
+    assert f"in_job_restart{end}" in report, report
 
 
 @pytest.mark.slurm

@@ -101,3 +101,13 @@ def test_budgets_count_only_their_own_reason() -> None:
         "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)",
     )
     assert decide("time_limit", [], budgets, "running")[0] == "stop"
+
+
+def test_sacct_states_take_a_jobs_last_record() -> None:
+    """A --no-kill job (hot spares) that lost a node has two records in `sacct -X` (captured on the dev cluster):
+    the allocation before Slurm took the node out, RESIZING, then the rest. Its state is the last one's."""
+    from hpc_train.slurm import parse_sacct_states
+
+    text = "30|RESIZING\n30|COMPLETED\n31|RUNNING\n"
+    assert parse_sacct_states(text, ["30", "31"]) == {"30": "COMPLETED", "31": "RUNNING"}
+    assert parse_sacct_states("30|RESIZING\n", ["30"]) == {"30": "RESIZING"}
