@@ -62,7 +62,8 @@ def main() -> None:
         name = "memory tier every step" if memory else "disk only"
         print(
             f"{name}: {fig['faults']} faults, {fig['in_job_restarts']} in-job restarts, Slurm {storm.restarts}, "
-            f"finished with the uninterrupted run's weights: {fig['finished'] and not violations}"
+            f"finished with the uninterrupted run's weights: "
+            f"{bool(storm.summary) and storm.summary['params_sha256'] == storm.reference['params_sha256']}"
         )
         per = fig["per_fault"]
         print(_line("all", per))

@@ -29,6 +29,7 @@ import gc
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -46,7 +47,7 @@ from hpc_train.paths import (
     locked,
     make_dir,
     relaunch_marker,
-    relay_silent_s,
+    relay_beat,
     untrusted,
     write_atomic,
 )
@@ -243,14 +244,17 @@ def requeue_or_stop(
     held: slurm.Allocation | None = None
     if cfg.cluster.spare_nodes and env.executor == "slurm" and (not stopping or fate == "batch_host_lost"):
         held = slurm.allocation(env.job_id, slurm.STOP_FATE if stopping else slurm.FATE)
-        lost = lost_nodes(os.environ.get("SLURM_JOB_NODELIST", ""), held, journal.excluded_nodes(events))
-        sick = {**lost, **(sick or {})} or None
+        allocated, known = os.environ.get("SLURM_JOB_NODELIST", ""), journal.excluded_nodes(events)
+        sick = {**lost_nodes(allocated, held, known, fate == "batch_host_lost"), **(sick or {})} or None
     action, why = preempt.decide(reason, events, budgets, fate)
     record = lambda name, **f: journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
     # Hot spares replace a failure's requeue only; the stop path's reserve (REQUEUE_RESERVE_S) has no room for
     # the EndTime call the time check makes.
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
-    if in_job and held is None:
+    in_job = in_job and fate != "batch_host_lost"  # no relay left to relaunch: requeue (and no EndTime call)
+    # No scontrol at all (a container): the lost nodes stay unknown, as before they were asked; one that does not
+    # answer may be too busy to have noticed a lost node yet: a relaunch could count it
+    if in_job and held is None and shutil.which("scontrol"):
         print(
             "[hpc_train] not restarting inside the allocation: Slurm did not say which nodes the job holds now "
             "(scontrol show job); requeueing",
@@ -394,6 +398,18 @@ def _in_job_restart(
 # shared file system), far under the SlurmdTimeout (300 s by default) after which Slurm itself takes a silent
 # node out of the job.
 RELAY_SILENT_S = 30.0
+RELAY_RECHECK_S = 6.0  # a beat that looks old is read again this much later: unchanged, the relay is gone
+
+
+def _relay_silent_s(folder: Path, slurm_job: str) -> float:
+    """How long the batch script's relay has been silent (its node lost), or 0.0 when it lives or nobody knows
+    (paths.relay_beat). Older than RELAY_SILENT_S by this node's clock, the beat is read once more
+    RELAY_RECHECK_S later: a changed one is a live relay on a node whose clock is behind, not a lost one."""
+    beat = relay_beat(folder, slurm_job)
+    if beat is None or time.time() - beat <= RELAY_SILENT_S:
+        return 0.0
+    time.sleep(RELAY_RECHECK_S)
+    return time.time() - beat if relay_beat(folder, slurm_job) == beat else 0.0
 
 
 def _relaunch(
@@ -420,8 +436,7 @@ def _relaunch(
             flush=True,
         )
         return False
-    silent = relay_silent_s(Path(folder), slurm_job, time.time())
-    if silent is not None and silent > RELAY_SILENT_S:  # the relay's node is lost: nobody would read a marker
+    if silent := _relay_silent_s(Path(folder), slurm_job):  # the relay's node is lost: nobody would read a marker
         print(
             f"[hpc_train] not restarting inside the allocation: the batch script's relay last wrote "
             f"{Path(folder) / ('.relay-' + slurm_job)} {silent:.0f} s ago (its node lost?); requeueing",
@@ -712,13 +727,15 @@ def _after_failure(
     return verdict, cfg.cluster.preempt_grace_s
 
 
-def lost_nodes(allocated: str, now: slurm.Allocation | None, known: Collection[str] = ()) -> dict[str, str]:
+def lost_nodes(
+    allocated: str, now: slurm.Allocation | None, known: Collection[str] = (), batch_host_lost: bool = False
+) -> dict[str, str]:
     """The nodes Slurm took out of this job since it started, {node: why} (pure). With hot spares the job is
     submitted --no-kill, so a failed node (silent for SlurmdTimeout, or set DOWN by an admin or a health check) is
     excised from it and the tasks there killed while the job goes on (slurm.allocation); `allocated`:
     SLURM_JOB_NODELIST, which keeps the first list. Once the job ends (COMPLETING lists only the nodes still
-    completing: an idle spare drops out in ms) only the batch host can be named lost, when it is missing: it
-    completes last, since the batch shell outlives its steps. Not those `known` (left out already,
+    completing: an idle spare drops out in ms) only the batch host, and only when Slurm's fate says so
+    (batch_host_lost: its script killed with its node, slurm.parse_fate). Not those `known` (left out already,
     journal.excluded_nodes): blamed again at a later failure of the same allocation, such a node read as "sick
     again though left out" and stopped the run. {} when Slurm did not answer (now None)."""
     from hpc_train.env import parse_nodelist
@@ -727,7 +744,7 @@ def lost_nodes(allocated: str, now: slurm.Allocation | None, known: Collection[s
         return {}
     if now.state != "RUNNING":
         host = now.batch_host
-        if host and host in parse_nodelist(allocated) and host not in now.nodes and host not in known:
+        if batch_host_lost and host in parse_nodelist(allocated) and host not in now.nodes and host not in known:
             return {host: f"{host}, the batch script's node, left the job's allocation: a node failure ended the job"}
         return {}
     return {
@@ -1167,20 +1184,19 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
     env0 = env
 
     def watch() -> None:
-        renewed, asked = time.monotonic(), False
+        renewed, asked = time.monotonic(), ""
         while time.monotonic() - preempt.last_beat[0] < limit_s:
             time.sleep(min(5.0, limit_s / 10))
             now = _placed[0] or env0  # an in-process restart rejoins under another rank and attempt
             if now.rank == 0 and time.monotonic() - renewed >= preempt.LEASE_RENEW_S:
                 _renew_lease(paths, now)
                 renewed = time.monotonic()
-            if not asked and "SIGTERM" in preempt.received and _batch_host_lost(now):
+            if not asked and _blocked_at_term() and (asked := _batch_host_lost(now)) == "lost":
                 why = "the batch script's node was lost: Slurm ended the job while this rank waited in a collective"
                 print(f"[hpc_train] rank {now.rank}: {why}; deciding now", file=sys.stderr, flush=True)
                 _log_fail(paths, now, why)
                 verdict, grace_s = _after_failure(paths, now, RuntimeError(why))
                 _leave(verdict if verdict in ("wait", "relaunch") else "stop", grace_s)
-            asked = asked or "SIGTERM" in preempt.received
         env = _placed[0] or env0
         print(
             f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow",
@@ -1197,20 +1213,28 @@ def _start_watchdog(limit_s: float, paths: RunPaths, env: Any) -> None:
     threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()
 
 
-def _batch_host_lost(env: Any) -> bool:
-    """At a SIGTERM, in the watchdog thread (the main one may be blocked in a collective on a peer that died with
-    no reset: a crashed node): has a spares job lost its batch script's node? Its relay's beat is older than
-    RELAY_SILENT_S (no Slurm call otherwise: a preemption TERMs every rank) and Slurm says so (one 10 s try).
+def _blocked_at_term() -> bool:
+    """A SIGTERM came and the loop has not beaten since (Attempt.should_stop beats before it all-reduces the stop
+    flag): the main thread is blocked, not saving for the stop, which the watchdog must not cut short."""
+    if "SIGTERM" not in preempt.received:
+        return False
+    return preempt.last_beat[0] < preempt.received_at[preempt.received.index("SIGTERM")]
+
+
+def _batch_host_lost(env: Any) -> str:
+    """At a SIGTERM, in the watchdog thread (the main one blocked in a collective on a peer that died with no
+    reset: a crashed node): has a spares job lost its batch script's node? "lost", "alive" (Slurm said not: not
+    asked again), "" (no evidence yet: asked again at the next poll). Only with the relay's beat silent
+    (_relay_silent_s: no Slurm call otherwise, as a preemption TERMs every rank) is Slurm asked (one 10 s try).
     Slurm ends such a --no-kill job without a requeue and SIGKILLs the ranks after KillWait (30 s by default), so
     the watchdog decides then: a requeue as a failure, where the blocked main thread would have died undecided."""
     folder, job_id = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
     if env.executor != "slurm" or not (folder and job_id and os.environ.get("HPC_TRAIN_STEP_ARGS")):
-        return False
-    silent = relay_silent_s(Path(folder), job_id, time.time())
-    if silent is None or silent <= RELAY_SILENT_S:
-        return False
+        return "alive"
+    if not _relay_silent_s(Path(folder), job_id):
+        return ""
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    return slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE) == "batch_host_lost"
+    return "lost" if slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE) == "batch_host_lost" else "alive"
 
 
 def _read_lease(paths: RunPaths) -> dict[str, Any] | None:

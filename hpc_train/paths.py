@@ -143,17 +143,18 @@ def relaunch_marker(submitit_folder: Path, slurm_job_id: str) -> Path:
     return submitit_folder / f".relaunch-{slurm_job_id}"
 
 
-def relay_silent_s(submitit_folder: Path, slurm_job_id: str, now: float) -> float | None:
-    """Seconds since the batch script's relay last wrote the time into FOLDER/.relay-JOBID (every 5 s while a
-    spares job's step runs: sbatch_templates/signal_relay.sh); None when unknown: no such file (a batch script
-    from before it), a symlink, a file of another user or not a number (trusted only from this user)."""
+def relay_beat(submitit_folder: Path, slurm_job_id: str) -> float | None:
+    """When the batch script's relay last wrote FOLDER/.relay-JOBID (Unix s, the batch host's clock; every 5 s while
+    a spares job's step runs: sbatch_templates/signal_relay.sh); None when unknown: no such file (a batch script
+    from before it, or between two steps), a symlink, a file of another user, not a positive number."""
     beat = submitit_folder / f".relay-{slurm_job_id}"
     try:
         if beat.is_symlink() or beat.stat().st_uid != os.geteuid():
             return None
-        return now - float(beat.read_text().strip())  # an open and a read: fresh on NFS (close-to-open)
+        at = float(beat.read_text().strip())  # an open and a read: fresh on NFS (close-to-open)
     except (OSError, ValueError):
         return None
+    return at if at > 0 else None
 
 
 # A journal line waits at most this long for another writer's lock, then goes in unlocked: a holder that

@@ -253,11 +253,14 @@ def parse_fate(text: str, restart_count: int) -> str:
         return "unknown"
     if int(restarts) > restart_count:
         return "requeued"
-    batch_host, nodelist = fields.get("BatchHost", ""), fields.get("NodeList", "")
-    if batch_host and nodelist not in ("", "(null)") and batch_host not in parse_nodelist(nodelist):
-        return "batch_host_lost"
     if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
         return "running"  # the limit came during the stop: a finished job can still be requeued
+    # 22.05's _job_complete: a batch script ended by a signal (SIGKILL with its node) is FAILED, Reason
+    # JobLaunchFailure; its node is out of NodeList, which while COMPLETING lists the nodes still completing
+    batch_host, nodelist = fields.get("BatchHost", ""), fields.get("NodeList", "")
+    host_gone = batch_host and nodelist not in ("", "(null)") and batch_host not in parse_nodelist(nodelist)
+    if host_gone and state != "CANCELLED" and fields.get("Reason") == "JobLaunchFailure":
+        return "batch_host_lost"
     if state in ("CANCELLED", "COMPLETING"):
         return "cancelled"
     return "running"

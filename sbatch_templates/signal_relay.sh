@@ -43,8 +43,9 @@ srun() {
       wait "$pid" && status=0 || status=$?  # not a bare wait: under set -e in a site template its 145 would end this shell
       kill -0 "$pid" 2>/dev/null || break  # wait returned for a trapped signal: srun still runs
     done
-    [ -z "$watch" ] || kill "$watch" 2>/dev/null || true
+    [ -z "$watch" ] || { kill "$watch" 2>/dev/null; wait "$watch" 2>/dev/null; rm -f "${!#}/.relay-${SLURM_JOB_ID}".??????; } || true
     [ -n "$step" ] || return "$status"  # no hot spares: as before, srun's status is the job's
+    rm -f "${!#}/.relay-${SLURM_JOB_ID}"  # a relaunch writes it anew at once; a decision read it while the step ran
     # A listing first: on NFS this shell's negative lookup of the marker (the rm above) may be cached for
     # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
     [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1 || true
@@ -78,8 +79,9 @@ srun() {
 _hpc_train_watch() {  # srun's pid, the marker, the finished file, the beat file: end a step that outlives either
   local pid="$1" marker="$2" finished="$3" beat="$4" why="its relaunch marker" i
   while kill -0 "$pid" 2>/dev/null && [ ! -e "$marker" ] && [ ! -e "$finished" ]; do
-    # mktemp: a new file of ours (O_EXCL), never through a name a teammate planted in a group-writable folder
-    { i=$(mktemp "$beat.XXXXXX") && echo "${EPOCHSECONDS:-0}" > "$i" && mv -f "$i" "$beat"; } >/dev/null 2>&1 || true
+    # mktemp: a new file of ours (O_EXCL), never through a name a teammate planted in a group-writable folder;
+    # printf's %(%s)T, not EPOCHSECONDS: bash 4.4 (RHEL 8) has no EPOCHSECONDS and would write 0, read as silent
+    { i=$(mktemp "$beat.XXXXXX") && { printf '%(%s)T\n' -1 > "$i" && mv -f "$i" "$beat" || rm -f "$i"; }; } >/dev/null 2>&1 || true
     sleep 5 >/dev/null 2>&1  # no pipe held
   done
   [ -e "$marker" ] || why="its run's finish (${finished##*/})"

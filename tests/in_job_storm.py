@@ -16,7 +16,7 @@ fault really is on this cluster:
                 the same nodes once the batch script's relay has ended the step it holds
                 (HPC_TRAIN_STEP_END_S after the relaunch marker, then srun's SIGKILL to every task)
     node-loss   the node fails as Slurm sees it: `scontrol update State=DOWN` (what slurmctld does to a node
-                silent for SlurmdTimeout), then DRAIN so that it stays out once its slurmd registers again
+                silent for SlurmdTimeout), DRAINed first so that it stays out once its slurmd registers again
                 (ReturnToService=2) until the storm ends. The job is --no-kill (hot spares): Slurm takes the
                 node out of it and kills the tasks there; the deciding survivor blames it (job.lost_nodes)
                 and the step is relaunched without it, on a spare. Never the batch script's node, whose loss
@@ -197,7 +197,9 @@ def run_storm(
                 )
             elif fault == "node-loss":
                 t0 = time.time()
-                for state in ("DOWN", "DRAIN"):
+                # DRAIN first: the DOWN node's slurmd answers at once and ReturnToService=2 makes it IDLE, and
+                # a DRAIN after it lost the race to the competitor once (6 ms); DOWN keeps the DRAIN flag
+                for state in ("DRAIN", "DOWN"):
                     proc = run(["scontrol", "update", f"NodeName={node}", f"State={state}", "Reason=storm"], env=env)
                     assert proc.returncode == 0, proc.stderr
                 storm.lost.append(node)

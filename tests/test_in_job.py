@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -152,12 +153,15 @@ def test_a_node_slurm_took_out_of_the_job_is_blamed() -> None:
         "node4",
     ]
     ended = slurm.Allocation("COMPLETING", ["node2"], "node1")  # the batch host lost, node3 done completing
-    assert job.lost_nodes("node[1-3]", ended) == {
+    assert job.lost_nodes("node[1-3]", ended, batch_host_lost=True) == {
         "node1": "node1, the batch script's node, left the job's allocation: a node failure ended the job"
     }
-    assert job.lost_nodes("node[1-3]", ended._replace(nodes=["node1"])) == {}  # cancelled: completing, not lost
-    assert job.lost_nodes("node[1-3]", ended._replace(state="FAILED")) == job.lost_nodes("node[1-3]", ended)
-    assert job.lost_nodes("node[1-3]", ended, {"node1": "earlier"}) == {}
+    # a cancel or a time limit whose batch host finished completing first: not lost (review: fate first)
+    assert job.lost_nodes("node[1-3]", ended) == {}
+    assert job.lost_nodes("node[1-3]", ended._replace(nodes=["node1"]), batch_host_lost=True) == {}
+    failed = ended._replace(state="FAILED")
+    assert job.lost_nodes("node[1-3]", failed, batch_host_lost=True) == job.lost_nodes("node[1-3]", ended, (), True)
+    assert job.lost_nodes("node[1-3]", ended, {"node1": "earlier"}, batch_host_lost=True) == {}
     # one line of `scontrol show job -o`, as the dev cluster printed it after node2 went DOWN
     line = "JobId=6 JobName=lose-1.b JobState=RUNNING Reason=None NodeList=node[1,3] BatchHost=node1 NumNodes=2"
     assert slurm.parse_allocation(line) == running
@@ -172,8 +176,9 @@ def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.Mo
     it), a symlink or not a number is no evidence: the relaunch goes on, as before."""
     from types import SimpleNamespace
 
-    from hpc_train.paths import relay_silent_s
+    from hpc_train.paths import relay_beat
 
+    monkeypatch.setattr(job, "RELAY_RECHECK_S", 0.2)
     folder = tmp_path / "submitit"
     folder.mkdir()
     monkeypatch.setenv("SUBMITIT_FOLDER", str(folder))
@@ -188,18 +193,23 @@ def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.Mo
         marker.unlink(missing_ok=True)
         return job._relaunch(SimpleNamespace(job_id="7"), cfg, "failure", nodes, ["node2"], 0, record, 2)
 
-    assert relay_silent_s(folder, "7", time.time()) is None and relaunch() and marker.exists()  # no beat: as before
+    assert relay_beat(folder, "7") is None and relaunch() and marker.exists()  # no beat: as before
     beat.write_text(f"{time.time() - 10:.0f}\n")
     assert relaunch() and marker.exists()
     beat.write_text(f"{time.time() - job.RELAY_SILENT_S - 5:.0f}\n")
     assert not relaunch() and not marker.exists() and len(recorded) == 2  # nothing recorded: the requeue decides
-    beat.write_text("garbage")
-    assert relay_silent_s(folder, "7", time.time()) is None and relaunch()
+    for junk in ("garbage", "0\n"):  # 0: a bash without EPOCHSECONDS (4.4, RHEL 8), before printf's %(%s)T
+        beat.write_text(junk)
+        assert relay_beat(folder, "7") is None and relaunch()
+    # old by this node's clock but written again within RELAY_RECHECK_S: a live relay on a node whose clock is behind
+    beat.write_text(f"{time.time() - 300:.0f}\n")
+    threading.Timer(0.05, lambda: beat.write_text(f"{time.time() - 295:.0f}\n")).start()
+    assert relaunch() and marker.exists()
     beat.unlink()
     old = tmp_path / "old"
     old.write_text("1")
     beat.symlink_to(old)  # a teammate's planted name: not the relay's word
-    assert relay_silent_s(folder, "7", time.time()) is None and relaunch()
+    assert relay_beat(folder, "7") is None and relaunch()
 
 
 def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collective(
@@ -208,8 +218,9 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
     """A node that crashes sends no reset: the survivors' collective blocks, and when Slurm takes the batch host out
     (SlurmdTimeout) it ends the --no-kill job with no requeue and TERMs them, then SIGKILLs them after KillWait. The
     watchdog thread asks (job._batch_host_lost): only at a SIGTERM, only with the relay silent past RELAY_SILENT_S
-    (a preemption TERMs every rank: no Slurm call from each), and then believes Slurm's fate (a fake scontrol: a real
-    one cannot be made to show a crashed batch host in a test's time)."""
+    (a preemption TERMs every rank: no Slurm call from each; a beat that looks old is read again RELAY_RECHECK_S
+    later), and then believes Slurm's fate (a fake scontrol: a real one cannot be made to show a crashed batch host in
+    a test's time)."""
     from conftest import fake_clients
 
     folder = tmp_path / "submitit"
@@ -222,6 +233,7 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     env = SimpleNamespace(executor="slurm", job_id="7")
     beat = folder / ".relay-7"
+    monkeypatch.setattr(job, "RELAY_RECHECK_S", 0.05)
 
     def asks(beat_age_s: float | None, show: str) -> tuple[bool, int]:
         (state / "show").write_text(show + "\n")
@@ -234,12 +246,22 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
         return lost, len((state / "calls").read_text().splitlines())
 
     lost_host = line.format(state="COMPLETING", host="node1")
-    assert asks(300, lost_host) == (True, 1)
-    assert asks(300, line.format(state="COMPLETING", host="node2")) == (False, 1)  # a cancel: its host completes last
-    assert asks(5, lost_host) == (False, 0)  # the relay lives: the main thread decides, no Slurm call
-    assert asks(None, lost_host) == (False, 0)  # no beat (an older batch script): as before
+    assert asks(300, lost_host) == ("lost", 1)
+    assert asks(300, line.format(state="COMPLETING", host="node2")) == ("alive", 1)  # its host still completing
+    assert asks(300, lost_host.replace("JobLaunchFailure", "None")) == ("alive", 1)  # a cancel: its host done first
+    assert asks(5, lost_host) == ("", 0)  # the relay lives: no Slurm call, asked again at the next poll
+    assert asks(None, lost_host) == ("", 0)  # no beat (an older batch script): as before
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # no spares
-    assert asks(300, lost_host) == (False, 0)
+    assert asks(300, lost_host) == ("alive", 0)
+    # the watchdog asks only while the loop has not beaten since the TERM: a loop saving for the stop beat first
+    monkeypatch.setattr(preempt, "received", ["SIGUSR2", "SIGTERM"])
+    monkeypatch.setattr(preempt, "received_at", [100.0, 200.0])
+    monkeypatch.setattr(preempt, "last_beat", [150.0])
+    assert job._blocked_at_term()
+    monkeypatch.setattr(preempt, "last_beat", [201.0])
+    assert not job._blocked_at_term()
+    monkeypatch.setattr(preempt, "received", ["SIGUSR2"])
+    assert not job._blocked_at_term()
 
 
 def test_the_start_up_an_in_job_restart_expects_is_the_slowest_measured() -> None:
@@ -1327,15 +1349,16 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
 def test_the_relay_writes_its_beat_while_the_step_runs(tmp_path: Path) -> None:
     """With spares the relay writes the time into FOLDER/.relay-JOBID while the step runs (job._relaunch and the
     watchdog read it: a silent relay is a lost batch host), through a fresh mktemp file each time (no temp name a
-    teammate could plant a symlink at), leaving no temp file; without spares it writes nothing."""
+    teammate could plant a symlink at), and removes it with any temp file once the step ended; without spares it
+    writes nothing. The fake step copies what it sees after 2 s."""
     t0 = time.time()
-    status, calls, marker, err = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, "sleep 2; exit 0")
-    beat = marker.parent / ".relay-77"
+    seen = 'sleep 2; cp "$(dirname "$MARKER")/.relay-77" "$MARKER.seen" 2>/dev/null; exit 0'
+    status, calls, marker, err = _relay(tmp_path / "a", "--nodes=2 --ntasks=4", None, seen)
     assert status == 0 and len(calls) == 1, err
-    assert t0 - 1 <= int(beat.read_text()) <= time.time() and not beat.is_symlink()
-    assert sorted(p.name for p in marker.parent.iterdir() if p.name.startswith(".relay")) == [".relay-77"]
-    status, calls, marker, err = _relay(tmp_path / "b", "", None, "sleep 2; exit 0")
-    assert status == 0 and not (marker.parent / ".relay-77").exists(), err
+    assert t0 - 1 <= int(Path(f"{marker}.seen").read_text()) <= time.time()
+    assert not [p.name for p in marker.parent.iterdir() if p.name.startswith(".relay")]  # removed at the end
+    status, calls, marker, err = _relay(tmp_path / "b", "", None, seen)
+    assert status == 0 and not Path(f"{marker}.seen").exists(), err
 
 
 def test_a_step_that_outlives_its_runs_finish_is_ended_completed(tmp_path: Path) -> None:

@@ -49,6 +49,12 @@ def test_a_job_that_lost_its_batch_host_is_requeued_by_us() -> None:
     assert parse_fate(BATCH_HOST_LOST.replace("Restarts=0", "Restarts=1"), 0) == "requeued"
     assert parse_fate(REQUEUED + " NodeList=(null) BatchHost=node1", 0) == "requeued"
     assert parse_fate(RUNNING + " NodeList=(null) BatchHost=node1", 0) == "running"
+    # a cancel or a time limit whose batch host finished completing before the others: not lost (review)
+    assert parse_fate(BATCH_HOST_LOST.replace("FAILED", "COMPLETING").replace("JobLaunchFailure", "None"), 0) == (
+        "cancelled"
+    )
+    assert parse_fate(BATCH_HOST_LOST.replace("JobLaunchFailure", "TimeLimit"), 0) == "running"
+    assert parse_fate(BATCH_HOST_LOST.replace("FAILED", "CANCELLED"), 0) == "cancelled"
     b = RequeueConfig(max_failures=2)
     assert preempt.decide("failure", [], b, "batch_host_lost") == ("requeue", "")  # as a failure, in its budget
     assert preempt.decide("failure", [{"event": "requeue", "reason": "failure"}] * 2, b, "batch_host_lost")[0] == "stop"
