@@ -984,6 +984,17 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     assert [(e["node"], e["restart"]) for e in events if e["event"] == "node_excluded"] == [(sick, 1)]
 
 
+def _finished_after_node_down(node: str, run_dir: Path, job_id: str, env: dict[str, str]) -> dict:
+    """`node` set DOWN, as slurmctld does to a node silent for SlurmdTimeout; the run's summary once its job ended;
+    the node put back (ReturnToService=2 returns it once its slurmd registers; make sure)."""
+    try:
+        proc = run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=test"], env=env)
+        assert proc.returncode == 0, proc.stderr
+        return wait_finished(run_dir, job_id, env, timeout_s=300)
+    finally:
+        run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env)
+
+
 @pytest.mark.slurm
 @pytest.mark.usefixtures("no_node_left_drained")
 @pytest.mark.parametrize("victim", ["last", "first", "node", "down"])
@@ -1007,12 +1018,7 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     dead = [0] if victim == "first" else list(range(first["world_size"] - per, first["world_size"]))
     lost = first["rank_nodes"][dead[0]]
     if victim == "down":
-        try:
-            proc = run(["scontrol", "update", f"NodeName={lost}", "State=DOWN", "Reason=test"], env=slurm_env)
-            assert proc.returncode == 0, proc.stderr
-            summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
-        finally:  # ReturnToService=2 brings it back once its slurmd registers; make sure
-            run(["scontrol", "update", f"NodeName={lost}", "State=RESUME"], env=slurm_env)
+        summary = _finished_after_node_down(lost, run_dir, job_id, slurm_env)
     else:
         action = "lose-node" if victim == "node" else "kill-rank"
         done = run([HPC_TRAIN, "chaos", str(run_dir), action, "--rank", str(dead[-1])], env=slurm_env)
@@ -1062,12 +1068,7 @@ def test_losing_the_batch_scripts_node_requeues_the_job_without_it(
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
     fields = slurm.parse_key_values(run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout)
     host = fields["BatchHost"]
-    try:
-        proc = run(["scontrol", "update", f"NodeName={host}", "State=DOWN", "Reason=test"], env=slurm_env)
-        assert proc.returncode == 0, proc.stderr
-        summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
-    finally:  # ReturnToService=2 brings it back once its slurmd registers; make sure
-        run(["scontrol", "update", f"NodeName={host}", "State=RESUME"], env=slurm_env)
+    summary = _finished_after_node_down(host, run_dir, job_id, slurm_env)
     assert summary["params_sha256"] == reference["params_sha256"]
     events = read_events(run_dir)
     (requeue,) = [e for e in events if e["event"] == "requeue"]
