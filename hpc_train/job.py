@@ -251,7 +251,9 @@ def requeue_or_stop(
     # Hot spares replace a failure's requeue only; the stop path's reserve (REQUEUE_RESERVE_S) has no room for
     # the EndTime call the time check makes.
     in_job = cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not stopping
-    in_job = in_job and fate != "batch_host_lost"  # no relay left to relaunch: requeue (and no EndTime call)
+    if in_job and fate == "batch_host_lost":  # no relay left to relaunch: requeue (and no EndTime call)
+        in_job = False
+        print(f"[hpc_train] not restarting inside the allocation: {preempt.BATCH_HOST_LOST}", file=sys.stderr)
     # No scontrol at all (a container): the lost nodes stay unknown, as before they were asked; one that does not
     # answer may be too busy to have noticed a lost node yet: a relaunch could count it
     if in_job and held is None and shutil.which("scontrol"):

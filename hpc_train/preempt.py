@@ -224,6 +224,11 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
     return "requeue", ""
 
 
+BATCH_HOST_LOST = (
+    "the batch script's node was lost (Slurm ended the job): nothing here can relaunch the step; requeueing"
+)
+
+
 def in_job_restart(
     spare_nodes: int,
     action: str,
@@ -258,9 +263,7 @@ def in_job_restart(
     if not spare_nodes or action != "requeue":
         return 0, "no spares asked for" if not spare_nodes else f"not a requeue ({action})"
     if fate == "batch_host_lost":  # before the signals: the job's end sent its tasks a SIGTERM too
-        return 0, (
-            "the batch script's node was lost (Slurm ended the job): nothing here can relaunch the step; requeueing"
-        )
+        return 0, BATCH_HOST_LOST
     if reason not in ("failure", "node_health") or signals:
         return 0, f"a stop signal ({reason}, {signals}): the stop save and the requeue give the allocation back"
     if fate not in ("running", "unknown"):
