@@ -244,6 +244,8 @@ def requeue_or_stop(
     held: slurm.Allocation | None = None
     if cfg.cluster.spare_nodes and env.executor == "slurm" and (not stopping or fate == "batch_host_lost"):
         held = slurm.allocation(env.job_id, slurm.STOP_FATE if stopping else slurm.FATE)
+        # read after the fate: the batch host may have left NodeList since (Slurm ends the job ms later)
+        fate = "batch_host_lost" if held and slurm.batch_host_lost(held) else fate
         allocated, known = os.environ.get("SLURM_JOB_NODELIST", ""), journal.excluded_nodes(events)
         sick = {**lost_nodes(allocated, held, known, fate == "batch_host_lost"), **(sick or {})} or None
     action, why = preempt.decide(reason, events, budgets, fate)

@@ -149,6 +149,7 @@ def relay_beat(submitit_folder: Path, slurm_job_id: str) -> float | None:
     from before it, or between two steps), a symlink, a file of another user, not a positive number."""
     beat = submitit_folder / f".relay-{slurm_job_id}"
     try:
+        os.listdir(submitit_folder)  # NFS: revalidates the folder, so the name finds the newest rename, not a cached
         if beat.is_symlink() or beat.stat().st_uid != os.geteuid():
             return None
         at = float(beat.read_text().strip())  # an open and a read: fresh on NFS (close-to-open)

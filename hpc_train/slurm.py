@@ -245,8 +245,6 @@ def parse_fate(text: str, restart_count: int) -> str:
     in its grace time: we requeue), "batch_host_lost" (a --no-kill job, one with hot spares, whose batch
     script's node failed: Slurm took that node out and ended the job, JobLaunchFailure, without requeueing
     it as it would without --no-kill; we requeue, as a failure), "unknown"."""
-    from hpc_train.env import parse_nodelist
-
     fields = parse_key_values(text)
     state, restarts = fields.get("JobState"), fields.get("Restarts", "")
     if state is None or not restarts.isdigit():
@@ -255,11 +253,7 @@ def parse_fate(text: str, restart_count: int) -> str:
         return "requeued"
     if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
         return "running"  # the limit came during the stop: a finished job can still be requeued
-    # 22.05's _job_complete: a batch script ended by a signal (SIGKILL with its node) is FAILED, Reason
-    # JobLaunchFailure; its node is out of NodeList, which while COMPLETING lists the nodes still completing
-    batch_host, nodelist = fields.get("BatchHost", ""), fields.get("NodeList", "")
-    host_gone = batch_host and nodelist not in ("", "(null)") and batch_host not in parse_nodelist(nodelist)
-    if host_gone and state != "CANCELLED" and fields.get("Reason") == "JobLaunchFailure":
+    if (job := parse_allocation(text)) and batch_host_lost(job):
         return "batch_host_lost"
     if state in ("CANCELLED", "COMPLETING"):
         return "cancelled"
@@ -318,6 +312,7 @@ class Allocation(NamedTuple):
     state: str  # JobState: RUNNING while the job runs; COMPLETING / FAILED ... once it ends
     nodes: list[str]  # NodeList: the allocation while RUNNING; once COMPLETING only the nodes still completing
     batch_host: str  # BatchHost: where the batch script (the relay) runs
+    reason: str = ""  # Reason: JobLaunchFailure once a batch script killed by a signal ended the job
 
 
 def parse_allocation(text: str) -> Allocation | None:
@@ -329,7 +324,18 @@ def parse_allocation(text: str) -> Allocation | None:
         return None
     nodelist = fields.get("NodeList", "")
     nodes = parse_nodelist(nodelist) if nodelist not in ("", "(null)") else []
-    return Allocation(fields["JobState"], nodes, fields.get("BatchHost", ""))
+    return Allocation(fields["JobState"], nodes, fields.get("BatchHost", ""), fields.get("Reason", ""))
+
+
+def batch_host_lost(job: Allocation) -> bool:
+    """Has a --no-kill job (hot spares) lost its batch script's node? (pure) Slurm 22.05 takes a failed node out of
+    NodeList first and kills the tasks there after, so a RUNNING job without its BatchHost has lost it (ms before
+    _job_complete ends it); once it ended, its script killed by a signal (FAILED, Reason JobLaunchFailure) with its
+    node out of NodeList, which while COMPLETING lists the nodes still completing: a cancel or a time limit whose
+    batch host finished completing first reads otherwise."""
+    if not (job.batch_host and job.nodes) or job.batch_host in job.nodes:
+        return False
+    return job.state == "RUNNING" or (job.state != "CANCELLED" and job.reason == "JobLaunchFailure")
 
 
 def allocation(job_id: str, policy: tuple[float, int] = FATE) -> Allocation | None:

@@ -140,7 +140,7 @@ def test_a_node_slurm_took_out_of_the_job_is_blamed() -> None:
     """job.lost_nodes: a --no-kill job's nodes at its start (SLURM_JOB_NODELIST) against what Slurm says it holds
     now, less those left out already; once the job ends only a missing batch host (COMPLETING lists the nodes still
     completing, which an idle spare leaves in ms: it was blamed too, review); nothing when Slurm did not answer."""
-    running = slurm.Allocation("RUNNING", ["node1", "node3"], "node1")
+    running = slurm.Allocation("RUNNING", ["node1", "node3"], "node1", "None")
     assert job.lost_nodes("node[1-3]", running) == {
         "node2": "node2 left the job's allocation, a node failure (Slurm's NodeList is now node1,node3)"
     }
@@ -167,6 +167,12 @@ def test_a_node_slurm_took_out_of_the_job_is_blamed() -> None:
     assert slurm.parse_allocation(line) == running
     assert slurm.parse_allocation("slurm_load_jobs error: Invalid job id specified") is None
     assert slurm.parse_allocation("JobId=6 JobState=PENDING NodeList=(null)") == slurm.Allocation("PENDING", [], "")
+    ended_line = "JobId=8 JobState=FAILED Reason=JobLaunchFailure NodeList=node[2-3] BatchHost=node1"
+    assert slurm.parse_allocation(ended_line) == slurm.Allocation(
+        "FAILED", ["node2", "node3"], "node1", "JobLaunchFailure"
+    )
+    assert slurm.batch_host_lost(slurm.parse_allocation(ended_line)) and not slurm.batch_host_lost(running)
+    assert slurm.batch_host_lost(running._replace(nodes=["node2", "node3"]))  # RUNNING: taken out, ending in ms
 
 
 def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
