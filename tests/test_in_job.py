@@ -1094,6 +1094,27 @@ def test_losing_the_batch_scripts_node_requeues_the_job_without_it(
     assert "not restarting inside the allocation: the batch script's node was lost" in log, log
 
 
+@pytest.mark.slurm
+@pytest.mark.usefixtures("no_node_left_drained")
+def test_hot_spares_still_relaunch_in_a_container_without_slurms_clients(
+    slurm_env: dict[str, str], tmp_path: Path, reference: dict
+) -> None:
+    """The ranks have no scontrol (a container; here PATH without it, for the ranks only): the nodes the job holds
+    cannot be asked, and a killed rank is still relaunched inside the allocation, as before they were asked (review:
+    it requeued, the requeue failed without scontrol, and the run stopped)."""
+    args = [*RUN_ARGS, "cluster.spare_nodes=1", "cluster.launcher=[env,'PATH=/nonexistent']"]
+    run_dir, job_id = submit([*args, f"out_dir={tmp_path}", "name=noclients"], env=slurm_env)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
+    done = run([HPC_TRAIN, "chaos", str(run_dir), "kill-rank", "--rank", "1"], env=slurm_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
+    assert summary["params_sha256"] == reference["params_sha256"]
+    events = read_events(run_dir)
+    assert [e["event"] for e in events if e["event"] in ("in_job_restart", "requeue", "requeue_failed", "stopped")] == [
+        "in_job_restart"
+    ], events
+
+
 # An elastic resume is not bit-exact: the global batch is kept by 2 micro-batches on 1 rank (final loss measured
 # 4.2e-8 from the uninterrupted run's; test_elastic.py's requeue shrink, 6.2e-8 at worst over 80 steps).
 LOSS_RTOL = 1e-4
