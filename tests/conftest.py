@@ -230,8 +230,13 @@ def fake_clients(tmp_path: Path, scripts: dict[str, str]) -> tuple[Path, Path]:
 
 
 def sacct_state(job_id: str, env: dict[str, str]) -> str:
-    """The job's state in sacct: its last record (a --no-kill job that lost a node has a RESIZING one first)."""
-    out = run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], env=env).stdout.split()
+    """The job's state in sacct: its last record's (a --no-kill job that lost a node has a RESIZING one first), first
+    word ("CANCELLED by 0" is CANCELLED)."""
+    out = [
+        line.split()[0]
+        for line in run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], env=env).stdout.splitlines()
+        if line.split()
+    ]
     return out[-1] if out else ""
 
 
