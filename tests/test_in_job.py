@@ -1052,7 +1052,10 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
         assert (starts[1]["pids"][r] == first["pids"][r]) == (r not in dead), (r, starts[1]["pids"], first["pids"])
         assert (starts[1]["rank_nodes"][r] == spare) == (r in dead)
     failed_at = max(e["step"] for e in events if e["event"] == "fail")
-    assert starts[1]["resumed_from"].startswith("memory step") and failed_at - starts[1]["step"] <= 1, starts[1]
+    # memory_every_steps=1 loses at most 2 steps: the failure can cut the copy still in flight (of the step before
+    # the one reached: the dead rank's half of the buddy exchange never comes), and the one before it is the newest
+    # complete. .ci/run saw 26 reached, 25 cut, 24 resumed with the `down` victim.
+    assert starts[1]["resumed_from"].startswith("memory step") and failed_at - starts[1]["step"] <= 2, starts[1]
     assert starts[1]["memory"]["buddy"] == per  # the standbys' states came from the survivors' buddy copies
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
     assert " Restarts=0 " in job, job
