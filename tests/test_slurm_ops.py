@@ -69,7 +69,8 @@ def test_status_of_a_sweep_with_preempted_failed_and_finished_trials(slurm_env: 
 
 
 def test_report_of_a_run_preempted_twice(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    run_dir, _ = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=rep"], env=slurm_env)
+    # 0.5 s a step: the second `chaos preempt` lands before attempt 1's last step on loaded cores too
+    run_dir, _ = submit([*RUN_ARGS, "train.min_step_time_s=0.5", f"out_dir={tmp_path}", "name=rep"], env=slurm_env)
     for restart in (0, 1):
         wait_event(run_dir, "checkpoint_committed", restart)
         ops(["chaos", str(run_dir), "preempt"], slurm_env)
@@ -117,8 +118,12 @@ def test_chaos_actions_lead_to_requeue_and_resume(slurm_env: dict[str, str], tmp
     """time-limit (an early USR2 counts as a preemption), an operator's requeue, one rank SIGKILLed, and
     a lost node all end in a resumed run with the reference's weights. The four runs share the cluster at
     once (4 x 4 CPUs: all of it); each only waits on its own job."""
+    # 0.5 s a step (weights alike): the fourth run's chaos comes after three other waits and chaos commands, and must
+    # still find it running
     runs = {
-        action: submit([*RUN_ARGS, f"out_dir={tmp_path}", f"name={action}"], env=slurm_env)[0]
+        action: submit(
+            [*RUN_ARGS, "train.min_step_time_s=0.5", f"out_dir={tmp_path}", f"name={action}"], env=slurm_env
+        )[0]
         for action in CHAOS_ANSWERS
     }
     for action, run_dir in runs.items():

@@ -37,7 +37,11 @@ def test_external_scontrol_requeue(slurm_env: dict[str, str], tmp_path: Path, re
 
 
 def test_two_preemptions_in_a_row(slurm_env: dict[str, str], tmp_path: Path, reference: dict) -> None:
-    run_dir, job_id = submit([*RUN_ARGS, f"out_dir={tmp_path}", "name=twice"], env=slurm_env)
+    # 0.5 s a step (weights alike): the second preemption lands between attempt 1's step-40 checkpoint and its last
+    # step on loaded cores too (at 0.25 s, 4.5 s for a poll, an sbatch and Slurm's preemption)
+    run_dir, job_id = submit(
+        [*RUN_ARGS, "train.min_step_time_s=0.5", f"out_dir={tmp_path}", "name=twice"], env=slurm_env
+    )
     preempt = high_job_preempting(slurm_env, [])
     for restart in (0, 1):
         wait_until(
