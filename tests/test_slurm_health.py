@@ -16,11 +16,43 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 120, "a checkpoint")
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
     sick = first["rank_nodes"][-1]
-    marked = run([HPC_TRAIN, "chaos", str(run_dir), "sick-node", "--rank", str(first["world_size"] - 1)], env=slurm_env)
-    assert marked.returncode == 0 and f"{sick} fails every later preflight" in marked.stdout, (
-        marked.stdout + marked.stderr
-    )
-    assert run([HPC_TRAIN, "chaos", str(run_dir), "requeue"], env=slurm_env).returncode == 0
+    # The requeued job must land on the sick node again, for its preflight to find it: a job of our own holds the
+    # other two nodes until then (left free, Slurm once gave the requeued job node1,node3 after node2,node4, and the
+    # sick node was never tried). It ends once attempt 1's preflight has spoken, and the run finishes without it.
+    others = ",".join(sorted({"node1", "node2", "node3", "node4"} - set(first["nodes"])))
+    hold = [
+        "sbatch",
+        "--parsable",
+        "-p",
+        "debug",
+        "-N",
+        "2",
+        "-w",
+        others,
+        "--exclusive",
+        "-t",
+        "10",
+        "-o",
+        "/dev/null",
+    ]
+    holder = run([*hold, "--wrap", "sleep 300"], env=slurm_env).stdout.strip()
+    try:
+        held = ["squeue", "-h", "-j", holder, "-o", "%T"]
+        wait_until(lambda: run(held, env=slurm_env).stdout.strip() == "RUNNING", 60, f"the job holding {others}")
+        marked = run(
+            [HPC_TRAIN, "chaos", str(run_dir), "sick-node", "--rank", str(first["world_size"] - 1)], env=slurm_env
+        )
+        assert marked.returncode == 0 and f"{sick} fails every later preflight" in marked.stdout, (
+            marked.stdout + marked.stderr
+        )
+        assert run([HPC_TRAIN, "chaos", str(run_dir), "requeue"], env=slurm_env).returncode == 0
+        wait_until(
+            lambda: any(e["event"] == "preflight" and e["restart"] == 1 for e in read_events(run_dir)),
+            120,
+            "attempt 1's preflight",
+        )
+    finally:
+        run(["scancel", holder], env=slurm_env)
 
     summary = wait_finished(run_dir, job_id, slurm_env, timeout_s=300)
     assert summary["params_sha256"] == reference["params_sha256"]
@@ -29,7 +61,6 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(
     checks = [e for e in events if e["event"] == "preflight"]
     assert all(len(c["nodes"]) == 2 and c["wall_s"] > 0 for c in checks)
     failed = [c for c in checks if c["sick"]]
-    # The idle dev cluster (topology/tree: node1,node3 on switch s1) gives the requeued job the same nodes again.
     assert [(c["restart"], list(c["sick"])) for c in failed] == [(1, [sick])], (
         f"attempt 1 did not land on {sick} (preflights: {[(c['restart'], list(c['nodes'])) for c in checks]}); busy cluster?"
     )
