@@ -428,7 +428,7 @@ class Attempt:
         self.event(journal.FINISH, step, **self.finished)
         if self.memory:  # no relaunch will read it; the copy in flight first (every rank is here)
             self.memory.wait()
-            self.memory.clean()
+            self.memory.clean(join_s=10.0)  # its thread ends before the process does
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()
         return self.finished

@@ -551,11 +551,18 @@ class MemoryTier:
         """The node whose folder this is (SLURMD_NODENAME where the tier was built)."""
         return self.folder.parent.name
 
-    def clean(self) -> None:
+    def clean(self, join_s: float = 0.0) -> None:
         """Best effort, on every rank: this node's folder of this job and run goes (the run finished, stopped or
         is requeued: no relaunch inside this allocation will read it); then the empty folders above it. A copy
-        still in flight writes nothing after it (abandon)."""
+        still in flight writes nothing after it (abandon). join_s: wait that long for the copy thread to end,
+        which lets go of its gloo group (the run's finish: nothing is in flight then)."""
         self.abandon()
+        if join_s and self.thread is not None:
+            # A daemon thread still in torch code (here: letting go of its gloo group) while the process exits
+            # can die inside C++: after "finished at step 60", rank 0 printed "terminate called without an
+            # active exception" (exit 134) and the finished job ended FAILED in .ci/run at 4900622. Likely this
+            # thread; joined, it is done before the exit.
+            self.thread.join(join_s)
         shutil.rmtree(self.folder, ignore_errors=True)
         clean_empty(self.folder.parent, self.base)
 

@@ -426,8 +426,7 @@ def _ranks(rank: int, world: int, out: str) -> None:
     memory.save(state)
     memory.wait(60)
     facts["after_next_copy"] = sorted(p.name for p in memory.folder.iterdir())
-    memory.clean()
-    memory.thread.join(10)  # clean() abandons: the copy thread ends, its buffers and group let go
+    memory.clean(join_s=10)  # as the run's finish: the copy thread has ended, its buffers and group let go
     facts["thread_ended"] = not memory.thread.is_alive() and memory.group is None
     dist.barrier()
     facts["left"] = sorted(str(p.relative_to(root / "shm")) for p in (root / "shm").rglob("*"))
