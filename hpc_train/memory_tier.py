@@ -563,6 +563,13 @@ class MemoryTier:
             # active exception" (exit 134) and the finished job ended FAILED in .ci/run at 4900622. Likely this
             # thread; joined, it is done before the exit.
             self.thread.join(join_s)
+            if self.thread.is_alive():  # on record, should the exit's crash come back
+                print(
+                    f"[hpc_train] warning: rank {self.rank}: the memory copy thread has not ended {join_s:.0f} s after "
+                    "the finish; the process exits with it",
+                    file=sys.stderr,
+                    flush=True,
+                )
         shutil.rmtree(self.folder, ignore_errors=True)
         clean_empty(self.folder.parent, self.base)
 

@@ -218,7 +218,7 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
     kept = (folder / "step-5").is_dir()
     assert kept or not needed, (name, left_out, delay)  # the invariant: never what the relaunch reads
     if delay < 2.0:  # seen: acted on, within a poll of its writing
-        assert kept == needed and waited < delay + 1.7, (name, left_out, delay, waited)
+        assert kept == needed and waited < delay + 3.0, (name, left_out, delay, waited)
     else:  # not seen: kept, and said
         assert (
             kept

@@ -20,22 +20,10 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(
     # other two nodes until then (left free, Slurm once gave the requeued job node1,node3 after node2,node4, and the
     # sick node was never tried). It ends once attempt 1's preflight has spoken, and the run finishes without it.
     others = ",".join(sorted({"node1", "node2", "node3", "node4"} - set(first["nodes"])))
-    hold = [
-        "sbatch",
-        "--parsable",
-        "-p",
-        "debug",
-        "-N",
-        "2",
-        "-w",
-        others,
-        "--exclusive",
-        "-t",
-        "10",
-        "-o",
-        "/dev/null",
-    ]
-    holder = run([*hold, "--wrap", "sleep 300"], env=slurm_env).stdout.strip()
+    hold = ["sbatch", "--parsable", "-p", "debug", "-N", "2", "-w", others, "--exclusive", "-t", "10"]
+    held_by = run([*hold, "-o", "/dev/null", "--wrap", "sleep 300"], env=slurm_env)
+    holder = held_by.stdout.strip()
+    assert held_by.returncode == 0 and holder, held_by.stderr
     try:
         held = ["squeue", "-h", "-j", holder, "-o", "%T"]
         wait_until(lambda: run(held, env=slurm_env).stdout.strip() == "RUNNING", 60, f"the job holding {others}")
