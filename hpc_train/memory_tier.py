@@ -560,8 +560,8 @@ class MemoryTier:
         if join_s and self.thread is not None:
             # A daemon thread still in torch code (here: letting go of its gloo group) while the process exits
             # can die inside C++: after "finished at step 60", rank 0 printed "terminate called without an
-            # active exception" (exit 134) and the finished job ended FAILED in .ci/run at 4900622. Likely this
-            # thread; joined, it is done before the exit.
+            # active exception" (exit 134) and the finished job ended FAILED in .ci/run at 4900622. Not only
+            # this thread: a run without the tier did the same at 7638722 (cause still open); joined, it is done.
             self.thread.join(join_s)
             if self.thread.is_alive():  # on record, should the exit's crash come back
                 print(
