@@ -38,7 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal, preempt, script, slurm
+from hpc_train import journal, leave, preempt, script, slurm
 from hpc_train.paths import (
     RunPaths,
     finished_marker,
@@ -602,9 +602,7 @@ def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) ->
         until = min(kill_deadline, start + grace_s) + 60
         while time.monotonic() < until:
             time.sleep(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit({"stop": 1, "relaunch": preempt.IN_JOB_RESTART_EXIT_CODE}.get(verdict, preempt.REQUEUE_EXIT_CODE))
+    leave.process({"stop": 1, "relaunch": preempt.IN_JOB_RESTART_EXIT_CODE}.get(verdict, preempt.REQUEUE_EXIT_CODE))
 
 
 def _hung_nodes(hangs: Path, env: Any, wait_s: float) -> dict[str, str]:
@@ -979,8 +977,7 @@ def _standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
             if why := _step_left(paths, env, plan if plan and plan["attempt"] == confirmed else None):
                 print(f"[hpc_train] task {task} on {node}: standby leaves: {why}", flush=True)
                 mine.unlink(missing_ok=True)
-                sys.stdout.flush()
-                os._exit(0)
+                leave.process(0)
         time.sleep(0.02)
 
 
@@ -1478,10 +1475,12 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
         _decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
-    if env.rank == 0 and cfg.cluster.in_process_restart and folder and slurm_job:
+    # A job with hot spares: the relay (signal_relay.sh) returns 0 on this file whatever srun says (137 when a
+    # task an in-process restart replaced died in this step, a rank's abort after its result), not srun's status.
+    if env.rank == 0 and (cfg.cluster.spare_nodes or cfg.cluster.in_process_restart) and folder and slurm_job:
         try:
             write_atomic(finished_marker(Path(folder), slurm_job), "finished\n")
-        except OSError:  # the job ends FAILED (137) if a replaced task died in this step; the run is finished
+        except OSError:  # then srun's status is the job's; the run is finished all the same
             pass
     dist.barrier()
     dist.destroy_process_group()

@@ -29,7 +29,7 @@ if __spec__ is None:  # run by its path (sbatch.entry_command), not by -m: impor
     sys.modules["hpc_train"] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(sys.modules["hpc_train"])  # type: ignore[union-attr]
 
-from hpc_train import preempt  # noqa: E402  torch-free: signal, os, time
+from hpc_train import leave, preempt  # noqa: E402  torch-free: signal, os, time, threading
 
 preempt.install_handlers()
 
@@ -66,8 +66,11 @@ def main(folder: str) -> None:
         result = delayed.result()
     except Exception:
         write_atomic(paths.result_pickle, cloudpickle.dumps(("error", traceback.format_exc())))
-        raise
+        traceback.print_exc()
+        leave.process(1)
     write_atomic(paths.result_pickle, cloudpickle.dumps(("success", result)))
+    del delayed, result  # the function's objects (a model, its process groups) are no longer ours to hold
+    leave.process(0, finished=True)  # never through the interpreter's shutdown: leave.py says why
 
 
 if __name__ == "__main__":
