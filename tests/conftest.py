@@ -240,6 +240,19 @@ def sacct_state(job_id: str, env: dict[str, str]) -> str:
     return out[-1] if out else ""
 
 
+# sacct states a job no longer leaves (REQUEUED is left: the job runs again)
+ENDED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
+
+
+def final_state(job_id: str, env: dict[str, str], timeout_s: float = 60) -> str:
+    """The job's sacct state once it has ended (a finished run's job must end COMPLETED, never FAILED by an
+    abort after its result); what sacct says at timeout_s otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while (state := sacct_state(job_id, env)) not in ENDED_STATES and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return state
+
+
 def wait_finished(run_dir: Path, job_id: str, env: dict[str, str], timeout_s: float = 240) -> dict[str, Any]:
     """Wait for summary.json and for Slurm to call the job COMPLETED; return the summary."""
     wait_until(

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conftest import HPC_TRAIN, read_events, run, submit, wait_finished, wait_until
+from conftest import HPC_TRAIN, final_state, read_events, run, submit, wait_finished, wait_until
 from storm import outcome
 
 from hpc_train import journal
@@ -95,6 +95,7 @@ class Storm:
     restarts: str = ""  # `scontrol show job`'s Restarts= at the end
     lost: list[str] = field(default_factory=list)  # the nodes set DOWN (node-loss), resumed at the end
     summary: dict[str, Any] | None = None
+    slurm_state: str = ""  # sacct's state of the job once it ended, when the run finished
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -242,6 +243,7 @@ def run_storm(
         shutil.rmtree(Path("/dev/shm") / f"hpc_train-{os.geteuid()}" / job_id, ignore_errors=True)
     summary = run_dir / "summary.json"
     storm.summary = json.loads(summary.read_text()) if summary.exists() else None
+    storm.slurm_state = final_state(job_id, env) if storm.summary is not None else ""
     return storm
 
 
@@ -255,6 +257,8 @@ def check(storm: Storm) -> list[str]:
     """What must hold after any storm within the spares; returns the violations (empty when all hold)."""
     events = read_events(storm.run_dir)
     bad = outcome(storm.summary, storm.reference, events)
+    if storm.summary is not None and storm.slurm_state != "COMPLETED":
+        bad.append(f"the run finished but its job {storm.job_id} ended {storm.slurm_state or 'unknown'} in sacct")
     if storm.restarts != "Restarts=0":
         bad.append(f"Slurm requeued the job: {storm.restarts}")
     if ids := {e["job_id"] for e in events if e.get("job_id")} - {storm.job_id}:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import cluster as test_cluster
-from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+from conftest import HPC_TRAIN, final_state, read_events, run, submit, wait_until
 
 from hpc_train import journal
 
@@ -77,6 +77,7 @@ class Storm:
     reference: dict[str, Any]
     injected: list[dict[str, Any]] = field(default_factory=list)  # fault, time, attempt, step
     summary: dict[str, Any] | None = None
+    slurm_state: str = ""  # sacct's state of the job once it ended, when the run finished
 
 
 def _attempts_started(events: list[dict]) -> list[dict]:
@@ -217,6 +218,7 @@ def run_storm(
         "the storm run to finish",
     )
     storm.summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else None
+    storm.slurm_state = final_state(job_id, env) if storm.summary is not None else ""
     return storm
 
 
@@ -253,6 +255,8 @@ def check(storm: Storm) -> list[str]:
     """What must hold after any storm; returns the violations (empty when all hold)."""
     events = read_events(storm.run_dir)
     bad = outcome(storm.summary, storm.reference, events)
+    if storm.summary is not None and storm.slurm_state != "COMPLETED":
+        bad.append(f"the run finished but its job {storm.job_id} ended {storm.slurm_state or 'unknown'} in sacct")
     # Every fault shows: its chaos event, then the job's answer
     chaos_events = [e for e in events if e["event"] == "chaos"]
     for inj in storm.injected:

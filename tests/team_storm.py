@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conftest import HPC_TRAIN, read_events, run
+from conftest import HPC_TRAIN, final_state, read_events, run
 
 from hpc_train import journal
 from hpc_train.plan import job_name
@@ -102,6 +102,7 @@ class TeamStorm:
     plans: dict[str, list[str]] = field(default_factory=dict)  # each shell's seeded choices, for the record
     wall_s: float = 0.0
     unsettled: list[str] = field(default_factory=list)  # trials the final phase could not bring to an end
+    finished_jobs: dict[str, str] = field(default_factory=dict)  # the job that finished each trial: its sacct state
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def trial(self, k: int) -> Path:
@@ -321,6 +322,12 @@ def _settle(storm: TeamStorm, env: dict[str, str], timeout_s: float) -> None:
     storm.unsettled = [str(storm.trial(k)) for k in range(TRIALS) if not (storm.trial(k) / "summary.json").exists()]
 
 
+def _finished_jobs(storm: TeamStorm, env: dict[str, str]) -> dict[str, str]:
+    """Each finished trial's finishing job (its `finish` event's) and sacct's state of it once it ended."""
+    jobs = [journal.named(journal.read(storm.trial(k)), journal.FINISH) for k in range(TRIALS)]
+    return {f[-1]["job_id"]: final_state(f[-1]["job_id"], env) for f in jobs if f}
+
+
 def run_storm(
     env: dict[str, str],
     out: Path,
@@ -367,6 +374,7 @@ def run_storm(
     stop.set()
     sampler.join()
     storm.wall_s = time.monotonic() - t0
+    storm.finished_jobs = _finished_jobs(storm, env)
     return storm
 
 
@@ -426,6 +434,11 @@ def check(storm: TeamStorm) -> list[str]:
         if "Traceback" in c.out + c.err or not (c.rc in (0, 2) or hung_up):
             bad.append(f"shell {c.shell}: hpc-train {' '.join(c.argv[:3])} exited {c.rc}: {(c.err or c.out)[-400:]}")
     bad += [f"not settled: {t}" for t in storm.unsettled]
+    bad += [
+        f"job {j} finished its trial but ended {s or 'unknown'} in sacct"
+        for j, s in storm.finished_jobs.items()
+        if s != "COMPLETED"
+    ]
     return bad
 
 

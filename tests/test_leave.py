@@ -4,6 +4,7 @@ thread still inside a gloo call was killed mid-unwind: `terminate called without
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,3 +96,37 @@ def test_the_thread_join_is_bounded_and_names_what_it_left() -> None:
         stop.set()
         stuck.join()
     assert leave.join_threads(0.3) == []
+
+
+SCRIPTS = str(Path(__file__).resolve().parent / "scripts")
+BUSY = ["fn._target_=busy_finish.main", "+fn.kwargs.steps=3"]
+
+
+def with_scripts(env: dict[str, str]) -> dict[str, str]:
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [SCRIPTS, env.get("PYTHONPATH")]))}
+
+
+def test_a_local_run_whose_function_leaves_a_gloo_thread_finishes_without_an_abort(tmp_path: Path) -> None:
+    """The real finish (job.run_job, Attempt.finish, start.py) on 2 ranks: before leave.py both ranks of 3 of
+    3 such runs printed `terminate called without an active exception` after summary.json."""
+    from conftest import submit
+
+    run_dir, _ = submit(
+        [f"out_dir={tmp_path}", "name=busy", "cluster.tasks_per_node=2", *BUSY], env=with_scripts(dict(os.environ))
+    )
+    assert json.loads((run_dir / "summary.json").read_text())["spinning"] is True
+    logs = sorted((run_dir / "submitit").glob("*_log.err"))
+    assert len(logs) == 2 and not [p.name for p in logs if "terminate called" in p.read_text()]
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("spare_nodes", [0, 1])
+def test_a_finished_multi_node_run_with_a_gloo_thread_ends_completed_in_sacct(
+    slurm_env: dict[str, str], tmp_path: Path, spare_nodes: int
+) -> None:
+    """2 nodes, a thread in gloo at the finish: the job is COMPLETED (with spares, the relay's finished file)."""
+    from conftest import submit, wait_finished
+
+    args = [f"out_dir={tmp_path}", "name=busy", "cluster=dev", "cluster.nodes=2", "cluster.tasks_per_node=1"]
+    run_dir, job_id = submit([*args, f"cluster.spare_nodes={spare_nodes}", *BUSY], env=with_scripts(slurm_env))
+    assert wait_finished(run_dir, job_id, slurm_env)["spinning"] is True  # waits for COMPLETED in sacct
