@@ -253,16 +253,29 @@ def locked(
         os.close(fd)  # closing releases the lock
 
 
+# How long hold_for_life waits for a lock held by someone else: a probe's (holder_gone's) lasts microseconds.
+HOLD_WAIT_S = 2.0
+
+
 def hold_for_life(lock_file: Path) -> int | None:
     """flock lock_file and keep it (the fd stays open) while this process lives: its death frees it at once, so
     another node can tell a dead process from a slow one (holder_gone). None where the file system has no flock."""
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    # Another node's holder_gone holds it for microseconds: wait that out (HOLD_WAIT_S), never block for good.
+    deadline = time.monotonic() + HOLD_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            os.close(fd)
+            return None
+        except OSError:  # no flock on this file system
+            os.close(fd)
+            return None
 
 
 def holder_gone(lock_file: Path) -> bool:

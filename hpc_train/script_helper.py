@@ -35,7 +35,10 @@ def _record(signum: int, frame: object) -> None:
 
 
 _name = os.environ.get("HPC_TRAIN_STOP_SIGNAL", "")
-if _name and signal.getsignal(getattr(signal, f"SIG{_name}")) in (signal.SIG_DFL, signal.default_int_handler):
+# SIG_IGN too: an ignored signal survives exec, so a script started under nohup (HUP) or by a shell's `cmd &`
+# (INT) would never see the stop; a handler of the script's own is a function, and is kept.
+_not_handled = (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)
+if _name and signal.getsignal(getattr(signal, f"SIG{_name}")) in _not_handled:
     signal.signal(getattr(signal, f"SIG{_name}"), _record)
 
 

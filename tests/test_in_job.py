@@ -1570,3 +1570,28 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
         assert " ExcNodeList=(null) " in shown, shown
     finally:
         run(["scancel", job_id], env=slurm_env)
+
+
+def test_a_rank_takes_its_life_lock_while_another_node_probes_it(tmp_path: Path) -> None:
+    """holder_gone's probe flocks the file for an instant: a hold_for_life at that instant used to get None (the
+    rank then counted as one with no flock, and a probe read it as gone). It waits the probe out; a lock
+    that stays held (a live holder) still ends in None, within paths.HOLD_WAIT_S."""
+    import fcntl
+    import threading
+    import time
+
+    from hpc_train import paths as paths_mod
+    from hpc_train.paths import hold_for_life, holder_gone
+
+    lock = tmp_path / "0"
+    lock.touch()
+    probe = os.open(lock, os.O_RDWR)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the probe, caught holding it (kept 0.2 s here)
+    threading.Timer(0.2, os.close, [probe]).start()
+    fd = hold_for_life(lock)
+    assert fd is not None and not holder_gone(lock)
+    t0 = time.monotonic()
+    assert hold_for_life(lock) is None  # held by a live holder (fd): not taken
+    assert paths_mod.HOLD_WAIT_S <= time.monotonic() - t0 < paths_mod.HOLD_WAIT_S + 1.0
+    os.close(fd)
+    assert holder_gone(lock)

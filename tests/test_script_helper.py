@@ -70,6 +70,24 @@ def test_stop_requested_without_torch_distributed_is_the_local_flag() -> None:
     assert own.returncode == 0 and own.stdout.split() == ["[1]", "False"], own.stdout + own.stderr
 
 
+def test_a_stop_signal_inherited_as_ignored_still_reaches_stop_requested() -> None:
+    """nohup ignores HUP, a shell's `cmd &` INT: an ignored signal stays ignored across exec, and the helper
+    used to leave it so (the stop never seen, the script killed at the grace's end)."""
+    import signal
+
+    code = "import os, signal\nfrom hpc_train import script_helper as hpc\nos.kill(os.getpid(), signal.SIGINT)\n"
+    code += "print(hpc.stop_requested())\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HPC_TRAIN_STOP_SIGNAL": "INT"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["True"], proc.stdout + proc.stderr
+
+
 def test_stop_requested_agrees_across_ranks_with_one_all_reduce() -> None:
     """Two ranks over gloo: only rank 1 gets the signal; both see it at the same call, each call costs one
     all-reduce, and a call before the signal is False on both."""
