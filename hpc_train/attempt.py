@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Attempt", "TrainState"]
 
+# The finish waits this long for the memory copy in flight; past it the copy is given up (the final disk save
+# is committed by then). A copy of a `1b` state takes ~10 s; a peer gone mid-copy blocks it for good.
+FINISH_MEMORY_WAIT_S = 120.0
+
 
 def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, DeviceMesh]:
     """This rank's device (the GPU job.py selected, else CPU) and the (dp, tp) mesh. Ranks are
@@ -416,6 +420,24 @@ class Attempt:
             self.memory.save(state)
         return False
 
+    def wait_for_memory(self, timeout_s: float) -> bool:
+        """The memory copy in flight, waited for up to timeout_s in 1 s slices that tell the hang watchdog this
+        rank is not hung (a copy of a `1b` state takes ~10 s); True once it ended."""
+        assert self.memory is not None
+        deadline = time.monotonic() + timeout_s
+        while not self.memory.idle.is_set() and time.monotonic() < deadline:
+            self.memory.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            preempt.alive()
+        return self.memory.idle.is_set()
+
+    def returned(self) -> None:
+        """The function returned without finish(): at its own stop check (should_stop) with a stop signal pending,
+        that is a stop at the step the loop reached, with the time Slurm leaves; a stop step_end saw is kept."""
+        if self.finished is None and not self.stopped and self.should_stop():
+            left, reason = self.time_left_s()
+            self.stopped, self.stop_step, self.stop_reason = True, preempt.step_reached[0], reason
+            self.kill_deadline = time.monotonic() + left
+
     def finish(self, state: TrainState | None, **summary: Any) -> dict[str, Any]:
         """Collective: the final save (waiting for any write in flight), summary.json, the finish event."""
         self.profile.close()  # a window the run ends inside: what it recorded, written before the final save
@@ -427,7 +449,9 @@ class Attempt:
             write_atomic(self.paths.summary, json.dumps(self.finished, indent=1, default=str) + "\n")
         self.event(journal.FINISH, step, **self.finished)
         if self.memory:  # no relaunch will read it; the copy in flight first (every rank is here)
-            self.memory.wait()
+            if not self.wait_for_memory(FINISH_MEMORY_WAIT_S):  # a copy stuck on a gone peer: the disk has the step
+                self.say(f"[hpc_train] the memory copy in flight did not end within {FINISH_MEMORY_WAIT_S:.0f} s")
+                self.memory.abandon()
             self.memory.clean(join_s=10.0)  # its thread ends before the process does
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
         sys.stdout.flush()

@@ -771,6 +771,10 @@ def _clean_memory(end: dict[str, Any] | None, local: bool) -> None:
                 tier.clean()
 
 
+# The most a stop waits for the memory copy in flight before it leaves (a copy of a `1b` state takes ~10 s).
+STOP_MEMORY_WAIT_S = 60.0
+
+
 def _decide_together(
     paths: RunPaths,
     env: Any,
@@ -796,9 +800,8 @@ def _decide_together(
     dist.broadcast(verdict, src=0)
     # destroy_process_group would wait on the copy thread's group: that copy first, until 5 s before the kill;
     # still running then, no teardown (_leave's os._exit ends the process either way)
-    if memory is not None:
-        left_s = kill_deadline - time.monotonic() - 5
-        memory.wait(None if left_s == float("inf") else max(0.0, left_s))
+    if memory is not None:  # a stop without a signal's deadline (none is known) waits STOP_MEMORY_WAIT_S
+        memory.wait(max(0.0, min(kill_deadline - time.monotonic() - 5, STOP_MEMORY_WAIT_S)))
     if memory is None or memory.idle.is_set():
         dist.destroy_process_group()
     again = actions[int(verdict)] == "relaunch" or (actions[int(verdict)] == "requeue" and env.executor == "local")
@@ -1468,8 +1471,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
             traceback.print_exc()
             print(f"[hpc_train] rank {env.rank}: {type(e).__name__}: {e}; rejoining in this process", flush=True)
             plan, env = read_rejoin_plan(paths, env.job_id), _placed[0] or env
-    if at.finished is None and not at.stopped and at.should_stop():  # returned at its own stop check
-        at.stopped, at.stop_reason = True, at.time_left_s()[1]
+    at.returned()  # at its own stop check: a stop at the step reached
     if at.stopped and at.finished is None:
         at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check
         _decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)

@@ -130,3 +130,18 @@ def test_a_finished_multi_node_run_with_a_gloo_thread_ends_completed_in_sacct(
     args = [f"out_dir={tmp_path}", "name=busy", "cluster=dev", "cluster.nodes=2", "cluster.tasks_per_node=1"]
     run_dir, job_id = submit([*args, f"cluster.spare_nodes={spare_nodes}", *BUSY], env=with_scripts(slurm_env))
     assert wait_finished(run_dir, job_id, slurm_env)["spinning"] is True  # waits for COMPLETED in sacct
+
+
+def test_a_function_that_returns_at_its_own_stop_check_is_requeued_at_the_step_it_reached(tmp_path: Path) -> None:
+    """Its stop used to be recorded at step -1 with no deadline, and the stop then waited for the memory copy in
+    flight without a bound; now the last step step_end saw (6), the memory copy waited for within the signal's time."""
+    from conftest import read_events, submit
+
+    args = [f"out_dir={tmp_path}", "name=own", "cluster.tasks_per_node=2", "checkpoint.every_steps=5"]
+    fn = ["fn._target_=own_stop_check.main", "+fn.kwargs.steps=12", "checkpoint.memory_every_steps=1"]
+    run_dir, _ = submit([*args, *fn], env=with_scripts(dict(os.environ)))
+    events = read_events(run_dir)
+    assert [(e["step"], e["reason"]) for e in events if e["event"] == "requeue"] == [(6, "preempt")]  # step_end saw 6
+    starts = [e for e in events if e["event"] == "start"]
+    assert [e["step"] for e in starts] == [0, 6] and starts[1]["resumed_from"].startswith("memory step")
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 12

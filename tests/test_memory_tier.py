@@ -532,3 +532,30 @@ def test_a_rank_killed_on_a_sick_node_resumes_from_its_buddys_memory_on_a_spare(
     left = sorted({p.relative_to(shm).parts[0] for p in shm.rglob("*.pt")}) if shm.exists() else []
     shutil.rmtree(shm, ignore_errors=True)
     assert left == [sick], left
+
+
+def test_the_finish_waits_for_a_stuck_copy_within_a_bound_and_keeps_the_watchdog_fed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attempt.finish's wait for the copy in flight had no bound and no beat: a copy stuck on a gone peer held the
+    finish until the hang watchdog (900 s) failed a run whose final save had committed."""
+    import threading
+    from types import SimpleNamespace
+
+    from hpc_train import preempt
+    from hpc_train.attempt import Attempt
+
+    class Stuck:
+        idle = threading.Event()  # never set
+
+        def wait(self, timeout_s: float | None = None) -> float:
+            self.idle.wait(timeout_s)
+            return 0.0
+
+    monkeypatch.setattr(preempt, "last_beat", [0.0])
+    at = SimpleNamespace(memory=Stuck())
+    t0 = time.monotonic()
+    assert Attempt.wait_for_memory(at, 1.5) is False  # type: ignore[arg-type]
+    assert 1.5 <= time.monotonic() - t0 < 3.0 and preempt.last_beat[0] >= t0
+    Stuck.idle.set()
+    assert Attempt.wait_for_memory(at, 1.5) is True  # type: ignore[arg-type]
