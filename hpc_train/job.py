@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hpc_train import journal, leave, preempt, script, slurm
 from hpc_train.paths import (
@@ -590,7 +590,7 @@ def next_attempt_size(
     }
 
 
-def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> None:
+def _leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> NoReturn:
     """Exit with the verdict's code, without joining a background checkpoint write that was given up on
     (it could hold the process for as long as the slow storage takes). "wait": stay alive until Slurm
     kills the job at GraceTime's end (+ 60 s; KillWait defaults to 30 s), which requeues a preempted job;
@@ -948,6 +948,19 @@ def read_rejoin_plan(paths: RunPaths, job_id: str) -> dict[str, Any] | None:
         return None
     numbered = isinstance(plan, dict) and all(type(plan.get(k)) is int for k in ("from", "attempt"))
     return plan if numbered else None
+
+
+def rejoin_plan_or_leave(paths: RunPaths, job_id: str) -> dict[str, Any]:
+    """The plan a `rejoin` verdict names; gone or refused between the verdict and this read (read_rejoin_plan says
+    why), this rank leaves as a failed one: with no plan, Attempt.build ran on the destroyed group, failed, and the
+    same verdict came again, a busy loop until the 900 s watchdog."""
+    plan = read_rejoin_plan(paths, job_id)
+    if plan is None:
+        print(
+            f"[hpc_train] no rejoin plan to read in {paths.rejoin_plan(job_id)}: leaving", file=sys.stderr, flush=True
+        )
+        _leave("stop", 0.0)
+    return plan
 
 
 _refused_plans: set[str] = set()  # read_rejoin_plan's refusals said so far: the standby's poll reads every 20 ms
@@ -1470,7 +1483,7 @@ def _run(paths: RunPaths, env: Any, process_start: float, phases_s: dict[str, fl
                 _leave_after_failure(verdict, grace_s, env)
             traceback.print_exc()
             print(f"[hpc_train] rank {env.rank}: {type(e).__name__}: {e}; rejoining in this process", flush=True)
-            plan, env = read_rejoin_plan(paths, env.job_id), _placed[0] or env
+            plan, env = rejoin_plan_or_leave(paths, env.job_id), _placed[0] or env
     at.returned()  # at its own stop check: a stop at the step reached
     if at.stopped and at.finished is None:
         at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check

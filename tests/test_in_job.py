@@ -1595,3 +1595,26 @@ def test_a_rank_takes_its_life_lock_while_another_node_probes_it(tmp_path: Path)
     assert paths_mod.HOLD_WAIT_S <= time.monotonic() - t0 < paths_mod.HOLD_WAIT_S + 1.0
     os.close(fd)
     assert holder_gone(lock)
+
+
+def test_a_rejoin_verdict_whose_plan_is_gone_leaves_instead_of_rebuilding_on_a_dead_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no plan to read, the loop in job._run built an Attempt on the destroyed group, failed, got the same
+    verdict and read nothing again: a busy loop until the watchdog. The rank now leaves (exit 1)."""
+    from hpc_train import job, leave
+    from hpc_train.paths import RunPaths
+
+    def exit_(code: int, finished: bool = False) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(leave, "process", exit_)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    paths = RunPaths(run)
+    paths.rejoin_plan("7").write_text('{"from": 0, "attempt": 1}\n')
+    assert job.rejoin_plan_or_leave(paths, "7") == {"from": 0, "attempt": 1}
+    paths.rejoin_plan("7").unlink()
+    with pytest.raises(SystemExit) as left:
+        job.rejoin_plan_or_leave(paths, "7")
+    assert left.value.code == 1
