@@ -27,8 +27,9 @@ srun() {
   # Single-quoted: each trap reads $pid when it fires, so a signal during a launch reaches no stale pid
   # and stays pending (sent to the step once it runs). A pending signal keeps the time of the first,
   # in whole Unix seconds: the relaunched step judges and times its stop from when it came.
-  trap 'pending="${pending:-SIGUSR2@${EPOCHSECONDS:-0}}"; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
-  trap 'pending="${pending:-SIGUSR2@${EPOCHSECONDS:-0}}"; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
+  # printf's %(%s)T, not EPOCHSECONDS: bash 4.4 (RHEL 8) has none, and SIGUSR2@0 would read as "now"
+  trap '[ -n "${pending:-}" ] || printf -v pending "SIGUSR2@%(%s)T" -1; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
+  trap '[ -n "${pending:-}" ] || printf -v pending "SIGUSR2@%(%s)T" -1; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
   [ -z "$step" ] || rm -f "$marker" "${!#}/.finished-${SLURM_JOB_ID}"  # a requeued job's leftovers: never act on them
   while true; do
     now="$pending" pending="" pid=""

@@ -1618,3 +1618,22 @@ def test_a_rejoin_verdict_whose_plan_is_gone_leaves_instead_of_rebuilding_on_a_d
     with pytest.raises(SystemExit) as left:
         job.rejoin_plan_or_leave(paths, "7")
     assert left.value.code == 1
+
+
+def test_a_signal_caught_between_steps_reaches_the_relaunch_with_its_time_on_a_bash_without_epochseconds(
+    tmp_path: Path,
+) -> None:
+    """bash 4.4 (RHEL 8) has no EPOCHSECONDS: the traps wrote SIGUSR2@0, which the next step reads as "now", so its
+    stop save was given the relaunch's seconds too. printf's %(%s)T is in bash 4.2. EPOCHSECONDS unset here
+    is bash 4.4's case on any bash."""
+    fake = (
+        'if [ ! -e "$MARKER.done" ]; then trap "" USR2; touch "$MARKER.done"; kill -USR2 $PPID; sleep 0.5; '
+        'echo "--nodes=2 --ntasks=4" > "$MARKER"; exit 145; fi; echo "$HPC_TRAIN_PENDING_SIGNAL" > "$MARKER.pending"'
+    )
+    before = int(time.time())
+    status, calls, marker, err = _relay(
+        tmp_path, "--nodes=2 --ntasks=4", None, fake, shell="set -u; unset EPOCHSECONDS"
+    )
+    assert status == 0 and len(calls) == 2, err
+    name, _, at = Path(f"{marker}.pending").read_text().strip().partition("@")
+    assert name == "SIGUSR2" and before <= int(at) <= time.time() + 1

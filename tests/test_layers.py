@@ -11,7 +11,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hpc_train"
 
 # Low to high. A module may import only modules of the layers before its own.
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "paths", "env", "topology", "tokenizer", "straggler"),  # facts and names, torch-free
+    (
+        "__init__",
+        "paths",
+        "env",
+        "topology",
+        "tokenizer",
+        "straggler",
+        "leave",
+    ),  # facts and names, torch-free; the exit
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
     ("metrics", "preempt", "provenance", "data"),
     # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;
