@@ -176,10 +176,30 @@ DRILLS = (
 )  # files: local runs too
 
 
+# Drills that hpc_train's own saver or loop fires: a script (`submit ... -- CMD`) saves and steps by itself, so
+# armed on its run they would say "armed" and never fire.
+TRAINER_ONLY = ("kill-rank-during-save", "slow-storage", "corrupt-checkpoint", "slow-rank")
+
+
+def _is_script(run_dir: Path) -> bool:
+    import yaml
+
+    try:
+        return bool((yaml.safe_load((run_dir / "config.yaml").read_text()).get("script") or {}).get("cmd"))
+    except (OSError, AttributeError, yaml.YAMLError):
+        return False
+
+
 def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, node: str = "") -> str:
     """Inject a fault into a running job (or arm a drill the job fires) and record it in events.jsonl."""
     if action not in CHAOS:
         raise ValueError(f"chaos action {action!r}: use one of {list(CHAOS)}")
+    if action in TRAINER_ONLY and _is_script(run.run_dir):
+        works = [a for a in CHAOS if a not in TRAINER_ONLY and (run.executor == "slurm" or a in DRILLS)]
+        raise ValueError(
+            f"chaos {action} acts on hpc_train's own checkpoints and steps, and {run.label} runs your script, which "
+            f"writes its own: it would never fire; on this run use one of {', '.join(works)}"
+        )
     if run.executor != "slurm" and action not in DRILLS:
         raise ValueError(
             f"{run.label} runs on the local executor; chaos {action} needs Slurm (cluster=dev); "

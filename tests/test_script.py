@@ -145,6 +145,10 @@ def test_a_ddp_script_runs_to_its_end_on_the_local_executor(tmp_path: Path) -> N
     assert json.loads((run_dir / "summary.json").read_text())["exit_codes"] == [0, 0]
     start = next(json.loads(line) for line in (run_dir / "events.jsonl").open() if '"start"' in line)
     assert start["target"] == "script" and start["cmd"][-1] == "0"
+    # a drill of hpc_train's own saver would be armed and never fire on a script's run: refused, nothing armed
+    chaos = subprocess.run([*HPC_TRAIN, "chaos", str(run_dir), "kill-rank-during-save"], capture_output=True, text=True)
+    assert chaos.returncode == 2 and "Traceback" not in chaos.stderr, chaos.stderr
+    assert "runs your script" in chaos.stderr and "sick-node" in chaos.stderr and not (run_dir / "drills").exists()
 
 
 def test_a_command_that_cannot_run_is_one_sentence_and_a_shells_exit_code(tmp_path: Path) -> None:
