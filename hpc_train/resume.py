@@ -88,6 +88,25 @@ def resume(
         return _resume(find_runs(run.run_dir)[0], budgets, reason, allow_data_changed)
 
 
+def _script_resumes_from(cfg: Any, run_dir: Path, events: list[dict[str, Any]]) -> str:
+    """What a script's run resumes from: the file script.checkpoint names (resume_args appended), else the newest
+    one its script_helper.committed() recorded, else the script's own business."""
+    import dataclasses
+
+    from hpc_train.script import found_checkpoint
+
+    if cfg.script.checkpoint:
+        found = found_checkpoint(dataclasses.asdict(cfg), run_dir)
+        if found:
+            extra = f", with {' '.join(cfg.script.resume_args)}" if cfg.script.resume_args else ""
+            return f"your script resumes from {found}, the newest file script.checkpoint names{extra}"
+        return f"no file matches script.checkpoint={cfg.script.checkpoint} yet: your script starts again from step 0"
+    recorded = journal.named(events, journal.CHECKPOINT_COMMITTED)
+    if recorded and recorded[-1].get("path"):
+        return f"your script last recorded {recorded[-1]['path']} (step {recorded[-1]['step']}) with committed()"
+    return "your script resumes from its own checkpoint files, if it keeps any (script.checkpoint names them)"
+
+
 def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: bool) -> tuple[Any, list[str]]:
     import getpass
     import socket
@@ -186,7 +205,9 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
         for k in spent
     ]
     committed = [(s, f) for s, f in step_folders(RunPaths(run.run_dir).checkpoints).items() if read_marker(f)]
-    if committed:
+    if cfg.script.cmd:  # the script's checkpoints are its own: hpc_train's step folders never hold one
+        lines.append(_script_resumes_from(cfg, run.run_dir, events))
+    elif committed:
         lines.append(
             f"resuming from {committed[-1][1]}, its newest committed checkpoint (verified when the job "
             f"starts; an older one if it does not verify)"

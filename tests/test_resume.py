@@ -652,3 +652,25 @@ def test_init_from_ranks_agree_on_what_rank_0_read(tmp_path: Path, one_rank_grou
     outs = [p.communicate(timeout=120)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outs
     assert [o.splitlines()[-1].split(" in ")[0] for o in outs] == ["rank 0: loaded step 40", "rank 1: loaded step 40"]
+
+
+def test_resume_of_a_script_run_names_the_scripts_checkpoint_never_step_0(tmp_path: Path) -> None:
+    """A script's checkpoints are its own: `resume` said "no committed checkpoint: starting again from step 0",
+    then the script resumed from its file at step 40. It names the file script.checkpoint matches (and the
+    resume_args), else what script_helper.committed() recorded, else says the script decides."""
+    import dataclasses
+
+    from hpc_train.resume import _script_resumes_from
+    from hpc_train.script import ScriptConfig, ckpt_dir
+
+    script = ScriptConfig(cmd=["python", "t.py"], checkpoint="{ckpt_dir}/ckpt*.pt", resume_args=["--resume"])
+    cfg = dataclasses.replace(RunConfig(), script=script)
+    assert "starts again from step 0" in _script_resumes_from(cfg, tmp_path, [])
+    ckpt_dir(tmp_path).mkdir(parents=True)
+    (ckpt_dir(tmp_path) / "ckpt40.pt").write_bytes(b"x")
+    said = _script_resumes_from(cfg, tmp_path, [])
+    assert str(ckpt_dir(tmp_path) / "ckpt40.pt") in said and "--resume" in said
+    helper = dataclasses.replace(RunConfig(), script=ScriptConfig(cmd=["python", "t.py"]))
+    events = [{"event": "checkpoint_committed", "step": 40, "path": "/x/ckpt.pt", "reason": "script"}]
+    assert "/x/ckpt.pt (step 40)" in _script_resumes_from(helper, tmp_path, events)
+    assert "step 0" not in _script_resumes_from(helper, tmp_path, [])
