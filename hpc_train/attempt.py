@@ -384,9 +384,8 @@ class Attempt:
         preempt.beat(state.step)  # the hang watchdog (job.py) restarts its clock
         if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
             rebucket = {"ddp_rebucket_s": round(sum(self._rebucket_s), 4)} if self._rebucket_s else {}
-            self.event(
-                journal.FIRST_STEP, state.step, step_time_s=round(time.monotonic() - self._resumed_at, 4), **rebucket
-            )
+            took = round(time.monotonic() - self._resumed_at, 4)  # total_steps: what status shows as the run's total
+            self.event(journal.FIRST_STEP, state.step, step_time_s=took, total_steps=int(last_step), **rebucket)
             self._resumed_at = None
         flags = torch.tensor([1 if preempt.received else 0, 0 if self.saver.written_here() else 1], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)

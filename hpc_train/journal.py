@@ -203,6 +203,13 @@ def keeps_memory(end: Event | None, node: str, local: bool = False) -> bool:
     return local and end["event"] == REQUEUE
 
 
+def total_steps(events: list[Event]) -> int | None:
+    """The run's own total as its loop last told it (the `last_step` of Attempt.step_end, in each attempt's
+    `first_step`); None when no attempt reached a step."""
+    told = [e["total_steps"] for e in named(events, FIRST_STEP) if type(e.get("total_steps")) is int]
+    return told[-1] if told else None
+
+
 def trained(events: list[Event], restart: int) -> bool:
     """Whether attempt `restart` reached its first step (an in-process restart rejoins only such an attempt)."""
     return any(e.get("restart") == restart for e in named(events, FIRST_STEP))

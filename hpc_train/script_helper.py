@@ -4,7 +4,7 @@ Importing it does not import torch, and outside a job every call does nothing bu
     from hpc_train import script_helper as hpc
     for step in range(start, steps):
         ...one optimizer step...
-        hpc.log(step=step + 1, loss=loss.item(), tokens=tokens_seen)   # metrics.jsonl: status, report
+        hpc.log(step=step + 1, loss=loss.item(), tokens=tokens_seen, total_steps=steps)  # status, report
         if (step + 1) % 50 == 0 or hpc.stop_requested():
             torch.save(state, path); hpc.committed(step + 1, path)       # status: where it will resume
         if hpc.stop_requested():                                        # every rank agrees (one all-reduce)

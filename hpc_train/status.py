@@ -67,6 +67,17 @@ def stragglers(events: list[dict[str, Any]]) -> tuple[int, str]:
     return len(named), f"rank {last['rank']} on {last['node']}{' (now)' if now else ''}"
 
 
+def _total_steps(cfg: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> int | None:
+    """The run's own total: what its loop told (Attempt.step_end's last_step; a script's `total_steps` in
+    script_helper.log), else train.steps for the built-in trainer only; a function's or a script's train.steps
+    is not theirs (none)."""
+    told = journal.total_steps(events)
+    if told is None:
+        told = next((m["total_steps"] for m in reversed(metrics) if type(m.get("total_steps")) is int), None)
+    builtin = not (cfg.get("script") or {}).get("cmd") and not (cfg.get("fn") or {}).get("_target_")
+    return told if told is not None else (cfg["train"]["steps"] if builtin else None)
+
+
 def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
     slurm_ids = [r.job_id for r in runs if r.executor == "slurm"]
     states, state_error = slurm_states_or_error(slurm_ids)
@@ -134,7 +145,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
                     (a["world_size"] for a in reversed(atts) if a["world_size"]), None
                 ),  # cluster.min_nodes
                 "committed_step": journal.committed_step(events),
-                "total_steps": cfg["train"]["steps"],
+                "total_steps": _total_steps(cfg, events, metrics),
                 "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
                 "mfu": metrics[-1].get("mfu") if metrics else None,
                 "val_loss": next(

@@ -115,6 +115,10 @@ def test_a_local_run_whose_function_leaves_a_gloo_thread_finishes_without_an_abo
         [f"out_dir={tmp_path}", "name=busy", "cluster.tasks_per_node=2", *BUSY], env=with_scripts(dict(os.environ))
     )
     assert json.loads((run_dir / "summary.json").read_text())["spinning"] is True
+    from hpc_train.runs import find_runs
+    from hpc_train.status import status_rows
+
+    assert status_rows(find_runs(run_dir))[0]["total_steps"] == 3  # the function's own steps, not train.steps (60)
     logs = sorted((run_dir / "submitit").glob("*_log.err"))
     assert len(logs) == 2 and not [p.name for p in logs if "terminate called" in p.read_text()]
 

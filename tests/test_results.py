@@ -132,3 +132,21 @@ def test_a_deleted_trial_folder_is_a_missing_row_in_results_and_status(tmp_path:
     assert rows[0]["warnings"] == [f"{sweep_dir}/0000/config.yaml does not exist (deleted?)"]
     proc = run([HPC_TRAIN, "status", str(sweep_dir)])  # the table too
     assert proc.returncode == 0 and "missing" in proc.stdout, proc.stderr
+
+
+def test_status_shows_a_runs_own_total_steps_never_another_loops() -> None:
+    """train.steps is the built-in trainer's: a function's or a script's total is what its loop told (step_end's
+    last_step in `first_step`, a script's hpc.log(total_steps=...)), else none."""
+    from hpc_train.status import _total_steps
+
+    builtin = {"train": {"steps": 60}, "fn": {"_target_": ""}, "script": {"cmd": []}}
+    function = {**builtin, "fn": {"_target_": "byo_train.main"}}
+    script = {**builtin, "script": {"cmd": ["python", "train.py"]}}
+    told = [
+        {"event": "first_step", "step": 1, "total_steps": 300},
+        {"event": "first_step", "step": 41, "total_steps": 200},
+    ]
+    assert _total_steps(builtin, [], []) == 60
+    assert _total_steps(function, [], []) is None and _total_steps(script, [], []) is None
+    assert _total_steps(function, told, []) == 200  # the newest attempt's
+    assert _total_steps(script, [], [{"step": 5, "total_steps": 40}, {"step": 6}]) == 40
