@@ -26,7 +26,10 @@ from conftest import HPC_TRAIN, fake_clients, run
         ("train.stepz=3", r"Could not override 'train.stepz'.*valid keys under train: steps, batch_seqs_per_rank"),
         ("train.steps=many", r"train.steps='many' is a str, but train.steps takes int"),
         ("name='a;b'", r"name='a;b' must be 1-64 letters, digits, '.', '_' or '-'"),
-        ("cluster=dev|cluster.setup=['echo \"unterminated']", r"the batch script would not parse: .*unexpected EOF"),
+        (
+            "cluster=dev|cluster.setup=['echo \"unterminated']",
+            r"the batch script would not parse: .*(unexpected EOF|syntax error).*check cluster.setup",
+        ),
         ("cluster=nope", r"Could not find 'cluster/nope'"),
         (
             "train.parallelism=fsdp|train.tp=3",
