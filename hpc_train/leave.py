@@ -25,23 +25,44 @@ from typing import NoReturn
 # A finished task waits up to this long for the non-daemon threads its function left (an upload, a pool's
 # last write); Python's own exit would wait for ever, and a thread stuck in a dead peer's collective never ends.
 THREAD_JOIN_S = 30.0
+# A stop's or a failure's flush of stdout/stderr (a log on a stalled NFS mount) is given this long.
+FLUSH_S = 5.0
 
 log = logging.getLogger(__name__)
 
 
 def process(code: int, finished: bool = False, join_s: float = THREAD_JOIN_S) -> NoReturn:
     """Leave with `code`. finished: join the threads Python would have joined (join_s in all) and run the
-    atexit handlers first."""
+    atexit handlers first, those within join_s more: a handler that blocks (an online tracker's upload, a
+    multiprocessing child that never ends) or a stream stuck on a full pipe never holds the exit."""
     if finished:
         left = join_threads(join_s)
         if left:
             log.warning("leaving with threads still running after %.0f s: %s", join_s, ", ".join(left))
-        atexit._run_exitfuncs()  # CPython's own list, as Py_Finalize runs it (logging.shutdown is one)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream: nothing left to say there
-            pass
+    guard = threading.Timer(join_s if finished else FLUSH_S, _exit_now, (code, join_s if finished else FLUSH_S))
+    guard.daemon = True
+    guard.start()
+    try:
+        if finished:
+            atexit._run_exitfuncs()  # CPython's own list, as Py_Finalize runs it (logging.shutdown is one)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken stream: nothing left to say there
+                pass
+        os._exit(code)
+    finally:  # reached only where os._exit returned (a test's stand-in): the guard must not exit later
+        guard.cancel()
+
+
+def _exit_now(code: int, after_s: float) -> None:
+    """The guard's exit: a raw write (the streams' locks may be what is stuck), then os._exit."""
+    try:
+        os.write(
+            2, f"hpc_train: atexit handlers or stream flushes still running after {after_s:.0f} s: leaving\n".encode()
+        )
+    except OSError:
+        pass
     os._exit(code)
 
 

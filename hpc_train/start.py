@@ -39,10 +39,9 @@ def main(folder: str) -> None:
     import time
     import traceback
 
-    import cloudpickle
     from submitit.core import job_environment, utils
 
-    from hpc_train.paths import untrusted, write_atomic
+    from hpc_train.paths import untrusted
 
     os.environ["SUBMITIT_FOLDER"] = folder
     paths = job_environment.JobEnvironment().paths
@@ -61,16 +60,40 @@ def main(folder: str) -> None:
     if why:
         raise SystemExit(f"hpc_train: refusing to load the job pickle: {why}")
     delayed = utils.DelayedSubmission.load(paths.submitted_pickle)
-    # The result through write_atomic, not submitit's fixed-name `.save_tmp`, which open() follows if planted.
     try:
         result = delayed.result()
-    except Exception:
-        write_atomic(paths.result_pickle, cloudpickle.dumps(("error", traceback.format_exc())))
+    except SystemExit as e:  # sys.exit in the function (or argparse's): its code, never the interpreter's shutdown
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+        leave.process(code)
+    except BaseException:  # KeyboardInterrupt too: the error on record, then the one way out
+        _write_result(paths.result_pickle, ("error", traceback.format_exc()))
         traceback.print_exc()
         leave.process(1)
-    write_atomic(paths.result_pickle, cloudpickle.dumps(("success", result)))
+    _write_result(paths.result_pickle, ("success", result))
     del delayed, result  # the function's objects (a model, its process groups) are no longer ours to hold
+    preempt.last_beat[0] = float("inf")  # finished: the hang watchdog has nothing left to watch while threads end
     leave.process(0, finished=True)  # never through the interpreter's shutdown: leave.py says why
+
+
+def _write_result(where: object, result: tuple[str, object]) -> None:
+    """submitit's result pickle (through write_atomic, not its fixed-name `.save_tmp`, which open() follows if
+    planted). A result that does not pickle (a lock, a generator in the function's return) or a write that fails
+    is said in one line: the run's own records (summary.json, the finish event) are written already."""
+    import cloudpickle
+
+    from hpc_train.paths import write_atomic
+
+    try:
+        data = cloudpickle.dumps(result)
+    except Exception as e:
+        print(f"hpc_train: the function's result does not pickle ({type(e).__name__}: {e}); none kept", file=sys.stderr)
+        data = cloudpickle.dumps((result[0], None))
+    try:
+        write_atomic(where, data)  # type: ignore[arg-type]
+    except OSError as e:
+        print(f"hpc_train: could not write the result to {where}: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

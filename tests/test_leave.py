@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import cloudpickle
@@ -96,6 +97,56 @@ def test_the_thread_join_is_bounded_and_names_what_it_left() -> None:
         stop.set()
         stuck.join()
     assert leave.join_threads(0.3) == []
+
+
+def busy_gloo_then_exit(code: object) -> None:
+    """sys.exit in the function (argparse's usage error, a user's early exit) while a thread spins in gloo."""
+    busy_gloo_then_return(os.devnull + "-unused", 0.0)
+    raise SystemExit(code)
+
+
+def busy_gloo_then_an_unpicklable_result() -> dict:
+    import threading
+
+    busy_gloo_then_return(os.devnull + "-unused", 0.0)
+    return {"final_step": 1, "lock": threading.Lock()}
+
+
+@pytest.mark.parametrize(("code", "rc"), [(0, 0), (None, 0), (3, 3), ("usage: train.py [-h]", 1)])
+def test_a_function_that_calls_sys_exit_leaves_by_os_exit_with_its_code(tmp_path: Path, code: object, rc: int) -> None:
+    """Review: SystemExit went past start.py's `except Exception` into the interpreter's shutdown, with the gloo
+    thread alive: SIGABRT (rc -6)."""
+    folder = make_dir(make_dir(tmp_path / "run") / "submitit")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    DelayedSubmission(busy_gloo_then_exit, code).dump(folder / "7_submitted.pkl")
+    proc = run_start(folder)
+    assert proc.returncode == rc, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr
+    assert (str(code) in proc.stderr) == isinstance(code, str)
+
+
+def test_a_result_that_does_not_pickle_is_said_and_the_task_still_exits_0(tmp_path: Path) -> None:
+    """Review: cloudpickle.dumps raised after the finish was on record: a traceback, then the abort at shutdown."""
+    folder = make_dir(make_dir(tmp_path / "run") / "submitit")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    DelayedSubmission(busy_gloo_then_an_unpicklable_result).dump(folder / "7_submitted.pkl")
+    proc = run_start(folder)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "result does not pickle (TypeError" in proc.stderr
+    assert cloudpickle.loads((folder / "7_0_result.pkl").read_bytes()) == ("success", None)
+
+
+def test_an_atexit_handler_that_never_returns_does_not_hold_the_exit(tmp_path: Path) -> None:
+    """Review: a finished task ran the atexit handlers unbounded (an online tracker's upload, a multiprocessing
+    child that never ends): the task held its job to the time limit. They get join_s; then os._exit."""
+    code = (
+        "import atexit, time\nfrom hpc_train import leave\n"
+        "atexit.register(time.sleep, 600)\nleave.process(5, finished=True, join_s=0.5)\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5 and time.monotonic() - t0 < 30, proc.stderr
+    assert "atexit handlers or stream flushes still running after" in proc.stderr
 
 
 SCRIPTS = str(Path(__file__).resolve().parent / "scripts")
