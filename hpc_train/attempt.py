@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpc_train import journal, preempt
+from hpc_train import deadlines, journal, preempt
 from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
@@ -46,10 +46,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Attempt", "TrainState"]
-
-# The finish waits this long for the memory copy in flight; past it the copy is given up (the final disk save
-# is committed by then). A copy of a `1b` state takes ~10 s; a peer gone mid-copy blocks it for good.
-FINISH_MEMORY_WAIT_S = 120.0
 
 
 def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, DeviceMesh]:
@@ -180,7 +176,7 @@ class Attempt:
     stop_reason: str = ""  # "time_limit" | "preempt", judged once, by every rank's signals, at the stop
     kill_deadline: float = float("inf")  # time.monotonic() when Slurm's SIGKILL is due, from the first signal
     end_at: float = 0.0  # Unix time of Slurm's EndTime as the attempt started (slurm.end_time); 0: unknown
-    # Seconds a time-limit stop keeps after its save for the requeue decision (job.decision_reserve_s): a
+    # Seconds a time-limit stop keeps after its save for the requeue decision (deadlines.decision_reserve_s): a
     # TIMEOUT job is not requeued by Slurm, so SIGKILL must not land before `scontrol requeue` answered.
     reserve_s: float = 0.0
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
@@ -192,6 +188,7 @@ class Attempt:
     _resumed_at: float | None = None
     _rebucket_s: list[float] = field(default_factory=list)  # the throwaway forward and backward, once taken
     _signalled: bool = False
+    _last_step: int | None = None  # step_end's last_step: a return at or past it is a finish, signal or not
 
     def __post_init__(self) -> None:
         self.profile = Profile(
@@ -381,7 +378,8 @@ class Attempt:
         this step (if it fits before SIGKILL, less reserve_s before a time limit's) and return True; the
         caller returns. Else a periodic save every checkpoint.every_steps. A signal at the last step
         finishes the run instead."""
-        preempt.beat(state.step)  # the hang watchdog (job.py) restarts its clock
+        preempt.beat(state.step)  # the hang watchdog (watchdog.py) restarts its clock
+        self._last_step = last_step
         if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
             rebucket = {"ddp_rebucket_s": round(sum(self._rebucket_s), 4)} if self._rebucket_s else {}
             took = round(time.monotonic() - self._resumed_at, 4)  # total_steps: what status shows as the run's total
@@ -431,8 +429,10 @@ class Attempt:
 
     def returned(self) -> None:
         """The function returned without finish(): at its own stop check (should_stop) with a stop signal pending,
-        that is a stop at the step the loop reached, with the time Slurm leaves; a stop step_end saw is kept."""
-        if self.finished is None and not self.stopped and self.should_stop():
+        that is a stop at the step the loop reached, with the time Slurm leaves; a stop step_end saw is kept. A return
+        at the last step step_end was told of is a finish, whenever the signal came (step_end finishes at it too)."""
+        done = self._last_step is not None and preempt.step_reached[0] >= self._last_step
+        if self.finished is None and not self.stopped and not done and self.should_stop():
             left, reason = self.time_left_s()
             self.stopped, self.stop_step, self.stop_reason = True, preempt.step_reached[0], reason
             self.kill_deadline = time.monotonic() + left
@@ -448,8 +448,12 @@ class Attempt:
             write_atomic(self.paths.summary, json.dumps(self.finished, indent=1, default=str) + "\n")
         self.event(journal.FINISH, step, **self.finished)
         if self.memory:  # no relaunch will read it; the copy in flight first (every rank is here)
-            if not self.wait_for_memory(FINISH_MEMORY_WAIT_S):  # a copy stuck on a gone peer: the disk has the step
-                self.say(f"[hpc_train] the memory copy in flight did not end within {FINISH_MEMORY_WAIT_S:.0f} s")
+            if not self.wait_for_memory(
+                deadlines.FINISH_MEMORY_WAIT_S
+            ):  # a copy stuck on a gone peer: the disk has the step
+                self.say(
+                    f"[hpc_train] the memory copy in flight did not end within {deadlines.FINISH_MEMORY_WAIT_S:.0f} s"
+                )
                 self.memory.abandon()
             self.memory.clean(join_s=10.0)  # its thread ends before the process does
         self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")

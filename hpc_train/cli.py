@@ -136,7 +136,7 @@ def _submit(args: argparse.Namespace) -> int:
             import gc
 
             gc.enable()
-        from hpc_train.job import reserve_warning
+        from hpc_train.deadlines import reserve_warning
 
         warnings = {reserve_warning(r.cluster) for r in p.runs}  # a sweep may vary signal_lead_s
         warnings.add(slurm_run and lead_warning(plan.previous_runs(p), p.runs[0].cluster.signal_lead_s) or "")

@@ -193,7 +193,7 @@ def decided(events: list[Event], restart: int) -> bool:
 def keeps_memory(end: Event | None, node: str, local: bool = False) -> bool:
     """Whether a failed attempt's memory copies on `node` stay (checkpoint.memory_every_steps), by its verdict
     `end`: an in-job restart whose step runs on `node`, the local executor's requeue (it restarts in place),
-    or no verdict seen (None: the deciding rank was slower than job.VERDICT_WAIT_S, or died): one may still
+    or no verdict seen (None: the deciding rank was slower than deadlines.VERDICT_WAIT_S, or died): one may still
     come and read them. An in-job restart that leaves `node` out has no rank there to read them, and
     nothing else would free that RAM before the node reboots."""
     if end is None:

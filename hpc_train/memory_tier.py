@@ -23,7 +23,7 @@ each rank's bytes come from its own node when they are there, else from a holder
 rank checks the sha256 and all must agree, else every rank resumes from disk. tmpfs outlives the training
 step's processes but not the allocation: a folder is used only by the job (and Slurm restart count) that
 wrote it, and removed when the run finishes, stops or is requeued (after a failure too, unless relaunched on
-that node: job._clean_memory).
+that node: failure.clean_memory).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from hpc_train.env import RankEnv
 from hpc_train.paths import MARKER, make_dir, step_folders, untrusted, write_atomic
 
 STEP = re.compile(r"step-(\d+)")
-BUILT: list[MemoryTier | None] = [None]  # this process's tier, for the failure path (job._after_failure)
+BUILT: list[MemoryTier | None] = [None]  # this process's tier, for the failure path (failure.after_failure)
 TAG = 0x4D45  # the buddy exchange's gloo tag: never matched by another send
 
 

@@ -118,7 +118,7 @@ class RunPaths:
 
     def rejoin_plan(self, job_id: str) -> Path:
         """cluster.in_process_restart: the deciding rank's plan for the next attempt in the same processes (who
-        keeps its rank, which standby takes a dead one's; job._plan_rejoin), rewritten at each one."""
+        keeps its rank, which standby takes a dead one's; rejoin.plan_rejoin), rewritten at each one."""
         return self.run_dir / f".rejoin-{job_id}"
 
     def alive(self, job_id: str, restart: int) -> Path:
@@ -131,7 +131,7 @@ class RunPaths:
 
 
 def finished_marker(submitit_folder: Path, slurm_job_id: str) -> Path:
-    """cluster.in_process_restart: the step's ranks finished the run (job._run writes it), so the batch script's
+    """cluster.in_process_restart: the step's ranks finished the run (job._run_function writes), so the batch script's
     srun() ends the job with 0 though a task the in-process restart replaced died (srun's status: 137)."""
     return submitit_folder / f".finished-{slurm_job_id}"
 

@@ -119,7 +119,7 @@ class ClusterConfig:
                 "(or more), or cluster.in_process_restart=false"
             )
         spread = str(self.sbatch_extra.get("distribution", "block"))
-        if self.in_process_restart and spread.split(":")[0] not in ("block", "*"):  # job._split_standby's order
+        if self.in_process_restart and spread.split(":")[0] not in ("block", "*"):  # rejoin.split_standby's order
             raise ValueError(
                 f"cluster.sbatch_extra.distribution={spread!r} puts the step's tasks on its nodes in another order, "
                 f"but cluster.in_process_restart=true takes the tasks of the first cluster.nodes nodes (Slurm's block "
@@ -542,13 +542,13 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
     if cluster.spare_nodes:
         # The training step on `nodes` of the allocation; the signal relay's srun() reads this and, after an
         # in-job restart, replaces it with the relaunch's nodes and exclusions (sbatch_templates/signal_relay.sh).
-        # With in_process_restart the spares run the step's standbys (job._split_standby)
+        # With in_process_restart the spares run the step's standbys (rejoin.split_standby)
         n = cluster.nodes + (cluster.spare_nodes if cluster.in_process_restart else 0)
         step = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}"
         params["setup"] = [*params["setup"], f"export HPC_TRAIN_STEP_ARGS='{step}'"]
         # A failed node then leaves the job instead of ending it (Slurm 22.05 excises it and kills the tasks
         # there); the relay's srun() runs the step --no-kill too, else Slurm SIGKILLs every task of it and no
-        # rank is left to decide. The failure path blames the node (job.lost_nodes) and relaunches without it.
+        # rank is left to decide. The failure path blames the node (requeue.lost_nodes) and relaunches without it.
         params["additional_parameters"]["no-kill"] = True
     if cluster.switches:
         params["additional_parameters"]["switches"] = cluster.switches
@@ -645,7 +645,7 @@ def validate_live(
             f"itself at the limit and resumes)"
         )
     # A preempted run whose own requeue fails stays alive preempt_grace_s + 60 s for Slurm to kill and
-    # requeue it (job._leave); with a longer GraceTime it exits first, and Slurm requeues no job that
+    # requeue it (verdict.leave); with a longer GraceTime it exits first, and Slurm requeues no job that
     # ended on its own. Not on a partition Slurm never preempts (PreemptMode=OFF).
     grace = part.get("GraceTime", "0")
     if part.get("PreemptMode") != "OFF" and grace.isdigit() and int(grace) > cluster.preempt_grace_s:

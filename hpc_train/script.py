@@ -198,11 +198,11 @@ POLL_S = 0.25  # our ranks agree 4 times a second: the stop signal reaches every
 # After a preemption's signal, the child's SIGKILL comes this much before Slurm's, for the records (Slurm
 # requeues a preempted job itself): at most a quarter of what is left. A time limit keeps job.py's reserve.
 DECIDE_RESERVE_S = 10.0
-children: list[subprocess.Popen[bytes]] = []  # this rank's child, for job._leave to end with us
+children: list[subprocess.Popen[bytes]] = []  # this rank's child, for verdict.leave to end with us
 
 
 def end_children() -> None:
-    """SIGKILL the child's process group (its data-loader workers too); job._leave calls it before exiting."""
+    """SIGKILL the child's process group (its data-loader workers too); verdict.leave calls it before exiting."""
     for child in children:  # its group even once it exited: its data loaders and daemons may live on
         try:
             os.killpg(child.pid, signal.SIGKILL)
@@ -496,9 +496,9 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
 
 def grace_s(left_s: float, reason: str, reserve_s: float) -> float:
     """Seconds from the stop signal to the child's SIGKILL, of the left_s Slurm leaves (pure). A time
-    limit's TIMEOUT is never requeued by Slurm: the decision's worst case (reserve_s, job.decision_reserve_s:
+    limit's TIMEOUT is never requeued by Slurm: the decision's worst case (reserve_s, deadlines.decision_reserve_s:
     35 s, 50 s elastic) is kept whole, even if nothing is left for the script (submit warns:
-    job.reserve_warning). A preempted job Slurm requeues itself: a little for the records."""
+    deadlines.reserve_warning). A preempted job Slurm requeues itself: a little for the records."""
     keep = reserve_s if reason == "time_limit" else min(DECIDE_RESERVE_S, left_s / 4)
     return max(0.0, left_s - keep)
 

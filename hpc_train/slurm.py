@@ -261,7 +261,7 @@ def parse_fate(text: str, restart_count: int) -> str:
 
 
 # (timeout s, retries) of each call the job makes; the stop path's are shorter, since they run between the
-# stop save and Slurm's SIGKILL (job.REQUEUE_RESERVE_S adds them up). The failure path has no deadline.
+# stop save and Slurm's SIGKILL (deadlines.REQUEUE_RESERVE_S adds them up). The failure path has no deadline.
 FATE, REQUEUE = (10.0, 2), (10.0, 2)  # 33 s each at worst
 STOP_FATE = (10.0, 0)  # 10 s: a fate that does not answer is "unknown", and the run requeues anyway
 STOP_REQUEUE = (10.0, 1)  # 10 + 1 + 10 = 21 s: the one call a time-limit stop cannot do without

@@ -15,7 +15,7 @@
 # so would a task an in-process restart took for dead once the run finished (FOLDER/.finished-JOBID).
 # Once the marker or that file is there (looked for every 5 s; on NFS up to acdirmax, 60 s, later) the step gets
 # HPC_TRAIN_STEP_END_S (90 s: the verdict goes on record right after the marker, and the ranks that did
-# not decide, polling for it every 0.5 s in job._after_failure, then exit), then srun a TERM, which it
+# not decide, polling for it every 0.5 s in failure.after_failure, then exit), then srun a TERM, which it
 # turns into SIGKILL for every task (a stopped one too); then HPC_TRAIN_STEP_KILL_S (120 s: twice the
 # default UnkillableStepTimeout of 60 s that slurmstepd gives a D-state task) before SIGKILL to srun
 # itself, whose shepherd then has slurmctld kill the step, and the relaunch goes on.
@@ -28,8 +28,9 @@ srun() {
   # and stays pending (sent to the step once it runs). A pending signal keeps the time of the first,
   # in whole Unix seconds: the relaunched step judges and times its stop from when it came.
   # printf's %(%s)T, not EPOCHSECONDS: bash 4.4 (RHEL 8) has none, and SIGUSR2@0 would read as "now"
-  trap '[ -n "${pending:-}" ] || printf -v pending "SIGUSR2@%(%s)T" -1; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null' USR2
-  trap '[ -n "${pending:-}" ] || printf -v pending "SIGUSR2@%(%s)T" -1; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; }' TERM
+  # `|| true` last: under a site template's set -e a failed kill (srun reaped, $pid not yet cleared) ends the shell
+  trap '[ -n "${pending:-}" ] || printf -v pending "SIGUSR2@%(%s)T" -1; [ -z "${pid:-}" ] || kill -USR2 "$pid" 2>/dev/null || true' USR2
+  trap '[ -n "${pending:-}" ] || printf -v pending "SIGUSR2@%(%s)T" -1; [ -z "${pid:-}" ] || { kill -USR2 "$pid" 2>/dev/null && echo "hpc_train relay: batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL for every task" >&2; } || true' TERM
   [ -z "$step" ] || rm -f "$marker" "${!#}/.finished-${SLURM_JOB_ID}"  # a requeued job's leftovers: never act on them
   while true; do
     now="$pending" pending="" pid=""
@@ -50,14 +51,14 @@ srun() {
     # A listing first: on NFS this shell's negative lookup of the marker (the rm above) may be cached for
     # acdirmax (60 s) after another node wrote it; reading the folder revalidates it (close-to-open).
     [ "$status" = 0 ] || ls -a "${!#}" >/dev/null 2>&1 || true
-    # cluster.in_process_restart: the ranks finished the run (job._run wrote the file) in a step where a task
+    # cluster.in_process_restart: the ranks finished the run (job._run_function wrote the file) in a step where a task
     # that an in-process restart replaced died (SIGKILL: srun's status 137): the job completed.
     if [ -f "${!#}/.finished-${SLURM_JOB_ID}" ] && [ ! -L "${!#}/.finished-${SLURM_JOB_ID}" ] && [ -O "${!#}/.finished-${SLURM_JOB_ID}" ]; then
       rm -f "${!#}/.finished-${SLURM_JOB_ID}" "$marker"
       return 0
     fi
     [ -s "$marker" ] || return "$status"
-    # Its words become srun options: only a plain file of this user, only the options job._relaunch writes
+    # Its words become srun options: only a plain file of this user, only the options relaunch.relaunch writes
     # (a group-writable folder must not let a teammate add --task-prolog or --export to the step of this user).
     step=""
     if [ -L "$marker" ] || [ ! -O "$marker" ]; then
@@ -75,7 +76,7 @@ srun() {
   done
 }
 # While the step runs it also writes the time (Unix s) into FOLDER/.relay-JOBID every 5 s: a deciding rank that
-# finds it older than 30 s (job.RELAY_SILENT_S) takes this shell's node for lost and requeues instead of
+# finds it older than 30 s (deadlines.RELAY_SILENT_S) takes this shell's node for lost and requeues instead of
 # writing a marker nobody would read.
 _hpc_train_watch() {  # srun's pid, the marker, the finished file, the beat file: end a step that outlives either
   local pid="$1" marker="$2" finished="$3" beat="$4" why="its relaunch marker" i

@@ -18,7 +18,7 @@ fault really is on this cluster:
     node-loss   the node fails as Slurm sees it: `scontrol update State=DOWN` (what slurmctld does to a node
                 silent for SlurmdTimeout), DRAINed first so that it stays out once its slurmd registers again
                 (ReturnToService=2) until the storm ends. The job is --no-kill (hot spares): Slurm takes the
-                node out of it and kills the tasks there; the deciding survivor blames it (job.lost_nodes)
+                node out of it and kills the tasks there; the deciding survivor blames it (requeue.lost_nodes)
                 and the step is relaunched without it, on a spare. Never the batch script's node, whose loss
                 ends the job (a requeue: test_in_job.py's batch host test); then the seeded rank's peer's node is lost
     sick-node   the rank's node marked sick, the other rank (on a healthy node) SIGKILLed: the relaunch's

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from conftest import HPC_TRAIN, read_events, run
 
+from hpc_train import deadlines
 from hpc_train.checkpoint import MARKER, Saver, TrainState, Writer, _sha256, apply_retention, step_dir, step_folders
 from hpc_train.config import CheckpointConfig
 
@@ -484,12 +485,12 @@ def test_failed_writes_are_abandoned_and_training_goes_on(tmp_path: Path) -> Non
 
 def test_a_time_limit_stop_keeps_the_requeue_reserve(tmp_path: Path, our_handlers: Any, monkeypatch: Any) -> None:
     """Issue 18, defect 1: the time-limit warning leaves signal_lead_s=120 s before SIGKILL, and the requeue
-    decision after the save may take job.REQUEUE_RESERVE_S (35 s). A save measured at 100 s "fit" the 120 s,
+    decision after the save may take deadlines.REQUEUE_RESERVE_S (35 s). A save measured at 100 s "fit" the 120 s,
     so SIGKILL could land before `scontrol requeue` (a TIMEOUT job is not requeued: the run just ended).
     Now it is skipped and the stop requeues from step 5; the signal event names the reserve."""
     import signal
 
-    from hpc_train import job, journal
+    from hpc_train import journal
     from hpc_train.config import RunConfig
 
     first, state = make_attempt(tmp_path), make_state()
@@ -498,7 +499,7 @@ def test_a_time_limit_stop_keeps_the_requeue_reserve(tmp_path: Path, our_handler
     journal.log(tmp_path, "checkpoint_committed", 5, "1", 0, reason="periodic", write_s=100.0)  # as measured then
     c = RunConfig().cluster
     monkeypatch.setenv("HPC_TRAIN_ALLOCATED_AT", str(time.time() - (c.timeout_min * 60 - c.signal_lead_s)))
-    second, state = make_attempt(tmp_path, reserve_s=job.REQUEUE_RESERVE_S), make_state()
+    second, state = make_attempt(tmp_path, reserve_s=deadlines.REQUEUE_RESERVE_S), make_state()
     second.resume(state)
     state.step = 6
     os.kill(os.getpid(), signal.SIGUSR2)

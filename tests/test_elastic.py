@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import journal, preempt, slurm
+from hpc_train import journal, preempt, requeue, slurm
 from hpc_train.config import compose, to_run_config
 from hpc_train.sbatch import render
 
@@ -320,8 +320,6 @@ def test_the_runs_own_exclusions_are_not_counted_free(monkeypatch: pytest.Monkey
     asked for 4-4 on 3 usable nodes (pending for good on this 4-node partition)."""
     from types import SimpleNamespace
 
-    from hpc_train import job
-
     states = {f"node{i}": "idle" for i in range(1, 5)}
     for snapshot_jobs in (
         [{"id": "7", "state": "RUNNING", "end": None, "nodes": ["node1", "node2", "node3"], "excluded": []}],
@@ -330,9 +328,9 @@ def test_the_runs_own_exclusions_are_not_counted_free(monkeypatch: pytest.Monkey
         monkeypatch.setattr(slurm, "queue_snapshot", lambda partition, job_id, policy: (states, snapshot_jobs))
         env = SimpleNamespace(executor="slurm", job_id="7", nodes=("node1", "node2", "node3", "node4"))
         cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
-        wait = job.queue_wait_s(env, cfg, ["node4"])
+        wait = requeue.queue_wait_s(env, cfg, ["node4"])
         assert wait == (None, {"free_nodes": ["node1", "node2", "node3"], "not_free": {"node4": "idle excluded"}})
-        size, fields = job.next_attempt_size(env, cfg, wait)
+        size, fields = requeue.next_attempt_size(env, cfg, wait)
         assert size == {"NumNodes": "3-3", "NumTasks": "6"} and fields["nodes_next"] == "3-3"
 
 
@@ -351,7 +349,7 @@ def test_exclusion_and_next_size_go_in_one_scontrol_update(monkeypatch: pytest.M
     (The real update is exercised by the dev-cluster tests; this pins how the fields are combined.)"""
     from types import SimpleNamespace
 
-    from hpc_train import job, slurm
+    from hpc_train import slurm
 
     calls: list[dict[str, str]] = []
     answer = [""]
@@ -362,13 +360,13 @@ def test_exclusion_and_next_size_go_in_one_scontrol_update(monkeypatch: pytest.M
     env = SimpleNamespace(executor="slurm", job_id="7")
     cluster = SimpleNamespace(exclude="node9", nodelist=None, nodes=2, spare_nodes=0, min_nodes=1, partition="debug")
     size = {"NumNodes": "2-2", "NumTasks": "4"}
-    assert job._update_next_attempt(env, cluster, ["node3"], size, record) == ""
+    assert requeue.update_next_attempt(env, cluster, ["node3"], size, record) == ""
     assert calls == [{"ExcNodeList": "node3,node9", "NumNodes": "2-2", "NumTasks": "4"}]
     assert events == [("exclude_nodes", {"nodes": "node3,node9", "ok": True})]
     answer[0] = "scontrol did not answer"
-    assert job._update_next_attempt(env, cluster, [], size, record) == "scontrol did not answer"
+    assert requeue.update_next_attempt(env, cluster, [], size, record) == "scontrol did not answer"
     assert calls[-1] == size and len(events) == 1  # no exclusion: no exclude_nodes event
-    assert job._update_next_attempt(env, cluster, [], {}, record) == "" and len(calls) == 2  # nothing to set
+    assert requeue.update_next_attempt(env, cluster, [], {}, record) == "" and len(calls) == 2  # nothing to set
 
 
 STATES = ["idle", "idle", "alloc", "mix", "comp", "drng", "drain", "down*", "idle*", "resv"]

@@ -17,11 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import HPC_TRAIN, read_events, run, submit, wait_until
 
+from hpc_train import rendezvous
 from hpc_train.config import ModelConfig, TrainConfig
 from hpc_train.env import gpu_sharing_error, nccl_env
 from hpc_train.metrics import peak_tflops
 from hpc_train.model import GPT
 from hpc_train.sbatch import ClusterConfig, executor_parameters, make_executor
+from hpc_train.task import Task
 
 
 def test_local_executor_is_given_the_gpu_count(tmp_path: Path) -> None:
@@ -263,7 +265,7 @@ def test_a_scripts_rank_process_never_touches_cuda(tmp_path: Path, monkeypatch: 
     buffers there for the whole run. CPU shows it with torch.cuda answering as on a 1-GPU node and every
     call that would touch the device recorded; a GPU machine shows it with nvidia-smi (benchmarks/gpu_check.sh)."""
 
-    from hpc_train import job, preflight
+    from hpc_train import preflight
     from hpc_train.config import ConfigSource, compose, to_run_config
     from hpc_train.env import RankEnv
     from hpc_train.paths import RunPaths
@@ -284,7 +286,7 @@ def test_a_scripts_rank_process_never_touches_cuda(tmp_path: Path, monkeypatch: 
     paths = RunPaths(tmp_path)
     monkeypatch.setenv("SLURMD_NODENAME", "127.0.0.1")
     try:
-        placed = job._rendezvous(env, cfg, paths)
+        placed = rendezvous.join(env, cfg, paths, Task())
         assert dist.get_backend() == "gloo"
         sick = preflight.check(placed, cfg.preflight, paths, time_gpu=not cfg.script.cmd)
     finally:

@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import job, journal, preempt, slurm
+from hpc_train import deadlines, failure, journal, preempt, rejoin, relaunch, rendezvous, requeue, slurm, watchdog
 from hpc_train.config import compose, to_run_config
 from hpc_train.env import from_env
+from hpc_train.task import Task
 
 REASONS = ("failure", "node_health", "preempt", "time_limit")
 FATES = ("running", "unknown", "requeued", "cancelled", "batch_host_lost")
@@ -137,31 +138,36 @@ def test_the_reasons_it_requeues_instead() -> None:
 
 
 def test_a_node_slurm_took_out_of_the_job_is_blamed() -> None:
-    """job.lost_nodes: a --no-kill job's nodes at its start (SLURM_JOB_NODELIST) against what Slurm says it holds
+    """requeue.lost_nodes: a --no-kill job's nodes at its start (SLURM_JOB_NODELIST) against what Slurm says it holds
     now, less those left out already; once the job ends only a missing batch host (COMPLETING lists the nodes still
     completing, which an idle spare leaves in ms: it was blamed too, review); nothing when Slurm did not answer."""
     running = slurm.Allocation("RUNNING", ["node1", "node3"], "node1", "None")
-    assert job.lost_nodes("node[1-3]", running) == {
+    assert requeue.lost_nodes("node[1-3]", running) == {
         "node2": "node2 left the job's allocation, a node failure (Slurm's NodeList is now node1,node3)"
     }
-    assert list(job.lost_nodes("node[1-4]", running._replace(nodes=["node3"]))) == ["node1", "node2", "node4"]
-    assert job.lost_nodes("node[1-3]", running._replace(nodes=["node1", "node2", "node3"])) == {}
-    assert job.lost_nodes("node[1-3]", None) == {} and job.lost_nodes("node[1-3]", running._replace(nodes=[])) == {}
+    assert list(requeue.lost_nodes("node[1-4]", running._replace(nodes=["node3"]))) == ["node1", "node2", "node4"]
+    assert requeue.lost_nodes("node[1-3]", running._replace(nodes=["node1", "node2", "node3"])) == {}
+    assert (
+        requeue.lost_nodes("node[1-3]", None) == {}
+        and requeue.lost_nodes("node[1-3]", running._replace(nodes=[])) == {}
+    )
     # left out already (a later failure of the same allocation): not blamed again, which stopped the storm's run
-    assert list(job.lost_nodes("node[1-4]", running._replace(nodes=["node3"]), {"node2": "earlier"})) == [
+    assert list(requeue.lost_nodes("node[1-4]", running._replace(nodes=["node3"]), {"node2": "earlier"})) == [
         "node1",
         "node4",
     ]
     ended = slurm.Allocation("COMPLETING", ["node2"], "node1")  # the batch host lost, node3 done completing
-    assert job.lost_nodes("node[1-3]", ended, batch_host_lost=True) == {
+    assert requeue.lost_nodes("node[1-3]", ended, batch_host_lost=True) == {
         "node1": "node1, the batch script's node, left the job's allocation: a node failure ended the job"
     }
     # a cancel or a time limit whose batch host finished completing first: not lost (review: fate first)
-    assert job.lost_nodes("node[1-3]", ended) == {}
-    assert job.lost_nodes("node[1-3]", ended._replace(nodes=["node1"]), batch_host_lost=True) == {}
+    assert requeue.lost_nodes("node[1-3]", ended) == {}
+    assert requeue.lost_nodes("node[1-3]", ended._replace(nodes=["node1"]), batch_host_lost=True) == {}
     failed = ended._replace(state="FAILED")
-    assert job.lost_nodes("node[1-3]", failed, batch_host_lost=True) == job.lost_nodes("node[1-3]", ended, (), True)
-    assert job.lost_nodes("node[1-3]", ended, {"node1": "earlier"}, batch_host_lost=True) == {}
+    assert requeue.lost_nodes("node[1-3]", failed, batch_host_lost=True) == requeue.lost_nodes(
+        "node[1-3]", ended, (), True
+    )
+    assert requeue.lost_nodes("node[1-3]", ended, {"node1": "earlier"}, batch_host_lost=True) == {}
     # one line of `scontrol show job -o`, as the dev cluster printed it after node2 went DOWN
     line = "JobId=6 JobName=lose-1.b JobState=RUNNING Reason=None NodeList=node[1,3] BatchHost=node1 NumNodes=2"
     assert slurm.parse_allocation(line) == running
@@ -184,7 +190,7 @@ def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.Mo
 
     from hpc_train.paths import relay_beat
 
-    monkeypatch.setattr(job, "RELAY_RECHECK_S", 0.2)
+    monkeypatch.setattr(deadlines, "RELAY_RECHECK_S", 0.2)
     folder = tmp_path / "submitit"
     folder.mkdir()
     monkeypatch.setenv("SUBMITIT_FOLDER", str(folder))
@@ -195,28 +201,28 @@ def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.Mo
     record = lambda name, **f: recorded.append({"event": name, **f})  # noqa: E731
     nodes, beat, marker = ["node1", "node2", "node3"], folder / ".relay-7", folder / ".relaunch-7"
 
-    def relaunch() -> bool:
+    def relaunched() -> bool:
         marker.unlink(missing_ok=True)
-        return job._relaunch(SimpleNamespace(job_id="7"), cfg, "failure", nodes, ["node2"], 0, record, 2)
+        return relaunch.relaunch(SimpleNamespace(job_id="7"), cfg, "failure", nodes, ["node2"], 0, record, 2)
 
-    assert relay_beat(folder, "7") is None and relaunch() and marker.exists()  # no beat: as before
+    assert relay_beat(folder, "7") is None and relaunched() and marker.exists()  # no beat: as before
     beat.write_text(f"{time.time() - 10:.0f}\n")
-    assert relaunch() and marker.exists()
-    beat.write_text(f"{time.time() - job.RELAY_SILENT_S - 5:.0f}\n")
-    assert not relaunch() and not marker.exists() and len(recorded) == 2  # nothing recorded: the requeue decides
+    assert relaunched() and marker.exists()
+    beat.write_text(f"{time.time() - deadlines.RELAY_SILENT_S - 5:.0f}\n")
+    assert not relaunched() and not marker.exists() and len(recorded) == 2  # nothing recorded: the requeue decides
     for junk in ("garbage", "0\n"):  # 0: a bash without EPOCHSECONDS (4.4, RHEL 8), before printf's %(%s)T
         beat.write_text(junk)
-        assert relay_beat(folder, "7") is None and relaunch()
+        assert relay_beat(folder, "7") is None and relaunched()
     # old by this node's clock but written again within RELAY_RECHECK_S: a live relay on a node whose clock is behind
-    monkeypatch.setattr(job, "RELAY_RECHECK_S", 2.0)  # 40 x the Timer's 0.05 s: a loaded machine starts it late
+    monkeypatch.setattr(deadlines, "RELAY_RECHECK_S", 2.0)  # 40 x the Timer's 0.05 s: a loaded machine starts it late
     beat.write_text(f"{time.time() - 300:.0f}\n")
     threading.Timer(0.05, lambda: beat.write_text(f"{time.time() - 295:.0f}\n")).start()
-    assert relaunch() and marker.exists()
+    assert relaunched() and marker.exists()
     beat.unlink()
     old = tmp_path / "old"
     old.write_text("1")
     beat.symlink_to(old)  # a teammate's planted name: not the relay's word
-    assert relay_beat(folder, "7") is None and relaunch()
+    assert relay_beat(folder, "7") is None and relaunched()
 
 
 def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collective(
@@ -224,7 +230,7 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
 ) -> None:
     """A node that crashes sends no reset: the survivors' collective blocks, and when Slurm takes the batch host out
     (SlurmdTimeout) it ends the --no-kill job with no requeue and TERMs them, then SIGKILLs them after KillWait. The
-    watchdog thread asks (job._batch_host_lost): only at a SIGTERM, only with the relay silent past RELAY_SILENT_S
+    watchdog thread asks (watchdog.batch_host_lost): only at a SIGTERM, only with the relay silent past RELAY_SILENT_S
     (a preemption TERMs every rank: no Slurm call from each; a beat that looks old is read again RELAY_RECHECK_S
     later), and then believes Slurm's fate (a fake scontrol: a real one cannot be made to show a crashed batch host in
     a test's time)."""
@@ -240,7 +246,7 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     env = SimpleNamespace(executor="slurm", job_id="7")
     beat = folder / ".relay-7"
-    monkeypatch.setattr(job, "RELAY_RECHECK_S", 0.05)
+    monkeypatch.setattr(deadlines, "RELAY_RECHECK_S", 0.05)
 
     def asks(beat_age_s: float | None, show: str) -> tuple[bool, int]:
         (state / "show").write_text(show + "\n")
@@ -249,7 +255,7 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
             beat.unlink(missing_ok=True)
         else:
             beat.write_text(f"{time.time() - beat_age_s:.0f}\n")
-        lost = job._batch_host_lost(env)
+        lost = watchdog.batch_host_lost(env)
         return lost, len((state / "calls").read_text().splitlines())
 
     lost_host = line.format(state="COMPLETING", host="node1")
@@ -264,11 +270,11 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
     monkeypatch.setattr(preempt, "received", ["SIGUSR2", "SIGTERM"])
     monkeypatch.setattr(preempt, "received_at", [100.0, 200.0])
     monkeypatch.setattr(preempt, "last_beat", [150.0])
-    assert job._blocked_at_term()
+    assert watchdog.blocked_at_term()
     monkeypatch.setattr(preempt, "last_beat", [201.0])
-    assert not job._blocked_at_term()
+    assert not watchdog.blocked_at_term()
     monkeypatch.setattr(preempt, "received", ["SIGUSR2"])
-    assert not job._blocked_at_term()
+    assert not watchdog.blocked_at_term()
 
 
 def test_the_start_up_an_in_job_restart_expects_is_the_slowest_measured() -> None:
@@ -305,7 +311,7 @@ def test_an_in_job_exclusion_counts_the_allocation_a_requeue_the_partition(seed:
     budget = rng.randint(1, 5)
     after, fits = {*before, *sick}, len({*before, *sick}) <= budget
     inside, not_in, stop_in = preempt.exclusion(events, sick, budget, len(job_nodes) - nodes, allocation=job_nodes)
-    room = len(partition) - (nodes + spares)  # job.spare_nodes: usable nodes beyond nodes + spare_nodes
+    room = len(partition) - (nodes + spares)  # requeue.spare_nodes: usable nodes beyond nodes + spare_nodes
     outside, not_out, stop_out = preempt.exclusion(events, sick, budget, room)
     assert not stop_in and not stop_out
     assert (inside == sorted(after)) is (fits and len(set(job_nodes) - after) >= nodes) is (not not_in)
@@ -359,8 +365,6 @@ def test_a_requeue_never_leaves_out_a_node_cluster_nodelist_requires(
     in and said, the rest judged by the partition's room as before."""
     from types import SimpleNamespace
 
-    from hpc_train import job
-
     rng = random.Random(seed)
     nodes = [f"n{i}" for i in range(rng.randint(2, 8))]
     states = {n: rng.choice(["idle", "mix", "alloc", "drain"]) for n in nodes}
@@ -370,7 +374,7 @@ def test_a_requeue_never_leaves_out_a_node_cluster_nodelist_requires(
     cluster = SimpleNamespace(
         nodes=1, spare_nodes=0, min_nodes=None, partition="p", exclude=None, nodelist=",".join(required) or None
     )
-    kept, let_in, why = job._fit_exclusions(cluster, blamed)
+    kept, let_in, why = requeue.fit_exclusions(cluster, blamed)
     assert not set(kept) & set(required) and set(blamed) & set(required) <= set(let_in)
     assert sorted(kept + let_in) == sorted(blamed)
     assert ("cluster.nodelist requires them" in why) == bool(set(blamed) & set(required))
@@ -465,7 +469,6 @@ def test_spares_with_min_nodes_keep_a_fixed_allocation_of_nodes_plus_spares() ->
     from types import SimpleNamespace
 
     import hpc_train
-    from hpc_train import job
     from hpc_train.sbatch import render
 
     cfg = to_run_config(compose(["cluster=dev", "cluster.spare_nodes=1", "cluster.min_nodes=1"]))
@@ -475,9 +478,12 @@ def test_spares_with_min_nodes_keep_a_fixed_allocation_of_nodes_plus_spares() ->
     assert script == (Path(__file__).parent / "golden" / "dev_spares.sbatch").read_text()
     assert "#SBATCH --nodes=3\n" in script
     env = SimpleNamespace(executor="slurm", job_id="7", nodes=("node1", "node2", "node3"))
-    assert not job.elastic(env, cfg) and job.next_attempt_size(env, cfg, (None, {"free_nodes": ["node1"]})) == ({}, {})
-    assert job.queue_wait_s(env, cfg, []) == (None, {})  # no snapshot taken (slurm is not called)
-    assert job.decision_reserve_s(env, cfg) == job.REQUEUE_RESERVE_S  # nor reserved for
+    assert not requeue.elastic(env, cfg) and requeue.next_attempt_size(env, cfg, (None, {"free_nodes": ["node1"]})) == (
+        {},
+        {},
+    )
+    assert requeue.queue_wait_s(env, cfg, []) == (None, {})  # no snapshot taken (slurm is not called)
+    assert deadlines.decision_reserve_s(env, cfg) == deadlines.REQUEUE_RESERVE_S  # nor reserved for
 
 
 def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
@@ -488,7 +494,6 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
     option, or srun by hand (no HPC_TRAIN_STEP_ARGS), nothing changes."""
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.sbatch import executor_parameters
 
     overrides = ["cluster=dev", "cluster.spare_nodes=1", "cluster.tasks_per_node=2", "cluster.in_process_restart=true"]
@@ -512,22 +517,22 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
         }
 
     monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=3 --ntasks=6")
-    split = [job._split_standby(from_env(task(r)), cfg) for r in range(6)]
+    split = [rejoin.split_standby(from_env(task(r)), cfg) for r in range(6)]
     assert [standby for _, standby in split] == [False] * 4 + [True] * 2
     assert {(e.world_size, e.nodes) for e, _ in split} == {(4, ("node1", "node2"))}
-    smaller = job._split_standby(from_env(task(1, "node1")), cfg)[0]
+    smaller = rejoin.split_standby(from_env(task(1, "node1")), cfg)[0]
     assert smaller == from_env(task(1, "node1"))  # no spare left: every task trains
-    assert job._split_standby(from_env(task(5)), off) == (from_env(task(5)), False)
+    assert rejoin.split_standby(from_env(task(5)), off) == (from_env(task(5)), False)
     # a relaunch (the in-process path could not take it) starts the standbys on the spares left again
     monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     marker, nodes, record = tmp_path / ".relaunch-7", ["node1", "node2", "node3"], lambda *a, **k: None
-    assert job._relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, [], 0, record, 2)
+    assert relaunch.relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, [], 0, record, 2)
     assert marker.read_text() == "--nodes=3 --ntasks=6\n"
-    assert job._relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, ["node2"], 0, record, 2)
+    assert relaunch.relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, ["node2"], 0, record, 2)
     assert marker.read_text() == "--nodes=2 --ntasks=4 --exclude=node2\n"
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # srun by hand: no standby
-    assert job._split_standby(from_env(task(5)), cfg) == (from_env(task(5)), False)
+    assert rejoin.split_standby(from_env(task(5)), cfg) == (from_env(task(5)), False)
 
 
 def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
@@ -538,10 +543,9 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     dead whole, no first step in this attempt) the step is relaunched, saying why."""
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.paths import RunPaths, hold_for_life
 
-    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 0.2)
+    monkeypatch.setattr(deadlines, "REJOIN_SETTLE_S", 0.2)
     trained = [ev(journal.FIRST_STEP, 0)]
 
     def plan(world: int, per: int, wrote: list[int], held: list[int], standbys: dict[str, str], **kw: object):
@@ -562,16 +566,16 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
         recorded: list[dict] = []
         args = (kw.get("events", trained), kw.get("sick", {}), 0, "failure")
         hang = bool(kw.get("hang"))
-        ok = job._plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}), hang)
+        ok = rejoin.plan_rejoin(paths, env, *args, lambda name, **f: recorded.append({"event": name, **f}), hang)
         for fd in fds:
             os.close(fd)  # type: ignore[arg-type]
-        return ok, job.read_rejoin_plan(paths, "7") if ok else None, recorded
+        return ok, rejoin.read_rejoin_plan(paths, "7") if ok else None, recorded
 
-    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 5.0)
+    monkeypatch.setattr(deadlines, "REJOIN_SETTLE_S", 5.0)
     t0 = time.monotonic()
     ok, got, recorded = plan(2, 1, [0], [], {"2": "node3"})  # rank 1's lock free: dead at once, not after 5 s
     assert time.monotonic() - t0 < 1.0
-    monkeypatch.setattr(job, "REJOIN_SETTLE_S", 0.2)
+    monkeypatch.setattr(deadlines, "REJOIN_SETTLE_S", 0.2)
     assert ok and (got["nodes"], got["survivors"], got["standby"], got["attempt"]) == (
         ["node1", "node3"],
         [0],
@@ -598,7 +602,7 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert not ok and "failed before its first step" in capsys.readouterr().err
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node1": "Xid 79"})  # blamed, its rank alive
     assert not ok and "a node was blamed (node1)" in capsys.readouterr().err
-    # blamed and dead whole (a node failure Slurm took out of the job, job.lost_nodes): replaced, and left out
+    # blamed and dead whole (a node failure Slurm took out of the job, requeue.lost_nodes): replaced, and left out
     ok, got, recorded = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "node2 left the job's allocation"})
     assert ok and got["nodes"] == ["node1", "node3"] and recorded[-1]["left_out"] == ["node2"]
     assert recorded[0] == {"event": journal.NODE_EXCLUDED, "node": "node2", "why": "node2 left the job's allocation"}
@@ -617,25 +621,24 @@ def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_ca
     before the ranks are placed (no lock files). A config failure's stop is on record (journal.step_over)."""
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.paths import RunPaths, hold_for_life
 
     paths = RunPaths(tmp_path)
     env = SimpleNamespace(job_id="7", restart_count=0, world_size=2, rank=0)
     monkeypatch.setattr(preempt, "received", [])
-    assert job._step_left(paths, env, None) == ""  # not placed yet: no lock files
+    assert rejoin.step_left(paths, env, None) == ""  # not placed yet: no lock files
     paths.alive("7", 0).mkdir()
     fd = hold_for_life(paths.alive("7", 0) / "0")
     (paths.alive("7", 0) / "1").touch()  # rank 1 died
-    assert job._step_left(paths, env, None) == ""  # rank 0 lives
+    assert rejoin.step_left(paths, env, None) == ""  # rank 0 lives
     os.close(fd)  # type: ignore[arg-type]
-    assert "all 2 training ranks of attempt 0 are gone" in job._step_left(paths, env, None)
+    assert "all 2 training ranks of attempt 0 are gone" in rejoin.step_left(paths, env, None)
     plan = {"attempt": 1, "world_size": 2, "standby": {}}  # rejoined without this standby: attempt 1's ranks count
     paths.alive("7", 1).mkdir()
     fd = hold_for_life(paths.alive("7", 1) / "1")
-    assert job._step_left(paths, env, plan) == ""
+    assert rejoin.step_left(paths, env, plan) == ""
     monkeypatch.setattr(preempt, "received", ["SIGTERM"])
-    assert job._step_left(paths, env, plan) == "SIGTERM received"
+    assert rejoin.step_left(paths, env, plan) == "SIGTERM received"
     os.close(fd)  # type: ignore[arg-type]
 
     def leave(code: int) -> None:
@@ -645,13 +648,12 @@ def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_ca
     monkeypatch.setenv("SLURM_PROCID", "2")
     monkeypatch.setattr(preempt, "received", [])
     with pytest.raises(SystemExit):  # the wait itself leaves (exit 0), its registration removed
-        job._standby_wait(paths, env)
+        rejoin.standby_wait(paths, env)
     assert not list(paths.standbys("7").iterdir())
     assert "standby leaves: all 2 training ranks of attempt 0 are gone" in capsys.readouterr().out
     monkeypatch.setattr(preempt, "step_reached", [3])
-    monkeypatch.setattr(job, "_deciding", [False])
     (tmp_path / "no-config").mkdir()
-    assert job._after_failure(RunPaths(tmp_path / "no-config"), env) == ("stop", 0.0)  # no config.yaml
+    assert failure.after_failure(RunPaths(tmp_path / "no-config"), env, Task()) == ("stop", 0.0)  # no config.yaml
     (stopped,) = journal.named(journal.read(tmp_path / "no-config"), journal.STOPPED)
     assert "the frozen config or this node's environment failed" in stopped["reason"]
     assert journal.step_over([stopped], 0)
@@ -663,7 +665,6 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
     """_rejoin: a survivor's heartbeat count restarts as a standby's does (the standby's watchdog beats once, before
     its _rejoin), so a later hang's blame (preempt.hung_ranks) compares this attempt's steps only: a survivor's
     5000 beats of the failed attempt against a standby's 12 blamed the standby."""
-    from hpc_train import job
     from hpc_train.paths import RunPaths
 
     def task(procid: int) -> dict[str, str]:
@@ -680,9 +681,7 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
 
     plan = {"from": 0, "attempt": 1, "world_size": 2, "nodes": ["node1", "node3"], "master_port": 29000}
     plan |= {"survivors": [0], "standby": {"2": 1}, "at": time.time()}
-    monkeypatch.setattr(job, "_rendezvous", lambda env, cfg, paths, keep_order: env)
-    monkeypatch.setattr(job, "_placed", [None])
-    monkeypatch.setattr(job, "_deciding", [False])
+    monkeypatch.setattr(rendezvous, "join", lambda env, cfg, paths, task, keep_order: env)
     monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "0")
     counts = {}
     for procid, beats, standby in ((0, 5000, False), (2, 0, True)):
@@ -690,7 +689,7 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
         monkeypatch.setenv("SLURM_PROCID", str(procid))
         if standby:
             preempt.beat()  # the standby's _start_watchdog, just before its _rejoin
-        placed = job._rejoin(RunPaths(tmp_path), None, plan, from_env(task(procid)), standby=standby)[0]
+        placed = rejoin.join(RunPaths(tmp_path), None, plan, from_env(task(procid)), Task(), standby=standby)[0]
         counts[placed.rank] = preempt.ticks[0]
     assert counts == {0: 1, 1: 1} and preempt.hung_ranks({0: counts[0] + 7, 1: counts[1] + 7}, 2) == []
 
@@ -701,7 +700,6 @@ def test_a_plan_without_its_verdict_on_record_is_not_joined(tmp_path: Path, monk
     With the verdict on record both rejoin."""
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.paths import RunPaths
 
     paths = RunPaths(tmp_path)
@@ -716,17 +714,16 @@ def test_a_plan_without_its_verdict_on_record_is_not_joined(tmp_path: Path, monk
     def leave(code: int) -> None:
         raise SystemExit(code)
 
-    monkeypatch.setattr(job, "VERDICT_WAIT_S", 0.2)
-    monkeypatch.setattr(job, "_deciding", [False])
+    monkeypatch.setattr(deadlines, "VERDICT_WAIT_S", 0.2)
     monkeypatch.setattr(os, "_exit", leave)
     monkeypatch.setattr(preempt, "received", [])
     monkeypatch.setenv("SLURM_PROCID", "2")
-    assert job._after_failure(paths, env) == ("", 0.0)
+    assert failure.after_failure(paths, env, Task()) == ("", 0.0)
     with pytest.raises(SystemExit):
-        job._standby_wait(paths, env)
+        rejoin.standby_wait(paths, env)
     journal.log(paths.run_dir, journal.IN_JOB_RESTART, 5, "7", 0, in_process=True, replaced={"node2": "node3"})
-    assert job._after_failure(paths, env) == ("rejoin", 0.0)
-    assert job._standby_wait(paths, env)["standby"] == {"2": 0}
+    assert failure.after_failure(paths, env, Task()) == ("rejoin", 0.0)
+    assert rejoin.standby_wait(paths, env)["standby"] == {"2": 0}
 
 
 def test_a_rejoin_plan_another_user_could_have_written_is_refused(
@@ -734,28 +731,27 @@ def test_a_rejoin_plan_another_user_could_have_written_is_refused(
 ) -> None:
     """read_rejoin_plan: a plan names the hosts every rank joins (whose bytes the new group unpickles): one in a
     folder others can write, or a symlink, is not read, and the refusal names the fix; a torn one is none."""
-    from hpc_train import job
     from hpc_train.paths import RunPaths
 
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     paths = RunPaths(run)
-    assert job.read_rejoin_plan(paths, "7") is None  # none yet
+    assert rejoin.read_rejoin_plan(paths, "7") is None  # none yet
     paths.rejoin_plan("7").write_text('{"from": 0, "attempt": 1}\n')
-    assert job.read_rejoin_plan(paths, "7") == {"from": 0, "attempt": 1}
+    assert rejoin.read_rejoin_plan(paths, "7") == {"from": 0, "attempt": 1}
     run.chmod(0o770)
-    assert job.read_rejoin_plan(paths, "7") is None
+    assert rejoin.read_rejoin_plan(paths, "7") is None
     assert f"not rejoining by {paths.rejoin_plan('7')}: {run} is writable by group" in capsys.readouterr().err
     run.chmod(0o700)
     (tmp_path / "planted").write_text('{"from": 0, "attempt": 1}\n')
     paths.rejoin_plan("7").unlink()
     paths.rejoin_plan("7").symlink_to(tmp_path / "planted")
-    assert job.read_rejoin_plan(paths, "7") is None
+    assert rejoin.read_rejoin_plan(paths, "7") is None
     assert "is a symlink; remove it" in capsys.readouterr().err
     paths.rejoin_plan("7").unlink()
     for text in ('{"from": 0, "attempt": 1', '{"from": 0, "attempt": "1"}', "[1]"):  # torn, not a plan
         paths.rejoin_plan("7").write_text(text)
-        assert job.read_rejoin_plan(paths, "7") is None, text
+        assert rejoin.read_rejoin_plan(paths, "7") is None, text
 
 
 KEEP_SCRIPT = """
@@ -763,7 +759,8 @@ import os, socket, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.distributed as dist
-from hpc_train import job
+from hpc_train import rejoin
+from hpc_train.task import Task
 from hpc_train.env import from_env
 from hpc_train.paths import RunPaths
 
@@ -780,7 +777,7 @@ for r in range(3):
         os.environ |= {"SLURMD_NODENAME": nodes[r], "SLURM_TOPOLOGY_ADDR": f"{switch[nodes[r]]}.{nodes[r]}"}
         task = {"SLURM_PROCID": str(r), "SLURM_LOCALID": "0", "SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "1"}
         task |= {"SLURM_NODEID": str(r), "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "7"}
-        placed = job._rejoin(RunPaths(run), cfg, plan, from_env(task))[0]
+        placed = rejoin.join(RunPaths(run), cfg, plan, from_env(task), Task())[0]
         dist.barrier()
         print(f"rank {r} -> {placed.rank}", flush=True)
         os._exit(0)
@@ -814,7 +811,7 @@ CUT_SCRIPT = """
 import os, sys, time
 from types import SimpleNamespace
 import torch, torch.distributed as dist
-from hpc_train import job
+from hpc_train import rejoin
 
 def rank_main(rank, store, cut):
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=3)
@@ -830,7 +827,7 @@ def rank_main(rank, store, cut):
             pass
         held = dist.group.WORLD  # as the trainer's traceback holds it (frames -> model -> DDP -> group)
         if cut:
-            job._drop_group(SimpleNamespace(nodes=("localhost",), master_addr="127.0.0.1"))
+            rejoin.drop_group(SimpleNamespace(nodes=("localhost",), master_addr="127.0.0.1"))
         else:
             dist.destroy_process_group()
         time.sleep(8)
@@ -857,7 +854,7 @@ for pid in kids[1:]:
 
 
 def test_a_failing_rank_cuts_its_connections_so_a_peer_blocked_on_it_fails_too(tmp_path: Path) -> None:
-    """3 gloo processes: rank 2 dies, rank 1 fails on it and drops its group (job._drop_group) but lives on; rank 0,
+    """3 gloo processes: rank 2 dies, rank 1 fails on it and drops its group (rejoin.drop_group) but lives on; rank 0,
     blocked in a recv from rank 1, fails at once. destroy_process_group closes gloo's sockets only with the group's
     last reference, which a failing trainer's traceback still holds: rank 0 then stays blocked until rank 1 exits
     (after 8 s here)."""
@@ -883,14 +880,13 @@ def test_a_failing_rank_says_it_lives_before_its_group_is_torn_down(
 
     import torch.distributed as dist
 
-    from hpc_train import job
     from hpc_train.paths import RunPaths
 
     paths, seen = RunPaths(tmp_path), []
     env = SimpleNamespace(job_id="7", restart_count=0, rank=1, nodes=("localhost",), master_addr="127.0.0.1")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: seen.append((tmp_path / ".hang-7-0" / "1").exists()))
-    job._drop_group(env, paths)
+    rejoin.drop_group(env, paths)
     assert seen == [True]
 
 
@@ -1337,7 +1333,7 @@ def test_a_finished_run_ends_its_job_completed_though_a_replaced_task_died(tmp_p
 def test_the_relaunch_survives_set_e_and_runs_only_our_own_options(tmp_path: Path) -> None:
     """Review: under a site template's `set -euo pipefail` the bare `wait` of a step that exited 145 ended the
     batch shell, so the run was neither relaunched nor requeued. A marker that is a symlink, not this user's,
-    or holds other words than job._relaunch writes (--task-prolog, --export: code run as this user) is not used:
+    or holds other words than relaunch.relaunch writes (--task-prolog, --export: code run as this user) is not used:
     the step's status is the job's, the marker removed."""
     status, calls, marker, _ = _relay(tmp_path / "e", "--nodes=2 --ntasks=4", None, DECIDES_ONCE, "set -euo pipefail")
     assert (
@@ -1385,7 +1381,7 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
 
 
 def test_the_relay_writes_its_beat_while_the_step_runs(tmp_path: Path) -> None:
-    """With spares the relay writes the time into FOLDER/.relay-JOBID while the step runs (job._relaunch and the
+    """With spares the relay writes the time into FOLDER/.relay-JOBID while the step runs (relaunch.relaunch and the
     watchdog read it: a silent relay is a lost batch host), through a fresh mktemp file each time (no temp name a
     teammate could plant a symlink at), and removes it with any temp file once the step ended; without spares it
     writes nothing. The fake step copies what it sees after 2 s."""
@@ -1430,20 +1426,18 @@ def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monk
     the run stopped silently)."""
     from types import SimpleNamespace
 
-    from hpc_train import job
-
     recorded: list[str] = []
     cluster = SimpleNamespace(nodes=2, tasks_per_node=2, in_process_restart=False)
     monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS", raising=False)
     args = (None, cluster, "failure", ["n1", "n2", "n3"], ["n2"], 0, lambda name, **f: recorded.append(name), 2)
-    assert job._relaunch(*args) is False and not list(tmp_path.iterdir()) and recorded == []
+    assert relaunch.relaunch(*args) is False and not list(tmp_path.iterdir()) and recorded == []
     monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=2 --ntasks=4")
-    assert job._relaunch(*args) is True and recorded == [journal.IN_JOB_RESTART]
+    assert relaunch.relaunch(*args) is True and recorded == [journal.IN_JOB_RESTART]
     assert (tmp_path / ".relaunch-77").read_text() == "--nodes=2 --ntasks=4 --exclude=n2\n"
     # no spare left, cluster.min_nodes=1: the step goes on with the one node in_job_restart gave
-    assert job._relaunch(*args[:-1], 1, {"n1": "Xid 79"}) is True
+    assert relaunch.relaunch(*args[:-1], 1, {"n1": "Xid 79"}) is True
     assert (tmp_path / ".relaunch-77").read_text() == "--nodes=1 --ntasks=2 --exclude=n2\n"
 
 
@@ -1458,7 +1452,6 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
     minute (Slurm's EndTime, read by scontrol) it requeues instead: 60 s is less than cluster.signal_lead_s=90."""
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.env import parse_nodelist
     from hpc_train.paths import RunPaths
 
@@ -1486,7 +1479,7 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         env = SimpleNamespace(executor="slurm", job_id=job_id, restart_count=0, nodes=tuple(parse_nodelist(nodelist)))
         run_dir = tmp_path / "run"
         run_dir.mkdir()
-        verdict = job.requeue_or_stop(RunPaths(run_dir), env, cfg, "failure", 5, {sick: "Xid 79"})
+        verdict = requeue.requeue_or_stop(RunPaths(run_dir), env, cfg, "failure", 5, {sick: "Xid 79"})
         events = read_events(run_dir)
         assert verdict == "relaunch", events
         assert (folder / f".relaunch-{job_id}").read_text() == f"--nodes=3 --ntasks=6 --exclude={sick}\n"
@@ -1498,7 +1491,7 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         assert run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], env=slurm_env).returncode == 0
         again = tmp_path / "again"
         again.mkdir()
-        verdict = job.requeue_or_stop(RunPaths(again), env, cfg, "failure", 5, {sick: "Xid 79"})
+        verdict = requeue.requeue_or_stop(RunPaths(again), env, cfg, "failure", 5, {sick: "Xid 79"})
         events = read_events(again)
         assert verdict == "requeue" and journal.IN_JOB_RESTART not in [e["event"] for e in events], events
         # the requeue counts the partition: no node beyond the job's own 4 to leave this one out of
@@ -1523,7 +1516,6 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
     cleared."""
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.env import parse_nodelist
     from hpc_train.paths import RunPaths
 
@@ -1547,7 +1539,7 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
         for node in (old, new):  # as two in-job restarts record them
             journal.log(run_dir, journal.NODE_EXCLUDED, 5, job_id, 0, node=node, why="Xid 79")
         env = SimpleNamespace(executor="slurm", job_id=job_id, restart_count=0, nodes=tuple(parse_nodelist(nodelist)))
-        assert job.requeue_or_stop(RunPaths(run_dir), env, cfg, "time_limit", 5) == "requeue"
+        assert requeue.requeue_or_stop(RunPaths(run_dir), env, cfg, "time_limit", 5) == "requeue"
         (exc,) = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES]
         assert (exc["nodes"], exc["let_in"], exc["ok"]) == (new, [old], True), exc
         assert list(journal.excluded_nodes(read_events(run_dir))) == [new]
@@ -1562,7 +1554,7 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
         # a job of all 4 nodes has none to spare: the last one left out is let in, ExcNodeList cleared
         whole = to_run_config(compose(["cluster=dev", "cluster.nodes=3", "cluster.spare_nodes=1"]))
         monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this allocation's: Slurm requeued it once
-        assert job.requeue_or_stop(RunPaths(run_dir), env, whole, "time_limit", 6) == "requeue"
+        assert requeue.requeue_or_stop(RunPaths(run_dir), env, whole, "time_limit", 6) == "requeue"
         last = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES][-1]
         assert (last["nodes"], last["let_in"], last["ok"]) == ("", [new], True), last
         assert journal.excluded_nodes(read_events(run_dir)) == {}
@@ -1602,7 +1594,7 @@ def test_a_rejoin_verdict_whose_plan_is_gone_leaves_instead_of_rebuilding_on_a_d
 ) -> None:
     """With no plan to read, the loop in job._run built an Attempt on the destroyed group, failed, got the same
     verdict and read nothing again: a busy loop until the watchdog. The rank now leaves (exit 1)."""
-    from hpc_train import job, leave
+    from hpc_train import leave
     from hpc_train.paths import RunPaths
 
     def exit_(code: int, finished: bool = False) -> None:
@@ -1613,10 +1605,10 @@ def test_a_rejoin_verdict_whose_plan_is_gone_leaves_instead_of_rebuilding_on_a_d
     run.mkdir(mode=0o700)
     paths = RunPaths(run)
     paths.rejoin_plan("7").write_text('{"from": 0, "attempt": 1}\n')
-    assert job.rejoin_plan_or_leave(paths, "7") == {"from": 0, "attempt": 1}
+    assert rejoin.rejoin_plan_or_leave(paths, "7") == {"from": 0, "attempt": 1}
     paths.rejoin_plan("7").unlink()
     with pytest.raises(SystemExit) as left:
-        job.rejoin_plan_or_leave(paths, "7")
+        rejoin.rejoin_plan_or_leave(paths, "7")
     assert left.value.code == 1
 
 
@@ -1637,3 +1629,46 @@ def test_a_signal_caught_between_steps_reaches_the_relaunch_with_its_time_on_a_b
     assert status == 0 and len(calls) == 2, err
     name, _, at = Path(f"{marker}.pending").read_text().strip().partition("@")
     assert name == "SIGUSR2" and before <= int(at) <= time.time() + 1
+
+
+def test_the_relays_traps_never_end_a_set_e_shell_when_the_kill_fails() -> None:
+    """Review: under a site template's `set -euo pipefail`, a USR2 or TERM between srun's exit and `pid=""` ran
+    `kill` on a reaped pid as the last command of the trap's `||` list: errexit ended the batch shell (job FAILED,
+    the relaunch lost). Each trap of the template, as it is, on a pid that does not exist."""
+    traps = [line.strip() for line in RELAY.read_text().splitlines() if line.strip().startswith("trap '")]
+    assert len(traps) == 2
+    script = "set -euo pipefail\npending=''\npid=999999999\n" + "\n".join(traps)
+    script += '\nkill -USR2 $$\nkill -TERM $$\necho "survived $pending"\n'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.startswith("survived SIGUSR2@"), (proc.returncode, proc.stderr)
+
+
+def test_a_failure_after_the_finish_is_on_record_leaves_0_and_decides_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: a peer gone at the closing barrier (or a copy stuck at the finish) after `finish` was on record went
+    down the failure path: a claim, a requeue decision, a finished run requeued (or its job FAILED). The attempt's
+    finish on record: FINISHED, exit 0, no claim; another attempt's finish does not count."""
+    from types import SimpleNamespace
+
+    from hpc_train.paths import RunPaths
+    from hpc_train.verdict import Verdict
+
+    paths = RunPaths(tmp_path)
+    env = SimpleNamespace(job_id="7", restart_count=1, world_size=2, rank=1, executor="slurm")
+    journal.log(tmp_path, journal.FINISH, 9, "7", 0, final_step=9)  # attempt 0's: not this one
+    monkeypatch.setattr(deadlines, "VERDICT_WAIT_S", 0.2)
+    paths.failure_claim("7", 1).touch()  # so that the path that does not know of the finish waits, then gives up
+    assert failure.after_failure(paths, env, Task(), RuntimeError("peer gone")) == ("", 0.0)
+    paths.failure_claim("7", 1).unlink()
+    journal.log(tmp_path, journal.FINISH, 10, "7", 1, final_step=10)
+    assert failure.after_failure(paths, env, Task(), RuntimeError("peer gone")) == (Verdict.FINISHED, 0.0)
+    assert not paths.failure_claim("7", 1).exists()
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", leave)
+    with pytest.raises(SystemExit) as left:
+        failure.leave_by(Verdict.FINISHED, 0.0, env)
+    assert left.value.code == 0

@@ -19,16 +19,24 @@ LAYERS: list[tuple[str, ...]] = [
         "tokenizer",
         "straggler",
         "leave",
-    ),  # facts and names, torch-free; the exit
+        "task",
+    ),  # facts and names, torch-free; the exit; a rank process's own state
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
-    ("metrics", "preempt", "provenance", "data"),
+    ("metrics", "preempt", "provenance", "data", "deadlines"),  # deadlines: the stop and failure paths' table
     # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;
     # script_helper: what a user's script imports (torch-free)
     ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
-    ("config",),  # the root config, composed from the dataclasses beside their code
+    ("config", "verdict"),  # the root config, composed from the dataclasses beside their code; the verdicts
     ("model", "checkpoint", "profiling"),  # the job side from here; profiling: profile.*, which Attempt steps
     ("memory_tier",),  # checkpoint.memory_every_steps: copies of TrainState in node-local tmpfs and a buddy's
     ("attempt",),
+    # the job side's protocols, each in its own module (job.py's docstring lists them)
+    ("lease", "rendezvous"),
+    ("rejoin",),
+    ("relaunch",),
+    ("requeue",),
+    ("failure",),
+    ("watchdog",),
     ("job", "train"),
     ("start",),
     ("runs",),  # the login side from here: which runs a path names
@@ -37,7 +45,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("resume",),
     ("cli",),
 ]
-JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start"}
+JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start", "task", "deadlines"}
+JOB_SIDE |= {"verdict", "lease", "rendezvous", "rejoin", "relaunch", "requeue", "failure", "watchdog"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train import journal, preempt
+from hpc_train import deadlines, journal, preempt, requeue
 from hpc_train.checkpoint import retention_plan, shares
 from hpc_train.config import CheckpointConfig, RequeueConfig
 from hpc_train.slurm import parse_fate
@@ -327,7 +327,7 @@ def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(
 ) -> None:
     """A holder of the run's lock that died on NFSv3 keeps it until its node reboots. run_job reads the
     attempt number under it before the hang watchdog runs: it must go on without the lock after
-    job.RUN_LOCK_WAIT_S, with one warning line, not block every rank until the time limit."""
+    deadlines.RUN_LOCK_WAIT_S, with one warning line, not block every rank until the time limit."""
     import fcntl
     import os
     import signal
@@ -343,7 +343,7 @@ def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(
     def reached(environ: object) -> None:
         raise Reached
 
-    monkeypatch.setattr(job, "RUN_LOCK_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(deadlines, "RUN_LOCK_WAIT_S", 0.5, raising=False)
     monkeypatch.setattr(rank_env, "from_env", reached)  # the step right after the read: stop there
     journal.log(tmp_path, journal.START, 0, "1", 0)
     holder = os.fork()
@@ -383,7 +383,6 @@ def test_the_stop_paths_requeue_outlives_a_second_sigterm(tmp_path, monkeypatch)
 
     from conftest import fake_clients, read_events
 
-    from hpc_train import job
     from hpc_train.config import compose, to_run_config
     from hpc_train.paths import RunPaths
 
@@ -399,8 +398,8 @@ def test_the_stop_paths_requeue_outlives_a_second_sigterm(tmp_path, monkeypatch)
     env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("node1",))
     cfg = to_run_config(compose(["cluster=dev"]))
     t0 = time.monotonic()
-    assert job.requeue_or_stop(RunPaths(tmp_path), env, cfg, "time_limit", 12) == "requeue"
-    assert time.monotonic() - t0 < job.decision_reserve_s(env, cfg)
+    assert requeue.requeue_or_stop(RunPaths(tmp_path), env, cfg, "time_limit", 12) == "requeue"
+    assert time.monotonic() - t0 < deadlines.decision_reserve_s(env, cfg)
     decided = [e for e in read_events(tmp_path) if e["event"] in ("requeue", "requeue_failed", "stopped")]
     assert [(e["event"], e["by"], e["fate"]) for e in decided] == [("requeue", "hpc_train", "running")]
 
@@ -410,14 +409,14 @@ def test_the_requeue_reserve_is_the_stop_paths_worst_case() -> None:
     and stays well inside the default signal_lead_s=120; the failure path's policies alone were 66 s."""
     from types import SimpleNamespace
 
-    from hpc_train import job, slurm
+    from hpc_train import slurm
     from hpc_train.config import compose, to_run_config
     from hpc_train.sbatch import ClusterConfig
 
     assert slurm.worst_s(*slurm.FATE) + slurm.worst_s(*slurm.REQUEUE) == 66.0
-    assert job.REQUEUE_RESERVE_S == 10.0 + 21.0 + 4.0 and job.ELASTIC_RESERVE_S == 15.0
+    assert deadlines.REQUEUE_RESERVE_S == 10.0 + 21.0 + 4.0 and deadlines.ELASTIC_RESERVE_S == 15.0
     on_slurm = SimpleNamespace(executor="slurm")
-    assert job.decision_reserve_s(on_slurm, to_run_config(compose(["cluster=dev"]))) == 35.0
+    assert deadlines.decision_reserve_s(on_slurm, to_run_config(compose(["cluster=dev"]))) == 35.0
     elastic = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
-    assert job.decision_reserve_s(on_slurm, elastic) == 50.0 < ClusterConfig().signal_lead_s / 2
-    assert job.decision_reserve_s(SimpleNamespace(executor="local"), elastic) == 4.0
+    assert deadlines.decision_reserve_s(on_slurm, elastic) == 50.0 < ClusterConfig().signal_lead_s / 2
+    assert deadlines.decision_reserve_s(SimpleNamespace(executor="local"), elastic) == 4.0

@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import journal
+from hpc_train import deadlines, failure, journal, requeue
 from hpc_train.config import compose, to_run_config
 from hpc_train.memory_tier import Held, pick
+from hpc_train.task import Task
 
 
 def _oracle(held: list[list[Held]], world: int, mesh: tuple[int, int]) -> dict[int, dict[int, list[Held]]]:
@@ -151,7 +152,6 @@ def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
     in-job restart removes them (a requeue's allocation never reads them)."""
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.paths import RunPaths
 
     run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
@@ -161,9 +161,8 @@ def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
         journal.log(paths.run_dir, journal.IN_JOB_RESTART, step, "77", 0, left_out=left_out, nodes_next=2)
         return "relaunch"
 
-    monkeypatch.setattr(job, "requeue_or_stop", decide)
-    monkeypatch.setattr(job, "_deciding", [False])
-    assert job._after_failure(RunPaths(run_dir), env, RuntimeError("Xid 79"))[0] == "relaunch"
+    monkeypatch.setattr(requeue, "requeue_or_stop", decide)
+    assert failure.after_failure(RunPaths(run_dir), env, Task(), RuntimeError("Xid 79"))[0] == "relaunch"
     assert (folder / "step-5").is_dir() == kept
     assert (tmp_path / "base").is_dir()  # ours, the empty folders above the run's go with it
     assert kept or not (tmp_path / "base" / "77").exists()
@@ -181,21 +180,19 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
     """Review of issue 20: a rank that did not decide waited 60 s for the verdict on record, then removed its
     node's copies as if there were no relaunch; a deciding rank slower than that (a hang's blame, scontrol
     retries: up to ~259 s) relaunched onto nodes whose copies were gone. Seeded verdicts, nodes left out and
-    decision times around the wait (job.VERDICT_WAIT_S, 2 s here): the copies go only on a verdict seen that
+    decision times around the wait (deadlines.VERDICT_WAIT_S, 2 s here): the copies go only on a verdict seen that
     no step in this allocation reads them by; a verdict seen in time is acted on; none seen keeps them."""
     import threading
     import time
     from types import SimpleNamespace
 
-    from hpc_train import job
     from hpc_train.paths import RunPaths
 
     rng = random.Random(seed)
     run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
     paths = RunPaths(run_dir)
     paths.failure_claim("77", 0).touch()  # another rank claimed the failure: this one waits for its verdict
-    monkeypatch.setattr(job, "VERDICT_WAIT_S", 2.0)
-    monkeypatch.setattr(job, "_deciding", [False])
+    monkeypatch.setattr(deadlines, "VERDICT_WAIT_S", 2.0)
     env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=3, node_rank=1, nodes=("n1", "n2"))
     name = rng.choice([journal.IN_JOB_RESTART, journal.IN_JOB_RESTART, journal.REQUEUE, journal.STOPPED])
     left_out = rng.choice([[], ["n2"], ["n1"], ["n1", "n2"]]) if name == journal.IN_JOB_RESTART else None
@@ -211,7 +208,7 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
     decider = threading.Thread(target=decide)
     t0 = time.monotonic()
     decider.start()
-    assert job._after_failure(paths, env, RuntimeError("Connection closed by peer")) == ("", 0.0)
+    assert failure.after_failure(paths, env, Task(), RuntimeError("Connection closed by peer")) == ("", 0.0)
     waited = time.monotonic() - t0
     decider.join()
     needed = name == journal.IN_JOB_RESTART and "n2" not in (left_out or [])

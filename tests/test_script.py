@@ -361,13 +361,13 @@ def test_the_scripts_grace_keeps_the_requeue_reserve() -> None:
 
 def test_a_signal_lead_within_the_requeue_reserve_is_a_warning_at_submit(tmp_path: Path) -> None:
     """Before (review): nothing said that cluster.signal_lead_s=40 on Slurm leaves 5 s for a stop save."""
-    from hpc_train.job import reserve_warning
+    from hpc_train.deadlines import reserve_warning
     from hpc_train.sbatch import ClusterConfig
 
     dev = ClusterConfig(executor="slurm", nodes=2, signal_lead_s=40)
     assert reserve_warning(dev) == (
         "cluster.signal_lead_s=40 leaves 5 s for a time-limit stop's save: the requeue decision keeps 35 s of it "
-        "(job.decision_reserve_s: scontrol's worst case), so the trainer would skip its stop save and a script "
+        "(deadlines.decision_reserve_s: scontrol's worst case), so the trainer would skip its stop save and a script "
         "would get SIGKILL 5 s after its stop signal; use cluster.signal_lead_s>=45, or more: the slowest save "
         "and step, plus 60 s"
     )
