@@ -200,3 +200,23 @@ def test_a_function_that_returns_at_its_own_stop_check_is_requeued_at_the_step_i
     starts = [e for e in events if e["event"] == "start"]
     assert [e["step"] for e in starts] == [0, 6] and starts[1]["resumed_from"].startswith("memory step")
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 12
+
+
+@pytest.mark.parametrize(("reached", "last", "stops"), [(6, 10, True), (10, 10, False), (12, 10, False), (6, None, True)])
+def test_a_function_that_returns_at_its_last_step_finishes_whenever_the_signal_came(
+    monkeypatch: pytest.MonkeyPatch, reached: int, last: int | None, stops: bool
+) -> None:
+    """Review: a stop signal during the last step (step_end finishes at it) or after it (a final evaluation), then
+    a return without finish(): Attempt.returned took it for a stop at its own check, and the finished run was
+    requeued. At or past step_end's last_step it is a finish; before it (or no step_end) a stop."""
+    from types import SimpleNamespace
+
+    from hpc_train import preempt
+    from hpc_train.attempt import Attempt
+
+    monkeypatch.setattr(preempt, "step_reached", [reached])
+    at = SimpleNamespace(finished=None, stopped=False, _last_step=last, should_stop=lambda: True)
+    at.time_left_s = lambda: (30.0, "preempt")
+    Attempt.returned(at)  # type: ignore[arg-type]
+    assert at.stopped is stops
+    assert not stops or (at.stop_step, at.stop_reason) == (reached, "preempt")
