@@ -41,6 +41,7 @@ from hpc_train.env import RankEnv
 from hpc_train.memory_tier import MemoryTier
 from hpc_train.paths import RunPaths, write_atomic
 from hpc_train.profiling import Profile
+from hpc_train.task import Task
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -210,8 +211,10 @@ class Attempt:
         process_start: float,
         phases_s: dict[str, float],
         reserve_s: float = 0.0,
+        task: Task | None = None,
     ) -> Attempt:
-        """Collective: device, mesh, the background writer and what earlier attempts measured."""
+        """Collective: device, mesh, the background writer and what earlier attempts measured. `task`: the rank
+        process's own state, which holds the memory tier for the failure path."""
         device, mesh = device_and_mesh(env.world_size, cfg.train.tp)
         # Rank 0 alone asks (one slurmctld call per attempt, not one per rank), in the same all-reduce.
         facts = torch.tensor(
@@ -242,6 +245,8 @@ class Attempt:
             shape = (mesh["dp"].size(), mesh["tp"].size())
             timeout_s = preempt.collective_timeout_s(cfg.train.watchdog_s)  # as the training's group's
             memory = MemoryTier.build(cfg.checkpoint, env, paths.run_dir, shape, say, timeout_s)
+        if task is not None:
+            task.memory = memory
         return cls(
             env,
             cfg,

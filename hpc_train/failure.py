@@ -125,7 +125,7 @@ def after_failure(
                 )
                 break
             time.sleep(0.5)
-        clean_memory(end, env.executor == "local")
+        clean_memory(end, env.executor == "local", task.memory)
         plan = rejoin.read_rejoin_plan(
             paths, env.job_id
         )  # and the verdict: a plan alone may be a deciding rank's last act
@@ -161,27 +161,23 @@ def after_failure(
     marker = preempt.hardware_error(text)
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
     # env is Slurm's task numbering (this runs outside the placed rendezvous too): name the task, not a rank
-    task = f"{'Slurm task' if env.executor == 'slurm' else 'task'} {env.rank}"
-    sick = {node: f"{task} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
+    who = f"{'Slurm task' if env.executor == 'slurm' else 'task'} {env.rank}"
+    sick = {node: f"{who} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
     verdict = requeue.requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
-    clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local")
+    clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local", task.memory)
     return verdict, cfg.cluster.preempt_grace_s
 
 
-def clean_memory(end: dict[str, Any] | None, local: bool) -> None:
-    """checkpoint.memory_every_steps: this node's copies go unless the failed attempt's verdict `end` starts
-    the step again in this allocation on this node (journal.keeps_memory): a requeue's allocation (another
-    Slurm restart count) never reads them, and nothing else removes them from a node the run does not come
-    back to (RAM until the node's reboot)."""
-    if "hpc_train.memory_tier" in sys.modules:  # built by this attempt (Attempt.build imports it)
-        from hpc_train import memory_tier
-
-        tier = memory_tier.BUILT[0]
-        if tier is not None:
-            tier.abandon()  # the copy in flight either way (a peer may be gone): a relaunch reads complete steps only
-            if not journal.keeps_memory(end, tier.node, local):
-                tier.clean()
+def clean_memory(end: dict[str, Any] | None, local: bool, tier: Any) -> None:
+    """checkpoint.memory_every_steps: this node's copies (`tier`, the Task's; None: no tier in this attempt) go
+    unless the failed attempt's verdict `end` starts the step again in this allocation on this node
+    (journal.keeps_memory): a requeue's allocation (another Slurm restart count) never reads them, and nothing
+    else removes them from a node the run does not come back to (RAM until the node's reboot)."""
+    if tier is not None:
+        tier.abandon()  # the copy in flight either way (a peer may be gone): a relaunch reads complete steps only
+        if not journal.keeps_memory(end, tier.node, local):
+            tier.clean()

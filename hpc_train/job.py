@@ -249,7 +249,8 @@ def _run_function(
                 gc.collect()  # the failed attempt's model and optimizer (GPU memory too), held in cycles
                 env, process_start, phases_s = rejoin.join(paths, cfg, plan, env, task)
                 plan = None
-            at = Attempt.build(env, cfg, paths, process_start, phases_s, deadlines.decision_reserve_s(env, cfg))
+            reserve = deadlines.decision_reserve_s(env, cfg)
+            at = Attempt.build(env, cfg, paths, process_start, phases_s, reserve, task)
             result = fn(at, **cfg.fn.kwargs)
             break
         except (SystemExit, KeyboardInterrupt):

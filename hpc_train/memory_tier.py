@@ -56,7 +56,6 @@ from hpc_train.env import RankEnv
 from hpc_train.paths import MARKER, make_dir, step_folders, untrusted, write_atomic
 
 STEP = re.compile(r"step-(\d+)")
-BUILT: list[MemoryTier | None] = [None]  # this process's tier, for the failure path (failure.after_failure)
 TAG = 0x4D45  # the buddy exchange's gloo tag: never matched by another send
 
 
@@ -253,7 +252,6 @@ class MemoryTier:
         tier.off = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), "")
         if not tier.off:  # on every rank alike: new_group is collective
             tier.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        BUILT[0] = tier
         if tier.off:
             say(f"[hpc_train] warning: checkpoint.memory_every_steps is off in this attempt: {tier.off}")
         elif not two:

@@ -18,3 +18,6 @@ class Task:
     # cluster.in_process_restart: this process's lock of its attempt's paths.alive file (rejoin.plan_rejoin reads
     # a free lock as a dead rank).
     alive_fd: int | None = None
+    # checkpoint.memory_every_steps: this attempt's live memory tier (Attempt.build sets it), whose copies the
+    # failure path abandons and cleans by the verdict (failure.clean_memory).
+    memory: Any = None

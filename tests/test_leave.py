@@ -202,7 +202,9 @@ def test_a_function_that_returns_at_its_own_stop_check_is_requeued_at_the_step_i
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 12
 
 
-@pytest.mark.parametrize(("reached", "last", "stops"), [(6, 10, True), (10, 10, False), (12, 10, False), (6, None, True)])
+@pytest.mark.parametrize(
+    ("reached", "last", "stops"), [(6, 10, True), (10, 10, False), (12, 10, False), (6, None, True)]
+)
 def test_a_function_that_returns_at_its_last_step_finishes_whenever_the_signal_came(
     monkeypatch: pytest.MonkeyPatch, reached: int, last: int | None, stops: bool
 ) -> None:

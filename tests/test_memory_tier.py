@@ -122,7 +122,7 @@ def test_the_tier_lives_only_under_a_private_directory_of_ours(tmp_path: Path) -
     assert "is not this user's alone (owner uid" in _not_ours(ours) and "mode 755" in _not_ours(ours)
 
 
-def _failed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node: str) -> tuple[Path, Path]:
+def _failed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node: str) -> tuple[Path, Path, Task]:
     """A run directory with its frozen config, and this rank's tier of job 77 on `node` holding step 5."""
     from dataclasses import asdict
 
@@ -135,11 +135,9 @@ def _failed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node: str) -> t
     (run_dir / "config.yaml").write_text(frozen_yaml(asdict(cfg)))
     folder = tmp_path / "base" / "77" / node / "run-x"
     (folder / "step-5").mkdir(parents=True)
-    monkeypatch.setattr(
-        memory_tier, "BUILT", [memory_tier.MemoryTier(5, folder, tmp_path / "base", 0, 4, (4, 1), "77.0", 2, 2)]
-    )
+    task = Task(memory=memory_tier.MemoryTier(5, folder, tmp_path / "base", 0, 4, (4, 1), "77.0", 2, 2))
     monkeypatch.delenv("SLURMD_NODENAME", raising=False)
-    return run_dir, folder
+    return run_dir, folder, task
 
 
 @pytest.mark.parametrize("left_out, kept", [([], True), (["n3"], True), (["n2"], False), (["n1", "n2"], False)])
@@ -154,7 +152,7 @@ def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
 
     from hpc_train.paths import RunPaths
 
-    run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
+    run_dir, folder, task = _failed_run(tmp_path, monkeypatch, "n2")
     env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=2, node_rank=1, nodes=("n1", "n2"))
 
     def decide(paths: RunPaths, env: object, cfg: object, reason: str, step: int, sick: object, hang: bool) -> str:
@@ -162,7 +160,7 @@ def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
         return "relaunch"
 
     monkeypatch.setattr(requeue, "requeue_or_stop", decide)
-    assert failure.after_failure(RunPaths(run_dir), env, Task(), RuntimeError("Xid 79"))[0] == "relaunch"
+    assert failure.after_failure(RunPaths(run_dir), env, task, RuntimeError("Xid 79"))[0] == "relaunch"
     assert (folder / "step-5").is_dir() == kept
     assert (tmp_path / "base").is_dir()  # ours, the empty folders above the run's go with it
     assert kept or not (tmp_path / "base" / "77").exists()
@@ -189,7 +187,7 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
     from hpc_train.paths import RunPaths
 
     rng = random.Random(seed)
-    run_dir, folder = _failed_run(tmp_path, monkeypatch, "n2")
+    run_dir, folder, task = _failed_run(tmp_path, monkeypatch, "n2")
     paths = RunPaths(run_dir)
     paths.failure_claim("77", 0).touch()  # another rank claimed the failure: this one waits for its verdict
     monkeypatch.setattr(deadlines, "VERDICT_WAIT_S", 2.0)
@@ -208,7 +206,7 @@ def test_a_rank_waiting_for_the_verdict_never_removes_copies_the_relaunch_reads(
     decider = threading.Thread(target=decide)
     t0 = time.monotonic()
     decider.start()
-    assert failure.after_failure(paths, env, Task(), RuntimeError("Connection closed by peer")) == ("", 0.0)
+    assert failure.after_failure(paths, env, task, RuntimeError("Connection closed by peer")) == ("", 0.0)
     waited = time.monotonic() - t0
     decider.join()
     needed = name == journal.IN_JOB_RESTART and "n2" not in (left_out or [])
