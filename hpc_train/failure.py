@@ -106,57 +106,20 @@ def after_failure(
         claim = paths.failure_claim(env.job_id, env.restart_count)
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
-        # The watchdog thread decides while the main thread sees the peers' exits (gloo: closed peer), or
-        # the other way round: this thread must not end the process under the deciding one, which exits.
-        while task.deciding:
-            time.sleep(1)
-        # Another rank decides: stay until its verdict is on record. Exiting at once closed this rank's
-        # sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a site's
-        # KillOnBadExit=1 srun would kill the deciding rank with us. Still none by deadlines.VERDICT_WAIT_S (the
-        # deciding rank died): this node's copies stay, since a relaunch could still come and read them.
-        until = time.monotonic() + deadlines.VERDICT_WAIT_S
-        while (end := journal.verdict(journal.read(paths.run_dir), env.restart_count)) is None:
-            if time.monotonic() >= until:
-                print(
-                    f"[hpc_train] no verdict on record {deadlines.VERDICT_WAIT_S:.0f} s after this rank failed: "
-                    f"leaving without it, this node's memory copies kept for a relaunch that may still come",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                break
-            time.sleep(0.5)
-        clean_memory(end, env.executor == "local", task.memory)
-        plan = rejoin.read_rejoin_plan(
-            paths, env.job_id
-        )  # and the verdict: a plan alone may be a deciding rank's last act
-        mine = plan and plan["from"] == env.restart_count and env.rank in plan.get("survivors", [])
-        if not hang and mine and journal.rejoins(end):
-            return "rejoin", 0.0
-        return "", 0.0
+        return _await_verdict(paths, env, task, hang)
     task.deciding = True
     try:
         cfg = load_frozen(paths.run_dir)
         check_environment(cfg)
     except Exception as e:  # the config itself, or what it needs of this node, is what fails: no point in retrying
-        # on record: the other ranks' verdict wait and a standby's (journal.step_over) end now
-        why = (
+        return _stop(
+            paths,
+            env,
             f"the frozen config or this node's environment failed ({type(e).__name__}: {e}); fix it, then "
-            f"hpc-train resume {paths.run_dir}"
+            f"hpc-train resume {paths.run_dir}",
         )
-        try:
-            journal.log(
-                paths.run_dir, journal.STOPPED, preempt.step_reached[0], env.job_id, env.restart_count, reason=why
-            )
-        except OSError:
-            pass
-        print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
-        return "stop", 0.0
     if isinstance(error, preempt.Unrecoverable):
-        journal.log(
-            paths.run_dir, journal.STOPPED, preempt.step_reached[0], env.job_id, env.restart_count, reason=str(error)
-        )
-        print(f"[hpc_train] not requeueing: {error}", file=sys.stderr, flush=True)
-        return "stop", 0.0
+        return _stop(paths, env, str(error))
     text = f"{type(error).__name__}: {error}" if error is not None else ""
     marker = preempt.hardware_error(text)
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
@@ -165,11 +128,52 @@ def after_failure(
     sick = {node: f"{who} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
-    verdict = requeue.requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
+    chosen = requeue.requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
     clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local", task.memory)
-    return verdict, cfg.cluster.preempt_grace_s
+    return chosen, cfg.cluster.preempt_grace_s
+
+
+def _await_verdict(paths: RunPaths, env: Any, task: Task, hang: bool) -> tuple[str, float]:
+    """A rank that did not claim the failure: ("rejoin", 0.0) where the verdict on record is an in-process restart
+    whose plan names it a survivor (and it did not hang), else ("", 0.0): it leaves."""
+    # The watchdog thread decides while the main thread sees the peers' exits (gloo: closed peer), or
+    # the other way round: this thread must not end the process under the deciding one, which exits.
+    while task.deciding:
+        time.sleep(1)
+    # Another rank decides: stay until its verdict is on record. Exiting at once closed this rank's
+    # sockets, failing the blocked ranks before they wrote their heartbeat counts, and under a site's
+    # KillOnBadExit=1 srun would kill the deciding rank with us. Still none by deadlines.VERDICT_WAIT_S (the
+    # deciding rank died): this node's copies stay, since a relaunch could still come and read them.
+    until = time.monotonic() + deadlines.VERDICT_WAIT_S
+    while (end := journal.verdict(journal.read(paths.run_dir), env.restart_count)) is None:
+        if time.monotonic() >= until:
+            print(
+                f"[hpc_train] no verdict on record {deadlines.VERDICT_WAIT_S:.0f} s after this rank failed: "
+                f"leaving without it, this node's memory copies kept for a relaunch that may still come",
+                file=sys.stderr,
+                flush=True,
+            )
+            break
+        time.sleep(0.5)
+    clean_memory(end, env.executor == "local", task.memory)
+    plan = rejoin.read_rejoin_plan(paths, env.job_id)  # and the verdict: a plan alone may be a deciding rank's last act
+    mine = plan and plan["from"] == env.restart_count and env.rank in plan.get("survivors", [])
+    if not hang and mine and journal.rejoins(end):
+        return Verdict.REJOIN, 0.0
+    return Verdict.NONE, 0.0
+
+
+def _stop(paths: RunPaths, env: Any, why: str) -> tuple[str, float]:
+    """The deciding rank's stop without a decision: what failed is no thing a requeue mends. On record, so that
+    the other ranks' verdict wait and a standby's (journal.step_over) end now."""
+    try:
+        journal.log(paths.run_dir, journal.STOPPED, preempt.step_reached[0], env.job_id, env.restart_count, reason=why)
+    except OSError:
+        pass
+    print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
+    return Verdict.STOP, 0.0
 
 
 def clean_memory(end: dict[str, Any] | None, local: bool, tier: Any) -> None:

@@ -134,6 +134,35 @@ def step_left(paths: RunPaths, env: Any, plan: dict[str, Any] | None) -> str:
     return ""
 
 
+def _survivors(paths: RunPaths, env: Any) -> set[int]:
+    """The ranks that said they survived (their heartbeat counts), once every other rank is known dead (its lock of
+    paths.alive free) or deadlines.REJOIN_SETTLE_S passed: a rank silent by then is taken for dead."""
+    hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
+    locks, until = paths.alive(env.job_id, env.restart_count), time.monotonic() + deadlines.REJOIN_SETTLE_S
+    while True:
+        alive = {int(p.name) for p in hangs.iterdir() if p.name.isdigit()} if hangs.is_dir() else set()
+        alive.add(env.rank)  # this one decides, so lives, though its heartbeat write failed (a full disk)
+        gone = {r for r in set(range(env.world_size)) - alive if holder_gone(locks / str(r))}
+        if len(alive | gone) >= env.world_size or time.monotonic() >= until:
+            return alive
+        time.sleep(0.01)
+
+
+def _live_standbys(paths: RunPaths, job_id: str) -> dict[str, list[str]]:
+    """{node: its standbys' Slurm task ids} of the standbys alive now (their registration's lock held)."""
+    standbys: dict[str, list[str]] = {}
+    for p in paths.standbys(job_id).iterdir() if paths.standbys(job_id).is_dir() else []:
+        # A standby that died waiting (the relay's SIGKILL), or one of this job id's allocation before a Slurm
+        # requeue: counted, the survivors waited train.rendezvous_timeout_s for it and the step relaunched.
+        if holder_gone(p):
+            continue
+        try:
+            standbys.setdefault(p.read_text().strip(), []).append(p.name)
+        except OSError:
+            continue
+    return standbys
+
+
 def plan_rejoin(
     paths: RunPaths,
     env: Any,
@@ -150,26 +179,10 @@ def plan_rejoin(
     hang: the watchdog fired, every rank leaves its process (watchdog.start), so none rejoins."""
     from hpc_train.env import rendezvous_port
 
-    per, hangs = env.local_world_size, paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
-    locks, until = paths.alive(env.job_id, env.restart_count), time.monotonic() + deadlines.REJOIN_SETTLE_S
-    while True:
-        alive = {int(p.name) for p in hangs.iterdir() if p.name.isdigit()} if hangs.is_dir() else set()
-        alive.add(env.rank)  # this one decides, so lives, though its heartbeat write failed (a full disk)
-        gone = {r for r in set(range(env.world_size)) - alive if holder_gone(locks / str(r))}
-        if len(alive | gone) >= env.world_size or time.monotonic() >= until:
-            break
-        time.sleep(0.01)
+    per = env.local_world_size
+    alive = _survivors(paths, env)
     dead_nodes = sorted({r // per for r in set(range(env.world_size)) - alive})
-    standbys: dict[str, list[str]] = {}
-    for p in paths.standbys(env.job_id).iterdir() if paths.standbys(env.job_id).is_dir() else []:
-        # A standby that died waiting (the relay's SIGKILL), or one of this job id's allocation before a Slurm
-        # requeue: counted, the survivors waited train.rendezvous_timeout_s for it and the step relaunched.
-        if holder_gone(p):
-            continue
-        try:
-            standbys.setdefault(p.read_text().strip(), []).append(p.name)
-        except OSError:
-            continue
+    standbys = _live_standbys(paths, env.job_id)
     free = [n for n, tasks in sorted(standbys.items()) if len(tasks) == per and n not in env.nodes]
     mixed = [env.nodes[n] for n in dead_nodes if any(n * per + i in alive for i in range(per))]
     trained = journal.trained(events, env.restart_count)
