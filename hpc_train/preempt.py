@@ -10,6 +10,7 @@ every rank saves the same step; job.py then asks `decide` whether to requeue.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -229,22 +230,28 @@ BATCH_HOST_LOST = (
 )
 
 
-def in_job_restart(
-    spare_nodes: int,
-    action: str,
-    reason: str,
-    fate: str,
-    signals: list[str],
-    used: int,
-    budget: int,
-    job_nodes: list[str],
-    left_out: list[str],
-    nodes: int,
-    left_s: float = float("inf"),
-    startup_s: float = 0.0,
-    signal_lead_s: float = 0.0,
-    min_nodes: int | None = None,
-) -> tuple[int, str]:
+@dataclasses.dataclass(frozen=True)
+class RestartFacts:
+    """What in_job_restart decides from: the run's spares and sizes, the decision it would replace, Slurm's fate,
+    the signals seen, the in-job restarts used in a row and their budget, the allocation and the time left."""
+
+    spare_nodes: int  # cluster.spare_nodes
+    action: str  # what `decide` chose
+    reason: str
+    fate: str
+    signals: list[str]
+    used: int  # journal.in_job_restarts_in_a_row
+    budget: int  # requeue.max_in_job_restarts
+    job_nodes: list[str]  # the allocation's nodes
+    left_out: list[str]  # of those, the blamed ones
+    nodes: int  # cluster.nodes
+    left_s: float = float("inf")  # to Slurm's EndTime
+    startup_s: float = 0.0  # journal.startup_s: the slowest launch -> first step so far
+    signal_lead_s: float = 0.0
+    min_nodes: int | None = None
+
+
+def in_job_restart(facts: RestartFacts) -> tuple[int, str]:
     """Relaunch the training step inside the allocation instead of the requeue `decide` chose? (pure)
     (the relaunch's node count, "") to relaunch, else (0, why not) ("" reasons never print: no spares asked
     for, or no requeue to replace).
@@ -260,35 +267,36 @@ def in_job_restart(
     + signal_lead_s, so the relaunched step trains before the time-limit warning; with less it would reach
     its first step boundary after the warning, or be killed before it, and the requeue it ends in (if any)
     is one a requeue now makes without the start-up."""
-    if not spare_nodes or action != "requeue":
-        return 0, "no spares asked for" if not spare_nodes else f"not a requeue ({action})"
-    if fate == "batch_host_lost":  # before the signals: the job's end sent its tasks a SIGTERM too
+    f = facts
+    if not f.spare_nodes or f.action != "requeue":
+        return 0, "no spares asked for" if not f.spare_nodes else f"not a requeue ({f.action})"
+    if f.fate == "batch_host_lost":  # before the signals: the job's end sent its tasks a SIGTERM too
         return 0, BATCH_HOST_LOST
-    if reason not in ("failure", "node_health") or signals:
-        return 0, f"a stop signal ({reason}, {signals}): the stop save and the requeue give the allocation back"
-    if fate not in ("running", "unknown"):
-        return 0, f"Slurm is not running the job as before ({fate})"
-    if budget == 0:
+    if f.reason not in ("failure", "node_health") or f.signals:
+        return 0, f"a stop signal ({f.reason}, {f.signals}): the stop save and the requeue give the allocation back"
+    if f.fate not in ("running", "unknown"):
+        return 0, f"Slurm is not running the job as before ({f.fate})"
+    if f.budget == 0:
         return 0, "requeue.max_in_job_restarts=0: never inside the allocation; requeueing"
-    if used >= budget:
+    if f.used >= f.budget:
         return 0, (
-            f"in-job restart budget spent: {used} in a row without a newer checkpoint "
-            f"(requeue.max_in_job_restarts={budget}); requeueing"
+            f"in-job restart budget spent: {f.used} in a row without a newer checkpoint "
+            f"(requeue.max_in_job_restarts={f.budget}); requeueing"
         )
-    healthy = sorted(set(job_nodes) - set(left_out))
-    if len(healthy) < (min_nodes or nodes):
-        floor = f"cluster.nodes={nodes}" if min_nodes is None else f"cluster.min_nodes={min_nodes}"
+    healthy = sorted(set(f.job_nodes) - set(f.left_out))
+    if len(healthy) < (f.min_nodes or f.nodes):
+        floor = f"cluster.nodes={f.nodes}" if f.min_nodes is None else f"cluster.min_nodes={f.min_nodes}"
         return 0, (
             f"no spare left: {len(healthy)} healthy nodes of the allocation ({', '.join(healthy) or 'none'}; "
-            f"left out: {', '.join(left_out)}) for {floor}; requeueing"
+            f"left out: {', '.join(f.left_out)}) for {floor}; requeueing"
         )
-    if left_s < startup_s + signal_lead_s:
+    if f.left_s < f.startup_s + f.signal_lead_s:
         return 0, (
-            f"{max(left_s, 0.0):.0f} s left before the time limit, under the {startup_s + signal_lead_s:.0f} s a "
-            f"relaunch needs to train before its warning (the slowest start-up so far, {startup_s:.0f} s, + "
-            f"cluster.signal_lead_s={signal_lead_s:g}); requeueing"
+            f"{max(f.left_s, 0.0):.0f} s left before the time limit, under the {f.startup_s + f.signal_lead_s:.0f} s a "
+            f"relaunch needs to train before its warning (the slowest start-up so far, {f.startup_s:.0f} s, + "
+            f"cluster.signal_lead_s={f.signal_lead_s:g}); requeueing"
         )
-    return min(len(healthy), nodes), ""
+    return min(len(healthy), f.nodes), ""
 
 
 def hung_ranks(counts: dict[int, int], world_size: int) -> list[int]:

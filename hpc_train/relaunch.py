@@ -56,8 +56,9 @@ def in_job_restart(
     )
     left_out = sorted(set(excluded) & set(job_nodes))
     used = journal.in_job_restarts_in_a_row(events)
-    n, why_not = preempt.in_job_restart(
-        cfg.cluster.spare_nodes,
+    c = cfg.cluster
+    facts = preempt.RestartFacts(
+        c.spare_nodes,
         "requeue",
         reason,
         fate,
@@ -66,12 +67,13 @@ def in_job_restart(
         budgets.max_in_job_restarts,
         job_nodes,
         left_out,
-        cfg.cluster.nodes,
+        c.nodes,
         left_s=end - time.time(),
         startup_s=journal.startup_s(events),
-        signal_lead_s=cfg.cluster.signal_lead_s,
-        min_nodes=cfg.cluster.min_nodes,
+        signal_lead_s=c.signal_lead_s,
+        min_nodes=c.min_nodes,
     )
+    n, why_not = preempt.in_job_restart(facts)
     if why_not:
         print(f"[hpc_train] not restarting inside the allocation: {why_not}", file=sys.stderr, flush=True)
         return ""

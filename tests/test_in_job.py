@@ -63,8 +63,8 @@ def test_a_relaunch_only_replaces_a_failure_requeue_within_budget_and_spares(see
         # seconds to EndTime; the slowest start-up so far; cluster.signal_lead_s
         left_s, startup_s, lead_s = rng.uniform(0, 900), rng.uniform(0, 300), rng.choice([60, 120, 300])
         facts = (spares, action, reason, fate, signals, used, budget, job_nodes, out, nodes, left_s, startup_s, lead_s)
-        n, why = preempt.in_job_restart(*facts, min_nodes=min_nodes)
-        fixed_n, fixed_why = preempt.in_job_restart(*facts)  # min_nodes=None: the fixed size
+        n, why = preempt.in_job_restart(preempt.RestartFacts(*facts, min_nodes=min_nodes))
+        fixed_n, fixed_why = preempt.in_job_restart(preempt.RestartFacts(*facts))  # min_nodes=None: the fixed size
         healthy = len(set(job_nodes) - set(out))
         replaces = spares and action == "requeue" and reason in ("failure", "node_health") and not signals
         # within budget, and time to train before the time-limit warning (issue 20)
@@ -99,7 +99,7 @@ def test_the_reasons_it_requeues_instead() -> None:
 
     def relaunch(**kw: object) -> str:
         given = {"spare_nodes": 1, "action": "requeue", "reason": "failure", "left_out": ["node2"], **args, **kw}
-        n, why = preempt.in_job_restart(**given)  # type: ignore[arg-type]
+        n, why = preempt.in_job_restart(preempt.RestartFacts(**given))  # type: ignore[arg-type]
         assert (n == 0) is (why != ""), (n, why)
         return why
 
@@ -125,9 +125,8 @@ def test_the_reasons_it_requeues_instead() -> None:
     assert relaunch(left_s=160.0, startup_s=40.0, signal_lead_s=120) == ""
     # cluster.min_nodes: with no spare left it goes on with the healthy nodes, never more than cluster.nodes
     shrink = {**args, "spare_nodes": 1, "action": "requeue", "reason": "failure", "min_nodes": 1}
-    assert preempt.in_job_restart(**{**shrink, "left_out": ["node1", "node2"]}) == (1, "")  # type: ignore[arg-type]
-    assert preempt.in_job_restart(**{**shrink, "left_out": ["node2"]}) == (2, "")  # type: ignore[arg-type]
-    assert preempt.in_job_restart(**{**shrink, "left_out": []}) == (2, "")  # type: ignore[arg-type]
+    for left_out, n in ((["node1", "node2"], 1), (["node2"], 2), ([], 2)):
+        assert preempt.in_job_restart(preempt.RestartFacts(**{**shrink, "left_out": left_out})) == (n, "")  # type: ignore[arg-type]
     assert relaunch(left_out=["node1", "node2"], min_nodes=2) == (
         "no spare left: 1 healthy nodes of the allocation (node3; left out: node1, node2) for cluster.min_nodes=2; "
         "requeueing"
