@@ -227,8 +227,7 @@ def _run_script(paths: RunPaths, env: Any, cfg: Any, process_start: float) -> di
         kill_deadline = out.get("kill_deadline", float("inf"))
         requeue.decide_together(paths, env, cfg, out["reason"], out["step"], kill_deadline, out.get("sick"))
     summary = script.finish(env, paths, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    _close(env)
     return summary if env.rank == 0 else None
 
 
@@ -237,7 +236,6 @@ def _run_function(
 ) -> dict[str, Any] | None:
     """The training function (fn._target_, the built-in trainer by default) with its Attempt; with
     cluster.in_process_restart a failure that the deciding rank turns into a rejoin runs it again here."""
-    import torch.distributed as dist
 
     from hpc_train.attempt import Attempt
 
@@ -278,9 +276,17 @@ def _run_function(
             write_atomic(finished_marker(Path(folder), slurm_job), "finished\n")
         except OSError:  # then srun's status is the job's; the run is finished all the same
             pass
+    _close(env)
+    return summary if env.rank == 0 else None
+
+
+def _close(env: Any) -> None:
+    """After the finish: every rank here before any tears down (rank 0 hosts the store), then the groups. A peer
+    gone by now fails the barrier: the run is finished all the same (exit 0, the result written)."""
+    import torch.distributed as dist
+
     try:
         dist.barrier()
         dist.destroy_process_group()
-    except Exception as e:  # a peer gone after the finish: the run is finished all the same (exit 0)
+    except Exception as e:
         print(f"[hpc_train] rank {env.rank}: the run finished; its closing barrier failed: {e}", file=sys.stderr)
-    return summary if env.rank == 0 else None

@@ -64,11 +64,8 @@ def claim(paths: RunPaths, env: Any) -> dict[str, Any] | None:
     which ends a wait on a lock a dead NFS client still holds."""
     with locked(paths.run_dir / ".lease.lock", wait_s=5):  # a dead NFS holder: decide unlocked after 5 s
         lease = read(paths)
-        now = time.time()
-        owner_active = None
-        if lease and lease["job_id"] != env.job_id:
-            owner_active = owner_active(lease, env)
-        if not preempt.lease_verdict(lease, env.job_id, now, owner_active):
+        active = owner_active(lease, env) if lease and lease["job_id"] != env.job_id else None
+        if not preempt.lease_verdict(lease, env.job_id, time.time(), active):
             return lease
         write(paths, env)
     return None

@@ -18,6 +18,7 @@ from hpc_train.config import ConfigSource, RunConfig, check_environment, compose
 from hpc_train.paths import dir_mode
 from hpc_train.sbatch import ClusterConfig, check_syntax, render, validate_live
 from hpc_train.script import check as check_script
+from hpc_train.script import runnable
 
 MANIFEST = "sweep.json"
 
@@ -176,6 +177,9 @@ def plan(
             check_environment(r)
             asked[question] = r.model.vocab_size
         r.model.vocab_size = c["model"]["vocab_size"] = asked[question]
+    for cmd in {tuple(r.script.cmd) for _, r in composed if r.script.cmd}:  # the program, and a script's file
+        if why := runnable(list(cmd), Path.cwd()):
+            raise ValueError(why)
     configs, runs = [c for c, _ in composed], [r for _, r in composed]
     for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
         if c["data"].get("path"):

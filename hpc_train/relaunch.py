@@ -82,10 +82,6 @@ def in_job_restart(
     return "relaunch" if relaunch(env, cfg.cluster, reason, job_nodes, left_out, used, record, n, sick) else ""
 
 
-# The relay writes its beat every 5 s while the step runs: 30 s is six missed beats (a loaded batch host, a slow
-# shared file system), far under the SlurmdTimeout (300 s by default) after which Slurm itself takes a silent
-
-
 def relay_silent_s(folder: Path, slurm_job: str) -> float:
     """How long the batch script's relay has been silent (its node lost), or 0.0 when it lives or nobody knows
     (paths.relay_beat). Older than deadlines.RELAY_SILENT_S by this node's clock, the beat is read once more

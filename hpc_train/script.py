@@ -175,6 +175,50 @@ def check(config: dict[str, Any], run_dir: str | Path) -> None:
     checkpoint_path(config, run_dir)
 
 
+# An interpreter whose first word that is not an option is the file it runs (python's -m and -c name none).
+_RUNS_A_FILE = re.compile(r"(python[0-9.]*|bash|sh|zsh|perl|ruby|Rscript)$")
+_OPTION_WITH_VALUE = {"-W", "-X", "-Q", "-o", "-O"}  # python -W arg, -X opt: the next word is the option's
+
+
+def runnable(cmd: list[str], cwd: str | Path) -> str:
+    """At submit, before anything is queued: "" where the command's program resolves (on PATH, or the path it
+    gives) and, for an interpreter, the script file it names exists relative to `cwd` (the submit folder, where
+    every rank runs it); else the sentence that names the word and the fix. A word with a {placeholder} is the
+    run's to fill: not checked."""
+    import shutil
+
+    program = cmd[0]
+    if "{" in program:
+        return ""
+    if "/" in program:
+        path = Path(cwd, program)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            return f"script.cmd: {program!r} is not an executable file (from {cwd}); check the path, or chmod +x it"
+    elif shutil.which(program) is None:
+        return (
+            f"script.cmd: {program!r} is not on PATH here; install it, activate the environment that has it, or "
+            f"give its full path (every node must have it too)"
+        )
+    if not _RUNS_A_FILE.match(Path(program).name):
+        return ""
+    words = iter(cmd[1:])
+    for word in words:
+        if word in ("-m", "-c", "-"):  # a module, a string of code, stdin: no file to look for
+            return ""
+        if word in _OPTION_WITH_VALUE:
+            next(words, None)
+            continue
+        if word.startswith("-"):
+            continue
+        if "{" not in word and not Path(cwd, word).is_file():
+            return (
+                f"script.cmd: {program} would run {word!r}, which is not a file in {cwd} (the command runs in the "
+                f"folder you submit from); check the name, or cd to the folder that has it"
+            )
+        return ""
+    return ""
+
+
 # ---- the job side: one child per rank ------------------------------------------------------------------
 
 # The child ignores the stop signals Slurm sends that are not script.stop_signal (USR2 is Slurm's time-limit

@@ -21,6 +21,10 @@ class Verdict(str, enum.Enum):
     FINISHED = "finished"  # a failure after the attempt's finish is on record: exit 0
     NONE = ""  # a rank that did not decide: it leaves as the verdict on record says
 
+    # its value in f-strings and str() too (an Enum's own would say "Verdict.STOP", Python 3.11)
+    __str__ = str.__str__
+    __format__ = str.__format__
+
 
 EXIT_CODES = {Verdict.STOP: 1, Verdict.RELAUNCH: preempt.IN_JOB_RESTART_EXIT_CODE, Verdict.FINISHED: 0}
 

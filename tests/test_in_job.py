@@ -537,7 +537,7 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
 def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """_plan_rejoin: a rank is alive once it wrote its heartbeat count, dead once its life lock is free (or after
+    """rejoin.plan_rejoin: a rank is alive once it wrote its heartbeat count, dead once its life lock is free (or after
     REJOIN_SETTLE_S); each dead node needs all its ranks dead and a standby node; else (a node blamed that is not
     dead whole, no first step in this attempt) the step is relaunched, saying why."""
     from types import SimpleNamespace
@@ -872,7 +872,7 @@ def test_a_failing_rank_cuts_its_connections_so_a_peer_blocked_on_it_fails_too(t
 def test_a_failing_rank_says_it_lives_before_its_group_is_torn_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """_drop_group(env, paths): the heartbeat count (the deciding rank's sign of a survivor, _plan_rejoin) is written
+    """rejoin.drop_group(env, paths): the heartbeat count (the deciding rank's sign of a survivor, rejoin.plan_rejoin) is written
     before destroy_process_group, whose teardown can outlast REJOIN_SETTLE_S (2 s): a live survivor taken for dead
     relaunched the step. Here the teardown only notes whether the count was already there."""
     from types import SimpleNamespace
@@ -1316,7 +1316,7 @@ def test_the_batch_scripts_srun_relaunches_on_the_marker_only_with_spares(tmp_pa
 
 def test_a_finished_run_ends_its_job_completed_though_a_replaced_task_died(tmp_path: Path) -> None:
     """cluster.in_process_restart: a task the in-process restart replaced died by SIGKILL, so srun's status is
-    137; the ranks finished the run (job._run wrote .finished-JOBID): the job's status is 0, the file consumed.
+    137; the ranks finished the run (job._run_function wrote .finished-JOBID): the job's status is 0, the file consumed.
     Without the file the status stays 137; a leftover from the job's last allocation is removed at the start."""
     finish = 'touch "$(dirname "$MARKER")/.finished-77"; exit 137'
     status, calls, marker, _ = _relay(tmp_path / "a", "--nodes=3 --ntasks=3", None, finish)
@@ -1591,7 +1591,7 @@ def test_a_rank_takes_its_life_lock_while_another_node_probes_it(tmp_path: Path)
 def test_a_rejoin_verdict_whose_plan_is_gone_leaves_instead_of_rebuilding_on_a_dead_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With no plan to read, the loop in job._run built an Attempt on the destroyed group, failed, got the same
+    """With no plan to read, the loop in job._run_function built an Attempt on the destroyed group, failed, got the same
     verdict and read nothing again: a busy loop until the watchdog. The rank now leaves (exit 1)."""
     from hpc_train import leave
     from hpc_train.paths import RunPaths
@@ -1671,3 +1671,26 @@ def test_a_failure_after_the_finish_is_on_record_leaves_0_and_decides_nothing(
     with pytest.raises(SystemExit) as left:
         failure.leave_by(Verdict.FINISHED, 0.0, env)
     assert left.value.code == 0
+
+
+def test_the_lease_is_claimed_over_another_jobs_and_refused_to_a_live_one(tmp_path: Path) -> None:
+    """Review of the job side's split: a local variable named like the function it called made every claim over
+    another job's lease a TypeError (a resume could never train again). Here: another job's lease expired, held by
+    a local controller that is gone (taken), or by one alive on this host (refused, the owner's lease returned)."""
+    import socket
+    from types import SimpleNamespace
+
+    from hpc_train import lease
+    from hpc_train.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    me = SimpleNamespace(job_id="222", executor="local")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    paths.lease.write_text(json.dumps({"job_id": str(dead.pid), "host": host, "renewed_at": 0, "expires_at": 1}))
+    assert lease.claim(paths, me) is None and lease.read(paths)["job_id"] == "222"
+    now = time.time()
+    live = {"job_id": str(os.getpid()), "host": host, "renewed_at": now, "expires_at": now + 180}
+    paths.lease.write_text(json.dumps(live))
+    assert lease.claim(paths, me) == live and lease.read(paths) == live

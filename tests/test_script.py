@@ -84,6 +84,7 @@ def test_bad_script_config_is_a_sentence(kwargs: dict, message: str) -> None:
 
 
 def _submit(tmp_path: Path, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    (tmp_path / "t.py").touch()  # the script most cases name: submit refuses one that is not there
     return subprocess.run(
         [*HPC_TRAIN, "submit", *flags, f"out_dir={tmp_path}", *args],
         capture_output=True,
@@ -94,6 +95,7 @@ def _submit(tmp_path: Path, *args: str, flags: tuple[str, ...] = ()) -> subproce
 
 
 def test_the_dry_run_shows_every_ranks_command_of_each_trial(tmp_path: Path) -> None:
+    (tmp_path / "train.py").touch()
     proc = _submit(
         tmp_path,
         "train.lr=1e-3,3e-4",
@@ -126,6 +128,16 @@ def test_the_dry_run_shows_every_ranks_command_of_each_trial(tmp_path: Path) -> 
         (["--", "python", "t.py", "--lr={train.lrr}"], r"error: script.cmd: '--lr=\{train.lrr\}' names \{train.lrr\}"),
         (["script.stop_signal=KILL", "--", "python"], r"error: script.stop_signal='KILL' is not one of"),
         (["fn._target_=a.b", "--", "python"], r"fn._target_='a.b' and a command after -- \(script.cmd\) both"),
+        # issue 29: a wrong script was queued and retried three times, its cause only in `logs`
+        (
+            ["--", "no-such-train-prog", "--lr=1"],
+            r"error: script.cmd: 'no-such-train-prog' is not on PATH here; install",
+        ),
+        (
+            ["--", "python", "-u", "nothere.py"],
+            r"error: script.cmd: python would run 'nothere.py', which is not a file",
+        ),
+        (["--", "./t.py"], r"error: script.cmd: './t.py' is not an executable file .*chmod \+x"),
     ],
 )
 def test_bad_input_is_one_sentence_before_anything_is_queued(tmp_path: Path, args: list[str], message: str) -> None:
@@ -197,13 +209,18 @@ def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
 
 
 def test_a_missing_program_stops_the_run_at_once_on_the_local_executor(tmp_path: Path) -> None:
-    """One attempt, a `stopped` naming the program and the fix, no requeue (before: 3 attempts, budget spent)."""
-    proc = _submit(tmp_path, "--", "no-such-train-prog", "--lr=1")
+    """One attempt, a `stopped` naming the program and the fix, no requeue (before: 3 attempts, budget spent). The
+    program is there at submit (an executable file) but cannot run on the node (its interpreter is missing), as a
+    node without the login node's install would have it."""
+    prog = tmp_path / "no-such-train-prog"
+    prog.write_text("#!/no/such/interpreter\n")
+    prog.chmod(0o755)
+    proc = _submit(tmp_path, "--", "./no-such-train-prog", "--lr=1")
     events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").open()]
     names = [e["event"] for e in events]
     assert names.count("start") == 1 and "requeue" not in names, names
     stopped = next(e for e in events if e["event"] == "stopped")
-    assert stopped["reason"].startswith("the command after -- could not run: 'no-such-train-prog' exited with 127")
+    assert stopped["reason"].startswith("the command after -- could not run: './no-such-train-prog' exited with 127")
     assert "not requeued: the command after -- could not run" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
