@@ -223,14 +223,14 @@ def run_storm(
                 240,
                 f"the first step after fault {i} ({fault})",
             )
-            storm.competitor.append(_squeue_state(competitor, env))
+            if not finished():  # once the run ended (its job gone in ms: os._exit) the competitor may start
+                storm.competitor.append(_squeue_state(competitor, env))
             last = time.time()
         wait_until(
             lambda: finished() or any(e["event"] == journal.STOPPED for e in read_events(run_dir)),
             300,
             "the storm's run to finish",
         )
-        storm.competitor.append(_squeue_state(competitor, env))
         job = run(["scontrol", "show", "job", "-o", job_id], env=env).stdout  # kept MinJobAge=300 s after the end
         storm.restarts = next((w for w in job.split() if w.startswith("Restarts=")), job)
     finally:
