@@ -133,6 +133,8 @@ def _run(
     """Everything of an attempt after the rank's env: the frozen config, this node's checks, the placed
     rendezvous (or a standby's wait), preflight, then the user's script or training function."""
     t0 = time.time()
+    import torch  # noqa: F401  here, not later: its ~1.5 s is the "imports" phase
+
     from hpc_train.config import check_environment, load_frozen
 
     cfg = load_frozen(paths.run_dir)
