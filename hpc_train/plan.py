@@ -154,6 +154,13 @@ def previous_runs(p: Plan) -> list[Path]:
     return [max(earlier, key=lambda d: d.stat().st_mtime)] if earlier else []
 
 
+def _check_commands(runs: list[RunConfig]) -> None:
+    """Each distinct script.cmd of the trials once: its program resolves, an interpreter's script file exists."""
+    for cmd in {tuple(r.script.cmd) for r in runs if r.script.cmd}:
+        if why := runnable(list(cmd), Path.cwd()):
+            raise ValueError(why)
+
+
 def plan(
     overrides: list[str],
     multirun: bool,
@@ -177,9 +184,7 @@ def plan(
             check_environment(r)
             asked[question] = r.model.vocab_size
         r.model.vocab_size = c["model"]["vocab_size"] = asked[question]
-    for cmd in {tuple(r.script.cmd) for _, r in composed if r.script.cmd}:  # the program, and a script's file
-        if why := runnable(list(cmd), Path.cwd()):
-            raise ValueError(why)
+    _check_commands([r for _, r in composed])
     configs, runs = [c for c, _ in composed], [r for _, r in composed]
     for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
         if c["data"].get("path"):
