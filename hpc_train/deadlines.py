@@ -1,6 +1,6 @@
-"""Every deadline of the stop and failure paths, in one table (torch-free, pure). The batch script's relay
-(sbatch_templates/signal_relay.sh) keeps its own copies of STEP_END_S, STEP_KILL_S and RELAY_BEAT_S as its
-defaults; tests/test_deadlines.py checks that they are these.
+"""Every deadline of the stop and failure paths, in one table (torch-free, pure). The batch step's supervisor
+(relay.py, which imports nothing of hpc_train) gets STEP_END_S, STEP_KILL_S and RELAY_BEAT_S as its arguments
+from the batch script (sbatch.relay_lines).
 
 From a stop signal to the job's end (docs/lifecycle.md draws it):
     signal ........ the step boundary ........ the save ........ REQUEUE_RESERVE_S: rank 0's decision
@@ -57,7 +57,8 @@ RELAY_RECHECK_S = 6.0
 # After the relaunch marker (or the finished file) the step's tasks get STEP_END_S to exit (the verdict goes on
 # record right after the marker, and the ranks that did not decide poll for it every 0.5 s), then srun a TERM,
 # which it turns into SIGKILL for every task; then STEP_KILL_S (twice slurmstepd's default UnkillableStepTimeout
-# of 60 s for a D-state task) before SIGKILL to srun itself. The relay's HPC_TRAIN_STEP_END_S/_KILL_S override.
+# of 60 s for a D-state task) before SIGKILL to srun itself. HPC_TRAIN_STEP_END_S/_KILL_S in the job's environment
+# (cluster.env) override them.
 STEP_END_S = 90
 STEP_KILL_S = 120
 

@@ -52,13 +52,14 @@ from hpc_train import (
     lease,
     preempt,
     rejoin,
+    relay,
     rendezvous,
     requeue,
     script,
     verdict,
     watchdog,
 )
-from hpc_train.paths import RunPaths, finished_marker, locked, make_dir, write_atomic
+from hpc_train.paths import RunPaths, locked, make_dir
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
 
@@ -271,11 +272,11 @@ def _run_function(
         requeue.decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
-    # A job with hot spares: the relay (signal_relay.sh) returns 0 on this file whatever srun says (137 when a
+    # A job with hot spares: the relay (relay.py) returns 0 on this file whatever srun says (137 when a
     # task an in-process restart replaced died in this step, a rank's abort after its result), not srun's status.
     if env.rank == 0 and (cfg.cluster.spare_nodes or cfg.cluster.in_process_restart) and folder and slurm_job:
         try:
-            write_atomic(finished_marker(Path(folder), slurm_job), "finished\n")
+            relay.write_finished(Path(folder), slurm_job)
         except OSError:  # then srun's status is the job's; the run is finished all the same
             pass
     _close(env)

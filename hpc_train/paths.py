@@ -130,34 +130,6 @@ class RunPaths:
         return self.run_dir / f".standby-{job_id}"
 
 
-def finished_marker(submitit_folder: Path, slurm_job_id: str) -> Path:
-    """cluster.in_process_restart: the step's ranks finished the run (job._run_function writes), so the batch script's
-    srun() ends the job with 0 though a task the in-process restart replaced died (srun's status: 137)."""
-    return submitit_folder / f".finished-{slurm_job_id}"
-
-
-def relaunch_marker(submitit_folder: Path, slurm_job_id: str) -> Path:
-    """The next training step's srun options after an in-job restart (job.py writes it, the batch script's
-    srun() in sbatch_templates/signal_relay.sh reads and removes it). In submitit's folder, the one path the
-    batch shell knows (srun's last word); SLURM_JOB_ID, an array task's own id, keeps a sweep's tasks apart."""
-    return submitit_folder / f".relaunch-{slurm_job_id}"
-
-
-def relay_beat(submitit_folder: Path, slurm_job_id: str) -> float | None:
-    """When the batch script's relay last wrote FOLDER/.relay-JOBID (Unix s, the batch host's clock; every 5 s while
-    a spares job's step runs: sbatch_templates/signal_relay.sh); None when unknown: no such file (a batch script
-    from before it, or between two steps), a symlink, a file of another user, not a positive number."""
-    beat = submitit_folder / f".relay-{slurm_job_id}"
-    try:
-        os.listdir(submitit_folder)  # NFS: revalidates the folder, so the name finds the newest rename, not a cached
-        if beat.is_symlink() or beat.stat().st_uid != os.geteuid():
-            return None
-        at = float(beat.read_text().strip())  # an open and a read: fresh on NFS (close-to-open)
-    except (OSError, ValueError):
-        return None
-    return at if at > 0 else None
-
-
 # A journal line waits at most this long for another writer's lock, then goes in unlocked: a holder that
 # died on NFSv3 keeps its lock until its node reboots, and a rank blocked here would hang its attempt.
 APPEND_LOCK_WAIT_S = 5.0

@@ -77,7 +77,7 @@ def install_handlers() -> None:
             signal.signal(sig, _record)
         installed_at[0] = time.time()
         # A stop signal the batch shell caught while the last training step ended, relayed into this one
-        # (an in-job restart, sbatch_templates/signal_relay.sh) as "SIGUSR2@<Unix s>": as when it came, so
+        # (an in-job restart, or the batch script's setup; relay.py) as "SIGUSR2@<Unix s>": as when it came, so
         # the stop save gets the time Slurm still gives, not that plus the relaunch (a bare name: now).
         name, _, at = os.environ.pop("HPC_TRAIN_PENDING_SIGNAL", "").partition("@")
         if name in ("SIGUSR2", "SIGTERM") and not received:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_train import deadlines, journal, preempt, rejoin, slurm
+from hpc_train import deadlines, journal, preempt, rejoin, relay, slurm
 from hpc_train.env import parse_nodelist
-from hpc_train.paths import RunPaths, relaunch_marker, relay_beat, write_atomic
+from hpc_train.paths import RunPaths
 
 
 def in_job_restart(
@@ -84,13 +84,13 @@ def in_job_restart(
 
 def relay_silent_s(folder: Path, slurm_job: str) -> float:
     """How long the batch script's relay has been silent (its node lost), or 0.0 when it lives or nobody knows
-    (paths.relay_beat). Older than deadlines.RELAY_SILENT_S by this node's clock, the beat is read once more
+    (relay.beat_at). Older than deadlines.RELAY_SILENT_S by this node's clock, the beat is read once more
     deadlines.RELAY_RECHECK_S later: a changed one is a live relay on a node whose clock is behind, not a lost one."""
-    beat = relay_beat(folder, slurm_job)
+    beat = relay.beat_at(Path(folder), slurm_job)
     if beat is None or time.time() - beat <= deadlines.RELAY_SILENT_S:
         return 0.0
     time.sleep(deadlines.RELAY_RECHECK_S)
-    return time.time() - beat if relay_beat(folder, slurm_job) == beat else 0.0
+    return time.time() - beat if relay.beat_at(Path(folder), slurm_job) == beat else 0.0
 
 
 def relaunch(
@@ -120,7 +120,7 @@ def relaunch(
     if silent := relay_silent_s(Path(folder), slurm_job):  # the relay's node is lost: nobody would read a marker
         print(
             f"[hpc_train] not restarting inside the allocation: the batch script's relay last wrote "
-            f"{Path(folder) / ('.relay-' + slurm_job)} {silent:.0f} s ago (its node lost?); requeueing",
+            f"{relay.beat_file(Path(folder), slurm_job)} {silent:.0f} s ago (its node lost?); requeueing",
             file=sys.stderr,
             flush=True,
         )
@@ -131,7 +131,7 @@ def relaunch(
         f" --exclude={','.join(left_out)}" if left_out else ""
     )
     try:
-        write_atomic(relaunch_marker(Path(folder), slurm_job), args + "\n")
+        relay.write_marker(Path(folder), slurm_job, args)
     except OSError as e:  # a full disk: the requeue still brings the run back
         print(f"[hpc_train] could not write the relaunch marker ({e}): requeueing", file=sys.stderr, flush=True)
         return False  # said here: the caller's sentence would have no reason to give

@@ -24,6 +24,8 @@ from hpc_train import shipped_dir
 EXECUTORS = ("local", "slurm")
 TEMPLATES_DIR = Path(shipped_dir("sbatch_templates"))
 SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# `trap CMD EXIT` / `trap CMD 0`, with other signals beside it or not (a comment line is no trap)
+EXIT_TRAP = re.compile(r"^\s*[^#]*\btrap\b.*\s(EXIT|SIGEXIT|0)\b")
 
 
 @dataclass
@@ -151,11 +153,7 @@ class ClusterConfig:
                     raise ValueError(
                         f"cluster.{what} key {key!r} is not a shell variable name; use [A-Za-z_][A-Za-z0-9_]*"
                     )
-        for i, line in enumerate(self.setup):
-            if any(c in line for c in "\n\r\0"):
-                raise ValueError(
-                    f"cluster.setup[{i}]={line!r} spans several lines; give each command as its own list item"
-                )
+        self._check_setup()
         if self.switches is not None and not re.fullmatch(r"\d+(@[\d:-]+)?", self.switches):
             raise ValueError(
                 f"cluster.switches={self.switches!r} is not sbatch's <count>[@<max wait>]; "
@@ -168,6 +166,24 @@ class ClusterConfig:
                 f"cluster.template={self.template!r}: no {TEMPLATES_DIR}/{self.template}.sh; "
                 f"use one of {known} or add the file"
             )
+
+    def _check_setup(self) -> None:
+        """cluster.setup: one command per item, and no EXIT trap there or in the site template: the batch script
+        ends by exec'ing the step's supervisor (hpc_train/relay.py), so bash would never run it."""
+        for i, line in enumerate(self.setup):
+            if any(c in line for c in "\n\r\0"):
+                raise ValueError(
+                    f"cluster.setup[{i}]={line!r} spans several lines; give each command as its own list item"
+                )
+        template = (TEMPLATES_DIR / f"{self.template}.sh") if self.template else None
+        lines = [*self.setup, *(template.read_text().splitlines() if template and template.is_file() else [])]
+        for line in lines:
+            if EXIT_TRAP.search(line):
+                raise ValueError(
+                    f"{line.strip()!r} (cluster.setup or cluster.template) sets an EXIT trap, which would never run: "
+                    "the batch script hands itself to hpc_train's relay (exec) to run the step; clean up in a Slurm "
+                    "epilog, or at the end of your training code"
+                )
 
     def elastic(self) -> bool:
         """Does the allocation's size change across requeues (sbatch --nodes=<min_nodes>-<nodes>)? Not with hot
@@ -480,10 +496,11 @@ def gres_gpus(gres: str) -> int | None:
 
 
 def setup_lines(cluster: ClusterConfig) -> list[str]:
-    """The batch script's setup section: site template, env exports, user lines, the signal relay."""
+    """The batch script's setup section: the signal relay, site template, env exports, user lines."""
     # The allocation's start, for telling the time-limit warning from a preemption (Slurm 22.05 exports no
     # start or end time to the job; a task's own start can be minutes later behind a container launch).
-    lines: list[str] = ["export HPC_TRAIN_ALLOCATED_AT=$(date +%s)"]
+    # The relay next: a stop signal during the rest of the setup is recorded, not the job's end.
+    lines: list[str] = ["export HPC_TRAIN_ALLOCATED_AT=$(date +%s)", *relay_lines()]
     if cluster.template:
         text = (TEMPLATES_DIR / f"{cluster.template}.sh").read_text()
         try:
@@ -496,8 +513,23 @@ def setup_lines(cluster: ClusterConfig) -> list[str]:
         lines += text.rstrip("\n").split("\n")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in cluster.env.items()]
     lines += cluster.setup
-    lines += (TEMPLATES_DIR / "signal_relay.sh").read_text().rstrip("\n").split("\n")
     return lines
+
+
+def relay_lines(python: str = sys.executable) -> list[str]:
+    """The batch script's srun(): the training step under hpc_train/relay.py, run by the submitting python with
+    the stop path's deadlines (deadlines.py) as its arguments."""
+    from hpc_train import deadlines
+
+    # safe_: the shell's own $@ and $(...) stay as they are
+    text = string.Template((TEMPLATES_DIR / "signal_relay.sh").read_text()).safe_substitute(
+        python=shlex.quote(python),
+        relay=shlex.quote(str(Path(__file__).resolve().parent / "relay.py")),
+        step_end_s=deadlines.STEP_END_S,
+        step_kill_s=deadlines.STEP_KILL_S,
+        beat_s=deadlines.RELAY_BEAT_S,
+    )
+    return text.rstrip("\n").split("\n")
 
 
 def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int | None = None) -> dict[str, Any]:
@@ -541,7 +573,7 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         params["setup"] = [*params["setup"], "unset SLURM_NTASKS SLURM_NPROCS"]
     if cluster.spare_nodes:
         # The training step on `nodes` of the allocation; the signal relay's srun() reads this and, after an
-        # in-job restart, replaces it with the relaunch's nodes and exclusions (sbatch_templates/signal_relay.sh).
+        # in-job restart, replaces it with the relaunch's nodes and exclusions (hpc_train/relay.py).
         # With in_process_restart the spares run the step's standbys (rejoin.split_standby)
         n = cluster.nodes + (cluster.spare_nodes if cluster.in_process_restart else 0)
         step = f"--nodes={n} --ntasks={n * cluster.tasks_per_node}"

@@ -30,6 +30,10 @@ from conftest import HPC_TRAIN, fake_clients, run
             "cluster=dev|cluster.setup=['echo \"unterminated']",
             r"the batch script would not parse: .*(unexpected EOF|syntax error).*check cluster.setup",
         ),
+        (
+            "cluster=dev|cluster.setup=['trap \"rm -rf /tmp/x\" EXIT']",
+            r"sets an EXIT trap, which would never run: .*clean up in a Slurm epilog",
+        ),
         ("cluster=nope", r"Could not find 'cluster/nope'"),
         (
             "train.parallelism=fsdp|train.tp=3",

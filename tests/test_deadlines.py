@@ -1,22 +1,17 @@
-"""One table of the stop and failure paths' deadlines (hpc_train/deadlines.py): the relay's bash defaults are its
+"""One table of the stop and failure paths' deadlines (hpc_train/deadlines.py): the relay runs with its
 numbers, and the reserves add up as their comments say."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-from hpc_train import deadlines, slurm
-
-RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
+from hpc_train import deadlines, sbatch, slurm
 
 
-def test_the_relays_defaults_are_the_tables() -> None:
-    text = RELAY.read_text()
-    assert set(re.findall(r"\$\{HPC_TRAIN_STEP_END_S:-(\d+)\}", text)) == {str(deadlines.STEP_END_S)}
-    assert set(re.findall(r"\$\{HPC_TRAIN_STEP_KILL_S:-(\d+)\}", text)) == {str(deadlines.STEP_KILL_S)}
-    assert re.search(rf"sleep {deadlines.RELAY_BEAT_S} >/dev/null", text), "the relay's beat interval"
-    assert f"older than {deadlines.RELAY_SILENT_S:.0f} s (deadlines.RELAY_SILENT_S)" in text
+def test_the_relay_runs_with_the_tables_deadlines() -> None:
+    """The batch script hands relay.py the table's numbers (it imports nothing of hpc_train): no second copy."""
+    line = next(line for line in sbatch.relay_lines() if " exec " in line and not line.lstrip().startswith("#"))
+    words = line.split("relay.py", 1)[1].split()
+    assert words[:3] == [str(deadlines.STEP_END_S), str(deadlines.STEP_KILL_S), str(deadlines.RELAY_BEAT_S)], line
+    assert words[3] == '"$@"'
     # six missed beats before a relay is taken for gone, well under Slurm's SlurmdTimeout (300 s)
     assert deadlines.RELAY_SILENT_S == 6 * deadlines.RELAY_BEAT_S < 300
 

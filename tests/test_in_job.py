@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,19 @@ from types import SimpleNamespace
 import pytest
 from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import deadlines, failure, journal, preempt, rejoin, relaunch, rendezvous, requeue, slurm, watchdog
+from hpc_train import (
+    deadlines,
+    failure,
+    journal,
+    preempt,
+    rejoin,
+    relaunch,
+    rendezvous,
+    requeue,
+    sbatch,
+    slurm,
+    watchdog,
+)
 from hpc_train.config import compose, to_run_config
 from hpc_train.env import from_env
 from hpc_train.task import Task
@@ -187,7 +200,7 @@ def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.Mo
     it), a symlink or not a number is no evidence: the relaunch goes on, as before."""
     from types import SimpleNamespace
 
-    from hpc_train.paths import relay_beat
+    from hpc_train.relay import beat_at as relay_beat
 
     monkeypatch.setattr(deadlines, "RELAY_RECHECK_S", 0.2)
     folder = tmp_path / "submitit"
@@ -1267,13 +1280,10 @@ def test_report_names_an_in_process_restarts_replacements_and_survives_a_malform
         assert report.ended_text({**att, "replaced": bad}, 2) == "in_job_restart (in process)", bad
 
 
-RELAY = Path(__file__).resolve().parents[1] / "sbatch_templates" / "signal_relay.sh"
-
-
 def _relay(
     tmp_path: Path, step_args: str, marker_at_start: str | None, fake_srun: str, shell: str = "set -u", **extra_env: str
 ) -> tuple[int, list[str], Path, str]:
-    """The batch script's srun() (sbatch_templates/signal_relay.sh) around a fake srun on PATH, the export of
+    """The batch script's srun() (sbatch.relay_lines: hpc_train/relay.py) around a fake srun on PATH, the export of
     step_args after it as sbatch.py renders it, and a value inherited from a job that submitted this one in the
     environment: (the function's status, each srun call's arguments, the marker's path, its stderr)."""
     folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
@@ -1285,7 +1295,8 @@ def _relay(
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/calls\nMARKER={marker}\n{fake_srun}\n')
     (bin_dir / "srun").chmod(0o755)
     export = f"export HPC_TRAIN_STEP_ARGS='{step_args}'\n" if step_args else ""
-    script = f"{shell}\nsource {RELAY}\n{export}srun --unbuffered python -m submitit.core._submit {folder}\n"
+    relay = "\n".join(sbatch.relay_lines())
+    script = f"{shell}\n{relay}\n{export}srun --unbuffered python -m submitit.core._submit {folder}\n"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", **extra_env}
     env["HPC_TRAIN_STEP_ARGS"] = "--nodes=9 --ntasks=9"  # the submitting job's step, inherited (review)
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
@@ -1630,16 +1641,40 @@ def test_a_signal_caught_between_steps_reaches_the_relaunch_with_its_time_on_a_b
     assert name == "SIGUSR2" and before <= int(at) <= time.time() + 1
 
 
-def test_the_relays_traps_never_end_a_set_e_shell_when_the_kill_fails() -> None:
-    """Review: under a site template's `set -euo pipefail`, a USR2 or TERM between srun's exit and `pid=""` ran
-    `kill` on a reaped pid as the last command of the trap's `||` list: errexit ended the batch shell (job FAILED,
-    the relaunch lost). Each trap of the template, as it is, on a pid that does not exist."""
-    traps = [line.strip() for line in RELAY.read_text().splitlines() if line.strip().startswith("trap '")]
-    assert len(traps) == 2
-    script = "set -euo pipefail\npending=''\npid=999999999\n" + "\n".join(traps)
-    script += '\nkill -USR2 $$\nkill -TERM $$\necho "survived $pending"\n'
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0 and proc.stdout.startswith("survived SIGUSR2@"), (proc.returncode, proc.stderr)
+@pytest.mark.parametrize("spares", ["", "--nodes=2 --ntasks=4"])
+def test_a_stop_signal_at_any_moment_of_the_start_reaches_the_step_and_never_ends_the_job(
+    tmp_path: Path, spares: str
+) -> None:
+    """USR2 to the batch shell every 20 ms from the relay's lines on (the second line of the batch script; a
+    preemption as the job starts), through a setup of 0.3 s (a module load), under a site template's
+    set -euo pipefail: the batch step is never ended by it, and the step gets it, through
+    HPC_TRAIN_PENDING_SIGNAL or as a USR2 to its srun. The fake srun catches USR2 only 0.5 s after it started,
+    as a real srun has its handlers in only once it runs: a USR2 before that ends it (relay.takes_usr2; the bash
+    relay sent it at once, and the step never started)."""
+    folder, bin_dir = tmp_path / "submitit", tmp_path / "bin"
+    folder.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\nsleep 0.5\ngot=""\ntrap \'got=USR2\' USR2\necho "pending=${{HPC_TRAIN_PENDING_SIGNAL:-}}" > {tmp_path}/seen\n'
+        f'for i in $(seq 20); do sleep 0.05; done\necho "got=$got" >> {tmp_path}/seen\n'
+    )
+    (bin_dir / "srun").chmod(0o755)
+    export = f"export HPC_TRAIN_STEP_ARGS='{spares}'\n" if spares else ""
+    relay = "\n".join(sbatch.relay_lines())
+    script = f"set -euo pipefail\n{relay}\n: > {tmp_path}/started\nsleep 0.3\n{export}srun python x {folder}\n"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    for _ in range(3):  # a signal in bash's or in relay.py's first ms each time: the timing varies
+        (tmp_path / "seen").unlink(missing_ok=True)
+        (tmp_path / "started").unlink(missing_ok=True)
+        proc = subprocess.Popen(["bash", "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: (tmp_path / "started").exists() or proc.poll() is not None, 10, "the batch script's start")
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGUSR2)
+            time.sleep(0.02)
+        err = proc.stderr.read() if proc.stderr else ""
+        assert proc.returncode == 0, (proc.returncode, err)
+        seen = (tmp_path / "seen").read_text()
+        assert re.search(r"pending=SIGUSR2@\d+|got=USR2", seen), seen
 
 
 def test_a_failure_after_the_finish_is_on_record_leaves_0_and_decides_nothing(

@@ -20,7 +20,8 @@ LAYERS: list[tuple[str, ...]] = [
         "straggler",
         "leave",
         "task",
-    ),  # facts and names, torch-free; the exit; a rank process's own state
+        "relay",
+    ),  # facts and names, torch-free; the exit; a rank process's own state; the batch step's supervisor
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
     ("metrics", "preempt", "provenance", "data", "deadlines"),  # deadlines: the stop and failure paths' table
     # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;
@@ -46,7 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start", "task", "deadlines"}
-JOB_SIDE |= {"verdict", "lease", "rendezvous", "rejoin", "relaunch", "requeue", "failure", "watchdog"}
+JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "relaunch", "requeue", "failure", "watchdog"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
 
 
@@ -94,3 +95,13 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     probe = tmp_path / "journal.py"
     probe.write_text("def f():\n    from hpc_train import status\n    from hpc_train.submit import plan\n")
     assert imports_of(probe) == {"status", "submit"}
+
+
+def test_the_relay_imports_only_the_standard_library() -> None:
+    """relay.py runs by its path as the batch step (any python 3.8+, nothing of hpc_train on sys.path)."""
+    import sys
+
+    tree = ast.parse((PACKAGE / "relay.py").read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names - {"__future__"} <= set(sys.stdlib_module_names), names - set(sys.stdlib_module_names)
