@@ -120,6 +120,14 @@ def after_failure(
         )
     if isinstance(error, preempt.Unrecoverable):
         return _stop(paths, env, str(error))
+    no_retry = isinstance(error, (ImportError, SyntaxError))  # the code's: the same on every node and attempt
+    if no_retry and not journal.progress(journal.read(paths.run_dir), paths.metrics):
+        return _stop(
+            paths,
+            env,
+            f"{type(error).__name__}: {error}, before any progress (no retry mends it: no budget spent); fix it, then "
+            f"hpc-train resume {paths.run_dir}",
+        )
     text = f"{type(error).__name__}: {error}" if error is not None else ""
     marker = preempt.hardware_error(text)
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -80,8 +81,24 @@ def resolve(target: str) -> Callable[..., Any]:
     module, name = (target or "hpc_train.train.main").rsplit(".", 1)
     fn = getattr(importlib.import_module(module), name, None)
     if not callable(fn):
-        raise ValueError(f"fn._target_={target!r}: {module} has no function {name!r}")
+        raise preempt.Unrecoverable(f"fn._target_={target!r}: {module} has no function {name!r}; fix fn._target_")
     return fn
+
+
+def check_kwargs(fn: Callable[..., Any], target: str, kwargs: dict[str, Any]) -> None:
+    """fn.kwargs fit the function (it is called as fn(attempt, **kwargs)): a config error no retry mends is said
+    before the first step, not as a TypeError three attempts long."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C extension): the call will tell
+        return
+    try:
+        signature.bind(None, **kwargs)
+    except TypeError as e:
+        raise preempt.Unrecoverable(
+            f"fn.kwargs={dict(kwargs)} do not fit {target or 'hpc_train.train.main'}{signature}: {e}; fix fn.kwargs "
+            "(the function is called as fn(attempt, **fn.kwargs))"
+        ) from None
 
 
 def run_job(run_dir_str: str) -> dict[str, Any] | None:
@@ -243,6 +260,7 @@ def _run_function(
     from hpc_train.attempt import Attempt
 
     fn = resolve(cfg.fn._target_)
+    check_kwargs(fn, cfg.fn._target_, cfg.fn.kwargs)
     plan: dict[str, Any] | None = None
     while True:  # once, unless cluster.in_process_restart rejoins after a crash (rejoin.plan_rejoin)
         try:

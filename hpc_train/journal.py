@@ -235,6 +235,17 @@ def committed_step(events: list[Event]) -> int | None:
     return max(committed_steps(events), default=None)
 
 
+def progress(events: list[Event], metrics: Path) -> bool:
+    """The run got anywhere: a committed checkpoint, a script's checkpoint file, or a metrics row. Before that a
+    failure that is the code's or the config's (an import, the syntax, the arguments) is one no retry mends."""
+    if named(events, CHECKPOINT_COMMITTED) or named(events, SCRIPT_CHECKPOINT):
+        return True
+    try:
+        return metrics.stat().st_size > 0
+    except OSError:
+        return False
+
+
 def slowest_write_s(events: list[Event]) -> float:
     """The slowest checkpoint write on record, in any attempt: what a stop save must fit."""
     times = [e.get("write_s", e.get("save_s", 0.0)) for e in named(events, CHECKPOINT_COMMITTED)]

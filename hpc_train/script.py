@@ -459,6 +459,9 @@ def supervise(
         "tail": tail.decode(errors="replace")[-2000:],
         "killed": killed,
     }
+    if env.rank == 0:  # rank 0's view for judge: any checkpoint or metrics row of the run
+        newest = found_checkpoint(config, paths.run_dir)
+        mine["progress"] = bool(found or newest or journal.progress(events, paths.metrics))
     dist.all_gather_object(failed, mine)
     out = judge(failed, cmd, paths.run_dir)
     if out["outcome"] == "finished":
@@ -471,7 +474,8 @@ def supervise(
             env.job_id,
             env.restart_count,
             rank=env.rank,
-            error=f"script exited with code {code} on rank {env.rank} ({node})",
+            error=f"script exited with code {code} on rank {env.rank} ({node})"
+            + (f": {out['cause']}" if out.get("cause") else ""),
             output=mine["tail"][-1000:],
         )
     return {**out, "step": step}
@@ -506,11 +510,33 @@ NOT_RUNNABLE = {
 }
 
 
+# A script's failure that no retry can mend, when the run has made no progress yet (no checkpoint, no metrics
+# row): python could not open the file, an import or the syntax failed, the argument parser refused the command.
+# The last line of the child's output that says so is the cause. After progress the same words are a failure
+# with its budget: a module that imports at the start and not an hour later is a node's install, not the script.
+NO_RETRY = re.compile(
+    r"^.*can't open file .*\[Errno \d+\].*$"
+    r"|^(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|TabError): .*$"
+    r"|^\S+: error: (unrecognized arguments|the following arguments are required|argument ).*$",
+    re.M,
+)
+
+
+def cause(tail: str, code: int | None) -> str:
+    """The line of a child's last output that makes its failure one no retry mends (NO_RETRY), else "". An
+    argument parser's error counts only with its exit code 2 (argparse's)."""
+    found = [m.group(0).strip() for m in NO_RETRY.finditer(tail)]
+    found = [line for line in found if code == 2 or ": error: " not in line or "Error: " in line]
+    return found[-1] if found else ""
+
+
 def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> dict[str, Any]:
     """What every rank's exit says (pure): failed holds each rank's {"rank", "code", "node", "tail", "killed"
-    (we ended it)}. {"outcome": "finished", "exit_codes"} when all exited 0; "unrunnable" with `why` when a
-    child we did not end exited 126/127 (the command could not run: a sentence, no requeue, no budget);
-    else "failed" with `sick` (nodes a hardware error blames). `first`: the rank whose exit is recorded."""
+    (we ended it)}; rank 0's also "progress" (the run has a checkpoint or a metrics row). {"outcome":
+    "finished", "exit_codes"} when all exited 0; "unrunnable" with `why` when a child we did not end exited
+    126/127 (the command could not run) or, before any progress, with a cause no retry mends (`cause`): a
+    sentence, no requeue, no budget; else "failed" with `sick` (nodes a hardware error blames). `first`: the
+    rank whose exit is recorded."""
     bad = [f for f in failed if f and f["code"] not in (0, None)]
     if not bad:
         return {"outcome": "finished", "exit_codes": [f["code"] for f in failed]}
@@ -528,6 +554,19 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
             "why": (
                 f"the command after -- could not run: {cmd[0]!r} exited with {f['code']} on rank {f['rank']} "
                 f"({f['node']}): it {what}; {fix.format(run=run_dir)}. Not requeued: no budget spent"
+            ),
+        }
+    broken = [f for f in bad if not f["killed"] and cause(f["tail"], f["code"])]
+    if broken and not failed[0].get("progress", True):
+        f = broken[0]
+        return {
+            "outcome": "unrunnable",
+            "first": f["rank"],
+            "cause": cause(f["tail"], f["code"]),
+            "why": (
+                f"the command after -- failed before any progress: {cmd[0]!r} exited with {f['code']} on rank "
+                f"{f['rank']} ({f['node']}): {cause(f['tail'], f['code'])}; fix it and `hpc-train resume {run_dir}`. "
+                "(no retry mends it: no budget spent)"
             ),
         }
     sick = {}

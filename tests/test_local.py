@@ -311,3 +311,29 @@ def test_byo_target_that_does_not_import_is_refused_before_submit(tmp_path: Path
         "fn._target_='no_such_pkg.train.main': module 'no_such_pkg.train' is not importable here; install it "
         "(pip install -e .) or add its folder to PYTHONPATH"
     ) in proc.stderr
+
+
+def test_a_function_that_cannot_start_stops_after_one_attempt_with_its_cause(tmp_path: Path) -> None:
+    """Issue 29: a training function whose module fails to import (the module is there: submit finds it), or whose
+    fn.kwargs do not fit it, before any progress: one attempt, `stopped` with the cause, no requeue, the cause in
+    the local submit's output (before: 3 attempts and 'failure budget spent')."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "badimport.py").write_text("import nothere_mod_xyz\n\ndef main(at):\n    pass\n")
+    (pkg / "kwfn.py").write_text("def main(at, lr=1.0):\n    return {'ok': 1}\n")
+    env = {**os.environ, "PYTHONPATH": str(pkg)}
+    cases = {
+        "badimport": (["fn._target_=badimport.main"], "ModuleNotFoundError: No module named 'nothere_mod_xyz'"),
+        "kwargs": (["fn._target_=kwfn.main", "+fn.kwargs.lrr=2"], "got an unexpected keyword argument 'lrr'"),
+    }
+    for name, (args, cause) in cases.items():
+        out = tmp_path / name
+        proc = subprocess.run(
+            [HPC_TRAIN, "submit", f"out_dir={out}", *args], capture_output=True, text=True, env=env, timeout=300
+        )
+        events = read_events(out / "demo-1")
+        names = [e["event"] for e in events]
+        assert names.count("start") <= 1 and "requeue" not in names, (name, names)
+        stopped = next(e for e in events if e["event"] == "stopped")
+        assert cause in stopped["reason"], (name, stopped)
+        assert "not requeued: " in proc.stdout + proc.stderr and cause in proc.stdout + proc.stderr, proc.stderr

@@ -224,6 +224,65 @@ def test_a_missing_program_stops_the_run_at_once_on_the_local_executor(tmp_path:
     assert "not requeued: the command after -- could not run" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize(
+    "source, args, cause",
+    [
+        ("import nothere_mod_xyz\n", [], "ModuleNotFoundError: No module named 'nothere_mod_xyz'"),
+        ("def f(:\n", [], "SyntaxError: "),
+        (
+            "import argparse\np = argparse.ArgumentParser(prog='t.py')\np.add_argument('--lr', required=True)\n"
+            "p.parse_args()\n",
+            [],
+            "t.py: error: the following arguments are required: --lr",
+        ),
+    ],
+)
+def test_a_script_that_fails_before_any_progress_stops_at_once_with_its_cause(
+    tmp_path: Path, source: str, args: list[str], cause: str
+) -> None:
+    """Issue 29: an import error, a syntax error or the argument parser's refusal before any checkpoint or metrics
+    row is one attempt, not three: `fail` and `stopped` carry the cause's line, the local submit's output says it,
+    no requeue (before: 3 attempts, 'failure budget spent', the cause only in `logs`)."""
+    (tmp_path / "t.py").write_text(source)
+    proc = subprocess.run(
+        [*HPC_TRAIN, "submit", f"out_dir={tmp_path}", "--", "python", "t.py", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=360,
+    )
+    events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").open()]
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "requeue" not in names, names
+    fail = next(e for e in events if e["event"] == "fail")
+    stopped = next(e for e in events if e["event"] == "stopped")
+    assert cause in fail["error"] and cause in stopped["reason"], (fail, stopped)
+    assert "failed before any progress" in stopped["reason"]
+    assert cause in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_no_retry_causes_only_count_before_any_progress() -> None:
+    """judge: the same import error after a checkpoint or a metrics row (rank 0's `progress`) is a failure with
+    its budget (a node's broken install an hour in); a usage line counts only with argparse's exit code 2; a
+    rank we ended is never the cause."""
+    from hpc_train.script import cause, judge
+
+    tail = "Traceback (most recent call last):\nModuleNotFoundError: No module named 'x'\n"
+
+    def rank(r: int, code: int, progress: bool | None = None, killed: bool = False, t: str = tail) -> dict:
+        out = {"rank": r, "code": code, "node": f"n{r}", "tail": t, "killed": killed}
+        return out if progress is None else {**out, "progress": progress}
+
+    assert judge([rank(0, 1, progress=False), rank(1, 0)], ["python"], "/r")["outcome"] == "unrunnable"
+    assert judge([rank(0, 1, progress=True), rank(1, 0)], ["python"], "/r")["outcome"] == "failed"
+    assert judge([rank(0, 1), rank(1, 0)], ["python"], "/r")["outcome"] == "failed"  # unknown: as progress
+    ended = [rank(0, 0, progress=False), rank(1, -9, killed=True)]
+    assert judge(ended, ["python"], "/r")["outcome"] == "failed"
+    usage = "usage: t.py [-h]\nt.py: error: unrecognized arguments: --x\n"
+    assert cause(usage, 2) == "t.py: error: unrecognized arguments: --x" and cause(usage, 1) == ""
+    assert cause("RuntimeError: Connection reset by peer\n", 1) == ""
+
+
 def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
     """A progress bar (tqdm) rewrites its line with '\\r' only: before, the reader waited for a '\\n' that
     never came, so an hour of progress bars was no heartbeat (and reached the log only at the end)."""
