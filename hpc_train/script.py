@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal, preempt
+from hpc_train import journal, preempt, slurm
 from hpc_train.paths import RunPaths, make_dir, write_atomic
 
 STOP_SIGNALS = ("TERM", "USR1", "USR2", "INT")
@@ -298,6 +298,30 @@ def child_env(env: Any, placed_master: tuple[str, int], paths: RunPaths, stop_si
         "HPC_TRAIN_STOP_SIGNAL": stop_signal,
         "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),  # a pipe is block-buffered: lines late
         **({"OMP_NUM_THREADS": "1"} if one_thread(env.local_world_size) else {}),
+        **slurm_rank_vars(env),
+    }
+
+
+def slurm_rank_vars(env: Any) -> dict[str, str]:
+    """Slurm's rank variables told our placement, in a Slurm task only: a framework that reads them and not RANK
+    (Lightning's SLURMEnvironment: SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS) would otherwise take
+    Slurm's task numbering, and its rank 1 would run where placement.json, `logs --rank 1` and `chaos kill-rank
+    --rank 1` put rank 2 (seen on 4 dev nodes). SLURM_NTASKS_PER_NODE: Lightning refuses SLURM_NTASKS > 1
+    without it. The step's own (a spares job's standbys included) would not be the script's world either."""
+    if "SLURM_PROCID" not in os.environ:
+        return {}
+    world, nodes = str(env.world_size), str(env.world_size // env.local_world_size)
+    return {
+        "SLURM_PROCID": str(env.rank),
+        "SLURM_LOCALID": str(env.local_rank),
+        "SLURM_NODEID": str(env.node_rank),
+        "SLURM_NTASKS": world,
+        "SLURM_NPROCS": world,
+        "SLURM_NNODES": nodes,
+        "SLURM_JOB_NUM_NODES": nodes,
+        "SLURM_NTASKS_PER_NODE": str(env.local_world_size),
+        "SLURM_STEP_NUM_TASKS": world,
+        "SLURM_STEP_NUM_NODES": nodes,
     }
 
 
@@ -342,6 +366,7 @@ def supervise(
     found = facts[0]["found"]
     cmd = command(config, paths.run_dir, resuming=bool(found))
     ignore = ",".join(x for x in ("USR2", "TERM") if x != s.stop_signal)
+    child_from = time.monotonic()  # a stop signal after this reaches the child as well, on Slurm (below)
     child = subprocess.Popen(
         [sys.executable, "-S", "-c", _SHIM, ignore, s.stop_signal, *cmd],
         env=child_env(env, (facts[0]["addr"], facts[0]["port"]), paths, s.stop_signal),
@@ -411,7 +436,8 @@ def supervise(
             left, reason = _time_left_s(env, cfg, launched_at)
             stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
             kill_at = stopped_at + grace_s(left, reason, reserve_s)
-            if code is None:
+            delivered = already_delivered(env.executor, s.stop_signal, child_from)
+            if code is None and not delivered:
                 os.killpg(child.pid, getattr(signal, f"SIG{s.stop_signal}"))
             if env.rank == 0:
                 journal.log(
@@ -424,6 +450,7 @@ def supervise(
                     reason=reason,
                     left_s=round(left, 2),
                     sent=s.stop_signal,
+                    resent=not delivered,
                     kill_after_s=round(kill_at - stopped_at, 2),
                 )
         if stopped_at is None and t[1]:  # a child failed: the others would block on it in a collective
@@ -575,6 +602,20 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
         if marker:
             sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
     return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}
+
+
+def already_delivered(executor: str, stop_signal: str, child_from: float) -> bool:
+    """Did the child get its stop signal from Slurm itself? Slurm signals every process of the step (proctrack
+    cgroup or linuxproc: the step's cgroup, or the task's descendants), so a USR2 or TERM this rank received
+    after the child started reached the child too: sending it again gave a handler that saves for longer than
+    our 0.25 s poll two signals (Lightning logged 'Received SIGTERM' twice; a second-signal-quits handler died
+    mid-save). Not on the local executor, whose controller signals the ranks only, nor for a signal relayed
+    into this step (HPC_TRAIN_PENDING_SIGNAL), which came before the child, nor where slurm.conf does not say
+    cgroup or linuxproc: proctrack/pgid signals only the task's process group, not the child's own session."""
+    name = f"SIG{stop_signal}"
+    if executor != "slurm" or slurm.proctrack_type(os.environ) not in ("proctrack/cgroup", "proctrack/linuxproc"):
+        return False
+    return any(n == name and at >= child_from for n, at in zip(preempt.received, preempt.received_at))
 
 
 def grace_s(left_s: float, reason: str, reserve_s: float) -> float:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
@@ -611,3 +612,20 @@ def queue_snapshot(
     for j in jobs:
         j["nodes"] = [n for n in j["nodes"] if n in states]
     return states, jobs
+
+
+def proctrack_type(environ: Mapping[str, str]) -> str:
+    """slurm.conf's ProctrackType ("proctrack/cgroup", ...), read from the file this node's Slurm reads (SLURM_CONF,
+    a configless node's /run/slurm/conf, /etc/slurm); "" when none says."""
+    paths = [environ.get("SLURM_CONF", ""), "/run/slurm/conf/slurm.conf", "/etc/slurm/slurm.conf"]
+    for path in filter(None, paths):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition("=")
+                    if key.strip().lower() == "proctracktype":
+                        return value.split("#")[0].strip()
+        except OSError:
+            continue
+        return ""
+    return ""

@@ -564,3 +564,53 @@ def test_nanogpt_resumes_across_two_preemptions(tmp_path: Path) -> None:
     assert seen[0] <= iters[1][0] < seen[1] <= iters[2][0] < max_iters, (seen, [it[0] for it in iters])
     assert all(it[0] % every == 0 and it == list(range(it[0], it[-1] + 1)) for it in iters[1:]), iters
     assert "Resuming training from" in attempt_section(proc.stdout, 2), proc.stdout
+
+
+def test_a_scripts_slurm_rank_variables_are_our_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: in a Slurm task the child's SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID and the counts are the placed
+    RANK, LOCAL_RANK, GROUP_RANK and world (here placed rank 2 runs in Slurm's task 0, on Slurm's first node), so
+    Lightning's SLURMEnvironment gets our placement; without Slurm nothing is added."""
+    from types import SimpleNamespace
+
+    from hpc_train.paths import RunPaths
+    from hpc_train.script import child_env
+
+    env = SimpleNamespace(
+        rank=2, local_rank=0, world_size=8, local_world_size=2, node_rank=1, restart_count=0, job_id="7"
+    )
+    for key, value in {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "10"}.items():
+        monkeypatch.setenv(key, value)  # Slurm's numbering: task 0 of a 5-node step (a spare's standbys in it)
+    child = child_env(env, ("n1", 29500), RunPaths(Path("/r")), "TERM")
+    pairs = [("SLURM_PROCID", "RANK"), ("SLURM_LOCALID", "LOCAL_RANK"), ("SLURM_NODEID", "GROUP_RANK")]
+    pairs += [("SLURM_NTASKS", "WORLD_SIZE"), ("SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE")]
+    assert all(child[slurm] == child[ours] for slurm, ours in pairs), {k: child[k] for p in pairs for k in p}
+    assert (child["RANK"], child["SLURM_NNODES"]) == ("2", "4")
+    for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key)
+    assert not [k for k in child_env(env, ("n1", 29500), RunPaths(Path("/r")), "TERM") if k.startswith("SLURM_")]
+
+
+def test_a_stop_signal_slurm_delivered_to_the_child_is_not_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: Slurm signals every process of the step under proctrack/cgroup or linuxproc, the child too: a TERM
+    this rank got after the child started is not sent again (Lightning logged 'Received SIGTERM' twice). Sent as
+    before on the local executor, for a signal that came before the child (relayed into the step), for another
+    signal than the child's, and where slurm.conf says proctrack/pgid or nothing."""
+    from hpc_train import preempt, slurm
+    from hpc_train.script import already_delivered
+
+    conf = tmp_path / "slurm.conf"
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    monkeypatch.setattr(preempt, "received", ["SIGTERM"])
+    monkeypatch.setattr(preempt, "received_at", [100.0])
+    for proctrack, delivered in (("proctrack/cgroup", True), ("proctrack/linuxproc", True), ("proctrack/pgid", False)):
+        conf.write_text(f"ClusterName=x\n  ProctrackType = {proctrack}  # comment\n")
+        assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == proctrack
+        assert already_delivered("slurm", "TERM", 99.0) is delivered, proctrack
+    conf.write_text("ProctrackType=proctrack/cgroup\n")
+    assert not already_delivered("local", "TERM", 99.0)
+    assert not already_delivered("slurm", "TERM", 101.0)  # came before the child: relayed, not delivered to it
+    assert not already_delivered("slurm", "USR1", 99.0)
+    conf.write_text("ClusterName=x\n")
+    assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == "" and not already_delivered("slurm", "TERM", 99.0)
