@@ -6,6 +6,7 @@ at its failure budget."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ def test_a_ddp_script_with_a_handler_survives_three_kinds_of_interruption(
     ref_dir, ref_id = submit([*common, "cluster.partition=debug", "name=ref", *ddp()], env=slurm_env)
     # script.checkpoint only names the file, for the start event's resumed_from: the script resumes by itself
     storm = [*common, "cluster.partition=low", "name=storm", "script.checkpoint=script_checkpoints/ckpt.pt"]
-    run_dir, job_id = submit([*storm, *ddp()], env=slurm_env)
+    run_dir, job_id = submit([*storm, *ddp("--stop-save-s", "1.5")], env=slurm_env)
     chaos = lambda action: run([HPC_TRAIN, "chaos", str(run_dir), action], env=slurm_env)  # noqa: E731
     wait_progress(run_dir, 0)
     assert chaos("time-limit").returncode == 0
@@ -71,6 +72,8 @@ def test_a_ddp_script_with_a_handler_survives_three_kinds_of_interruption(
         assert attempt["resumed_from"].endswith("ckpt.pt")
     log = (run_dir / "submitit" / f"{job_id}_0_log.out").read_text()
     assert log.count("stopping at step") >= 3 and "resumed at step" in log
+    # one TERM per stop, within a 1.5 s stop save: Slurm's own (the preemption) is not sent again (issue 29)
+    assert set(re.findall(r"stopping at step \d+ after (\d+) TERM", log)) == {"1"}, log
     wait_until(lambda: sacct_state(job_id, slurm_env) == "COMPLETED", 60, "COMPLETED in sacct")
     print(f"exact: {ours['params_sha256'] == ref['params_sha256']}; loss {ours['loss']} vs {ref['loss']}")
 

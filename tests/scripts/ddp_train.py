@@ -28,14 +28,17 @@ p.add_argument("--step-time", type=float, default=0.05)
 p.add_argument("--no-handler", action="store_true")
 p.add_argument("--resume", action="store_true")
 p.add_argument("--crash-at", type=int, default=-1)
+p.add_argument("--stop-save-s", type=float, default=0.0)  # a slow stop save: a second TERM would come within it
 args = p.parse_args()
 
 stop = False
+terms = 0
 if not args.no_handler:
 
     def on_term(signum, frame):
-        global stop
+        global stop, terms
         stop = True
+        terms += 1
 
     signal.signal(signal.SIGTERM, on_term)
 
@@ -85,7 +88,8 @@ while step < args.steps:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
     if flag.item():
         save()
-        print(f"rank {rank}: stopping at step {step}", flush=True)
+        time.sleep(args.stop_save_s)
+        print(f"rank {rank}: stopping at step {step} after {terms} TERM(s)", flush=True)
         dist.destroy_process_group()
         raise SystemExit(0)
     if step % args.save_every == 0:
