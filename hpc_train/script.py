@@ -343,18 +343,78 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Child:
+    """This rank's child and what its start decided, shared by supervise's three parts."""
+
+    proc: subprocess.Popen[bytes]
+    cmd: list[str]
+    found: str  # the checkpoint it resumes from ("" for none), the same on every rank
+    found_mtime: float  # rank 0's: that file's, against which the end's newest file is progress
+    started_at: float  # time.monotonic() just before it started: a stop signal after it reached the child too
+    tail: bytearray  # its last output, stdout and stderr together
+    step: int  # the run's committed step at its start (rank 0's; 0 elsewhere)
+
+
 def supervise(
     env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float, reserve_s: float = 10.0
 ) -> dict[str, Any]:
     """Collective, on every rank once placed: run the command as this rank's child until every child exits
-    or a stop signal ends them. Returns {"outcome": "finished" | "stopped" | "failed", "reason", "step",
-    "kill_deadline", "sick"} for job.py's one decision."""
+    or a stop signal ends them. Returns {"outcome": "finished" | "stopped" | "failed" | "unrunnable", "reason",
+    "step", "kill_deadline", "sick"} for job.py's one decision."""
+    import torch.distributed as dist
+
+    child = _launch(env, cfg, paths, config, launched_at)
+    stopped_at, reason, kill_deadline, killed = _watch(env, cfg, paths, child, launched_at, reserve_s)
+    code = child.proc.wait()
+    time.sleep(0.2)  # the echo threads' last lines
+    step, events = 0, []
+    if env.rank == 0:
+        events = journal.read(paths.run_dir)
+        step = journal.committed_step(events) or 0
+        _file_progress(config, paths, env, events, child.found_mtime, step)
+    if stopped_at is not None:
+        return {"outcome": "stopped", "reason": reason, "step": step, "kill_deadline": kill_deadline}
+    failed = [None] * env.world_size
+    node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
+    mine = {
+        "rank": env.rank,
+        "code": code,
+        "node": node,
+        "tail": child.tail.decode(errors="replace")[-2000:],
+        "killed": killed,
+    }
+    if env.rank == 0:  # rank 0's view for judge: any checkpoint or metrics row of the run
+        newest = found_checkpoint(config, paths.run_dir)
+        mine["progress"] = bool(child.found or newest or journal.progress(events, paths.metrics))
+    dist.all_gather_object(failed, mine)
+    out = judge(failed, child.cmd, paths.run_dir)
+    if out["outcome"] == "finished":
+        return {**out, "step": step}
+    if env.rank == out["first"]:
+        journal.log(
+            paths.run_dir,
+            journal.FAIL,
+            step,
+            env.job_id,
+            env.restart_count,
+            rank=env.rank,
+            error=f"script exited with code {code} on rank {env.rank} ({node})"
+            + (f": {out['cause']}" if out.get("cause") else ""),
+            output=mine["tail"][-1000:],
+        )
+    return {**out, "step": step}
+
+
+def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float) -> Child:
+    """Collective: one decision on rank 0 (the script's rendezvous, the checkpoint it resumes from), the child
+    started on every rank, and the start event with every child's pid."""
     import torch
     import torch.distributed as dist
 
     s = cfg.script
     facts: list[Any] = [None]
-    found_mtime = 0.0  # rank 0's: the found checkpoint's, against which the end's newest file is progress
+    found_mtime = 0.0
     if env.rank == 0:
         make_dir(ckpt_dir(paths.run_dir), exist_ok=True)
         found = found_checkpoint(config, paths.run_dir)
@@ -366,8 +426,8 @@ def supervise(
     found = facts[0]["found"]
     cmd = command(config, paths.run_dir, resuming=bool(found))
     ignore = ",".join(x for x in ("USR2", "TERM") if x != s.stop_signal)
-    child_from = time.monotonic()  # a stop signal after this reaches the child as well, on Slurm (below)
-    child = subprocess.Popen(
+    started_at = time.monotonic()
+    proc = subprocess.Popen(
         [sys.executable, "-S", "-c", _SHIM, ignore, s.stop_signal, *cmd],
         env=child_env(env, (facts[0]["addr"], facts[0]["port"]), paths, s.stop_signal),
         stdin=subprocess.DEVNULL,
@@ -375,12 +435,12 @@ def supervise(
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own process group: end_children reaches its workers too
     )
-    children[:] = [child]
+    children[:] = [proc]
     tail = bytearray()
-    for stream, out in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
+    for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
         threading.Thread(target=_echo, args=(stream, out, tail), daemon=True).start()
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
-    dist.all_gather(pids, torch.tensor([child.pid]))
+    dist.all_gather(pids, torch.tensor([proc.pid]))
     events = journal.read(paths.run_dir) if env.rank == 0 else []
     step = journal.committed_step(events) or 0
     if env.rank == 0:
@@ -407,6 +467,19 @@ def supervise(
                 f"default), so they do not overload it; tune it with +cluster.env.OMP_NUM_THREADS=N",
                 flush=True,
             )
+    return Child(proc, cmd, found, found_mtime, started_at, tail, step)
+
+
+def _watch(
+    env: Any, cfg: Any, paths: RunPaths, child: Child, launched_at: float, reserve_s: float
+) -> tuple[float | None, str, float, bool]:
+    """Collective, 4 times a second until every child exited: a stop signal on any rank sends every child its
+    stop signal (once) and starts its grace; a failed child ends the others. Returns (when the stop came, or
+    None; its reason; Slurm's kill deadline; whether this rank ended its child)."""
+    import torch
+    import torch.distributed as dist
+
+    s = cfg.script
     stopped_at, kill_at, reason, kill_deadline = None, float("inf"), "", float("inf")
     killed = False  # this rank ended its child: a peer's failure, or the stop's grace ran out
     # Rank 0 watches metrics.jsonl (script_helper.log) by its mtime changing, timed on its own clock: the
@@ -414,7 +487,7 @@ def supervise(
     metrics_mtime, metrics_at = _mtime(paths.metrics) if env.rank == 0 else 0.0, 0.0
     while True:
         time.sleep(POLL_S)
-        code = child.poll()
+        code = child.proc.poll()
         if env.rank == 0 and (m := _mtime(paths.metrics)) != metrics_mtime:
             metrics_mtime, metrics_at = m, time.monotonic()
         # [any stop signal, any child failed, not every child exited, -(seconds since this rank's newest
@@ -436,14 +509,14 @@ def supervise(
             left, reason = _time_left_s(env, cfg, launched_at)
             stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
             kill_at = stopped_at + grace_s(left, reason, reserve_s)
-            delivered = already_delivered(env.executor, s.stop_signal, child_from)
+            delivered = already_delivered(env.executor, s.stop_signal, child.started_at)
             if code is None and not delivered:
-                os.killpg(child.pid, getattr(signal, f"SIG{s.stop_signal}"))
+                os.killpg(child.proc.pid, getattr(signal, f"SIG{s.stop_signal}"))
             if env.rank == 0:
                 journal.log(
                     paths.run_dir,
                     journal.SIGNAL,
-                    step,
+                    child.step,
                     env.job_id,
                     env.restart_count,
                     signals=list(preempt.received),
@@ -454,7 +527,7 @@ def supervise(
                     kill_after_s=round(kill_at - stopped_at, 2),
                 )
         if stopped_at is None and t[1]:  # a child failed: the others would block on it in a collective
-            killed = child.poll() is None
+            killed = child.proc.poll() is None
             end_children()
             break
         if not t[2]:
@@ -468,44 +541,7 @@ def supervise(
             )
             end_children()
             kill_at = float("inf")
-    code = child.wait()
-    time.sleep(0.2)  # the echo threads' last lines
-    step = 0
-    if env.rank == 0:
-        events = journal.read(paths.run_dir)
-        step = journal.committed_step(events) or 0
-        _file_progress(config, paths, env, events, found_mtime, step)
-    if stopped_at is not None:
-        return {"outcome": "stopped", "reason": reason, "step": step, "kill_deadline": kill_deadline}
-    failed = [None] * env.world_size
-    node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
-    mine = {
-        "rank": env.rank,
-        "code": code,
-        "node": node,
-        "tail": tail.decode(errors="replace")[-2000:],
-        "killed": killed,
-    }
-    if env.rank == 0:  # rank 0's view for judge: any checkpoint or metrics row of the run
-        newest = found_checkpoint(config, paths.run_dir)
-        mine["progress"] = bool(found or newest or journal.progress(events, paths.metrics))
-    dist.all_gather_object(failed, mine)
-    out = judge(failed, cmd, paths.run_dir)
-    if out["outcome"] == "finished":
-        return {**out, "step": step}
-    if env.rank == out["first"]:
-        journal.log(
-            paths.run_dir,
-            journal.FAIL,
-            step,
-            env.job_id,
-            env.restart_count,
-            rank=env.rank,
-            error=f"script exited with code {code} on rank {env.rank} ({node})"
-            + (f": {out['cause']}" if out.get("cause") else ""),
-            output=mine["tail"][-1000:],
-        )
-    return {**out, "step": step}
+    return stopped_at, reason, kill_deadline, killed
 
 
 def _file_progress(
