@@ -129,7 +129,7 @@ def after_failure(
             f"hpc-train resume {paths.run_dir}",
         )
     text = f"{type(error).__name__}: {error}" if error is not None else ""
-    marker = preempt.hardware_error(text)
+    marker = preempt.hardware_error(text, preempt.gpu_node())
     node = os.environ.get("SLURMD_NODENAME") or env.nodes[env.node_rank]
     # env is Slurm's task numbering (this runs outside the placed rendezvous too): name the task, not a rank
     who = f"{'Slurm task' if env.executor == 'slurm' else 'task'} {env.rank}"

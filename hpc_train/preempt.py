@@ -329,10 +329,17 @@ HARDWARE_ERRORS = (
 )
 
 
-def hardware_error(text: str) -> str:
-    """The first HARDWARE_ERRORS marker found in a failure's text, as written there; "" for anything else."""
-    found = (re.search(p, text, re.IGNORECASE) for p in HARDWARE_ERRORS)
+def hardware_error(text: str, gpu_node: bool = True) -> str:
+    """The first HARDWARE_ERRORS marker found in a failure's text, as written there; "" for anything else. On a
+    node without NVIDIA's driver (gpu_node=False: a CPU node, where a CUDA build of torch says "no CUDA-capable
+    device is detected") that line is the code's or the config's, never the node's."""
+    found = (re.search(p, text, re.IGNORECASE) for p in HARDWARE_ERRORS if gpu_node or "CUDA-capable" not in p)
     return next((m.group(0) for m in found if m), "")
+
+
+def gpu_node() -> bool:
+    """NVIDIA's kernel driver is loaded here: a GPU node, even when its GPU fell off the bus."""
+    return os.path.exists("/proc/driver/nvidia")
 
 
 def exclusion(

@@ -383,6 +383,7 @@ def supervise(
         "node": node,
         "tail": child.tail.decode(errors="replace")[-2000:],
         "killed": killed,
+        "gpu_node": preempt.gpu_node(),
     }
     if env.rank == 0:  # rank 0's view for judge: any checkpoint or metrics row of the run
         newest = found_checkpoint(config, paths.run_dir)
@@ -594,12 +595,12 @@ def cause(tail: str, code: int | None) -> str:
 
 
 def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> dict[str, Any]:
-    """What every rank's exit says (pure): failed holds each rank's {"rank", "code", "node", "tail", "killed"
-    (we ended it)}; rank 0's also "progress" (the run has a checkpoint or a metrics row). {"outcome":
-    "finished", "exit_codes"} when all exited 0; "unrunnable" with `why` when a child we did not end exited
-    126/127 (the command could not run) or, before any progress, with a cause no retry mends (`cause`): a
-    sentence, no requeue, no budget; else "failed" with `sick` (nodes a hardware error blames). `first`: the
-    rank whose exit is recorded."""
+    """What every rank's exit says (pure). failed holds each rank's {"rank", "code", "node", "tail", "killed" (we
+    ended it), "gpu_node" (preempt.gpu_node)}; rank 0's also "progress" (the run has a checkpoint or a metrics
+    row). Returns {"outcome": "finished", "exit_codes"} when all exited 0; "unrunnable" with `why` when a child
+    we did not end exited 126/127 (the command could not run) or, before any progress, with a cause no retry
+    mends (`cause`): a sentence, no requeue, no budget; else "failed" with `sick` (nodes a hardware error
+    blames). `first`: the rank whose exit is recorded."""
     bad = [f for f in failed if f and f["code"] not in (0, None)]
     if not bad:
         return {"outcome": "finished", "exit_codes": [f["code"] for f in failed]}
@@ -634,7 +635,7 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
         }
     sick = {}
     for f in bad:
-        marker = preempt.hardware_error(f["tail"])
+        marker = preempt.hardware_error(f["tail"], f.get("gpu_node", True))
         if marker:
             sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
     return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}

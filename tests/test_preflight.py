@@ -433,3 +433,20 @@ def test_a_torn_step_folder_counts_as_free_space(tmp_path, monkeypatch) -> None:
     event = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "preflight" and "stop" not in event
     assert event["nodes"]["127.0.0.1"]["disk_torn_gb"] == 0.15 and event["nodes"]["127.0.0.1"]["disk_free_gb"] >= 1.0
+
+
+def test_a_cpu_node_is_never_sick_for_having_no_gpu() -> None:
+    """Issue 29: a CUDA build of torch on a CPU node says "no CUDA-capable device is detected": on a node without
+    NVIDIA's driver that is the code's or the config's, and no healthy node is left out; on a GPU node it still
+    blames the node (its GPU fell off), and every other marker counts on both."""
+    from hpc_train.script import judge
+
+    text = "RuntimeError: CUDA error: no CUDA-capable device is detected"
+    assert preempt.hardware_error(text, gpu_node=True) == "no CUDA-capable device is detected"
+    assert preempt.hardware_error(text, gpu_node=False) == ""
+    assert preempt.hardware_error("uncorrectable ECC error encountered", gpu_node=False) == "uncorrectable ECC error"
+    cpu = {"rank": 0, "code": 1, "node": "n0", "tail": text, "killed": False, "gpu_node": False}
+    assert judge([cpu], ["python"], "/r")["sick"] is None
+    assert judge([{**cpu, "gpu_node": True}], ["python"], "/r")["sick"] == {
+        "n0": "rank 0 on n0 failed with a hardware error (no CUDA-capable device is detected)"
+    }
