@@ -101,6 +101,16 @@ def check_kwargs(fn: Callable[..., Any], target: str, kwargs: dict[str, Any]) ->
         ) from None
 
 
+def _log_files() -> list[Any]:
+    """stdout, and stderr where it is another file: a Slurm job's are one (stderr_to_stdout), where the header
+    written to both came out twice."""
+    try:
+        same = os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
+    except (OSError, ValueError, AttributeError):  # a stream without a file (a test's capture)
+        same = False
+    return [sys.stdout] if same else [sys.stdout, sys.stderr]
+
+
 def run_job(run_dir_str: str) -> dict[str, Any] | None:
     from hpc_train import env as rank_env
 
@@ -134,7 +144,7 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         env = dataclasses.replace(env, restart_count=attempt, master_port=port)
     os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)  # the run's attempt: drills fire in attempt 0 only
     os.environ.update(rank_env.torchrun_vars(env))
-    for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
+    for stream in _log_files():  # `hpc-train logs --attempt` cuts each file at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
     task = Task()
     try:

@@ -295,3 +295,17 @@ def table_rows(text: str, first_column: str) -> list[dict[str, str]]:
             break
         out.append(dict(zip(rows[at], r)))
     return out
+
+
+def test_the_attempt_header_is_written_once_per_file(tmp_path: Path) -> None:
+    """Issue 29: a Slurm rank's stdout and stderr are one file (stderr_to_stdout), where the header written to
+    both came out twice; separate files (the local executor's) each get it, for `logs --attempt`."""
+    import subprocess
+    import sys
+
+    code = "from hpc_train.job import _log_files; print(len(_log_files()))"
+    with open(tmp_path / "one", "w") as one:
+        subprocess.run([sys.executable, "-c", code], stdout=one, stderr=one, check=True)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        subprocess.run([sys.executable, "-c", code], stdout=out, stderr=err, check=True)
+    assert (tmp_path / "one").read_text() == "1\n" and (tmp_path / "out").read_text() == "2\n"

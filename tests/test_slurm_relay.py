@@ -48,6 +48,7 @@ def test_term_to_batch_shell_only_saves_and_resumes(slurm_env: dict[str, str], t
     summary = json.loads((run_dir / "summary.json").read_text())
 
     assert "hpc_train relay: the batch shell got SIGTERM; sent SIGUSR2 to srun" in log_text
+    assert log_text.count("==== hpc_train attempt 0 rank 0 ====") == 1  # stdout and stderr are one file here
     signals = [e for e in events if e["event"] == "signal"]
     assert [e["signals"] for e in signals] == [["SIGUSR2"]]
     stop_saves = [e for e in events if e["event"] == "checkpoint_committed" and e["reason"] == "stop"]
