@@ -41,7 +41,7 @@ from hpc_train.env import RankEnv
 from hpc_train.memory_tier import MemoryTier
 from hpc_train.paths import RunPaths, write_atomic
 from hpc_train.profiling import Profile
-from hpc_train.task import Task
+from hpc_train.task import Pulse, Task
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -182,6 +182,8 @@ class Attempt:
     reserve_s: float = 0.0
     finished: dict[str, Any] | None = None  # the summary, once finish() ran
     memory: MemoryTier | None = None  # checkpoint.memory_every_steps: copies in node-local tmpfs (memory_tier.py)
+    # This process's stop signals and heartbeat (the Task's; by default the one its signal handlers record into)
+    pulse: Pulse = field(default_factory=preempt.install_handlers)
     # profile.*: torch.profiler over a window of steps, stepped by step_end (profiling.py); `profile.torch` is
     # the running torch.profiler.profile inside the window, None outside it
     profile: Profile = field(init=False)
@@ -230,6 +232,7 @@ class Attempt:
                 journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **fields)
 
         writer = Writer() if cfg.checkpoint.async_save else None
+        pulse = task.pulse if task is not None else preempt.install_handlers()
         saver = Saver(
             paths.checkpoints,
             cfg.checkpoint,
@@ -238,6 +241,7 @@ class Attempt:
             float(facts[0]),
             writer,
             share_with_group=cfg.share_with_group,
+            alive=pulse.alive,
         )
         memory = None
         if cfg.checkpoint.memory_every_steps:
@@ -259,6 +263,7 @@ class Attempt:
             end_at=float(facts[1]),
             reserve_s=reserve_s,
             memory=memory,
+            pulse=pulse,
         )
 
     def event(self, name: str, step: int, **fields: Any) -> None:
@@ -273,8 +278,8 @@ class Attempt:
     def should_stop(self) -> bool:
         """Collective: True on every rank once any rank caught a stop signal (one 4-byte all-reduce,
         ~0.1 ms on gloo). step_end() calls it; call it yourself at other loop boundaries (evaluation)."""
-        preempt.beat()
-        flag = torch.tensor([1 if preempt.received else 0], dtype=torch.int32)
+        self.pulse.beat()
+        flag = torch.tensor([1 if self.pulse.received else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -350,7 +355,7 @@ class Attempt:
             for ddp in ddps_to_rebucket(state.model):
                 rebucket_at_first_forward(ddp, self._rebucket_s, self.say)
         self._resumed_at = time.monotonic()
-        preempt.beat(state.step)
+        self.pulse.beat(state.step)
         self.profile.step(state.step)  # profile.*: the window may begin with the next step
         return resumed
 
@@ -367,7 +372,9 @@ class Attempt:
         )
         dist.broadcast(end, src=0)
         allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or self.process_start)
-        left, code = preempt.time_left(self.cfg.cluster, float(end[0]), bool(end[1]), self.end_at, allocated_at)
+        left, code = preempt.time_left(
+            self.pulse, self.cfg.cluster, float(end[0]), bool(end[1]), self.end_at, allocated_at
+        )
         t = torch.tensor([-left, code], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the least time left, the strongest reason
         return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
@@ -383,14 +390,16 @@ class Attempt:
         this step (if it fits before SIGKILL, less reserve_s before a time limit's) and return True; the
         caller returns. Else a periodic save every checkpoint.every_steps. A signal at the last step
         finishes the run instead."""
-        preempt.beat(state.step)  # the hang watchdog (watchdog.py) restarts its clock
+        self.pulse.beat(state.step)  # the hang watchdog (watchdog.py) restarts its clock
         self._last_step = last_step
         if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
             rebucket = {"ddp_rebucket_s": round(sum(self._rebucket_s), 4)} if self._rebucket_s else {}
             took = round(time.monotonic() - self._resumed_at, 4)  # total_steps: what status shows as the run's total
             self.event(journal.FIRST_STEP, state.step, step_time_s=took, total_steps=int(last_step), **rebucket)
             self._resumed_at = None
-        flags = torch.tensor([1 if preempt.received else 0, 0 if self.saver.written_here() else 1], dtype=torch.int32)
+        flags = torch.tensor(
+            [1 if self.pulse.received else 0, 0 if self.saver.written_here() else 1], dtype=torch.int32
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, unwritten = bool(flags[0]), bool(flags[1])
         self.profile.step(state.step, last_step, stop and state.step < last_step)  # profile.*; a stop drops it
@@ -403,7 +412,7 @@ class Attempt:
             self.event(
                 journal.SIGNAL,
                 state.step,
-                signals=list(preempt.received),
+                signals=list(self.pulse.received),
                 reason=reason,
                 left_s=round(left, 2),
                 reserve_s=reserve,
@@ -429,17 +438,17 @@ class Attempt:
         deadline = time.monotonic() + timeout_s
         while not self.memory.idle.is_set() and time.monotonic() < deadline:
             self.memory.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-            preempt.alive()
+            self.pulse.alive()
         return self.memory.idle.is_set()
 
     def returned(self) -> None:
         """The function returned without finish(): at its own stop check (should_stop) with a stop signal pending,
         that is a stop at the step the loop reached, with the time Slurm leaves; a stop step_end saw is kept. A return
         at the last step step_end was told of is a finish, whenever the signal came (step_end finishes at it too)."""
-        done = self._last_step is not None and preempt.step_reached[0] >= self._last_step
+        done = self._last_step is not None and self.pulse.step_reached >= self._last_step
         if self.finished is None and not self.stopped and not done and self.should_stop():
             left, reason = self.time_left_s()
-            self.stopped, self.stop_step, self.stop_reason = True, preempt.step_reached[0], reason
+            self.stopped, self.stop_step, self.stop_reason = True, self.pulse.step_reached, reason
             self.kill_deadline = time.monotonic() + left
 
     def finish(self, state: TrainState | None, **summary: Any) -> dict[str, Any]:

@@ -66,7 +66,7 @@ from hpc_train.paths import (
     untrusted,
     write_atomic,
 )
-from hpc_train.preempt import Unrecoverable, alive, claim_drill, drill_seconds, injected
+from hpc_train.preempt import Unrecoverable, claim_drill, drill_seconds, injected
 
 
 @dataclass
@@ -207,12 +207,16 @@ def _io_bytes(fd: int) -> tuple[int, int]:
     return int(fields[b"rchar"]) + int(fields[b"wchar"]), len(text)
 
 
+def _no_watchdog() -> None:
+    """The default of `alive`: no hang watchdog to feed (a benchmark's or a test's own save)."""
+
+
 @contextmanager
-def _fed_while_bytes_move() -> Iterator[None]:
+def _fed_while_bytes_move(alive: Callable[[], None]) -> Iterator[None]:
     """Checkpoint I/O is not a hang while it moves bytes. The hang watchdog (job.py) fires train.watchdog_s
     after the loop's last heartbeat; a save, a wait for a background write or a resume longer than that
     (100 GB to slow storage) was judged a hang in every attempt. While this block runs, a thread feeds the
-    watchdog (preempt.alive) each second in which this process read or wrote anything besides its own
+    watchdog (alive: the Task's Pulse.alive) each second in which this process read or wrote anything besides its own
     look at /proc/self/io: a write stuck in the kernel moves nothing and is caught watchdog_s later, as
     before. Without /proc/self/io nothing is fed."""
     done = threading.Event()
@@ -459,6 +463,7 @@ class Pending:
     started: float
     stall_s: float  # how long the training loop was blocked by start_save
     share_with_group: bool = False  # the folder becomes 0750 once committed
+    alive: Callable[[], None] = _no_watchdog  # fed while commit waits for the write
 
     def done(self) -> bool:
         return self.future.done()
@@ -482,6 +487,7 @@ def start_save(
     drills: Path,
     fallback_exists: bool,
     share_with_group: bool = False,
+    alive: Callable[[], None] = _no_watchdog,
 ) -> Pending:
     """Collective. Writes this rank's rank file, then the DCP state: now, or with a Writer in a
     background thread after copying the state to host memory (the loop is blocked only for that copy).
@@ -527,7 +533,7 @@ def start_save(
     if writer is None:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:  # a failed write or hash is this save's error, reported at commit on every rank
-            with _fed_while_bytes_move():
+            with _fed_while_bytes_move(alive):
                 with _helper_threads_single_threaded():
                     dcp.save(sd, checkpoint_id=folder)  # fsyncs its files; raises on every rank alike
                 future.set_result(hashed(None))
@@ -539,7 +545,7 @@ def start_save(
     last = rank == dist.get_world_size() - 1
     if last and fallback_exists and (injected("kill_rank_during_save") or claim_drill(drills, "kill_rank_during_save")):
         os.kill(os.getpid(), signal.SIGKILL)  # a drill: the last rank dies mid-save, with something to fall back on
-    return Pending(folder, state.step, reason, future, t0, time.monotonic() - t0, share_with_group)
+    return Pending(folder, state.step, reason, future, t0, time.monotonic() - t0, share_with_group, alive)
 
 
 def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float]:
@@ -547,7 +553,7 @@ def commit(pending: Pending, timeout_s: float | None = None) -> tuple[str, float
     entries and, if every rank wrote, rank 0 writes the marker. Returns ("", slowest rank's write
     seconds) once committed, else (why not, 0). Never hangs on a failed rank: each rank sends its error."""
     try:
-        with _fed_while_bytes_move():
+        with _fed_while_bytes_move(pending.alive):
             files, write_s = pending.future.result(timeout=timeout_s)
         mine: dict[str, Any] = {"files": files, "write_s": write_s}
     except concurrent.futures.TimeoutError:
@@ -647,6 +653,7 @@ class Saver:
     abandoned: set[int] = field(default_factory=set)  # writes given up on: their threads may still write
     saved_world_size: int = 0  # ranks that wrote the checkpoint resume() loaded (0: none loaded)
     share_with_group: bool = False  # the run's share_with_group: folders 0750 and files 0640, not 0700/0600
+    alive: Callable[[], None] = _no_watchdog  # fed while checkpoint I/O moves bytes: the Task's Pulse.alive
 
     def resume(self, state: TrainState) -> tuple[Path | None, float, float]:
         """Collective: load the newest committed checkpoint that verifies into `state`. Rank 0 lists the
@@ -669,7 +676,7 @@ class Saver:
         load_failed = ""
         loose: list[Path] = []
         with (
-            _fed_while_bytes_move(),
+            _fed_while_bytes_move(self.alive),
             Progress(disable=rank != 0 or not listing[0]) as progress,  # rank 0's share, on its log
         ):
             for step, marker, distrust, ours in listing[0]:
@@ -779,7 +786,7 @@ class Saver:
             )
         share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
         whys: list[Any] = [None] * world
-        with _fed_while_bytes_move():
+        with _fed_while_bytes_move(self.alive):
             dist.all_gather_object(whys, verify(folder, {n: marker["files"][n] for n in share}))
         why = next((w for w in whys if w), "")
         if why:
@@ -808,7 +815,7 @@ class Saver:
                 f"checkpoint.init_from={folder}: {wrong}; build the model that checkpoint was "
                 f"trained with (its run's config.yaml), or drop checkpoint.init_from"
             )
-        with _fed_while_bytes_move(), _helper_threads_single_threaded():
+        with _fed_while_bytes_move(self.alive), _helper_threads_single_threaded():
             dcp.load(sd, checkpoint_id=folder)  # only the keys asked for: a partial load of that checkpoint
         if with_optim:
             set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
@@ -874,6 +881,7 @@ class Saver:
             self.drills,
             fallback_exists=bool(self.verified),
             share_with_group=self.share_with_group,
+            alive=self.alive,
         )
         if not background:
             self.commit_pending()
@@ -908,7 +916,16 @@ class Saver:
             self.event(journal.STOP_SAVE_SKIPPED, state.step, expected_save_s=round(need, 3), left_s=round(left(), 3))
             return
         writer = None if busy else self.writer  # in the background when it can be, so the wait below bounds it
-        self.pending = start_save(self.root, state, "stop", writer, self.drills, fallback_exists=bool(self.verified))
+        self.pending = start_save(
+            self.root,
+            state,
+            "stop",
+            writer,
+            self.drills,
+            fallback_exists=bool(self.verified),
+            share_with_group=self.share_with_group,
+            alive=self.alive,
+        )
         self.commit_pending(timeout_s=max(0.0, left()), retain=False)
 
     def final(self, state: TrainState) -> None:

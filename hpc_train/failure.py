@@ -22,16 +22,16 @@ def failed(paths: RunPaths, env: Any, task: Task, e: BaseException) -> tuple[str
     # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
     # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
     env = task.placed or env
-    log_fail(paths, env, f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
+    log_fail(paths, env, task, f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
     return after_failure(paths, env, task, e)
 
 
-def log_fail(paths: RunPaths, env: Any, error: str, **extra: Any) -> None:
+def log_fail(paths: RunPaths, env: Any, task: Task, error: str, **extra: Any) -> None:
     """This rank's `fail` event at the step it reached (a crash, or the watchdog's hang)."""
     journal.log(
         paths.run_dir,
         journal.FAIL,
-        preempt.step_reached[0],
+        task.pulse.step_reached,
         env.job_id,
         env.restart_count,
         rank=env.rank,
@@ -40,20 +40,20 @@ def log_fail(paths: RunPaths, env: Any, error: str, **extra: Any) -> None:
     )
 
 
-def leave_after_failure(chosen: str, grace_s: float, env: Any) -> NoReturn:
+def leave_after_failure(task: Task, chosen: str, grace_s: float, env: Any) -> NoReturn:
     traceback.print_exc()  # this rank's log keeps the whole story
-    leave_by(chosen, grace_s, env)
+    leave_by(task, chosen, grace_s, env)
 
 
-def leave_by(chosen: str, grace_s: float, env: Any) -> NoReturn:
+def leave_by(task: Task, chosen: str, grace_s: float, env: Any) -> NoReturn:
     """Leave as a failure's verdict says: WAIT and RELAUNCH as they are, REQUEUE on the local executor (144: its
     controller restarts every task in place); anything else (a Slurm requeue is Slurm's to bring back, a rank that
     did not decide) exits 1."""
     if chosen in (Verdict.WAIT, Verdict.RELAUNCH, Verdict.FINISHED) or (
         chosen == Verdict.REQUEUE and env.executor == "local"
     ):
-        verdict.leave(chosen, grace_s)
-    verdict.leave(Verdict.STOP, 0.0)
+        verdict.leave(task, chosen, grace_s)
+    verdict.leave(task, Verdict.STOP, 0.0)
 
 
 def _finished(paths: RunPaths, env: Any) -> bool:
@@ -101,7 +101,7 @@ def after_failure(
             flush=True,
         )
         return Verdict.FINISHED, 0.0
-    hangs = rejoin.write_heartbeats(paths, env)
+    hangs = rejoin.write_heartbeats(paths, env, task.pulse.ticks)
     try:
         claim = paths.failure_claim(env.job_id, env.restart_count)
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -115,16 +115,18 @@ def after_failure(
         return _stop(
             paths,
             env,
+            task,
             f"the frozen config or this node's environment failed ({type(e).__name__}: {e}); fix it, then "
             f"hpc-train resume {paths.run_dir}",
         )
     if isinstance(error, preempt.Unrecoverable):
-        return _stop(paths, env, str(error))
+        return _stop(paths, env, task, str(error))
     no_retry = isinstance(error, (ImportError, SyntaxError))  # the code's: the same on every node and attempt
     if no_retry and not journal.progress(journal.read(paths.run_dir), paths.metrics):
         return _stop(
             paths,
             env,
+            task,
             f"{type(error).__name__}: {error}, before any progress (no retry mends it: no budget spent); fix it, then "
             f"hpc-train resume {paths.run_dir}",
         )
@@ -136,7 +138,8 @@ def after_failure(
     sick = {node: f"{who} on {node} failed with a hardware error ({marker}): {text[:200]}"} if marker else None
     if hang:
         sick = hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
-    chosen = requeue.requeue_or_stop(paths, env, cfg, "failure", preempt.step_reached[0], sick, hang)
+    step, signals = task.pulse.step_reached, task.pulse.received
+    chosen = requeue.requeue_or_stop(paths, env, cfg, "failure", step, sick, hang, signals=signals)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
     clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local", task.memory)
@@ -173,11 +176,11 @@ def _await_verdict(paths: RunPaths, env: Any, task: Task, hang: bool) -> tuple[s
     return Verdict.NONE, 0.0
 
 
-def _stop(paths: RunPaths, env: Any, why: str) -> tuple[str, float]:
+def _stop(paths: RunPaths, env: Any, task: Task, why: str) -> tuple[str, float]:
     """The deciding rank's stop without a decision: what failed is no thing a requeue mends. On record, so that
     the other ranks' verdict wait and a standby's (journal.step_over) end now."""
     try:
-        journal.log(paths.run_dir, journal.STOPPED, preempt.step_reached[0], env.job_id, env.restart_count, reason=why)
+        journal.log(paths.run_dir, journal.STOPPED, task.pulse.step_reached, env.job_id, env.restart_count, reason=why)
     except OSError:
         pass
     print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)

@@ -114,9 +114,9 @@ def _log_files() -> list[Any]:
 def run_job(run_dir_str: str) -> dict[str, Any] | None:
     from hpc_train import env as rank_env
 
-    preempt.install_handlers()  # start.py did, first thing; this covers a caller that did not
+    pulse = preempt.install_handlers()  # start.py did, first thing (then this returns its Pulse)
     process_start = process_start_time()
-    phases_s = {"python": max(0.0, preempt.installed_at[0] - process_start)}
+    phases_s = {"python": max(0.0, pulse.installed_at - process_start)}
     paths = RunPaths(Path(run_dir_str))
     # An `hpc-train resume` still recording its event holds the lock for a second or so: wait, but not for
     # a holder that died on NFSv3 (its lock stays until its node reboots; the watchdog is not running yet).
@@ -146,13 +146,13 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     os.environ.update(rank_env.torchrun_vars(env))
     for stream in _log_files():  # `hpc-train logs --attempt` cuts each file at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
-    task = Task()
+    task = Task(pulse)
     try:
         return _run(paths, env, task, process_start, phases_s)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
-        failure.leave_after_failure(*failure.failed(paths, env, task, e), env)
+        failure.leave_after_failure(task, *failure.failed(paths, env, task, e), env)
 
 
 def _run(
@@ -178,7 +178,7 @@ def _run(
     if standby:  # cluster.in_process_restart: warm (torch and the trainer imported) until a rank dies
         resolve(cfg.fn._target_)
         rejoin.warm_up()
-        plan = rejoin.standby_wait(paths, env)
+        plan = rejoin.standby_wait(paths, env, task.pulse)
         watchdog.start(cfg.train.watchdog_s, paths, env, task)  # before the rejoin, whose beat counts from 1
         env, process_start, phases_s = rejoin.join(paths, cfg, plan, env, task, standby=True)
     else:
@@ -186,7 +186,7 @@ def _run(
         env = rendezvous.join(env, cfg, paths, task)
         phases_s["rendezvous"] = time.time() - t0
         watchdog.start(cfg.train.watchdog_s, paths, env, task)
-        lease.own_run_dir(paths, env)
+        lease.own_run_dir(paths, env, task)
     if cfg.preflight.enabled and not standby:
         from hpc_train import preflight
 
@@ -195,9 +195,9 @@ def _run(
         sick = preflight.check(env, cfg.preflight, paths, time_gpu=not cfg.script.cmd)
         phases_s["preflight"] = time.time() - t0
         if sick:
-            requeue.decide_together(paths, env, cfg, "node_health", -1, sick=sick)
+            requeue.decide_together(paths, env, task, cfg, "node_health", -1, sick=sick)
     if cfg.script.cmd:
-        return _run_script(paths, env, cfg, process_start)
+        return _run_script(paths, env, task, cfg, process_start)
     return _run_function(paths, env, task, cfg, process_start, phases_s)
 
 
@@ -240,22 +240,22 @@ def _before_rendezvous(paths: RunPaths, env: Any, cfg: Any) -> None:
         os.environ.update(nccl_env(str(paths.nccl_trace), os.environ))
 
 
-def _run_script(paths: RunPaths, env: Any, cfg: Any, process_start: float) -> dict[str, Any] | None:
+def _run_script(paths: RunPaths, env: Any, task: Task, cfg: Any, process_start: float) -> dict[str, Any] | None:
     """The user's own command, one child per rank (script.py), then the one decision."""
     import torch.distributed as dist
 
     reserve = deadlines.decision_reserve_s(env, cfg)
-    out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start, reserve)
+    out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start, reserve, task)
     if out["outcome"] == "unrunnable":  # exit 126/127: no requeue makes a missing program run
         if env.rank == 0:
             journal.log(paths.run_dir, journal.STOPPED, out["step"], env.job_id, env.restart_count, reason=out["why"])
             print(f"[hpc_train] not requeueing: {out['why']}", file=sys.stderr, flush=True)
         dist.barrier()  # the verdict is on record before any rank exits (srun's KillOnBadExit)
         dist.destroy_process_group()
-        verdict.leave(Verdict.STOP, 0.0)
+        verdict.leave(task, Verdict.STOP, 0.0)
     if out["outcome"] != "finished":
         kill_deadline = out.get("kill_deadline", float("inf"))
-        requeue.decide_together(paths, env, cfg, out["reason"], out["step"], kill_deadline, out.get("sick"))
+        requeue.decide_together(paths, env, task, cfg, out["reason"], out["step"], kill_deadline, out.get("sick"))
     summary = script.finish(env, paths, out)
     _close(env)
     return summary if env.rank == 0 else None
@@ -287,17 +287,18 @@ def _run_function(
         except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
             if not (cfg.cluster.in_process_restart and env.executor == "slurm"):
                 raise
-            rejoin.drop_group(task.placed or env, paths)  # first: a peer blocked on this rank fails now
+            # first: a peer blocked on this rank fails now
+            rejoin.drop_group(task.placed or env, paths, task.pulse.ticks)
             chosen, grace_s = failure.failed(paths, env, task, e)
             if chosen != Verdict.REJOIN:
-                failure.leave_after_failure(chosen, grace_s, env)
+                failure.leave_after_failure(task, chosen, grace_s, env)
             traceback.print_exc()
             print(f"[hpc_train] rank {env.rank}: {type(e).__name__}: {e}; rejoining in this process", flush=True)
-            plan, env = rejoin.rejoin_plan_or_leave(paths, env.job_id), task.placed or env
+            plan, env = rejoin.rejoin_plan_or_leave(paths, env.job_id, task), task.placed or env
     at.returned()  # at its own stop check: a stop at the step reached
     if at.stopped and at.finished is None:
         at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check
-        requeue.decide_together(paths, env, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)
+        requeue.decide_together(paths, env, task, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
     # A job with hot spares: the relay (relay.py) returns 0 on this file whatever srun says (137 when a

@@ -12,6 +12,7 @@ from typing import Any
 
 from hpc_train import journal, preempt, slurm, verdict
 from hpc_train.paths import RunPaths, locked, write_atomic
+from hpc_train.task import Task
 from hpc_train.verdict import Verdict
 
 
@@ -86,7 +87,7 @@ def renew(paths: RunPaths, env: Any) -> None:
         pass
 
 
-def own_run_dir(paths: RunPaths, env: Any) -> None:
+def own_run_dir(paths: RunPaths, env: Any, task: Task) -> None:
     """Collective, before anything is loaded, saved or deleted: rank 0 claims the lease; when another live
     job owns the run directory every rank leaves (exit 1, no requeue) and rank 0 says which job owns it."""
     import torch.distributed as dist
@@ -115,4 +116,4 @@ def own_run_dir(paths: RunPaths, env: Any) -> None:
             file=sys.stderr,
             flush=True,
         )
-    verdict.leave(Verdict.STOP, 0.0)
+    verdict.leave(task, Verdict.STOP, 0.0)

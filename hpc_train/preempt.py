@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train.task import Pulse
+
 # submitit's local controller restarts every task of a job when one exits with this code; on Slurm the
 # same code marks "saved and requeued" in sacct's ExitCode column.
 REQUEUE_EXIT_CODE = 144
@@ -33,57 +35,31 @@ class Unrecoverable(RuntimeError):
     """A failure no requeue can fix (e.g. the checkpoint needs another world size): the run stops at once."""
 
 
-received: list[str] = []  # names of the signals caught so far, in order; read by the loop
-received_at: list[float] = []  # time.monotonic() of each, for the time left to save
-last_beat = [time.monotonic()]  # the loop's heartbeat, read by job.py's hang watchdog
-step_reached = [-1]  # the last step the loop finished: what a failure event records
-# Heartbeats so far. Every rank beats at the same points (each step's end, after each micro-batch's
-# forward, each evaluation batch), so at a hang the rank whose count is behind the others' is the one
-# that stopped; the rest are blocked in a collective waiting for it (hung_ranks).
-ticks = [0]
-installed_at = [0.0]  # time.time() when the handlers went in: the "python" phase of a restart ends here
-
-
-def beat(step: int | None = None) -> None:
-    last_beat[0] = time.monotonic()
-    ticks[0] += 1
-    if step is not None:
-        step_reached[0] = step
-
-
-def alive() -> None:
-    """Progress that is not a step (checkpoint I/O moving bytes): the hang watchdog's clock restarts, but no
-    tick is counted, since a hang's blame compares the ranks' ticks. Not once the watchdog was stood down."""
-    if last_beat[0] != float("inf"):
-        last_beat[0] = time.monotonic()
-
-
-def _record(signum: int, frame: object) -> None:
-    received_at.append(time.monotonic())
-    received.append(signal.Signals(signum).name)
-
-
 def collective_timeout_s(watchdog_s: float) -> float:
     """How long a collective may block before torch.distributed raises: past the watchdog's limit plus its
     polling interval (min(5, watchdog_s / 10) s), so the watchdog names a hang first."""
     return watchdog_s + 60.0
 
 
-def install_handlers() -> None:
+def install_handlers() -> Pulse:
     """Record-only handlers for USR2 and TERM, in place of submitit's (which requeue from inside the
-    handler, on rank 0 only, without a save). Idempotent."""
-    if signal.getsignal(signal.SIGTERM) is not _record:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, _record)
-        installed_at[0] = time.time()
-        # A stop signal the batch shell caught while the last training step ended, relayed into this one
-        # (an in-job restart, or the batch script's setup; relay.py) as "SIGUSR2@<Unix s>": as when it came, so
-        # the stop save gets the time Slurm still gives, not that plus the relaunch (a bare name: now).
-        name, _, at = os.environ.pop("HPC_TRAIN_PENDING_SIGNAL", "").partition("@")
-        if name in ("SIGUSR2", "SIGTERM") and not received:
-            age = time.time() - int(at) if at.isdigit() and int(at) > 0 else 0.0
-            received_at.append(time.monotonic() - max(0.0, age))  # another node's clock ahead: now
-            received.append(name)
+    handler, on rank 0 only, without a save): the process's Pulse. Idempotent: a second call returns the Pulse the
+    handlers already record into. From the main thread only (signal.signal)."""
+    current = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if isinstance(current, Pulse):
+        return current
+    pulse = Pulse(installed_at=time.time())
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, pulse.record)
+    # A stop signal the batch shell caught while the last training step ended, relayed into this one
+    # (an in-job restart, or the batch script's setup; relay.py) as "SIGUSR2@<Unix s>": as when it came, so
+    # the stop save gets the time Slurm still gives, not that plus the relaunch (a bare name: now).
+    name, _, at = os.environ.pop("HPC_TRAIN_PENDING_SIGNAL", "").partition("@")
+    if name in ("SIGUSR2", "SIGTERM") and not pulse.received:
+        age = time.time() - int(at) if at.isdigit() and int(at) > 0 else 0.0
+        pulse.received_at.append(time.monotonic() - max(0.0, age))  # another node's clock ahead: now
+        pulse.received.append(name)
+    return pulse
 
 
 def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempted: bool = False) -> str:
@@ -98,7 +74,7 @@ def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempt
 
 
 def time_left(
-    cluster: Any, end_s: float, preempted: bool, start_end_s: float, allocated_at: float
+    pulse: Pulse, cluster: Any, end_s: float, preempted: bool, start_end_s: float, allocated_at: float
 ) -> tuple[float, float]:
     """This rank's (seconds from now until Slurm's SIGKILL, 1.0 for a time limit | 2.0 for a preemption)
     from its first stop signal; (inf, 0.0) with none. The end is Slurm's EndTime asked now (end_s; 0: no
@@ -108,11 +84,12 @@ def time_left(
     Attempt and a user's script (script.py): callers all-reduce it (the least time left, the strongest reason)."""
     said = end_s or start_end_s
     end_in_s = (said or allocated_at + cluster.timeout_min * 60) - time.time()
-    if not received_at:
+    if not pulse.received_at:
         return float("inf"), 0.0
-    since_s = max(0.0, time.monotonic() - received_at[0])
-    reason = stop_reason(received, end_in_s + since_s, cluster.signal_lead_s, preempted=preempted)
-    left = received_at[0] + seconds_to_kill(reason, cluster.signal_lead_s, cluster.preempt_grace_s) - time.monotonic()
+    since_s = max(0.0, time.monotonic() - pulse.received_at[0])
+    reason = stop_reason(pulse.received, end_in_s + since_s, cluster.signal_lead_s, preempted=preempted)
+    kill_in_s = seconds_to_kill(reason, cluster.signal_lead_s, cluster.preempt_grace_s)
+    left = pulse.received_at[0] + kill_in_s - time.monotonic()
     return (min(left, end_in_s) if said else left), 2.0 if reason == "preempt" else 1.0
 
 

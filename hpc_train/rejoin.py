@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_train import deadlines, journal, leave, preempt, rendezvous, verdict
+from hpc_train import deadlines, journal, leave, rendezvous, verdict
 from hpc_train.paths import RunPaths, hold_for_life, holder_gone, make_dir, untrusted, write_atomic
-from hpc_train.task import Task
+from hpc_train.task import Pulse, Task
 from hpc_train.verdict import Verdict
 
 
@@ -70,7 +70,7 @@ def read_rejoin_plan(paths: RunPaths, job_id: str, said: set[str] | None = None)
     return plan if numbered else None
 
 
-def rejoin_plan_or_leave(paths: RunPaths, job_id: str) -> dict[str, Any]:
+def rejoin_plan_or_leave(paths: RunPaths, job_id: str, task: Task) -> dict[str, Any]:
     """The plan a `rejoin` verdict names; gone or refused between the verdict and this read (read_rejoin_plan says
     why), this rank leaves as a failed one: with no plan, Attempt.build ran on the destroyed group, failed, and the
     same verdict came again, a busy loop until the 900 s watchdog."""
@@ -79,19 +79,19 @@ def rejoin_plan_or_leave(paths: RunPaths, job_id: str) -> dict[str, Any]:
         print(
             f"[hpc_train] no rejoin plan to read in {paths.rejoin_plan(job_id)}: leaving", file=sys.stderr, flush=True
         )
-        verdict.leave(Verdict.STOP, 0.0)
+        verdict.leave(task, Verdict.STOP, 0.0)
     return plan
 
 
-def standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
+def standby_wait(paths: RunPaths, env: Any, pulse: Pulse) -> dict[str, Any]:
     """A standby's wait, warm: every 20 ms for a plan that names its Slurm task (then it returns it), every
     second for the step's end (step_left: it exits 0, so the step's status is the training ranks')."""
-    task, node = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURMD_NODENAME", "")
-    mine = paths.standbys(env.job_id) / task
+    procid, node = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURMD_NODENAME", "")
+    mine = paths.standbys(env.job_id) / procid
     make_dir(mine.parent, exist_ok=True)
     write_atomic(mine, node)
     held = hold_for_life(mine)  # freed by its death: plan_rejoin counts live standbys only
-    print(f"[hpc_train] task {task} on {node}: warm standby (cluster.in_process_restart)", flush=True)
+    print(f"[hpc_train] task {procid} on {node}: warm standby (cluster.in_process_restart)", flush=True)
     check, confirmed = 0.0, env.restart_count  # the newest plan's attempt whose verdict is on record
     said: set[str] = set()  # read_rejoin_plan's refusals said so far
     while True:
@@ -101,29 +101,29 @@ def standby_wait(paths: RunPaths, env: Any) -> dict[str, Any]:
         if plan and plan["attempt"] > confirmed:
             if journal.rejoins(journal.verdict(journal.read(paths.run_dir), plan["from"])):
                 confirmed = plan["attempt"]
-        if plan and plan["attempt"] == confirmed > env.restart_count and task in plan.get("standby", {}):
+        if plan and plan["attempt"] == confirmed > env.restart_count and procid in plan.get("standby", {}):
             mine.unlink(missing_ok=True)
             if held is not None:
                 os.close(held)
             return plan
         if time.monotonic() >= check:
             check = time.monotonic() + 1.0
-            if why := step_left(paths, env, plan if plan and plan["attempt"] == confirmed else None):
-                print(f"[hpc_train] task {task} on {node}: standby leaves: {why}", flush=True)
+            if why := step_left(paths, env, plan if plan and plan["attempt"] == confirmed else None, pulse):
+                print(f"[hpc_train] task {procid} on {node}: standby leaves: {why}", flush=True)
                 mine.unlink(missing_ok=True)
                 leave.process(0)
         time.sleep(0.02)
 
 
-def step_left(paths: RunPaths, env: Any, plan: dict[str, Any] | None) -> str:
+def step_left(paths: RunPaths, env: Any, plan: dict[str, Any] | None, pulse: Pulse) -> str:
     """Why a standby's training step is over, "" while it is not: a stop signal srun forwarded (the training ranks
     decide; nothing rejoins after one), the step's verdict on record (journal.step_over), or every training rank of
     the step's current attempt (the newest plan's, else the standby's own) gone without one (their paths.alive locks
     free: the deciding rank died, its verdict wait ran out, the user's function called sys.exit). Without the last
     two the standby alone kept srun's step, and the job, to its time limit. A rank not yet placed has no lock file:
     not gone (holder_gone), so a step still starting is not taken for over."""
-    if preempt.received:
-        return f"{preempt.received[0]} received"
+    if pulse.received:
+        return f"{pulse.received[0]} received"
     if journal.step_over(journal.read(paths.run_dir), env.restart_count):
         return "the step's verdict is on record"
     newer = plan is not None and plan.get("attempt", -1) > env.restart_count
@@ -239,7 +239,7 @@ def plan_rejoin(
     return True
 
 
-def drop_group(env: Any, paths: RunPaths | None = None) -> None:
+def drop_group(env: Any, paths: RunPaths | None = None, ticks: int = 0) -> None:
     """A failed rank that will rejoin: cut its connections to the job's nodes (gloo's and the old store's), so a
     peer blocked on this rank fails now too, write its heartbeat count (with `paths`: before the teardown, which
     can take longer than the deciding rank's deadlines.REJOIN_SETTLE_S, 2 s, and a live rank silent that long is
@@ -252,7 +252,7 @@ def drop_group(env: Any, paths: RunPaths | None = None) -> None:
 
     cut_connections({*env.nodes, env.master_addr})
     if paths is not None:
-        write_heartbeats(paths, env)
+        write_heartbeats(paths, env, ticks)
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -312,8 +312,8 @@ def join(
     # Heartbeats from 1 on every rank, as a first attempt's (_start_watchdog's beat): a survivor kept the failed
     # attempt's count (5000 against the standby's 12: a later hang was blamed on the standby's node). The beat
     # also restarts a survivor's watchdog clock.
-    preempt.ticks[0] = 0
-    preempt.beat()
+    task.pulse.ticks = 0
+    task.pulse.beat()
     for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
     task.placed = env  # a failure in the rendezvous is this attempt's (not yet trained: plan_rejoin relaunches)
@@ -321,13 +321,13 @@ def join(
     return placed, float(plan["at"]), {"rejoin": time.time() - float(plan["at"])}
 
 
-def write_heartbeats(paths: RunPaths, env: Any) -> Path:
+def write_heartbeats(paths: RunPaths, env: Any, ticks: int) -> Path:
     """This failing rank's heartbeat count, in the attempt's folder of them (returned): a hang's blame
     (failure.hung_nodes) and, with cluster.in_process_restart, its word that it lives (plan_rejoin)."""
     hangs = paths.run_dir / f".hang-{env.job_id}-{env.restart_count}"
     try:
         make_dir(hangs, exist_ok=True)
-        write_atomic(hangs / str(env.rank), str(preempt.ticks[0]))
+        write_atomic(hangs / str(env.rank), str(ticks))
     except OSError:
         pass  # the deciding rank counts itself; another is then taken for dead after deadlines.REJOIN_SETTLE_S
     return hangs

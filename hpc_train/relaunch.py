@@ -25,6 +25,7 @@ def in_job_restart(
     events: list[dict[str, Any]],
     budgets: Any,
     sick: dict[str, str],
+    signals: list[str],
     record: Callable[..., None],
     hang: bool = False,
 ) -> str:
@@ -62,7 +63,7 @@ def in_job_restart(
         "requeue",
         reason,
         fate,
-        list(preempt.received),
+        list(signals),
         used,
         budgets.max_in_job_restarts,
         job_nodes,

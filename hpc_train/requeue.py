@@ -15,6 +15,7 @@ from typing import Any
 from hpc_train import deadlines, journal, preempt, relaunch, slurm, verdict
 from hpc_train.env import parse_nodelist
 from hpc_train.paths import RunPaths
+from hpc_train.task import Task
 from hpc_train.verdict import Verdict
 
 
@@ -45,9 +46,10 @@ class Facts:
     budgets: Any
     held: slurm.Allocation | None
     sick: dict[str, str] | None
+    signals: list[str]  # the stop signals the deciding rank received, in order
 
 
-def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str] | None) -> Facts:
+def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str] | None, signals: list[str]) -> Facts:
     stopping = reason in ("time_limit", "preempt")
     events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
@@ -67,7 +69,7 @@ def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str
         fate = "batch_host_lost" if held and slurm.batch_host_lost(held) else fate
         allocated, known = os.environ.get("SLURM_JOB_NODELIST", ""), journal.excluded_nodes(events)
         sick = {**lost_nodes(allocated, held, known, fate == "batch_host_lost"), **(sick or {})} or None
-    return Facts(reason, stopping, events, fate, budgets, held, sick)
+    return Facts(reason, stopping, events, fate, budgets, held, sick, list(signals))
 
 
 def requeue_or_stop(
@@ -78,6 +80,8 @@ def requeue_or_stop(
     step: int,
     sick: dict[str, str] | None = None,
     hang: bool = False,
+    *,
+    signals: list[str],
 ) -> str:
     """Ask Slurm (or the local event log) what it is doing with the job (gather), take the one decision
     (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
@@ -86,8 +90,8 @@ def requeue_or_stop(
     (cluster.in_process_restart), "wait" (only Slurm can bring it back: stay alive until it ends the job) or
     "stop". After a stop signal ("time_limit", "preempt") the Slurm calls take the stop path's shorter policies,
     whose worst case deadlines.REQUEUE_RESERVE_S reserves. hang: the watchdog fired (an in-job restart
-    relaunches, never rejoins: rejoin.plan_rejoin)."""
-    facts = gather(paths, env, cfg, reason, sick)
+    relaunches, never rejoins: rejoin.plan_rejoin). signals: the stop signals this rank received (Task.pulse)."""
+    facts = gather(paths, env, cfg, reason, sick, signals)
     record = lambda name, **f: journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
     action, why = preempt.decide(reason, facts.events, facts.budgets, facts.fate)
     if how := _inside_the_allocation(paths, env, cfg, facts, action, record, hang):
@@ -126,8 +130,10 @@ def _inside_the_allocation(
             flush=True,
         )
         return ""
-    f = facts
-    return relaunch.in_job_restart(paths, env, cfg, f.reason, f.fate, f.events, f.budgets, f.sick or {}, record, hang)
+    f, sick = facts, facts.sick or {}
+    return relaunch.in_job_restart(
+        paths, env, cfg, f.reason, f.fate, f.events, f.budgets, sick, f.signals, record, hang
+    )
 
 
 def _exclusions(
@@ -176,7 +182,7 @@ def _requeue(env: Any, cfg: Any, facts: Facts, reason: str, excluded: list[str],
     unset = {"exclude_nodes": f"not set ({','.join(sorted(excluded))}): the job was not requeued"} if excluded else {}
     record(journal.REQUEUE_FAILED, reason=reason, fate=facts.fate, error=err, **unset)
     # a crash inside a preemption's grace too; not a job that ended with its batch host, which Slurm never requeues
-    preempted = (reason == "preempt" or "SIGTERM" in preempt.received) and facts.fate != "batch_host_lost"
+    preempted = (reason == "preempt" or "SIGTERM" in facts.signals) and facts.fate != "batch_host_lost"
     then = (
         "waiting for Slurm to end and requeue the preempted job"
         if preempted
@@ -323,6 +329,7 @@ def lost_nodes(
 def decide_together(
     paths: RunPaths,
     env: Any,
+    task: Task,
     cfg: Any,
     reason: str,
     step: int,
@@ -341,7 +348,8 @@ def decide_together(
         memory.abandon()  # the copy in flight writes nothing more (its collectives still end on every rank)
     index = torch.tensor([0])
     if env.rank == 0:
-        index[0] = actions.index(Verdict(requeue_or_stop(paths, env, cfg, reason, step, sick)))
+        decided = requeue_or_stop(paths, env, cfg, reason, step, sick, signals=task.pulse.received)
+        index[0] = actions.index(Verdict(decided))
     dist.broadcast(index, src=0)
     chosen = actions[int(index)]
     # destroy_process_group would wait on the copy thread's group: that copy first, until 5 s before the kill;
@@ -353,4 +361,4 @@ def decide_together(
     again = chosen == Verdict.RELAUNCH or (chosen == Verdict.REQUEUE and env.executor == "local")
     if memory is not None and not again:
         memory.clean()
-    verdict.leave(chosen, cfg.cluster.preempt_grace_s, kill_deadline)
+    verdict.leave(task, chosen, cfg.cluster.preempt_grace_s, kill_deadline)

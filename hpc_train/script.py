@@ -31,6 +31,7 @@ from typing import Any
 
 from hpc_train import journal, preempt, slurm
 from hpc_train.paths import RunPaths, make_dir, write_atomic
+from hpc_train.task import Pulse, Task
 
 STOP_SIGNALS = ("TERM", "USR1", "USR2", "INT")
 
@@ -242,32 +243,39 @@ POLL_S = 0.25  # our ranks agree 4 times a second: the stop signal reaches every
 # After a preemption's signal, the child's SIGKILL comes this much before Slurm's, for the records (Slurm
 # requeues a preempted job itself): at most a quarter of what is left. A time limit keeps job.py's reserve.
 DECIDE_RESERVE_S = 10.0
-children: list[subprocess.Popen[bytes]] = []  # this rank's child, for verdict.leave to end with us
 
 
-def end_children() -> None:
-    """SIGKILL the child's process group (its data-loader workers too); verdict.leave calls it before exiting."""
-    for child in children:  # its group even once it exited: its data loaders and daemons may live on
+def end_child(child: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL the child's process group (its data-loader workers too), even once the child exited: its data
+    loaders and daemons may live on; verdict.leave calls it before exiting."""
+    if child is not None:
         try:
             os.killpg(child.pid, signal.SIGKILL)
         except OSError:  # ESRCH: the whole group is gone
             pass
 
 
-def _echo(stream: Any, out: Any, tail: bytearray) -> None:
+TAIL_BYTES = 4000  # the child's last output, stdout and stderr together, for the fail event and the hardware check
+
+
+@dataclass
+class Output:
+    """What the child's two echo threads write: its last output and when it came."""
+
+    tail: bytearray = field(default_factory=bytearray)  # stdout and stderr together, the last TAIL_BYTES
+    heard_at: float = field(default_factory=time.monotonic)  # this node's clock only: ranks compare ages, never times
+
+
+def _echo(stream: Any, out: Any, output: Output) -> None:
     """Copy the child's output to our own stream (the rank's log) as it comes, and take any bytes as a
     heartbeat: a progress bar (tqdm) rewrites its line with '\r' and may print no '\n' for an hour."""
     fd = stream.fileno()
     while chunk := os.read(fd, 65536):  # what the pipe holds now, up to 64 KiB; b"": the child closed it
         out.write(chunk)
         out.flush()
-        tail += chunk
-        del tail[:-TAIL_BYTES]
-        _last_output[0] = time.monotonic()
-
-
-TAIL_BYTES = 4000  # the child's last output, stdout and stderr together, for the fail event and the hardware check
-_last_output = [time.monotonic()]  # this node's clock only: ranks compare ages, never times
+        output.tail += chunk
+        del output.tail[:-TAIL_BYTES]
+        output.heard_at = time.monotonic()
 
 
 def _mtime(path: Path) -> float:
@@ -352,20 +360,20 @@ class Child:
     found: str  # the checkpoint it resumes from ("" for none), the same on every rank
     found_mtime: float  # rank 0's: that file's, against which the end's newest file is progress
     started_at: float  # time.monotonic() just before it started: a stop signal after it reached the child too
-    tail: bytearray  # its last output, stdout and stderr together
+    output: Output  # its last output, stdout and stderr together, and when it came
     step: int  # the run's committed step at its start (rank 0's; 0 elsewhere)
 
 
 def supervise(
-    env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float, reserve_s: float = 10.0
+    env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float, reserve_s: float, task: Task
 ) -> dict[str, Any]:
     """Collective, on every rank once placed: run the command as this rank's child until every child exits
     or a stop signal ends them. Returns {"outcome": "finished" | "stopped" | "failed" | "unrunnable", "reason",
     "step", "kill_deadline", "sick"} for job.py's one decision."""
     import torch.distributed as dist
 
-    child = _launch(env, cfg, paths, config, launched_at)
-    stopped_at, reason, kill_deadline, killed = _watch(env, cfg, paths, child, launched_at, reserve_s)
+    child = _launch(env, cfg, paths, config, launched_at, task)
+    stopped_at, reason, kill_deadline, killed = _watch(env, cfg, paths, child, launched_at, reserve_s, task)
     code = child.proc.wait()
     time.sleep(0.2)  # the echo threads' last lines
     step, events = 0, []
@@ -381,7 +389,7 @@ def supervise(
         "rank": env.rank,
         "code": code,
         "node": node,
-        "tail": child.tail.decode(errors="replace")[-2000:],
+        "tail": child.output.tail.decode(errors="replace")[-2000:],
         "killed": killed,
         "gpu_node": preempt.gpu_node(),
     }
@@ -407,7 +415,7 @@ def supervise(
     return {**out, "step": step}
 
 
-def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float) -> Child:
+def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launched_at: float, task: Task) -> Child:
     """Collective: one decision on rank 0 (the script's rendezvous, the checkpoint it resumes from), the child
     started on every rank, and the start event with every child's pid."""
     import torch
@@ -434,12 +442,11 @@ def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launche
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group: end_children reaches its workers too
+        start_new_session=True,  # its own process group: end_child reaches its workers too
     )
-    children[:] = [proc]
-    tail = bytearray()
+    task.child, output = proc, Output()
     for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-        threading.Thread(target=_echo, args=(stream, out, tail), daemon=True).start()
+        threading.Thread(target=_echo, args=(stream, out, output), daemon=True).start()
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(env.world_size)]
     dist.all_gather(pids, torch.tensor([proc.pid]))
     events = journal.read(paths.run_dir) if env.rank == 0 else []
@@ -468,11 +475,11 @@ def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launche
                 f"default), so they do not overload it; tune it with +cluster.env.OMP_NUM_THREADS=N",
                 flush=True,
             )
-    return Child(proc, cmd, found, found_mtime, started_at, tail, step)
+    return Child(proc, cmd, found, found_mtime, started_at, output, step)
 
 
 def _watch(
-    env: Any, cfg: Any, paths: RunPaths, child: Child, launched_at: float, reserve_s: float
+    env: Any, cfg: Any, paths: RunPaths, child: Child, launched_at: float, reserve_s: float, task: Task
 ) -> tuple[float | None, str, float, bool]:
     """Collective, 4 times a second until every child exited: a stop signal on any rank sends every child its
     stop signal (once) and starts its grace; a failed child ends the others. Returns (when the stop came, or
@@ -480,7 +487,7 @@ def _watch(
     import torch
     import torch.distributed as dist
 
-    s = cfg.script
+    s, pulse = cfg.script, task.pulse
     stopped_at, kill_at, reason, kill_deadline = None, float("inf"), "", float("inf")
     killed = False  # this rank ended its child: a peer's failure, or the stop's grace ran out
     # Rank 0 watches metrics.jsonl (script_helper.log) by its mtime changing, timed on its own clock: the
@@ -496,21 +503,21 @@ def _watch(
         # neither hides its output from the others nor renews their heartbeat for as long as it is ahead
         t = torch.tensor(
             [
-                1.0 if preempt.received else 0.0,
+                1.0 if pulse.received else 0.0,
                 1.0 if code not in (None, 0) else 0.0,
                 1.0 if code is None else 0.0,
-                -(time.monotonic() - max(_last_output[0], metrics_at)),
+                -(time.monotonic() - max(child.output.heard_at, metrics_at)),
             ],
             dtype=torch.float64,
         )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if -t[3] < 2 * POLL_S:  # any rank's output beats every rank's watchdog (rank 0 prints)
-            preempt.last_beat[0] = time.monotonic()
+            pulse.last_beat = time.monotonic()
         if t[0] and stopped_at is None:
-            left, reason = _time_left_s(env, cfg, launched_at)
+            left, reason = _time_left_s(env, cfg, launched_at, pulse)
             stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
             kill_at = stopped_at + grace_s(left, reason, reserve_s)
-            delivered = already_delivered(env.executor, s.stop_signal, child.started_at)
+            delivered = already_delivered(env.executor, s.stop_signal, child.started_at, pulse)
             if code is None and not delivered:
                 os.killpg(child.proc.pid, getattr(signal, f"SIG{s.stop_signal}"))
             if env.rank == 0:
@@ -520,7 +527,7 @@ def _watch(
                     child.step,
                     env.job_id,
                     env.restart_count,
-                    signals=list(preempt.received),
+                    signals=list(pulse.received),
                     reason=reason,
                     left_s=round(left, 2),
                     sent=s.stop_signal,
@@ -529,7 +536,7 @@ def _watch(
                 )
         if stopped_at is None and t[1]:  # a child failed: the others would block on it in a collective
             killed = child.proc.poll() is None
-            end_children()
+            end_child(child.proc)
             break
         if not t[2]:
             break
@@ -540,7 +547,7 @@ def _watch(
                 file=sys.stderr,
                 flush=True,
             )
-            end_children()
+            end_child(child.proc)
             kill_at = float("inf")
     return stopped_at, reason, kill_deadline, killed
 
@@ -641,7 +648,7 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
     return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}
 
 
-def already_delivered(executor: str, stop_signal: str, child_from: float) -> bool:
+def already_delivered(executor: str, stop_signal: str, child_from: float, pulse: Pulse) -> bool:
     """Did the child get its stop signal from Slurm itself? Slurm signals every process of the step (proctrack
     cgroup or linuxproc: the step's cgroup, or the task's descendants), so a USR2 or TERM this rank received
     after the child started reached the child too: sending it again gave a handler that saves for longer than
@@ -652,7 +659,7 @@ def already_delivered(executor: str, stop_signal: str, child_from: float) -> boo
     name = f"SIG{stop_signal}"
     if executor != "slurm" or slurm.proctrack_type(os.environ) not in ("proctrack/cgroup", "proctrack/linuxproc"):
         return False
-    return any(n == name and at >= child_from for n, at in zip(preempt.received, preempt.received_at))
+    return any(n == name and at >= child_from for n, at in zip(pulse.received, pulse.received_at))
 
 
 def grace_s(left_s: float, reason: str, reserve_s: float) -> float:
@@ -664,7 +671,7 @@ def grace_s(left_s: float, reason: str, reserve_s: float) -> float:
     return max(0.0, left_s - keep)
 
 
-def _time_left_s(env: Any, cfg: Any, launched_at: float) -> tuple[float, str]:
+def _time_left_s(env: Any, cfg: Any, launched_at: float, pulse: Pulse) -> tuple[float, str]:
     """Collective: (seconds until Slurm's SIGKILL, "time_limit" | "preempt"), judged as for the built-in
     trainer (preempt.time_left: Slurm's EndTime, asked by rank 0 now), the same on every rank."""
     import torch
@@ -675,7 +682,7 @@ def _time_left_s(env: Any, cfg: Any, launched_at: float) -> tuple[float, str]:
     )
     dist.broadcast(end, src=0)
     allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or launched_at)
-    left, code = preempt.time_left(cfg.cluster, float(end[0]), bool(end[1]), 0.0, allocated_at)
+    left, code = preempt.time_left(pulse, cfg.cluster, float(end[0]), bool(end[1]), 0.0, allocated_at)
     t = torch.tensor([-left, code], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"

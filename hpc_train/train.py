@@ -18,6 +18,7 @@ import hashlib
 import math
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -273,7 +274,13 @@ def check_data(at: Attempt, step: int, sampler: data.Sampler, change: str) -> No
 
 
 def train_step(
-    p: Parts, sampler: data.Sampler, lr: float, grad_accum: int, grad_clip: float, window: Window
+    p: Parts,
+    sampler: data.Sampler,
+    lr: float,
+    grad_accum: int,
+    grad_clip: float,
+    window: Window,
+    beat: Callable[[], None],
 ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One optimizer step of grad_accum micro-batches. Returns this rank's loss of the step (every
     micro-batch's, not the last one's), the gradient norm before clipping, and the seconds in next_batch:
@@ -289,7 +296,7 @@ def train_step(
         data_cpu_s += time.thread_time() - cpu_data
         window.forward_begins()
         loss = p.loss(x, y)
-        preempt.beat()  # past its forward: at a hang, a rank that stopped before here is the one to blame
+        beat()  # past its forward: at a hang, a rank that stopped before here is the one to blame
         window.forward_ends()
         # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; sum micro-batches as a mean.
         (loss / grad_accum if grad_accum > 1 else loss).backward()
@@ -317,7 +324,7 @@ def evaluate(at: Attempt, p: Parts, val: data.Sampler | None, batches: int) -> f
                 losses = []
                 break
             losses.append(p.loss(*p.batch(val), module=p.model).double())
-            preempt.beat()  # a long evaluation is not a hang (job.py's watchdog)
+            at.pulse.beat()  # a long evaluation is not a hang (watchdog.py)
     p.model.train()
     # FSDP2 keeps the root's parameters gathered after a forward for the backward that follows; with no
     # backward a checkpoint's state_dict then fails ("storage that is not resizable"). torchtitan: reshard.
@@ -549,7 +556,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
         if hang_drill and state.step == first_step + 3:
             time.sleep(10**9)  # a drill: the last rank stops, the others block in the next collective
         step_loss, grad_norm, data_s, data_cpu_s = train_step(
-            p, sampler, lr_at(state.step, tc), grad_accum, tc.grad_clip, window
+            p, sampler, lr_at(state.step, tc), grad_accum, tc.grad_clip, window, at.pulse.beat
         )
         state.step += 1
         state.tokens_seen += tokens_per_step

@@ -8,6 +8,7 @@ from typing import NoReturn
 
 from hpc_train import leave as leave_process
 from hpc_train import preempt, script
+from hpc_train.task import Task
 
 
 class Verdict(str, enum.Enum):
@@ -29,15 +30,15 @@ class Verdict(str, enum.Enum):
 EXIT_CODES = {Verdict.STOP: 1, Verdict.RELAUNCH: preempt.IN_JOB_RESTART_EXIT_CODE, Verdict.FINISHED: 0}
 
 
-def leave(verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> NoReturn:
+def leave(task: Task, verdict: str, grace_s: float, kill_deadline: float = float("inf")) -> NoReturn:
     """Exit with the verdict's code, without joining a background checkpoint write that was given up on (it
     could hold the process for as long as the slow storage takes). WAIT: stay alive until Slurm kills the job at
     GraceTime's end (+ 60 s; KillWait defaults to 30 s), which requeues a preempted job; one that exits inside its
     grace time is not requeued."""
-    preempt.last_beat[0] = float("inf")  # the hang watchdog has nothing left to watch
-    script.end_children()  # a script's process never outlives the rank that started it
+    task.pulse.stand_down()
+    script.end_child(task.child)  # a script's process never outlives the rank that started it
     if verdict == Verdict.WAIT:
-        start = preempt.received_at[0] if preempt.received_at else time.monotonic()
+        start = task.pulse.received_at[0] if task.pulse.received_at else time.monotonic()
         until = min(kill_deadline, start + grace_s) + 60
         while time.monotonic() < until:
             time.sleep(1)

@@ -13,7 +13,7 @@ from typing import Any
 
 from hpc_train import failure, lease, preempt, relaunch, slurm
 from hpc_train.paths import RunPaths
-from hpc_train.task import Task
+from hpc_train.task import Pulse, Task
 
 
 def start(limit_s: float, paths: RunPaths, env: Any, task: Task) -> None:
@@ -25,17 +25,17 @@ def start(limit_s: float, paths: RunPaths, env: Any, task: Task) -> None:
 
     def watch() -> None:
         renewed, asked = time.monotonic(), ""
-        while time.monotonic() - preempt.last_beat[0] < limit_s:
+        while time.monotonic() - task.pulse.last_beat < limit_s:
             time.sleep(min(5.0, limit_s / 10))
             now = task.placed or env0  # an in-process restart rejoins under another rank and attempt
             if now.rank == 0 and time.monotonic() - renewed >= preempt.LEASE_RENEW_S:
                 lease.renew(paths, now)
                 renewed = time.monotonic()
-            if not asked and blocked_at_term() and (asked := batch_host_lost(now)) == "lost":
+            if not asked and blocked_at_term(task.pulse) and (asked := batch_host_lost(now)) == "lost":
                 why = "the batch script's node was lost: Slurm ended the job while this rank waited in a collective"
                 print(f"[hpc_train] rank {now.rank}: {why}; deciding now", file=sys.stderr, flush=True)
-                failure.log_fail(paths, now, why)
-                failure.leave_by(*failure.after_failure(paths, now, task, RuntimeError(why)), now)
+                failure.log_fail(paths, now, task, why)
+                failure.leave_by(task, *failure.after_failure(paths, now, task, RuntimeError(why)), now)
         env = task.placed or env0
         print(
             f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow",
@@ -43,19 +43,19 @@ def start(limit_s: float, paths: RunPaths, env: Any, task: Task) -> None:
             flush=True,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        failure.log_fail(paths, env, f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
-        failure.leave_by(*failure.after_failure(paths, env, task, hang=True), env)
+        failure.log_fail(paths, env, task, f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
+        failure.leave_by(task, *failure.after_failure(paths, env, task, hang=True), env)
 
-    preempt.beat()
+    task.pulse.beat()
     threading.Thread(target=watch, daemon=True, name="hpc_train-watchdog").start()
 
 
-def blocked_at_term() -> bool:
+def blocked_at_term(pulse: Pulse) -> bool:
     """A SIGTERM came and the loop has not beaten since (Attempt.should_stop beats before it all-reduces the stop
     flag): the main thread is blocked, not saving for the stop, which the watchdog must not cut short."""
-    if "SIGTERM" not in preempt.received:
+    if "SIGTERM" not in pulse.received:
         return False
-    return preempt.last_beat[0] < preempt.received_at[preempt.received.index("SIGTERM")]
+    return pulse.last_beat < pulse.received_at[pulse.received.index("SIGTERM")]
 
 
 def batch_host_lost(env: Any) -> str:

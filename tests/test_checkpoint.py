@@ -329,12 +329,9 @@ def our_handlers():
     from hpc_train import preempt
 
     saved = {s: signal.getsignal(s) for s in preempt.STOP_SIGNALS}
-    preempt.install_handlers()
-    yield preempt
+    yield preempt.install_handlers()  # a fresh Pulse: pytest's handlers are in, not ours
     for s, h in saved.items():
         signal.signal(s, h)
-    preempt.received.clear()
-    preempt.received_at.clear()
 
 
 def make_attempt(tmp_path: Path, reserve_s: float = 0.0) -> Any:
@@ -545,22 +542,20 @@ def test_checkpoint_io_feeds_the_hang_watchdog_only_while_bytes_move(tmp_path: P
     was judged a hang. Inside checkpoint I/O the watchdog's clock restarts while this process moves bytes
     (the slow-storage drill trickles them), with no heartbeat tick (a hang's blame compares ticks); a write
     stuck in the kernel moves none and is left to the watchdog."""
-    from hpc_train import checkpoint, preempt
+    from hpc_train import checkpoint
+    from hpc_train.task import Pulse
 
     data = tmp_path / "rank_00000.pt"
     data.write_bytes(b"x" * 8192)
-    ticks, long_ago = preempt.ticks[0], time.monotonic() - 1000
-    try:
-        preempt.last_beat[0] = long_ago
-        with checkpoint._fed_while_bytes_move():
-            checkpoint._trickle(2.5, data)
-        assert preempt.last_beat[0] > long_ago + 990 and preempt.ticks[0] == ticks
-        preempt.last_beat[0] = long_ago
-        with checkpoint._fed_while_bytes_move():
-            time.sleep(2.5)  # nothing moves
-        assert preempt.last_beat[0] == long_ago
-    finally:
-        preempt.beat()
+    long_ago = time.monotonic() - 1000
+    pulse = Pulse(last_beat=long_ago, ticks=7)
+    with checkpoint._fed_while_bytes_move(pulse.alive):
+        checkpoint._trickle(2.5, data)
+    assert pulse.last_beat > long_ago + 990 and pulse.ticks == 7
+    pulse.last_beat = long_ago
+    with checkpoint._fed_while_bytes_move(pulse.alive):
+        time.sleep(2.5)  # nothing moves
+    assert pulse.last_beat == long_ago
 
 
 def test_a_scripts_stop_is_judged_as_the_trainers(our_handlers: Any, monkeypatch: Any) -> None:
@@ -578,10 +573,10 @@ def test_a_scripts_stop_is_judged_as_the_trainers(our_handlers: Any, monkeypatch
     monkeypatch.setenv("HPC_TRAIN_ALLOCATED_AT", str(time.time() - (c.timeout_min * 60 - c.signal_lead_s)))
     env = types.SimpleNamespace(executor="local", job_id="1", rank=0)
     os.kill(os.getpid(), signal.SIGUSR2)
-    left, reason = script._time_left_s(env, RunConfig(), time.time())
+    left, reason = script._time_left_s(env, RunConfig(), time.time(), our_handlers)
     assert reason == "time_limit" and c.signal_lead_s - 5 < left <= c.signal_lead_s
     os.kill(os.getpid(), signal.SIGTERM)  # one rank's SIGTERM: a preemption, its grace time
-    left, reason = script._time_left_s(env, RunConfig(), time.time())
+    left, reason = script._time_left_s(env, RunConfig(), time.time(), our_handlers)
     assert reason == "preempt" and left <= c.preempt_grace_s
 
 

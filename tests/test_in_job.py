@@ -34,7 +34,7 @@ from hpc_train import (
 )
 from hpc_train.config import compose, to_run_config
 from hpc_train.env import from_env
-from hpc_train.task import Task
+from hpc_train.task import Pulse, Task
 
 REASONS = ("failure", "node_health", "preempt", "time_limit")
 FATES = ("running", "unknown", "requeued", "cancelled", "batch_host_lost")
@@ -279,14 +279,11 @@ def test_the_watchdog_requeues_when_the_batch_host_died_under_a_blocked_collecti
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # no spares
     assert asks(300, lost_host) == ("alive", 0)
     # the watchdog asks only while the loop has not beaten since the TERM: a loop saving for the stop beat first
-    monkeypatch.setattr(preempt, "received", ["SIGUSR2", "SIGTERM"])
-    monkeypatch.setattr(preempt, "received_at", [100.0, 200.0])
-    monkeypatch.setattr(preempt, "last_beat", [150.0])
-    assert watchdog.blocked_at_term()
-    monkeypatch.setattr(preempt, "last_beat", [201.0])
-    assert not watchdog.blocked_at_term()
-    monkeypatch.setattr(preempt, "received", ["SIGUSR2"])
-    assert not watchdog.blocked_at_term()
+    pulse = Pulse(["SIGUSR2", "SIGTERM"], [100.0, 200.0], last_beat=150.0)
+    assert watchdog.blocked_at_term(pulse)
+    pulse.last_beat = 201.0
+    assert not watchdog.blocked_at_term(pulse)
+    assert not watchdog.blocked_at_term(Pulse(["SIGUSR2"], [100.0], last_beat=150.0))
 
 
 def test_the_start_up_an_in_job_restart_expects_is_the_slowest_measured() -> None:
@@ -421,10 +418,9 @@ def test_a_stop_is_judged_by_when_its_signal_came_not_when_a_relaunched_step_rea
     from types import SimpleNamespace
 
     cluster = SimpleNamespace(signal_lead_s=120, preempt_grace_s=60, timeout_min=60)
-    monkeypatch.setattr(preempt, "received", ["SIGUSR2"])
     for ago, end_in, reason, left in ((600.0, 200.0, 2.0, 60 - 600), (10.0, 200.0, 1.0, 120 - 10)):
-        monkeypatch.setattr(preempt, "received_at", [time.monotonic() - ago])
-        got_left, got_reason = preempt.time_left(cluster, time.time() + end_in, False, 0.0, 0.0)
+        pulse = Pulse(received=["SIGUSR2"], received_at=[time.monotonic() - ago])
+        got_left, got_reason = preempt.time_left(pulse, cluster, time.time() + end_in, False, 0.0, 0.0)
         assert got_reason == reason and abs(got_left - min(left, end_in)) < 2, (ago, got_left, got_reason)
 
 
@@ -637,20 +633,19 @@ def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_ca
 
     paths = RunPaths(tmp_path)
     env = SimpleNamespace(job_id="7", restart_count=0, world_size=2, rank=0)
-    monkeypatch.setattr(preempt, "received", [])
-    assert rejoin.step_left(paths, env, None) == ""  # not placed yet: no lock files
+    pulse = Pulse()
+    assert rejoin.step_left(paths, env, None, pulse) == ""  # not placed yet: no lock files
     paths.alive("7", 0).mkdir()
     fd = hold_for_life(paths.alive("7", 0) / "0")
     (paths.alive("7", 0) / "1").touch()  # rank 1 died
-    assert rejoin.step_left(paths, env, None) == ""  # rank 0 lives
+    assert rejoin.step_left(paths, env, None, pulse) == ""  # rank 0 lives
     os.close(fd)  # type: ignore[arg-type]
-    assert "all 2 training ranks of attempt 0 are gone" in rejoin.step_left(paths, env, None)
+    assert "all 2 training ranks of attempt 0 are gone" in rejoin.step_left(paths, env, None, pulse)
     plan = {"attempt": 1, "world_size": 2, "standby": {}}  # rejoined without this standby: attempt 1's ranks count
     paths.alive("7", 1).mkdir()
     fd = hold_for_life(paths.alive("7", 1) / "1")
-    assert rejoin.step_left(paths, env, plan) == ""
-    monkeypatch.setattr(preempt, "received", ["SIGTERM"])
-    assert rejoin.step_left(paths, env, plan) == "SIGTERM received"
+    assert rejoin.step_left(paths, env, plan, pulse) == ""
+    assert rejoin.step_left(paths, env, plan, Pulse(received=["SIGTERM"])) == "SIGTERM received"
     os.close(fd)  # type: ignore[arg-type]
 
     def leave(code: int) -> None:
@@ -658,15 +653,15 @@ def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_ca
 
     monkeypatch.setattr(os, "_exit", leave)
     monkeypatch.setenv("SLURM_PROCID", "2")
-    monkeypatch.setattr(preempt, "received", [])
     with pytest.raises(SystemExit):  # the wait itself leaves (exit 0), its registration removed
-        rejoin.standby_wait(paths, env)
+        rejoin.standby_wait(paths, env, pulse)
     assert not list(paths.standbys("7").iterdir())
     assert "standby leaves: all 2 training ranks of attempt 0 are gone" in capsys.readouterr().out
-    monkeypatch.setattr(preempt, "step_reached", [3])
     (tmp_path / "no-config").mkdir()
-    assert failure.after_failure(RunPaths(tmp_path / "no-config"), env, Task()) == ("stop", 0.0)  # no config.yaml
+    failing = Task(Pulse(step_reached=3))
+    assert failure.after_failure(RunPaths(tmp_path / "no-config"), env, failing) == ("stop", 0.0)  # no config.yaml
     (stopped,) = journal.named(journal.read(tmp_path / "no-config"), journal.STOPPED)
+    assert stopped["step"] == 3  # the step the failing rank reached
     assert "the frozen config or this node's environment failed" in stopped["reason"]
     assert journal.step_over([stopped], 0)
 
@@ -697,12 +692,12 @@ def test_after_a_rejoin_every_rank_counts_heartbeats_from_the_same_start(
     monkeypatch.setenv("HPC_TRAIN_ATTEMPT", "0")
     counts = {}
     for procid, beats, standby in ((0, 5000, False), (2, 0, True)):
-        monkeypatch.setattr(preempt, "ticks", [beats])
+        rank_task = Task(Pulse(ticks=beats))
         monkeypatch.setenv("SLURM_PROCID", str(procid))
         if standby:
-            preempt.beat()  # the standby's _start_watchdog, just before its _rejoin
-        placed = rejoin.join(RunPaths(tmp_path), None, plan, from_env(task(procid)), Task(), standby=standby)[0]
-        counts[placed.rank] = preempt.ticks[0]
+            rank_task.pulse.beat()  # the standby's _start_watchdog, just before its _rejoin
+        placed = rejoin.join(RunPaths(tmp_path), None, plan, from_env(task(procid)), rank_task, standby=standby)[0]
+        counts[placed.rank] = rank_task.pulse.ticks
     assert counts == {0: 1, 1: 1} and preempt.hung_ranks({0: counts[0] + 7, 1: counts[1] + 7}, 2) == []
 
 
@@ -728,14 +723,13 @@ def test_a_plan_without_its_verdict_on_record_is_not_joined(tmp_path: Path, monk
 
     monkeypatch.setattr(deadlines, "VERDICT_WAIT_S", 0.2)
     monkeypatch.setattr(os, "_exit", leave)
-    monkeypatch.setattr(preempt, "received", [])
     monkeypatch.setenv("SLURM_PROCID", "2")
     assert failure.after_failure(paths, env, Task()) == ("", 0.0)
     with pytest.raises(SystemExit):
-        rejoin.standby_wait(paths, env)
+        rejoin.standby_wait(paths, env, Pulse())
     journal.log(paths.run_dir, journal.IN_JOB_RESTART, 5, "7", 0, in_process=True, replaced={"node2": "node3"})
     assert failure.after_failure(paths, env, Task()) == ("rejoin", 0.0)
-    assert rejoin.standby_wait(paths, env)["standby"] == {"2": 0}
+    assert rejoin.standby_wait(paths, env, Pulse())["standby"] == {"2": 0}
 
 
 def test_a_rejoin_plan_another_user_could_have_written_is_refused(
@@ -772,7 +766,7 @@ from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.distributed as dist
 from hpc_train import rejoin
-from hpc_train.task import Task
+from hpc_train.task import Pulse, Task
 from hpc_train.env import from_env
 from hpc_train.paths import RunPaths
 
@@ -919,8 +913,8 @@ def test_a_signal_the_batch_shell_held_reaches_the_relaunched_step() -> None:
     """A stop signal trapped while the failed step ended is recorded as received when the next step's
     handlers go in: its stop save and requeue happen, not a step that never heard of the time limit."""
     code = (
-        "from hpc_train import preempt; preempt.install_handlers(); import os, time; print(preempt.received, "
-        "'HPC_TRAIN_PENDING_SIGNAL' in os.environ, [round(time.monotonic() - t, -1) for t in preempt.received_at])"
+        "from hpc_train import preempt; p = preempt.install_handlers(); import os, time; print(p.received, "
+        "'HPC_TRAIN_PENDING_SIGNAL' in os.environ, [round(time.monotonic() - t, -1) for t in p.received_at])"
     )
     root = str(Path(__file__).resolve().parents[1])
     # the relay's "SIGUSR2@<Unix s>": as when it came (review: as if it came when the relaunched step started)
@@ -1489,7 +1483,7 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         env = SimpleNamespace(executor="slurm", job_id=job_id, restart_count=0, nodes=tuple(parse_nodelist(nodelist)))
         run_dir = tmp_path / "run"
         run_dir.mkdir()
-        verdict = requeue.requeue_or_stop(RunPaths(run_dir), env, cfg, "failure", 5, {sick: "Xid 79"})
+        verdict = requeue.requeue_or_stop(RunPaths(run_dir), env, cfg, "failure", 5, {sick: "Xid 79"}, signals=[])
         events = read_events(run_dir)
         assert verdict == "relaunch", events
         assert (folder / f".relaunch-{job_id}").read_text() == f"--nodes=3 --ntasks=6 --exclude={sick}\n"
@@ -1501,7 +1495,7 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         assert run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], env=slurm_env).returncode == 0
         again = tmp_path / "again"
         again.mkdir()
-        verdict = requeue.requeue_or_stop(RunPaths(again), env, cfg, "failure", 5, {sick: "Xid 79"})
+        verdict = requeue.requeue_or_stop(RunPaths(again), env, cfg, "failure", 5, {sick: "Xid 79"}, signals=[])
         events = read_events(again)
         assert verdict == "requeue" and journal.IN_JOB_RESTART not in [e["event"] for e in events], events
         # the requeue counts the partition: no node beyond the job's own 4 to leave this one out of
@@ -1549,7 +1543,7 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
         for node in (old, new):  # as two in-job restarts record them
             journal.log(run_dir, journal.NODE_EXCLUDED, 5, job_id, 0, node=node, why="Xid 79")
         env = SimpleNamespace(executor="slurm", job_id=job_id, restart_count=0, nodes=tuple(parse_nodelist(nodelist)))
-        assert requeue.requeue_or_stop(RunPaths(run_dir), env, cfg, "time_limit", 5) == "requeue"
+        assert requeue.requeue_or_stop(RunPaths(run_dir), env, cfg, "time_limit", 5, signals=["SIGUSR2"]) == "requeue"
         (exc,) = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES]
         assert (exc["nodes"], exc["let_in"], exc["ok"]) == (new, [old], True), exc
         assert list(journal.excluded_nodes(read_events(run_dir))) == [new]
@@ -1564,7 +1558,7 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
         # a job of all 4 nodes has none to spare: the last one left out is let in, ExcNodeList cleared
         whole = to_run_config(compose(["cluster=dev", "cluster.nodes=3", "cluster.spare_nodes=1"]))
         monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this allocation's: Slurm requeued it once
-        assert requeue.requeue_or_stop(RunPaths(run_dir), env, whole, "time_limit", 6) == "requeue"
+        assert requeue.requeue_or_stop(RunPaths(run_dir), env, whole, "time_limit", 6, signals=["SIGUSR2"]) == "requeue"
         last = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES][-1]
         assert (last["nodes"], last["let_in"], last["ok"]) == ("", [new], True), last
         assert journal.excluded_nodes(read_events(run_dir)) == {}
@@ -1615,10 +1609,10 @@ def test_a_rejoin_verdict_whose_plan_is_gone_leaves_instead_of_rebuilding_on_a_d
     run.mkdir(mode=0o700)
     paths = RunPaths(run)
     paths.rejoin_plan("7").write_text('{"from": 0, "attempt": 1}\n')
-    assert rejoin.rejoin_plan_or_leave(paths, "7") == {"from": 0, "attempt": 1}
+    assert rejoin.rejoin_plan_or_leave(paths, "7", Task()) == {"from": 0, "attempt": 1}
     paths.rejoin_plan("7").unlink()
     with pytest.raises(SystemExit) as left:
-        rejoin.rejoin_plan_or_leave(paths, "7")
+        rejoin.rejoin_plan_or_leave(paths, "7", Task())
     assert left.value.code == 1
 
 
@@ -1704,7 +1698,7 @@ def test_a_failure_after_the_finish_is_on_record_leaves_0_and_decides_nothing(
 
     monkeypatch.setattr(os, "_exit", leave)
     with pytest.raises(SystemExit) as left:
-        failure.leave_by(Verdict.FINISHED, 0.0, env)
+        failure.leave_by(Task(), Verdict.FINISHED, 0.0, env)
     assert left.value.code == 0
 
 

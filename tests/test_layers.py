@@ -105,3 +105,33 @@ def test_the_relay_imports_only_the_standard_library() -> None:
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert names - {"__future__"} <= set(sys.stdlib_module_names), names - set(sys.stdlib_module_names)
+
+
+def module_state(path: Path) -> list[str]:
+    """The mutable containers a module binds at its top level under a name that is not a CONSTANT's (a table in
+    capitals is read, never changed): the module state issue 28 moved into the Task (preempt's received,
+    last_beat, step_reached, ticks; script's children)."""
+    mutable = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            name = ast.unparse(target)
+            call = isinstance(node.value, ast.Call) and ast.unparse(node.value.func) in ("list", "dict", "set")
+            if (isinstance(node.value, mutable) or call) and not name.isupper() and name != "__all__":
+                found.append(f"{path.stem}.{name} (line {node.lineno})")
+    return found
+
+
+def test_the_job_side_keeps_no_module_state() -> None:
+    """A rank process's state lives in its Task (task.py), handed to who needs it: signals and beats in its Pulse,
+    the script's child, the placement, the deciding flag, the memory tier."""
+    job_side = sorted(JOB_SIDE | {"preempt", "script"})
+    found = [line for m in job_side for line in module_state(PACKAGE / f"{m}.py")]
+    assert not found, found
+
+
+def test_the_module_state_check_sees_a_one_element_list(tmp_path: Path) -> None:
+    probe = tmp_path / "preempt.py"
+    probe.write_text("ticks = [0]\nreceived: list[str] = []\nseen = set()\nTABLE = {1: 2}\n__all__ = ['x']\n")
+    assert module_state(probe) == ["preempt.ticks (line 1)", "preempt.received (line 2)", "preempt.seen (line 3)"]

@@ -213,11 +213,11 @@ def test_a_function_that_returns_at_its_last_step_finishes_whenever_the_signal_c
     requeued. At or past step_end's last_step it is a finish; before it (or no step_end) a stop."""
     from types import SimpleNamespace
 
-    from hpc_train import preempt
     from hpc_train.attempt import Attempt
+    from hpc_train.task import Pulse
 
-    monkeypatch.setattr(preempt, "step_reached", [reached])
     at = SimpleNamespace(finished=None, stopped=False, _last_step=last, should_stop=lambda: True)
+    at.pulse = Pulse(step_reached=reached)
     at.time_left_s = lambda: (30.0, "preempt")
     Attempt.returned(at)  # type: ignore[arg-type]
     assert at.stopped is stops

@@ -398,7 +398,7 @@ def test_the_stop_paths_requeue_outlives_a_second_sigterm(tmp_path, monkeypatch)
     env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("node1",))
     cfg = to_run_config(compose(["cluster=dev"]))
     t0 = time.monotonic()
-    assert requeue.requeue_or_stop(RunPaths(tmp_path), env, cfg, "time_limit", 12) == "requeue"
+    assert requeue.requeue_or_stop(RunPaths(tmp_path), env, cfg, "time_limit", 12, signals=["SIGUSR2"]) == "requeue"
     assert time.monotonic() - t0 < deadlines.decision_reserve_s(env, cfg)
     decided = [e for e in read_events(tmp_path) if e["event"] in ("requeue", "requeue_failed", "stopped")]
     assert [(e["event"], e["by"], e["fate"]) for e in decided] == [("requeue", "hpc_train", "running")]

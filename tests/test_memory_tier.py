@@ -155,7 +155,9 @@ def test_the_deciding_ranks_copies_go_when_the_relaunch_leaves_its_node_out(
     run_dir, folder, task = _failed_run(tmp_path, monkeypatch, "n2")
     env = SimpleNamespace(executor="slurm", job_id="77", restart_count=0, rank=2, node_rank=1, nodes=("n1", "n2"))
 
-    def decide(paths: RunPaths, env: object, cfg: object, reason: str, step: int, sick: object, hang: bool) -> str:
+    def decide(
+        paths: RunPaths, env: object, cfg: object, reason: str, step: int, sick: object, hang: bool, signals: list[str]
+    ) -> str:
         journal.log(paths.run_dir, journal.IN_JOB_RESTART, step, "77", 0, left_out=left_out, nodes_next=2)
         return "relaunch"
 
@@ -537,8 +539,8 @@ def test_the_finish_waits_for_a_stuck_copy_within_a_bound_and_keeps_the_watchdog
     import threading
     from types import SimpleNamespace
 
-    from hpc_train import preempt
     from hpc_train.attempt import Attempt
+    from hpc_train.task import Pulse
 
     class Stuck:
         idle = threading.Event()  # never set
@@ -547,10 +549,9 @@ def test_the_finish_waits_for_a_stuck_copy_within_a_bound_and_keeps_the_watchdog
             self.idle.wait(timeout_s)
             return 0.0
 
-    monkeypatch.setattr(preempt, "last_beat", [0.0])
-    at = SimpleNamespace(memory=Stuck())
+    at = SimpleNamespace(memory=Stuck(), pulse=Pulse(last_beat=0.0))
     t0 = time.monotonic()
     assert Attempt.wait_for_memory(at, 1.5) is False  # type: ignore[arg-type]
-    assert 1.5 <= time.monotonic() - t0 < 3.0 and preempt.last_beat[0] >= t0
+    assert 1.5 <= time.monotonic() - t0 < 3.0 and at.pulse.last_beat >= t0
     Stuck.idle.set()
     assert Attempt.wait_for_memory(at, 1.5) is True  # type: ignore[arg-type]

@@ -294,21 +294,20 @@ def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
     from hpc_train import script
 
     r, w = os.pipe()
-    out, tail = io.BytesIO(), bytearray()
-    script._last_output[0] = 0.0
-    reader = threading.Thread(target=script._echo, args=(os.fdopen(r, "rb"), out, tail), daemon=True)
+    out, output = io.BytesIO(), script.Output(heard_at=0.0)
+    reader = threading.Thread(target=script._echo, args=(os.fdopen(r, "rb"), out, output), daemon=True)
     reader.start()
     os.write(w, b" 10%|#   | 1/10\r 20%|##  | 2/10\r")
     until = time.monotonic() + 5
-    while script._last_output[0] == 0.0 and time.monotonic() < until:
+    while output.heard_at == 0.0 and time.monotonic() < until:
         time.sleep(0.01)
-    assert script._last_output[0] > 0.0, "no heartbeat from output without a newline"
+    assert output.heard_at > 0.0, "no heartbeat from output without a newline"
     assert out.getvalue() == b" 10%|#   | 1/10\r 20%|##  | 2/10\r"  # forwarded intact, before any newline
     os.write(w, b"x" * 10_000 + b"done\n")
     os.close(w)
     reader.join(5)
     assert out.getvalue().endswith(b"x" * 10_000 + b"done\n") and len(out.getvalue()) == 10_037
-    assert bytes(tail) == (b"x" * 10_000 + b"done\n")[-script.TAIL_BYTES :]
+    assert bytes(output.tail) == (b"x" * 10_000 + b"done\n")[-script.TAIL_BYTES :]
 
 
 def test_only_a_complete_checkpoint_counts_for_resume_args(tmp_path: Path) -> None:
@@ -597,20 +596,20 @@ def test_a_stop_signal_slurm_delivered_to_the_child_is_not_sent_again(
     this rank got after the child started is not sent again (Lightning logged 'Received SIGTERM' twice). Sent as
     before on the local executor, for a signal that came before the child (relayed into the step), for another
     signal than the child's, and where slurm.conf says proctrack/pgid or nothing."""
-    from hpc_train import preempt, slurm
+    from hpc_train import slurm
     from hpc_train.script import already_delivered
+    from hpc_train.task import Pulse
 
+    pulse = Pulse(["SIGTERM"], [100.0])  # a TERM this rank received at 100.0 (time.monotonic())
     conf = tmp_path / "slurm.conf"
     monkeypatch.setenv("SLURM_CONF", str(conf))
-    monkeypatch.setattr(preempt, "received", ["SIGTERM"])
-    monkeypatch.setattr(preempt, "received_at", [100.0])
     for proctrack, delivered in (("proctrack/cgroup", True), ("proctrack/linuxproc", True), ("proctrack/pgid", False)):
         conf.write_text(f"ClusterName=x\n  ProctrackType = {proctrack}  # comment\n")
         assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == proctrack
-        assert already_delivered("slurm", "TERM", 99.0) is delivered, proctrack
+        assert already_delivered("slurm", "TERM", 99.0, pulse) is delivered, proctrack
     conf.write_text("ProctrackType=proctrack/cgroup\n")
-    assert not already_delivered("local", "TERM", 99.0)
-    assert not already_delivered("slurm", "TERM", 101.0)  # came before the child: relayed, not delivered to it
-    assert not already_delivered("slurm", "USR1", 99.0)
+    assert not already_delivered("local", "TERM", 99.0, pulse)
+    assert not already_delivered("slurm", "TERM", 101.0, pulse)  # came before the child: relayed, not delivered to it
+    assert not already_delivered("slurm", "USR1", 99.0, pulse)
     conf.write_text("ClusterName=x\n")
-    assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == "" and not already_delivered("slurm", "TERM", 99.0)
+    assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == "" and not already_delivered("slurm", "TERM", 99.0, pulse)

@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hpc_train import preempt, script  # noqa: E402
 from hpc_train.paths import RunPaths  # noqa: E402
+from hpc_train.task import Task  # noqa: E402
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 env = SimpleNamespace(
@@ -44,13 +45,13 @@ worst, done = [0.0], threading.Event()
 
 def sample() -> None:
     while not done.wait(0.05):
-        worst[0] = max(worst[0], time.monotonic() - preempt.last_beat[0])
+        worst[0] = max(worst[0], time.monotonic() - task.pulse.last_beat)
 
 
 dist.barrier()
-preempt.last_beat[0] = time.monotonic()
+task = Task(preempt.install_handlers())
 threading.Thread(target=sample, daemon=True).start()
-out = script.supervise(env, cfg, RunPaths(run_dir), config, time.time())
+out = script.supervise(env, cfg, RunPaths(run_dir), config, time.time(), 10.0, task)
 done.set()
 print(json.dumps({"max_quiet_s": round(worst[0], 2), "outcome": out["outcome"]}), flush=True)
 dist.destroy_process_group()
