@@ -126,6 +126,13 @@ def test_folders_and_files_are_ours_alone_whatever_the_umask(tmp_path: Path) -> 
         strict.save(make_state(), "final", background=False)
     # shared under umask 077: the marker too is the group's to read (0600 made a teammate's init_from fail)
     assert {mode(p) for p in step_dir(tmp_path / "strict" / "checkpoints", 0).iterdir()} == {0o640}
+    # a stop save as the periodic and final ones (it was started without share_with_group: 0700 and 0600)
+    with umask(0o077):
+        stopping, state = make_saver(tmp_path / "stopped", [], share=True), make_state()
+        state.step = 3
+        stopping.stop(state, 60.0, lambda ok: ok)
+    stopped = step_dir(tmp_path / "stopped" / "checkpoints", 3)
+    assert mode(stopped) == 0o750 and {mode(p) for p in stopped.iterdir()} == {0o640}
 
 
 @pytest.mark.parametrize("how", ["foreign folder", "foreign metadata", "group-writable folder", "writable metadata"])
