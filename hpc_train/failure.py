@@ -121,7 +121,8 @@ def after_failure(
         )
     if isinstance(error, preempt.Unrecoverable):
         return _stop(paths, env, task, str(error))
-    no_retry = isinstance(error, (ImportError, SyntaxError))  # the code's: the same on every node and attempt
+    # the code's, the same on every node and attempt; not one the file system failed (preempt.TRANSIENT_IO)
+    no_retry = isinstance(error, (ImportError, SyntaxError)) and not preempt.TRANSIENT_IO.search(str(error))
     if no_retry and not journal.progress(journal.read(paths.run_dir), paths.metrics):
         return _stop(
             paths,

@@ -314,6 +314,16 @@ def hardware_error(text: str, gpu_node: bool = True) -> str:
     return next((m.group(0) for m in found if m), "")
 
 
+# An import or open that failed on the file system, not in the code: a stale NFS handle, an I/O error, a shared
+# library a node lacks or read half (a Triton cache on a shared $HOME: pytorch issue 173679). Another attempt, on
+# another node, may well succeed, so such a failure keeps its retries even before any progress.
+TRANSIENT_IO = re.compile(
+    r"\[Errno (?!2\])\d+\]|Stale file handle|Input/output error|cannot open shared object file|file too short"
+    r"|cannot read file data|Transport endpoint is not connected",
+    re.IGNORECASE,
+)
+
+
 def gpu_node() -> bool:
     """NVIDIA's kernel driver is loaded here: a GPU node, even when its GPU fell off the bus."""
     return os.path.exists("/proc/driver/nvidia")

@@ -122,6 +122,24 @@ def _ours(path: Path) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
+def _there(path: Path) -> bool:
+    """path exists; an error of the file system (ESTALE, EIO, EACCES of an expired Kerberos ticket: Path.exists
+    raises them) is "not yet", asked again a second later, never the batch step's end under a running srun."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    """Remove path if it is there; one the file system will not remove now is left (then its owner, this user,
+    removes it; _ours and the job id keep another job from acting on it)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("cannot remove %s (%s); left", path, e)
+
+
 def beat_at(folder: Path, job_id: str) -> float | None:
     """When the relay last wrote its beat (Unix s, the batch host's clock); None when unknown: no such file (a
     batch script from before it, or between two steps), a symlink, a file of another user, not a positive
@@ -153,7 +171,7 @@ def take_marker(folder: Path, job_id: str) -> str:
         if options and not MARKER_OPTIONS.fullmatch(options):
             log.warning("%s holds other than the srun options hpc_train writes; not relaunching on it", marker)
             options = ""
-    marker.unlink(missing_ok=True)
+    _remove(marker)
     return options
 
 
@@ -204,9 +222,9 @@ def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: b
                     pass  # a full disk: a deciding rank reads the beat as silent and requeues
             if now >= next_look:
                 next_look = now + LOOK_S
-                if relaunch_marker(folder, job_id).exists():
+                if _there(relaunch_marker(folder, job_id)):
                     end_at, why = now + end_s, "its relaunch marker"
-                elif finished_file(folder, job_id).exists():
+                elif _there(finished_file(folder, job_id)):
                     end_at, why = now + end_s, f"its run's finish ({finished_file(folder, job_id).name})"
         elif end_at is not None and kill_at is None and now >= end_at:
             log.warning(
@@ -225,17 +243,31 @@ def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: b
         time.sleep(POLL_S)
     if spares:
         beat = beat_file(folder, job_id)
-        for stale in [beat, *folder.glob(f"{beat.name}.*")]:  # a relaunch writes it anew at once
-            stale.unlink(missing_ok=True)
+        try:
+            stale = [beat, *folder.glob(f"{beat.name}.*")]  # a relaunch writes it anew at once
+        except OSError:
+            stale = [beat]
+        for path in stale:
+            _remove(path)
     return _status(proc.returncode)
+
+
+def _seconds(environ: dict[str, str], name: str, default: str) -> float:
+    """A deadline the site may set (+cluster.env.NAME=SECONDS); one that is no number is said and the table's
+    taken: the training must not fail for it before it starts."""
+    try:
+        return float(environ.get(name) or default)
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; taking %s (set it as e.g. 90)", name, environ[name], default)
+        return float(default)
 
 
 def supervise(relay: Relay, argv: list[str], environ: dict[str, str]) -> int:
     """The batch step: the training step, relaunched inside the allocation as long as its decision says so.
     Returns the job's exit status: the last srun's, or 0 once the ranks finished the run."""
     limits = (
-        float(environ.get("HPC_TRAIN_STEP_END_S") or argv[0]),
-        float(environ.get("HPC_TRAIN_STEP_KILL_S") or argv[1]),
+        _seconds(environ, "HPC_TRAIN_STEP_END_S", argv[0]),
+        _seconds(environ, "HPC_TRAIN_STEP_KILL_S", argv[1]),
         float(argv[2]),
     )
     srun_args = argv[3:]
@@ -243,8 +275,8 @@ def supervise(relay: Relay, argv: list[str], environ: dict[str, str]) -> int:
     options = environ.get("HPC_TRAIN_STEP_ARGS", "")
     spares = bool(options)
     if spares:  # a requeued job's leftovers: never act on them
-        relaunch_marker(folder, job_id).unlink(missing_ok=True)
-        finished_file(folder, job_id).unlink(missing_ok=True)
+        _remove(relaunch_marker(folder, job_id))
+        _remove(finished_file(folder, job_id))
     while True:
         # --no-kill: a failed node's tasks die, not the step's; --kill-on-bad-exit=0: a site's KillOnBadExit=1
         # would kill every task at the first one to die, the deciding one too
@@ -258,8 +290,8 @@ def supervise(relay: Relay, argv: list[str], environ: dict[str, str]) -> int:
             except OSError:
                 pass
         if _ours(finished_file(folder, job_id)):  # the run finished; a task that died after is no fault
-            finished_file(folder, job_id).unlink(missing_ok=True)
-            relaunch_marker(folder, job_id).unlink(missing_ok=True)
+            _remove(finished_file(folder, job_id))
+            _remove(relaunch_marker(folder, job_id))
             return 0
         options = take_marker(folder, job_id)
         if not options:

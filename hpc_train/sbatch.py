@@ -496,11 +496,16 @@ def gres_gpus(gres: str) -> int | None:
 
 
 def setup_lines(cluster: ClusterConfig) -> list[str]:
-    """The batch script's setup section: the signal relay, site template, env exports, user lines."""
+    """The batch script's setup section: the relay's trap, site template, env exports, user lines, the relay's
+    srun()."""
     # The allocation's start, for telling the time-limit warning from a preemption (Slurm 22.05 exports no
     # start or end time to the job; a task's own start can be minutes later behind a container launch).
-    # The relay next: a stop signal during the rest of the setup is recorded, not the job's end.
-    lines: list[str] = ["export HPC_TRAIN_ALLOCATED_AT=$(date +%s)", *relay_lines()]
+    # The relay's trap next: a stop signal during the rest of the setup is recorded, not the job's end. Its
+    # srun() last: an `srun` in the setup is Slurm's (ours would exec the relay there, and the job end with it).
+    relay = relay_lines()
+    cut = relay.index("srun() {")
+    cut -= next(i for i, line in enumerate(reversed(relay[:cut])) if not line.startswith("#"))  # its comment too
+    lines: list[str] = ["export HPC_TRAIN_ALLOCATED_AT=$(date +%s)", *relay[:cut]]
     if cluster.template:
         text = (TEMPLATES_DIR / f"{cluster.template}.sh").read_text()
         try:
@@ -513,7 +518,7 @@ def setup_lines(cluster: ClusterConfig) -> list[str]:
         lines += text.rstrip("\n").split("\n")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in cluster.env.items()]
     lines += cluster.setup
-    return lines
+    return lines + relay[cut:]
 
 
 def relay_lines(python: str = sys.executable) -> list[str]:

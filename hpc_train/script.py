@@ -435,7 +435,6 @@ def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launche
     found = facts[0]["found"]
     cmd = command(config, paths.run_dir, resuming=bool(found))
     ignore = ",".join(x for x in ("USR2", "TERM") if x != s.stop_signal)
-    started_at = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-S", "-c", _SHIM, ignore, s.stop_signal, *cmd],
         env=child_env(env, (facts[0]["addr"], facts[0]["port"]), paths, s.stop_signal),
@@ -444,6 +443,8 @@ def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launche
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own process group: end_child reaches its workers too
     )
+    # after the fork: a signal Slurm sent before it never reached the child (already_delivered)
+    started_at = time.monotonic()
     task.child, output = proc, Output()
     for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
         threading.Thread(target=_echo, args=(stream, out, output), daemon=True).start()
@@ -582,23 +583,30 @@ NOT_RUNNABLE = {
 
 
 # A script's failure that no retry can mend, when the run has made no progress yet (no checkpoint, no metrics
-# row): python could not open the file, an import or the syntax failed, the argument parser refused the command.
-# The last line of the child's output that says so is the cause. After progress the same words are a failure
-# with its budget: a module that imports at the start and not an hour later is a node's install, not the script.
+# row): python could not find the file, an import or the syntax failed, the argument parser refused the command.
+# After progress the same words are a failure with its budget: a module that imports at the start and not an hour
+# later is a node's install, not the script.
 NO_RETRY = re.compile(
-    r"^.*can't open file .*\[Errno \d+\].*$"
-    r"|^(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|TabError): .*$"
-    r"|^\S+: error: (unrecognized arguments|the following arguments are required|argument ).*$",
-    re.M,
+    r".*can't open file .*\[Errno 2\].*"
+    r"|(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|TabError): .*"
+    r"|\S+: error: (unrecognized arguments|the following arguments are required|argument ).*"
+)
+# The last word of a failed python: its exception's line (the one a traceback ends with), argparse's error, or
+# python's own "can't open file". Only that one is judged: a script that printed a handled ImportError
+# (traceback.print_exc of an optional `import wandb`), then died of an ECC error, is a sick node's failure.
+LAST_WORD = re.compile(
+    r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)(?::.*)?|\S+: error: .*|.*can't open file .*)$", re.M
 )
 
 
 def cause(tail: str, code: int | None) -> str:
-    """The line of a child's last output that makes its failure one no retry mends (NO_RETRY), else "". An
-    argument parser's error counts only with its exit code 2 (argparse's)."""
-    found = [m.group(0).strip() for m in NO_RETRY.finditer(tail)]
-    found = [line for line in found if code == 2 or ": error: " not in line or "Error: " in line]
-    return found[-1] if found else ""
+    """The last word of a child's output (LAST_WORD) when it makes the failure one no retry mends (NO_RETRY, not
+    preempt.TRANSIENT_IO), else "". An argument parser's error counts only with its exit code 2 (argparse's)."""
+    said = [m.group(0).strip() for m in LAST_WORD.finditer(tail)]
+    last = said[-1] if said else ""
+    if not NO_RETRY.fullmatch(last) or preempt.TRANSIENT_IO.search(last):
+        return ""
+    return last if code == 2 or ": error: " not in last or "Error: " in last else ""
 
 
 def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> dict[str, Any]:
@@ -627,8 +635,13 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
                 f"({f['node']}): it {what}; {fix.format(run=run_dir)}. Not requeued: no budget spent"
             ),
         }
+    sick = {}
+    for f in bad:
+        marker = preempt.hardware_error(f["tail"], f.get("gpu_node", True))
+        if marker:
+            sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
     broken = [f for f in bad if not f["killed"] and cause(f["tail"], f["code"])]
-    if broken and not failed[0].get("progress", True):
+    if broken and not sick and not failed[0].get("progress", True):  # a sick node's failure is the node's
         f = broken[0]
         return {
             "outcome": "unrunnable",
@@ -640,24 +653,20 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
                 "(no retry mends it: no budget spent)"
             ),
         }
-    sick = {}
-    for f in bad:
-        marker = preempt.hardware_error(f["tail"], f.get("gpu_node", True))
-        if marker:
-            sick[f["node"]] = f"rank {f['rank']} on {f['node']} failed with a hardware error ({marker})"
     return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}
 
 
 def already_delivered(executor: str, stop_signal: str, child_from: float, pulse: Pulse) -> bool:
-    """Did the child get its stop signal from Slurm itself? Slurm signals every process of the step (proctrack
-    cgroup or linuxproc: the step's cgroup, or the task's descendants), so a USR2 or TERM this rank received
-    after the child started reached the child too: sending it again gave a handler that saves for longer than
-    our 0.25 s poll two signals (Lightning logged 'Received SIGTERM' twice; a second-signal-quits handler died
-    mid-save). Not on the local executor, whose controller signals the ranks only, nor for a signal relayed
-    into this step (HPC_TRAIN_PENDING_SIGNAL), which came before the child, nor where slurm.conf does not say
-    cgroup or linuxproc: proctrack/pgid signals only the task's process group, not the child's own session."""
+    """Did the child get its stop signal from Slurm itself? Under proctrack/linuxproc Slurm signals every
+    descendant of the step (kill_proc_tree), so a USR2 or TERM this rank received after the child started reached
+    the child too: sending it again gave a handler that saves for longer than our 0.25 s poll two signals
+    (Lightning logged 'Received SIGTERM' twice; a second-signal-quits handler died mid-save). Not under
+    proctrack/cgroup, which signals the step's tasks only (its parent is slurmstepd) and any other process with
+    SIGKILL alone (proctrack_cgroup.c: "only signal slurm tasks unless signal is SIGKILL"), nor proctrack/pgid
+    (the task's process group, not the child's own session), nor on the local executor, whose controller signals
+    the ranks only, nor for a signal relayed into this step (HPC_TRAIN_PENDING_SIGNAL), which came before it."""
     name = f"SIG{stop_signal}"
-    if executor != "slurm" or slurm.proctrack_type(os.environ) not in ("proctrack/cgroup", "proctrack/linuxproc"):
+    if executor != "slurm" or slurm.proctrack_type(os.environ) != "proctrack/linuxproc":
         return False
     return any(n == name and at >= child_from for n, at in zip(pulse.received, pulse.received_at))
 

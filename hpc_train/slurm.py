@@ -620,7 +620,8 @@ def proctrack_type(environ: Mapping[str, str]) -> str:
     paths = [environ.get("SLURM_CONF", ""), "/run/slurm/conf/slurm.conf", "/etc/slurm/slurm.conf"]
     for path in filter(None, paths):
         try:
-            with open(path) as f:
+            # an administrator's comment in Latin-1 is no reason to fail a stop (read at a stop signal)
+            with open(path, encoding="utf-8", errors="replace") as f:
                 for line in f:
                     key, _, value = line.partition("=")
                     if key.strip().lower() == "proctracktype":

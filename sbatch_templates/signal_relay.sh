@@ -7,10 +7,12 @@ unset HPC_TRAIN_STEP_ARGS HPC_TRAIN_PENDING_SIGNAL
 # A stop signal before the step runs (the setup below, a module load) is recorded with the time it came, for the
 # step (preempt.install_handlers reads it): bash's default for USR2 and TERM would end the job unsaved.
 trap '[ -n "${HPC_TRAIN_PENDING_SIGNAL:-}" ] || printf -v HPC_TRAIN_PENDING_SIGNAL "SIGUSR2@%(%s)T" -1' USR2 TERM
+# The training step's srun, defined last in the setup: an srun of the site template or of cluster.setup (a
+# staging step) runs Slurm's own and returns, where this one execs the relay and the job ends with it.
 srun() {
-  # Ignored, not trapped, for the ~40 ms until relay.py's handlers are in: exec keeps an ignored signal ignored,
-  # while a trapped one would be back at its default there.
+  # Ignored, not trapped, until relay.py's handlers are in (~25 ms: -S, no site imports; a signal then is
+  # lost): exec keeps an ignored signal ignored, while a trapped one would be back at its default there.
   trap '' USR2 TERM
   [ -x $python ] || { echo "hpc_train: $python, the python that submitted this job, is not on $(hostname)" >&2; exit 1; }
-  HPC_TRAIN_PENDING_SIGNAL="${HPC_TRAIN_PENDING_SIGNAL:-}" exec $python -u $relay $step_end_s $step_kill_s $beat_s "$@"
+  HPC_TRAIN_PENDING_SIGNAL="${HPC_TRAIN_PENDING_SIGNAL:-}" exec $python -S -u $relay $step_end_s $step_kill_s $beat_s "$@"
 }

@@ -1399,6 +1399,45 @@ def test_the_relay_writes_its_beat_while_the_step_runs(tmp_path: Path) -> None:
     assert status == 0 and not Path(f"{marker}.seen").exists(), err
 
 
+def test_a_file_system_error_at_the_relays_looks_never_ends_the_running_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: Path.exists raises ESTALE, EIO and EACCES (NFS, an expired Kerberos ticket); at the relay's look for
+    the marker that ended the batch step with 1 under a running srun (the job FAILED mid-training). Now such a
+    look is "not yet", a file it cannot remove is left, and a site's HPC_TRAIN_STEP_END_S that is no number is
+    said and the table's taken: the step runs to its end and its status is the job's."""
+    import errno
+
+    from hpc_train import relay
+
+    bin_dir, folder = tmp_path / "bin", tmp_path / "submitit"
+    bin_dir.mkdir()
+    folder.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\nsleep 2.5\ntouch {tmp_path}/ran\nexit 0\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    real_exists, real_unlink = Path.exists, Path.unlink
+
+    def stale(self: Path, *a: object, **k: object) -> bool:
+        if self.name.startswith((".relaunch-", ".finished-")):
+            raise OSError(errno.ESTALE, "Stale file handle", str(self))
+        return real_exists(self, *a, **k)
+
+    def refused(self: Path, *a: object, **k: object) -> None:
+        if self.name.startswith((".relaunch-", ".finished-", ".relay-")):
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "exists", stale)
+    monkeypatch.setattr(Path, "unlink", refused)
+    environ = {"SLURM_JOB_ID": "77", "HPC_TRAIN_STEP_ARGS": "--nodes=2 --ntasks=2", "HPC_TRAIN_STEP_END_S": "90s"}
+    with caplog.at_level("WARNING", logger="hpc_train.relay"):
+        status = relay.supervise(relay.Relay(), ["90", "120", "5", "python", str(folder)], environ)
+    assert status == 0 and (tmp_path / "ran").exists()
+    assert "HPC_TRAIN_STEP_END_S='90s' is not a number of seconds; taking 90" in caplog.text
+    assert "cannot remove" in caplog.text
+
+
 def test_a_step_that_outlives_its_runs_finish_is_ended_completed(tmp_path: Path) -> None:
     """cluster.in_process_restart: a task taken for dead (SIGSTOP, D state) that never exits held the step after the
     ranks finished the run (.finished-JOBID) until the time limit: the relay ends it as after a relaunch marker,

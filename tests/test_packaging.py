@@ -93,7 +93,7 @@ def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Pat
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == str(site.resolve() / "hpc_train" / "__init__.py")  # not the repo's
     assert "test -r /img.sif" in out.stdout  # the site template shipped
-    assert f"-u {site.resolve()}/hpc_train/relay.py 90 120 5" in out.stdout  # the relay's, the installed one
+    assert f"-S -u {site.resolve()}/hpc_train/relay.py 90 120 5" in out.stdout  # the relay's, the installed one
     assert f"-u {site.resolve()}/hpc_train/start.py /runs/pkg-1/submitit" in out.stdout
 
 

@@ -305,3 +305,25 @@ def test_dry_run_without_a_controller_answers_in_seconds(
             timeout=120,
         )
         assert proc.returncode == 2 and f"error: SLURM_CONF={slurm_conf} does not exist" in proc.stderr, proc.stderr
+
+
+def test_an_srun_in_the_setup_is_slurms_and_the_training_step_still_runs(tmp_path: Path) -> None:
+    """Review: the relay's srun() was defined before cluster.setup, so a staging `srun ... mkdir` there exec'd the
+    relay and the batch script ended with it (exit 0, COMPLETED, no training). The rendered script, run with a
+    fake srun on PATH: the setup's srun and then the training step's, the second through relay.py."""
+    import subprocess
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$(cat /proc/$PPID/comm) $*" >> {calls}\n')
+    (bin_dir / "srun").chmod(0o755)
+    stage = f"srun -N1 mkdir -p {tmp_path}/stage"
+    run = to_run_config(compose(["cluster=slurm", f"+cluster.setup=[{stage!r}]"]))
+    script = tmp_path / "job.sh"
+    script.write_text(render(run.cluster, "x-1", tmp_path / "submitit"))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "5"}
+    out = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (shell, staged), (relay, step) = (line.split(" ", 1) for line in calls.read_text().splitlines())
+    assert staged == stage.removeprefix("srun ") and step.endswith(f"hpc_train/start.py {tmp_path / 'submitit'}")
+    assert shell == "bash" and relay.startswith("python")  # the step's srun under relay.py (exec'd: one pid)

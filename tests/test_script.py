@@ -283,6 +283,44 @@ def test_no_retry_causes_only_count_before_any_progress() -> None:
     assert cause("RuntimeError: Connection reset by peer\n", 1) == ""
 
 
+@pytest.mark.parametrize(
+    "tail, code, want",
+    [
+        ("python: can't open file '/r/t.py': [Errno 2] No such file or directory\n", 2, "can't open file"),
+        # the file system, not the script: another attempt may read it (review)
+        ("python: can't open file '/r/t.py': [Errno 116] Stale file handle\n", 2, ""),
+        ("python: can't open file '/r/t.py': [Errno 5] Input/output error\n", 2, ""),
+        ("t.py: error: argument --data: can't open 'd.txt': [Errno 5] Input/output error\n", 2, ""),
+        ("ImportError: libcuda.so.1: cannot open shared object file: No such file or directory\n", 1, ""),
+        ("ImportError: /home/u/.triton/cache/x/cuda_utils.so: cannot read file data: Stale file handle\n", 1, ""),
+        # a handled ImportError printed earlier, then another death: judged by the last exception only
+        ("ModuleNotFoundError: No module named 'wandb'\nstep 3\nRuntimeError: CUDA error: an illegal memory\n", 1, ""),
+        ("ImportError: no\nDuring handling of the above exception\nOSError: [Errno 110] Connection timed out\n", 1, ""),
+        ("warning: x\nModuleNotFoundError: No module named 'nothere'\n", 1, "ModuleNotFoundError"),
+    ],
+)
+def test_only_the_last_word_of_a_failure_and_never_the_file_system_stops_a_run(tail: str, code: int, want: str) -> None:
+    from hpc_train.script import cause
+
+    got = cause(tail, code)
+    assert (want in got) if want else got == "", got
+
+
+def test_a_hardware_error_before_any_progress_blames_the_node_whatever_else_was_printed() -> None:
+    """Review: a handled `import wandb` traceback, then an ECC error, stopped the run as unrunnable (wandb's
+    import named as the cause) and the sick node was never left out."""
+    from hpc_train.script import judge
+
+    tail = (
+        "ModuleNotFoundError: No module named 'wandb'\nRuntimeError: CUDA error: uncorrectable ECC error encountered\n"
+    )
+    out = judge([{"rank": 0, "code": 1, "node": "g7", "tail": tail, "killed": False, "progress": False}], ["p"], "/r")
+    assert out["outcome"] == "failed" and list(out["sick"]) == ["g7"], out
+    tail = "RuntimeError: CUDA error: uncorrectable ECC error encountered\nModuleNotFoundError: No module named 'x'\n"
+    out = judge([{"rank": 0, "code": 1, "node": "g7", "tail": tail, "killed": False, "progress": False}], ["p"], "/r")
+    assert out["outcome"] == "failed" and list(out["sick"]) == ["g7"], out
+
+
 def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
     """A progress bar (tqdm) rewrites its line with '\\r' only: before, the reader waited for a '\\n' that
     never came, so an hour of progress bars was no heartbeat (and reached the log only at the end)."""
@@ -603,13 +641,16 @@ def test_a_stop_signal_slurm_delivered_to_the_child_is_not_sent_again(
     pulse = Pulse(["SIGTERM"], [100.0])  # a TERM this rank received at 100.0 (time.monotonic())
     conf = tmp_path / "slurm.conf"
     monkeypatch.setenv("SLURM_CONF", str(conf))
-    for proctrack, delivered in (("proctrack/cgroup", True), ("proctrack/linuxproc", True), ("proctrack/pgid", False)):
+    # cgroup signals the step's tasks only (the rank), the child with SIGKILL alone (review, proctrack_cgroup.c)
+    for proctrack, delivered in (("proctrack/cgroup", False), ("proctrack/linuxproc", True), ("proctrack/pgid", False)):
         conf.write_text(f"ClusterName=x\n  ProctrackType = {proctrack}  # comment\n")
         assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == proctrack
         assert already_delivered("slurm", "TERM", 99.0, pulse) is delivered, proctrack
-    conf.write_text("ProctrackType=proctrack/cgroup\n")
+    conf.write_text("ProctrackType=proctrack/linuxproc\n")
     assert not already_delivered("local", "TERM", 99.0, pulse)
     assert not already_delivered("slurm", "TERM", 101.0, pulse)  # came before the child: relayed, not delivered to it
     assert not already_delivered("slurm", "USR1", 99.0, pulse)
     conf.write_text("ClusterName=x\n")
     assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == "" and not already_delivered("slurm", "TERM", 99.0, pulse)
+    conf.write_bytes(b"# modifi\xe9 par l'admin\nProctrackType=proctrack/linuxproc\n")  # Latin-1: read all the same
+    assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == "proctrack/linuxproc"
