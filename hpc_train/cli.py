@@ -1,4 +1,15 @@
-"""`hpc-train` command line. Argument parsing only; every import is lazy and none reaches torch.
+"""`hpc-train` command line: argument parsing only; every import is lazy and none reaches torch (USAGE is what
+`hpc-train --help` opens with)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+USAGE = """Slurm-native multi-node PyTorch training that survives preemption: one command turns a config, or a
+sweep, into runs that save, requeue and resume by themselves. Docs: README.md and docs/ of the project.
 
 hpc-train init                                            # ./conf: the starter configs, yours to edit
 hpc-train submit                                          # demo: 2 ranks on this machine, waits
@@ -14,12 +25,6 @@ hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a B
 hpc-train prepare-data notes/ --out data/n2 --val-fraction 0.05   # ... the last 5% held out for eval
 hpc-train submit data=tokens data.path=data/notes         # train on them
 """
-
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
 
 USER_ERRORS = ("hydra", "omegaconf")
 
@@ -274,6 +279,9 @@ def _status(args: argparse.Namespace) -> int:
             end="",
         )
         return 0
+    if args.path == "runs" and not (Path("runs").is_dir() and any(Path("runs").iterdir())):
+        print("no runs here yet (./runs is empty): hpc-train submit starts one; hpc-train status PATH reads others")
+        return 0
     while True:
         rows = status.status_rows(_runs(args.path, unreadable_ok=True))
         if args.json:
@@ -484,9 +492,11 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """Every command and its arguments (argparse), and each command's own parser by its name; `chaos` names its
+    actions only when it is the command."""
     parser = argparse.ArgumentParser(
-        prog="hpc-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="hpc-train", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--version",
@@ -495,6 +505,14 @@ def main(argv: list[str] | None = None) -> int:
         help="print the version, where it is installed and its git commit, and exit",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_commands(sub)
+    _add_reading_commands(sub)
+    _add_chaos(sub, argv)
+    return parser, sub.choices
+
+
+def _add_run_commands(sub: Any) -> None:
+    """The commands that write runs: init, submit, resume, prepare-data."""
     p = sub.add_parser("init", help="copy the starter configs into ./conf (or DIR/conf), where submit finds them")
     p.add_argument("dir", nargs="?", default=".", help="the folder to hold conf/ (default: this one)")
     p.set_defaults(func=_init)
@@ -543,68 +561,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-wait", action="store_true", help="local executor: return once the job started")
     p.set_defaults(func=_resume)
-    p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")
-    p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
-    p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")
-    p.add_argument("--json", action="store_true", help="the same rows as JSON, for scripts")
-    p.add_argument(
-        "--prometheus",
-        action="store_true",
-        help="Prometheus text format instead (every run under PATH), for node-exporter's textfile from cron",
-    )
-    p.set_defaults(func=_status)
-    p = sub.add_parser("logs", help="the log of one rank and attempt of a run")
-    p.add_argument("run")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--attempt", type=int, help="only this attempt (0 = first); default: all")
-    p.add_argument(
-        "-f", "--follow", action="store_true", help="keep printing what both streams append; returns when the run ends"
-    )
-    p.set_defaults(func=_logs)
-    p = sub.add_parser("cancel", help="cancel exactly this run's or sweep's jobs")
-    p.add_argument("path")
-    p.set_defaults(func=_cancel)
-    # drills (with slurm, journal, paths) only for `chaos`, whose actions are all argparse needs from it: every
-    # other command, `submit --dry-run` first, would pay ~15 ms to import it (~30 ms with no .pyc to read)
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["chaos"]:
-        from hpc_train.drills import CHAOS  # torch-free, no Slurm call
-    else:
-        CHAOS = {}
-    p = sub.add_parser(
-        "chaos",
-        help="inject a fault into a running job (drills); recorded in events.jsonl",
-        description="actions:\n" + "\n".join(f"  {a:22s} {w}" for a, (_, w) in CHAOS.items()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("run")
-    p.add_argument("action", choices=list(CHAOS))
-    p.add_argument(
-        "--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank"
-    )
-    p.add_argument(
-        "--seconds",
-        type=float,
-        help="slow-storage: seconds added to each write (default 2); slow-rank (required): to each step, "
-        "0 to 10 (0: off)",
-    )
-    p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
-    p.set_defaults(func=_chaos)
-    p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")
-    p.add_argument("run")
-    p.add_argument("--png", help="where to write the picture (default: RUN/report.png)")
-    p.set_defaults(func=_report)
-    p = sub.add_parser("results", help="a sweep's trials side by side: overrides, state, loss, goodput; sorted")
-    p.add_argument("sweep_dir", help="the sweep directory `submit -m` printed, e.g. runs/mix-1")
-    p.add_argument(
-        "--sort",
-        default="final_loss",
-        help="a column or an override key, e.g. goodput, train.lr (default: final_loss, lowest first)",
-    )
-    p.add_argument("--reverse", action="store_true", help="highest first")
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
-    fmt.add_argument("--csv", action="store_true", help="the rows as CSV, one column per override key")
-    p.set_defaults(func=_results)
     p = sub.add_parser("prepare-data", help="local text files -> token shards (bytes, BPE) for data=tokens")
     p.add_argument("inputs", nargs="+", help="text files, or directories searched recursively")
     p.add_argument("--out", required=True, help="a new directory for shard_*.bin and meta.json")
@@ -622,7 +578,89 @@ def main(argv: list[str] | None = None) -> int:
         help="hold out this share of the tokens, the last ones, as val_*.bin for train.eval_every_steps",
     )
     p.set_defaults(func=_prepare_data)
+
+
+def _add_reading_commands(sub: Any) -> None:
+    """The commands that read runs (and cancel): status, logs, cancel, report, results."""
+    p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")
+    p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
+    p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")
+    p.add_argument("--json", action="store_true", help="the same rows as JSON, for scripts")
+    p.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="Prometheus text format instead (every run under PATH), for node-exporter's textfile from cron",
+    )
+    p.set_defaults(func=_status)
+    p = sub.add_parser("logs", help="the log of one rank and attempt of a run")
+    p.add_argument("run", help="the run directory (a sweep's trial: SWEEP/0003)")
+    p.add_argument("--rank", type=int, default=0, help="this rank's log, as placed (default: 0)")
+    p.add_argument("--attempt", type=int, help="only this attempt (0 = first); default: all")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing what both streams append; returns when the run ends"
+    )
+    p.set_defaults(func=_logs)
+    p = sub.add_parser("cancel", help="cancel exactly this run's or sweep's jobs")
+    p.add_argument("path", help="a run, a sweep, or a folder of them: every job they recorded")
+    p.set_defaults(func=_cancel)
+    p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")
+    p.add_argument("run", help="the run directory (a sweep's trial: SWEEP/0003)")
+    p.add_argument("--png", help="where to write the picture (default: RUN/report.png)")
+    p.set_defaults(func=_report)
+    p = sub.add_parser("results", help="a sweep's trials side by side: overrides, state, loss, goodput; sorted")
+    p.add_argument("sweep_dir", help="the sweep directory `submit -m` printed, e.g. runs/mix-1")
+    p.add_argument(
+        "--sort",
+        default="final_loss",
+        help="a column or an override key, e.g. goodput, train.lr (default: final_loss, lowest first)",
+    )
+    p.add_argument("--reverse", action="store_true", help="highest first")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
+    fmt.add_argument("--csv", action="store_true", help="the rows as CSV, one column per override key")
+    p.set_defaults(func=_results)
+
+
+def _add_chaos(sub: Any, argv: list[str]) -> None:
+    # drills (with slurm, journal, paths) only for `chaos`, whose actions are all argparse needs from it: every
+    # other command, `submit --dry-run` first, would pay ~15 ms to import it (~30 ms with no .pyc to read)
+    if argv[:1] == ["chaos"]:
+        from hpc_train.drills import CHAOS  # torch-free, no Slurm call
+    else:
+        CHAOS = {}
+    p = sub.add_parser(
+        "chaos",
+        help="inject a fault into a running job (drills); recorded in events.jsonl",
+        description="actions:\n" + "\n".join(f"  {a:22s} {w}" for a, (_, w) in CHAOS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run", help="the running run's directory (a sweep's trial: SWEEP/0003)")
+    p.add_argument("action", choices=list(CHAOS), help="the fault (listed above)")
+    p.add_argument(
+        "--rank", type=int, default=0, help="kill-rank, slow-rank: this rank; lose-node: the node of this rank"
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        help="slow-storage: seconds added to each write (default 2); slow-rank (required): to each step, "
+        "0 to 10 (0: off)",
+    )
+    p.add_argument("--node", default="", help="sick-node: this node (default: the node of --rank)")
+    p.set_defaults(func=_chaos)
+
+
+def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = _parser(words)
+    if words and not words[0].startswith("-") and words[0] not in commands:
+        import difflib
+
+        near = difflib.get_close_matches(words[0], list(commands), n=1)
+        parser.error(
+            f"no command {words[0]!r}"
+            + (f"; did you mean hpc-train {near[0]}?" if near else "")
+            + f" (the commands: {', '.join(commands)}; hpc-train COMMAND --help says more)"
+        )
     script_cmd = None
     if words[:1] == ["submit"] and "--" in words:  # everything after -- is the command every rank runs
         script_cmd, words = words[words.index("--") + 1 :], words[: words.index("--")]

@@ -729,8 +729,16 @@ def explain(error: Exception) -> str:
     missing = getattr(error, "missing_cfg_file", None) or ""  # Hydra's MissingConfigException: "cluster/devv"
     if getattr(error, "options", None) and "/" in missing:
         group, _, option = missing.rpartition("/")
-        near = _nearest(option, error.options)  # type: ignore[attr-defined]
+        options = list(error.options)  # type: ignore[attr-defined]
+        near = _nearest(option, options)
+        # one sentence, not Hydra's options and search path one a line each
+        lines = [f"no {group} config named {option!r}: there are {', '.join(options)} (conf/{group}/*.yaml)"]
         lines.append(f"did you mean {group.replace('/', '.')}={near}?" if near else "")
+        if group == "cluster" and not near:
+            lines.append(
+                f"a cluster of your own: hpc-train init, then cp conf/cluster/example_site.yaml "
+                f"conf/cluster/{option}.yaml and fill in its partition, account and nodes"
+            )
     full_key = getattr(cause, "full_key", None) or ""
     if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError") and full_key:
         node: Any = RunConfig

@@ -60,8 +60,9 @@ def resume(
     runs = find_runs(path)
     if not runs:
         raise ValueError(
-            f"{path} is not a run directory: it holds no run (no config.yaml, no sweep.json); see what "
-            f"it holds with hpc-train status {path}"
+            f"{path} is not a run directory: it holds no run (no sweep.json, no config.yaml with the "
+            f"events.jsonl or submission.json of a submit); give a run's folder, e.g. runs/demo-1 (hpc-train "
+            f"status lists them)"
         )
     if len(runs) != 1:
         raise ValueError(f"{path} holds {len(runs)} runs; resume one of them, e.g. hpc-train resume {runs[0].run_dir}")
@@ -126,6 +127,67 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
     cfg = load_frozen(run.run_dir)
     check_environment(cfg)  # it still runs from here: data path, fn._target_
     slurm.slurm_env(cfg.cluster.slurm_conf)
+    state = _refuse_if_active(run)
+    events = journal.read(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
+    why = journal.stop_reason(events, run.job_id, state)
+    lines = [f"{run.label} stopped because {why}", *_budget_lines(cfg, events, budgets)]
+    committed = [(s, f) for s, f in step_folders(RunPaths(run.run_dir).checkpoints).items() if read_marker(f)]
+    lines.append(_resumes_from(run, cfg, events, [f for _, f in committed]))
+    lines += _notes(RunPaths(run.run_dir), allow_data_changed)
+    target = run.log_dir.parent
+    private = bool(cfg.cluster.env)
+    if cfg.cluster.executor == "slurm":
+        script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
+        check_syntax(script)
+        grace: list[str] = []
+        validate_live(cfg.cluster, script, 1, None, warnings=grace)
+        lines += [f"warning: {w}" for w in grace]
+    attempt = journal.next_attempt(events)
+    submitit_dir = _submitit_dir(target / "submitit", private, dir_mode(cfg.share_with_group))
+    executor = make_executor(cfg.cluster, submitit_dir, job_name(target))
+    tried: list[int] = []
+
+    def queue() -> Any:
+        # A try that timed out may have queued the job: look it up by name (minus every id recorded) first.
+        if tried and cfg.cluster.executor == "slurm":
+            lost = adopt_lost_job(target, [str(run.run_dir)], {run.job_id}, executor)
+            if lost:
+                return type("Adopted", (), {"job_id": lost})()
+        tried.append(1)
+        return executor.submit(run_job, str(run.run_dir))
+
+    with _interrupts_held(), _owner_writes_only():  # until the new job id is recorded
+        with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
+            job = _sbatch_with_retry(queue, str(run.run_dir))
+        job_id = str(job.job_id)
+        # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
+        # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
+        journal.log(
+            run.run_dir,
+            journal.RESUME,
+            committed[-1][0] if committed else 0,
+            job_id,
+            attempt,
+            by=f"{getpass.getuser()}@{socket.gethostname()}",
+            reason=reason or "hpc-train resume",
+            budgets=budgets,
+            previous_job_id=run.job_id,
+            stopped_because=why,
+            **({"allow_data_changed": True} if allow_data_changed else {}),
+        )
+        process = runs.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
+        record_job(target, run.run_dir, job_id, process, private, executor=cfg.cluster.executor, resumed_at=time.time())
+    lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
+    return job, lines
+
+
+def _refuse_if_active(run: Any) -> str:
+    """Slurm's state of the run's job ("" when none or local), once it is no longer COMPLETING; ValueError for a
+    run still queued or running (Slurm's, or a local controller alive, here or on another host)."""
+    import socket
+
+    from hpc_train import runs, slurm
+
     state = ""
     if run.executor == "slurm" and run.job_id:
         try:
@@ -172,9 +234,11 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
             f"follow it with hpc-train logs -f {run.run_dir}, or stop it first with hpc-train cancel "
             f"{run.run_dir}"
         )
+    return state
 
-    events = journal.read(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
-    why = journal.stop_reason(events, run.job_id, state)
+
+def _budget_lines(cfg: Any, events: list[dict[str, Any]], budgets: dict[str, int]) -> list[str]:
+    """The budgets as this resume leaves them (ValueError for a negative one), and those still spent."""
     for k, v in budgets.items():
         if v < (-1 if k == "max_preemptions" else 0):
             flag, unlimited = f"--{k.replace('_', '-')}", " (or -1: unlimited)" if k == "max_preemptions" else ""
@@ -198,88 +262,52 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
     )
     if failures := journal.failures_in_a_row(events):
         budget_line += f" (was {failures}: reset by this resume)"
-    lines = [f"{run.label} stopped because {why}", budget_line]
+    lines = [budget_line]
     lines += [
         f"the {what[k]} budget is still spent: the next such stop ends the run; raise it with "
         f"--{k.replace('_', '-')} {used[k] + 2}"
         for k in spent
     ]
-    committed = [(s, f) for s, f in step_folders(RunPaths(run.run_dir).checkpoints).items() if read_marker(f)]
+    return lines
+
+
+def _resumes_from(run: Any, cfg: Any, events: list[dict[str, Any]], committed: list[Path]) -> str:
+    """The sentence of what the resumed job starts from (ValueError: nothing it could start from is left)."""
+    from hpc_train.paths import read_marker
+
     if cfg.script.cmd:  # the script's checkpoints are its own: hpc_train's step folders never hold one
-        lines.append(_script_resumes_from(cfg, run.run_dir, events))
-    elif committed:
-        lines.append(
-            f"resuming from {committed[-1][1]}, its newest committed checkpoint (verified when the job "
+        return _script_resumes_from(cfg, run.run_dir, events)
+    if committed:
+        return (
+            f"resuming from {committed[-1]}, its newest committed checkpoint (verified when the job "
             f"starts; an older one if it does not verify)"
         )
-    elif cfg.checkpoint.init_from:
-        if read_marker(Path(cfg.checkpoint.init_from)) is None:
+    if init := cfg.checkpoint.init_from:
+        if read_marker(Path(init)) is None:
             raise ValueError(
                 f"{run.label} has no committed checkpoint of its own and its checkpoint.init_from="
                 f"{cfg.checkpoint.init_from} is no longer committed (deleted?); submit a new run instead"
             )
-        lines.append(
+        return (
             f"no committed checkpoint of its own: starting again from checkpoint.init_from={cfg.checkpoint.init_from}"
         )
-    else:
-        lines.append("no committed checkpoint: starting again from step 0")
+    return "no committed checkpoint: starting again from step 0"
 
-    code = RunPaths(run.run_dir).code
-    if code.exists():  # the job records a `code_changed` event too; say it before anything is queued
+
+def _notes(paths: RunPaths, allow_data_changed: bool) -> list[str]:
+    """What the resumed job will do differently from its last attempt, said before anything is queued."""
+    notes = []
+    if paths.code.exists():  # the job records a `code_changed` event too
         from hpc_train.provenance import differences
 
-        if differences(json.loads(code.read_text())):
-            lines.append(
-                f"warning: this is not the code that validated the run ({code}); the job will train with "
+        if differences(json.loads(paths.code.read_text())):
+            notes.append(
+                f"warning: this is not the code that validated the run ({paths.code}); the job will train with "
                 f"it and record a code_changed event"
             )
     if allow_data_changed:
-        lines.append(
+        notes.append(
             "--allow-data-changed: it resumes on the data as it is now, even if that is not its checkpoint's "
             "(a data_changed event then says what changed)"
         )
-    target = run.log_dir.parent
-    private = bool(cfg.cluster.env)
-    if cfg.cluster.executor == "slurm":
-        script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
-        check_syntax(script)
-        grace: list[str] = []
-        validate_live(cfg.cluster, script, 1, None, warnings=grace)
-        lines += [f"warning: {w}" for w in grace]
-    attempt = journal.next_attempt(events)
-    submitit_dir = _submitit_dir(target / "submitit", private, dir_mode(cfg.share_with_group))
-    executor = make_executor(cfg.cluster, submitit_dir, job_name(target))
-    tried: list[int] = []
-
-    def queue() -> Any:
-        # A try that timed out may have queued the job: look it up by name (minus every id recorded) first.
-        if tried and cfg.cluster.executor == "slurm":
-            lost = adopt_lost_job(target, [str(run.run_dir)], {run.job_id}, executor)
-            if lost:
-                return type("Adopted", (), {"job_id": lost})()
-        tried.append(1)
-        return executor.submit(run_job, str(run.run_dir))
-
-    with _interrupts_held(), _owner_writes_only():  # until the new job id is recorded
-        with _stdio_to_devnull() if cfg.cluster.executor == "local" else contextlib.nullcontext():
-            job = _sbatch_with_retry(queue, str(run.run_dir))
-        job_id = str(job.job_id)
-        # After sbatch succeeded (a failed one resets no budget), still under the lock: the job reads
-        # events.jsonl for its attempt number under the same lock (job.py), so it never starts before this.
-        journal.log(
-            run.run_dir,
-            journal.RESUME,
-            committed[-1][0] if committed else 0,
-            job_id,
-            attempt,
-            by=f"{getpass.getuser()}@{socket.gethostname()}",
-            reason=reason or "hpc-train resume",
-            budgets=budgets,
-            previous_job_id=run.job_id,
-            stopped_because=why,
-            **({"allow_data_changed": True} if allow_data_changed else {}),
-        )
-        process = runs.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
-        record_job(target, run.run_dir, job_id, process, private, executor=cfg.cluster.executor, resumed_at=time.time())
-    lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
-    return job, lines
+    return notes

@@ -17,6 +17,8 @@ from typing import Any
 
 from hpc_train import journal, slurm
 
+RUN_FILES = ("events.jsonl", "submission.json", "submitit")  # beside a run's config.yaml, one at least
+
 
 @dataclass
 class Run:
@@ -59,7 +61,8 @@ def find_runs(path: Path) -> list[Run]:
                 )
                 for t in manifest["trials"]
             ]
-        if (path / "config.yaml").exists():
+        # a run's frozen config with what submit wrote beside it: not Hydra's conf/config.yaml
+        if (path / "config.yaml").exists() and any((path / f).exists() for f in RUN_FILES):
             if (path.parent / "sweep.json").exists():  # a trial: its sweep, or the sweep's unreadable row
                 return [r for r in find_runs(path.parent) if r.run_dir == path or r.unreadable]
             sub = json.loads((path / "submission.json").read_text()) if (path / "submission.json").exists() else {}

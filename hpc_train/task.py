@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # not imported: preempt imports this module before the handlers go in (start.py)
+    import subprocess
 
 
 @dataclasses.dataclass

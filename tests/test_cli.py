@@ -34,7 +34,11 @@ from conftest import HPC_TRAIN, fake_clients, run
             "cluster=dev|cluster.setup=['trap \"rm -rf /tmp/x\" EXIT']",
             r"sets an EXIT trap, which would never run: .*clean up in a Slurm epilog",
         ),
-        ("cluster=nope", r"Could not find 'cluster/nope'"),
+        (
+            "cluster=nope",
+            r"no cluster config named 'nope': there are dev, example_site, local, slurm \(conf/cluster/\*.yaml\)\n"
+            r"a cluster of your own: hpc-train init, then cp conf/cluster/example_site.yaml conf/cluster/nope.yaml",
+        ),
         (
             "train.parallelism=fsdp|train.tp=3",
             r"train.tp=3 must divide cluster.tasks_per_node=2 so tensor-parallel "
@@ -49,7 +53,7 @@ from conftest import HPC_TRAIN, fake_clients, run
         ("fn._target_=not a path", r"fn._target_='not a path' is not a dotted path; write package.module.function"),
         ("trian.steps=5", r"Could not override 'trian.steps'.*\ndid you mean train.steps\?"),
         ("train.step=5", r"no key 'step'.*\ndid you mean train.steps\?"),
-        ("cluster=devv", r"Could not find 'cluster/devv'.*\ndid you mean cluster=dev\?"),
+        ("cluster=devv", r"no cluster config named 'devv': .*\ndid you mean cluster=dev\?"),
         ("+trian.x=1", r"Key 'trian' is not in RunConfig.*\ndid you mean train\?"),
         (
             "train.lr=1e-3,3e-3",
@@ -62,6 +66,7 @@ def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, mes
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("hpc-train submit: error:")
     assert re.search(message, proc.stderr, re.S), proc.stderr
+    assert "Config search path" not in proc.stderr  # Hydra's dump of where it looked: not for a user
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 
@@ -69,7 +74,7 @@ def test_bad_override_is_refused_with_the_fix(tmp_path: Path, override: str, mes
     "override, message",
     [
         ("trian.steps=5", r"Key 'trian' not in 'RunConfig'.*\ndid you mean train.steps\?"),
-        ("model=tinny", r"Could not find 'model/tinny'.*\ndid you mean model=tiny\?"),
+        ("model=tinny", r"no model config named 'tinny': there are 1b, small, tiny .*\ndid you mean model=tiny\?"),
         ("train.lr=1e-3,3e-3", r"'train.lr=1e-3,3e-3' gives several values, a sweep: add -m"),
     ],
 )
@@ -157,6 +162,36 @@ def test_version_names_the_installed_package() -> None:
     proc = run([HPC_TRAIN, "--version"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"hpc-train {hpc_train.__version__} from {Path(hpc_train.__file__).resolve().parent}")
+
+
+def test_the_first_hour_a_folder_that_is_not_a_run_and_a_mistyped_command(tmp_path: Path) -> None:
+    """Issue 29 D3: `status` where nothing was submitted yet says so (exit 0); `resume conf` (Hydra's
+    conf/config.yaml is no run) says it is not a run and writes nothing there (it left conf/.lock); a mistyped
+    command gets the nearest one; `--help` opens with what hpc-train is, not a note for developers."""
+    empty = run([HPC_TRAIN, "status"], cwd=tmp_path)
+    assert empty.returncode == 0 and empty.stdout.startswith("no runs here yet"), empty.stdout + empty.stderr
+    assert run([HPC_TRAIN, "init"], cwd=tmp_path).returncode == 0
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "conf").rglob("*"))
+    for command in ("resume", "logs", "report", "status"):
+        proc = run([HPC_TRAIN, command, "conf"], cwd=tmp_path)
+        said = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in proc.stderr, (command, proc.stderr)
+        assert "conf is not a run directory" in said[0] or "no runs under conf" in said[0], (command, said)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "conf").rglob("*")) == before  # no .lock
+    typo = run([HPC_TRAIN, "stauts"], cwd=tmp_path)
+    assert typo.returncode == 2 and "no command 'stauts'; did you mean hpc-train status?" in typo.stderr
+    helped = run([HPC_TRAIN, "--help"], cwd=tmp_path)
+    assert helped.stdout.split("\n\n")[1].startswith("Slurm-native multi-node PyTorch training"), helped.stdout
+
+
+def test_every_argument_of_every_command_says_what_it_is() -> None:
+    from hpc_train import cli
+
+    _, commands = cli._parser(["chaos"])  # chaos's actions too
+    silent = [
+        f"{name} {a.dest}" for name, sub in commands.items() for a in sub._actions if a.dest != "help" and not a.help
+    ]
+    assert not silent, silent
 
 
 def test_init_writes_a_starter_conf_that_submit_then_uses(tmp_path: Path) -> None:

@@ -947,7 +947,10 @@ def test_a_killed_rank_and_a_sick_node_are_recovered_inside_the_allocation(
     sick node; relaunched again without it, on the spare (attempt 2): one job, Slurm's Restarts still 0.
     Then TERM to the batch shell: its srun() relays it to the relaunched step as before, which saves and
     requeues (attempt 3, without the sick node) and finishes with the uninterrupted run's weights."""
-    run_dir, job_id = submit([*RUN_ARGS, "cluster.spare_nodes=1", f"out_dir={tmp_path}", "name=spares"], env=slurm_env)
+    # 0.5 s a step, not 0.25: attempt 2 trains its last 20 steps in ~10 s, time for the checks below and the TERM
+    # (at 0.25 s it finished in 4.9 s, before the batch-term: the job was gone, scancel "Invalid job id")
+    slower = [a for a in RUN_ARGS if not a.startswith("train.min_step_time_s=")] + ["train.min_step_time_s=0.5"]
+    run_dir, job_id = submit([*slower, "cluster.spare_nodes=1", f"out_dir={tmp_path}", "name=spares"], env=slurm_env)
     wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in read_events(run_dir)), 180, "a checkpoint")
     first = next(e for e in read_events(run_dir) if e["event"] == "start")
     last = first["world_size"] - 1

@@ -440,8 +440,9 @@ def test_resume_refuses_another_hosts_local_run_and_keeps_sweep_json_mode(tmp_pa
 def test_resume_of_a_folder_without_runs_says_so(tmp_path: Path) -> None:
     proc = run([HPC_TRAIN, "resume", str(tmp_path)])
     assert proc.returncode == 2 and proc.stderr == (  # before: IndexError's traceback
-        f"hpc-train resume: error: {tmp_path} is not a run directory: it holds no run (no config.yaml, no "
-        f"sweep.json); see what it holds with hpc-train status {tmp_path}\n"
+        f"hpc-train resume: error: {tmp_path} is not a run directory: it holds no run (no sweep.json, no "
+        f"config.yaml with the events.jsonl or submission.json of a submit); give a run's folder, e.g. runs/demo-1 "
+        f"(hpc-train status lists them)\n"
     )
 
 
