@@ -341,96 +341,104 @@ def _chaos(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from hpc_train import journal, report
 
     for run in _runs(args.run):
         png = Path(args.png) if args.png else run.run_dir / "report.png"
         parts, atts, made = report.report(run, png)
-        nodes = report.cluster_nodes(run.run_dir)
-        table = Table(title=f"{run.label}: goodput {parts['goodput']:.1%} of {parts['allocated']:.1f} s allocated")
-        for col in ("part", "seconds", "share"):
-            table.add_column(col)
-        for key, what in (
-            ("committed", "committed training"),
-            ("lost", "work lost (recomputed)"),
-            ("stall", "checkpoint stall"),
-            ("overhead", "restart overhead (launch -> training)"),
-        ):
-            table.add_row(
-                what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-"
-            )
-        table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
-        attempts = Table(
-            title="attempts (start-up: python imports rendezvous preflight setup verify load first-step, seconds)"
-        )
-        batches = report.batch_text(atts)  # a column only when the global batch or accumulation changed
-        for col in (
-            "attempt",
-            "job",
-            "ranks",
-            *(["batch"] if batches else []),
-            "steps",
-            "resumed from",
-            "wall s",
-            "start-up s",
-            "start-up by phase",
-            "ended by",
-            "signals",
-        ):
-            attempts.add_column(col)
-        for i, a in enumerate(atts):
-            phases = " ".join(
-                f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-"
-                for k in ("python", "imports", "rendezvous", "preflight", "setup", "verify", "load", "first_step")
-            )
-            attempts.add_row(
-                str(a["restart"]),
-                str(a["job_id"]),
-                report.size_text(a),
-                *([batches[i]] if batches else []),
-                f"{a['start_step']}->{a['reached_step']}",
-                a["resumed_from"] or "-",
-                f"{a['end'] - a['launched']:.1f}",
-                f"{(a['start'] or a['end']) - a['launched']:.1f}",
-                phases,
-                report.ended_text(a, nodes),
-                ",".join(a["signals"]),
-            )
         console = Console(width=200)
-        console.print(table)
-        console.print(attempts)
-        slow = journal.straggler_episodes(journal.read(run.run_dir))
-        if slow:
-            named = Table(title="stragglers (own = compute + data per step; comm = waiting in collectives)")
-            for col in (
-                "attempt",
-                "named at step",
-                "rank",
-                "node",
-                "own ms",
-                "median ms",
-                "comm ms",
-                "cleared at step",
-            ):
-                named.add_column(col)
-            for r in slow:
-                named.add_row(
-                    str(r["attempt"]),
-                    str(r["step"]),
-                    str(r["rank"]),
-                    r["node"],
-                    f"{r['own_ms']:.1f}",
-                    f"{r['median_ms']:.1f}",
-                    f"{r['comm_ms']:.1f}",
-                    "-" if r["cleared_step"] is None else str(r["cleared_step"]),
-                )
-            console.print(named)
+        console.print(_goodput_table(run.label, parts))
+        console.print(_attempts_table(atts, report.cluster_nodes(run.run_dir)))
+        if slow := journal.straggler_episodes(journal.read(run.run_dir)):
+            console.print(_stragglers_table(slow))
         for line in report.profile_lines(run.run_dir):  # profile.*: the traces, and how to open them
             print(line)
         print(f"picture: {made}" if made.endswith(".png") else made)
     return 0
+
+
+def _goodput_table(label: str, parts: dict[str, float]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{label}: goodput {parts['goodput']:.1%} of {parts['allocated']:.1f} s allocated")
+    for col in ("part", "seconds", "share"):
+        table.add_column(col)
+    for key, what in (
+        ("committed", "committed training"),
+        ("lost", "work lost (recomputed)"),
+        ("stall", "checkpoint stall"),
+        ("overhead", "restart overhead (launch -> training)"),
+    ):
+        table.add_row(
+            what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-"
+        )
+    table.add_row("queue wait (not allocated)", f"{parts['queue_wait']:.1f}", "")
+    return table
+
+
+def _attempts_table(atts: list[dict[str, Any]], nodes: Any) -> Any:
+    from rich.table import Table
+
+    from hpc_train import report
+
+    attempts = Table(
+        title="attempts (start-up: python imports rendezvous preflight setup verify load first-step, seconds)"
+    )
+    batches = report.batch_text(atts)  # a column only when the global batch or accumulation changed
+    for col in (
+        "attempt",
+        "job",
+        "ranks",
+        *(["batch"] if batches else []),
+        "steps",
+        "resumed from",
+        "wall s",
+        "start-up s",
+        "start-up by phase",
+        "ended by",
+        "signals",
+    ):
+        attempts.add_column(col)
+    for i, a in enumerate(atts):
+        phases = " ".join(
+            f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-"
+            for k in ("python", "imports", "rendezvous", "preflight", "setup", "verify", "load", "first_step")
+        )
+        attempts.add_row(
+            str(a["restart"]),
+            str(a["job_id"]),
+            report.size_text(a),
+            *([batches[i]] if batches else []),
+            f"{a['start_step']}->{a['reached_step']}",
+            a["resumed_from"] or "-",
+            f"{a['end'] - a['launched']:.1f}",
+            f"{(a['start'] or a['end']) - a['launched']:.1f}",
+            phases,
+            report.ended_text(a, nodes),
+            ",".join(a["signals"]),
+        )
+    return attempts
+
+
+def _stragglers_table(slow: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    named = Table(title="stragglers (own = compute + data per step; comm = waiting in collectives)")
+    for col in ("attempt", "named at step", "rank", "node", "own ms", "median ms", "comm ms", "cleared at step"):
+        named.add_column(col)
+    for r in slow:
+        named.add_row(
+            str(r["attempt"]),
+            str(r["step"]),
+            str(r["rank"]),
+            r["node"],
+            f"{r['own_ms']:.1f}",
+            f"{r['median_ms']:.1f}",
+            f"{r['comm_ms']:.1f}",
+            "-" if r["cleared_step"] is None else str(r["cleared_step"]),
+        )
+    return named
 
 
 def _results(args: argparse.Namespace) -> int:

@@ -184,26 +184,29 @@ def _free(node: dict[str, Any]) -> str:
     )
 
 
-def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str, dict[str, Any]], list[str], str]:
-    """Every rank's result -> ({node: its figures, with "sick": why or ""}, group warnings, why the whole run
-    stops or "") (pure).
-    The same gathered list on every rank gives every rank the same verdict, without a broadcast."""
+def _by_node(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's result folded into its node's (pure): a node is as fast as its slowest device, as skewed as
+    its most skewed rank, its problems all of its ranks'."""
     nodes: dict[str, dict[str, Any]] = {}
     for r in results:
         n = nodes.setdefault(r["node"], {"ranks": 0, "problems": [], "matmul_tflops": float("inf"), "wall_s": 0.0})
         n["ranks"] += 1
         n["problems"] += r["problems"]
-        n["matmul_tflops"] = min(n["matmul_tflops"], r["matmul_tflops"])  # a node is as fast as its slowest device
+        n["matmul_tflops"] = min(n["matmul_tflops"], r["matmul_tflops"])
         n["wall_s"] = max(n["wall_s"], r["wall_s"])
         n["device"] = r["device"]
         n["skew_s"] = r["skew_s"] if abs(r["skew_s"]) > abs(n.get("skew_s", 0.0)) else n.get("skew_s", 0.0)
         for key in ("disk_free_gb", "disk_torn_gb", "disk_needed_gb", "disk_folder", "gpus", "gpu_note", "xids"):
             if key in r:
                 n[key] = r[key]
-    import statistics  # here, not at the top: the login node imports this module for PreflightConfig
+    return nodes
 
-    rtt_s = max(r["rtt_s"] for r in results)
-    median = statistics.median(n["matmul_tflops"] for n in nodes.values())
+
+def _skewed(nodes: dict[str, dict[str, Any]], rtt_s: float, cfg: PreflightConfig) -> tuple[list[str], list[str]]:
+    """The nodes whose clock is off (each node's skew_s made relative to the median node's), and a warning when
+    no majority agrees on the time to say which (pure but for skew_s)."""
+    import statistics
+
     # Skew against the median node, not rank 0: rank 0's node 10 s fast made every other node sick (3 of 4:
     # past the exclusion budget, the run stopped). A node is named only when most nodes agree with the median.
     mid_s = statistics.median(n["skew_s"] for n in nodes.values())
@@ -213,18 +216,29 @@ def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str
         name for name, n in nodes.items() if cfg.max_clock_skew_s and abs(n["skew_s"]) - rtt_s > cfg.max_clock_skew_s
     ]
     spread_s = max(n["skew_s"] for n in nodes.values()) - min(n["skew_s"] for n in nodes.values())
-    warnings = []
     if (
         cfg.max_clock_skew_s
         and (not skewed or 2 * len(skewed) >= len(nodes))
         and spread_s - rtt_s > cfg.max_clock_skew_s
     ):
-        warnings.append(
+        return [], [
             f"clocks differ by {spread_s:.2f} s (+-{rtt_s:.3f} s) > preflight.max_clock_skew_s="
             f"{cfg.max_clock_skew_s:g} across {', '.join(nodes)}, and no majority of nodes agrees on the "
             f"time to say which is wrong: no node left out; check NTP/chrony on them"
-        )
-        skewed = []
+        ]
+    return skewed, []
+
+
+def judge(results: list[dict[str, Any]], cfg: PreflightConfig) -> tuple[dict[str, dict[str, Any]], list[str], str]:
+    """Every rank's result -> ({node: its figures, with "sick": why or ""}, group warnings, why the whole run
+    stops or "") (pure).
+    The same gathered list on every rank gives every rank the same verdict, without a broadcast."""
+    import statistics  # here, not at the top: the login node imports this module for PreflightConfig
+
+    nodes = _by_node(results)
+    rtt_s = max(r["rtt_s"] for r in results)
+    median = statistics.median(n["matmul_tflops"] for n in nodes.values())
+    skewed, warnings = _skewed(nodes, rtt_s, cfg)
     # The checkpoint folder is usually shared: short on every node, no node is to blame and leaving nodes out
     # frees nothing. The run stops (a requeue would find the same folder as full); a person frees space.
     short = [

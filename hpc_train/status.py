@@ -79,94 +79,85 @@ def _total_steps(cfg: dict[str, Any], events: list[dict[str, Any]], metrics: lis
 
 
 def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    import yaml
+
     slurm_ids = [r.job_id for r in runs if r.executor == "slurm"]
     states, state_error = slurm_states_or_error(slurm_ids)
     rows = []
     for r in runs:
-        import yaml
-
         try:
             cfg = {} if r.unreadable else yaml.safe_load((r.run_dir / "config.yaml").read_text())
         except PermissionError as e:
             r.unreadable = denied(Path(e.filename or r.run_dir))
         except FileNotFoundError:  # a trial folder someone deleted: a row that says so, not a traceback
-            rows.append(
-                {
-                    **dict.fromkeys(COLUMNS),
-                    "run": r.label,
-                    "job_id": r.job_id,
-                    "state": "missing",
-                    "warnings": [f"{r.run_dir / 'config.yaml'} does not exist (deleted?)"],
-                }
-            )
+            missing = f"{r.run_dir / 'config.yaml'} does not exist (deleted?)"
+            rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id, "state": "missing"})
+            rows[-1]["warnings"] = [missing]
             continue
         if r.unreadable:
-            rows.append(
-                {
-                    **dict.fromkeys(COLUMNS),
-                    "run": r.label,
-                    "job_id": r.job_id,
-                    "state": "unreadable: permission denied",
-                    "warnings": [r.unreadable],
-                }
-            )
+            rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id})
+            rows[-1].update(state="unreadable: permission denied", warnings=[r.unreadable])
             continue
-        events, metrics = journal.read(r.run_dir), read_metrics(r.run_dir)
+        events = journal.read(r.run_dir)
         state = (
             states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED")
             if r.executor == "slurm"
             else journal.local_state(events, local_pid(r) is not None)
         )
-        last = max((e["time"] for e in events), default=None)
-        atts = journal.attempts(events)
-        warnings = []
-        if cfg["cluster"]["executor"] == "slurm":
-            lead = lead_warning([r.run_dir], cfg["cluster"]["signal_lead_s"])
-            warnings += ["signal lead too short"] if lead else []
-        failures = journal.failures_in_a_row(events)  # what the job's requeue decision counts
-        max_failures = {**cfg["requeue"], **journal.budget_changes(events)}[
-            "max_failures"
-        ]  # hpc-train resume may raise it
-        if failures and failures >= max_failures - 1:
-            warnings.append(f"failure budget {failures}/{max_failures} used")
-        warnings += [f"requeue failed: {e['error']}" for e in journal.named(events[-3:], journal.REQUEUE_FAILED)]
-        if state == "RUNNING" and last is not None and time.time() - last > NO_PROGRESS_WARN_S:
-            warnings.append(f"no event for {(time.time() - last) / 60:.0f} min")
-        if stopped := journal.stopped(events):
-            warnings.append(stopped["reason"])
-        rows.append(
-            {
-                "run": r.label,
-                "job_id": r.job_id,
-                "state": state,
-                "attempts": len(atts),
-                "restarts": max((a["restart"] for a in atts), default=0),
-                "world_size": next(
-                    (a["world_size"] for a in reversed(atts) if a["world_size"]), None
-                ),  # cluster.min_nodes
-                "committed_step": journal.committed_step(events),
-                "total_steps": _total_steps(cfg, events, metrics),
-                "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
-                "mfu": metrics[-1].get("mfu") if metrics else None,
-                "val_loss": next(
-                    (m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None
-                ),  # eval_every_steps
-                "goodput": round(journal.goodput(events, metrics)["goodput"], 3) if atts else None,
-                "since_last_event_s": round(time.time() - last, 1) if last else None,
-                "warnings": warnings,
-                "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
-                "in_job_restarts": len(journal.in_job_restarts(events)),  # hot spares (cluster.spare_nodes)
-                # of them, the ranks that survived rejoined in their processes (cluster.in_process_restart)
-                "in_process_restarts": sum(bool(e.get("in_process")) for e in journal.in_job_restarts(events)),
-                "spares_left": journal.spares_left(events, cfg["cluster"].get("spare_nodes", 0)),
-                # the latest attempt that started: where it resumed from ("memory (step S)", "step_000040", None)
-                "resumed": next(((a["restart"], a["resumed_from"]) for a in reversed(atts) if a["start"]), None),
-                **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
-            }
-        )
+        rows.append(_row(r, cfg, events, state))
         if state_error and r.executor == "slurm":  # shown once below the table, in full
             rows[-1].update(state="unknown", state_error=state_error)
     return rows
+
+
+def _warnings(r: Run, cfg: dict[str, Any], events: list[dict[str, Any]], state: str) -> list[str]:
+    """What needs a person: a signal lead too short, the failure budget nearly spent, a failed requeue, no event
+    for a while, the reason the run stopped."""
+    warnings = []
+    if cfg["cluster"]["executor"] == "slurm" and lead_warning([r.run_dir], cfg["cluster"]["signal_lead_s"]):
+        warnings.append("signal lead too short")
+    failures = journal.failures_in_a_row(events)  # what the job's requeue decision counts
+    max_failures = {**cfg["requeue"], **journal.budget_changes(events)}["max_failures"]  # resume may raise it
+    if failures and failures >= max_failures - 1:
+        warnings.append(f"failure budget {failures}/{max_failures} used")
+    warnings += [f"requeue failed: {e['error']}" for e in journal.named(events[-3:], journal.REQUEUE_FAILED)]
+    last = max((e["time"] for e in events), default=None)
+    if state == "RUNNING" and last is not None and time.time() - last > NO_PROGRESS_WARN_S:
+        warnings.append(f"no event for {(time.time() - last) / 60:.0f} min")
+    if stopped := journal.stopped(events):
+        warnings.append(stopped["reason"])
+    return warnings
+
+
+def _row(r: Run, cfg: dict[str, Any], events: list[dict[str, Any]], state: str) -> dict[str, Any]:
+    metrics = read_metrics(r.run_dir)
+    last = max((e["time"] for e in events), default=None)
+    atts = journal.attempts(events)
+    return {
+        "run": r.label,
+        "job_id": r.job_id,
+        "state": state,
+        "attempts": len(atts),
+        "restarts": max((a["restart"] for a in atts), default=0),
+        # cluster.min_nodes: the latest attempt's
+        "world_size": next((a["world_size"] for a in reversed(atts) if a["world_size"]), None),
+        "committed_step": journal.committed_step(events),
+        "total_steps": _total_steps(cfg, events, metrics),
+        "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
+        "mfu": metrics[-1].get("mfu") if metrics else None,
+        "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),  # eval_every_steps
+        "goodput": round(journal.goodput(events, metrics)["goodput"], 3) if atts else None,
+        "since_last_event_s": round(time.time() - last, 1) if last else None,
+        "warnings": _warnings(r, cfg, events, state),
+        "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
+        "in_job_restarts": len(journal.in_job_restarts(events)),  # hot spares (cluster.spare_nodes)
+        # of them, the ranks that survived rejoined in their processes (cluster.in_process_restart)
+        "in_process_restarts": sum(bool(e.get("in_process")) for e in journal.in_job_restarts(events)),
+        "spares_left": journal.spares_left(events, cfg["cluster"].get("spare_nodes", 0)),
+        # the latest attempt that started: where it resumed from ("memory (step S)", "step_000040", None)
+        "resumed": next(((a["restart"], a["resumed_from"]) for a in reversed(atts) if a["start"]), None),
+        **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
+    }
 
 
 def print_status(rows: list[dict[str, Any]]) -> None:
