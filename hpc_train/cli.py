@@ -280,7 +280,8 @@ def _status(args: argparse.Namespace) -> int:
         )
         return 0
     if args.path == "runs" and not (Path("runs").is_dir() and any(Path("runs").iterdir())):
-        print("no runs here yet (./runs is empty): hpc-train submit starts one; hpc-train status PATH reads others")
+        said = "no runs here yet (./runs is empty): hpc-train submit starts one; hpc-train status PATH reads others"
+        print("[]" if args.json else said)
         return 0
     while True:
         rows = status.status_rows(_runs(args.path, unreadable_ok=True))

@@ -732,7 +732,9 @@ def explain(error: Exception) -> str:
         options = list(error.options)  # type: ignore[attr-defined]
         near = _nearest(option, options)
         # one sentence, not Hydra's options and search path one a line each
-        lines = [f"no {group} config named {option!r}: there are {', '.join(options)} (conf/{group}/*.yaml)"]
+        named_in = re.match(r"In '([^']+)':", str(error))  # the config that asked for it, if not the primary
+        where = f", asked for in {named_in.group(1)}.yaml" if named_in and named_in.group(1) != "config" else ""
+        lines = [f"no {group} config named {option!r}{where}: there are {', '.join(options)} (conf/{group}/*.yaml)"]
         lines.append(f"did you mean {group.replace('/', '.')}={near}?" if near else "")
         if group == "cluster" and not near:
             lines.append(

@@ -148,7 +148,9 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
     task = Task(pulse)
     try:
-        return _run(paths, env, task, process_start, phases_s)
+        result = _run(paths, env, task, process_start, phases_s)
+        task.pulse.stand_down()  # finished: no hang to watch while the exit joins threads and runs atexit (~60 s)
+        return result
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception

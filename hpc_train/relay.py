@@ -131,13 +131,15 @@ def _there(path: Path) -> bool:
         return False
 
 
-def _remove(path: Path) -> None:
-    """Remove path if it is there; one the file system will not remove now is left (then its owner, this user,
-    removes it; _ours and the job id keep another job from acting on it)."""
+def _remove(path: Path) -> bool:
+    """Remove path if it is there: False (said) when the file system will not now (the file is left; _ours and
+    the job id keep another job from acting on it)."""
     try:
         path.unlink(missing_ok=True)
+        return True
     except OSError as e:
         log.warning("cannot remove %s (%s); left", path, e)
+        return False
 
 
 def beat_at(folder: Path, job_id: str) -> float | None:
@@ -171,8 +173,8 @@ def take_marker(folder: Path, job_id: str) -> str:
         if options and not MARKER_OPTIONS.fullmatch(options):
             log.warning("%s holds other than the srun options hpc_train writes; not relaunching on it", marker)
             options = ""
-    _remove(marker)
-    return options
+    # a marker left in place would end the relaunched step too (its look below), and relaunch it again: once
+    return options if _remove(marker) else ""
 
 
 def takes_usr2(pid: int) -> bool:

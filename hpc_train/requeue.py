@@ -69,7 +69,9 @@ def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str
         fate = "batch_host_lost" if held and slurm.batch_host_lost(held) else fate
         allocated, known = os.environ.get("SLURM_JOB_NODELIST", ""), journal.excluded_nodes(events)
         sick = {**lost_nodes(allocated, held, known, fate == "batch_host_lost"), **(sick or {})} or None
-    return Facts(reason, stopping, events, fate, budgets, held, sick, list(signals))
+    # the Pulse's own list, not a copy: a preemption's TERM during the Slurm calls that follow (scontrol requeue
+    # retries for up to 33 s) makes a refused requeue a wait for Slurm's, not a stop
+    return Facts(reason, stopping, events, fate, budgets, held, sick, signals)
 
 
 def requeue_or_stop(

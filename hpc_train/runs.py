@@ -17,7 +17,9 @@ from typing import Any
 
 from hpc_train import journal, slurm
 
-RUN_FILES = ("events.jsonl", "submission.json", "submitit")  # beside a run's config.yaml, one at least
+# Beside a run's config.yaml, one at least (code.json: submit freezes it with the config; a sweep's trial has no
+# submission.json or submitit/ of its own, nor an events.jsonl until a rank wrote one)
+RUN_FILES = ("events.jsonl", "submission.json", "submitit", "code.json")
 
 
 @dataclass
@@ -62,8 +64,9 @@ def find_runs(path: Path) -> list[Run]:
                 for t in manifest["trials"]
             ]
         # a run's frozen config with what submit wrote beside it: not Hydra's conf/config.yaml
-        if (path / "config.yaml").exists() and any((path / f).exists() for f in RUN_FILES):
-            if (path.parent / "sweep.json").exists():  # a trial: its sweep, or the sweep's unreadable row
+        in_sweep = (path.parent / "sweep.json").exists()
+        if (path / "config.yaml").exists() and (in_sweep or any((path / f).exists() for f in RUN_FILES)):
+            if in_sweep:  # a trial: its sweep, or the sweep's unreadable row
                 return [r for r in find_runs(path.parent) if r.run_dir == path or r.unreadable]
             sub = json.loads((path / "submission.json").read_text()) if (path / "submission.json").exists() else {}
             return [

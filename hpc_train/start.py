@@ -73,7 +73,6 @@ def main(folder: str) -> None:
         leave.process(1)
     _write_result(paths.result_pickle, ("success", result))
     del delayed, result  # the function's objects (a model, its process groups) are no longer ours to hold
-    preempt.install_handlers().stand_down()  # finished (this returns the Pulse above): no hang to watch for now
     leave.process(0, finished=True)  # never through the interpreter's shutdown: leave.py says why
 
 

@@ -170,6 +170,7 @@ def test_the_first_hour_a_folder_that_is_not_a_run_and_a_mistyped_command(tmp_pa
     command gets the nearest one; `--help` opens with what hpc-train is, not a note for developers."""
     empty = run([HPC_TRAIN, "status"], cwd=tmp_path)
     assert empty.returncode == 0 and empty.stdout.startswith("no runs here yet"), empty.stdout + empty.stderr
+    assert run([HPC_TRAIN, "status", "--json"], cwd=tmp_path).stdout == "[]\n"  # a script still reads JSON
     assert run([HPC_TRAIN, "init"], cwd=tmp_path).returncode == 0
     before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "conf").rglob("*"))
     for command in ("resume", "logs", "report", "status"):
@@ -182,6 +183,17 @@ def test_the_first_hour_a_folder_that_is_not_a_run_and_a_mistyped_command(tmp_pa
     assert typo.returncode == 2 and "no command 'stauts'; did you mean hpc-train status?" in typo.stderr
     helped = run([HPC_TRAIN, "--help"], cwd=tmp_path)
     assert helped.stdout.split("\n\n")[1].startswith("Slurm-native multi-node PyTorch training"), helped.stdout
+
+
+def test_a_config_group_option_missing_from_a_config_names_the_config_that_asked_for_it() -> None:
+    from hydra.errors import MissingConfigException
+
+    from hpc_train.config import explain
+
+    e = MissingConfigException("In 'cluster/mine': Could not find 'data/nosuch'", "data/nosuch", ["synthetic"])
+    assert explain(e).startswith("no data config named 'nosuch', asked for in cluster/mine.yaml: there are synthetic")
+    e = MissingConfigException("In 'config': Could not find 'cluster/mysite'", "cluster/mysite", ["dev", "local"])
+    assert explain(e).startswith("no cluster config named 'mysite': there are dev, local (conf/cluster/*.yaml)")
 
 
 def test_every_argument_of_every_command_says_what_it_is() -> None:

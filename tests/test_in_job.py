@@ -1441,6 +1441,27 @@ def test_a_file_system_error_at_the_relays_looks_never_ends_the_running_step(
     assert "cannot remove" in caplog.text
 
 
+def test_a_marker_the_relay_cannot_remove_relaunches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: left in place, the marker would end the relaunched step at the relay's next look, and relaunch it
+    again, until the time limit. Not removed, it is not acted on: the job ends with the step's status."""
+    import errno
+
+    from hpc_train import relay
+
+    relay.write_marker(tmp_path, "77", "--nodes=2 --ntasks=4")
+    assert relay.take_marker(tmp_path, "77") == "--nodes=2 --ntasks=4"  # removable: taken
+    relay.write_marker(tmp_path, "77", "--nodes=2 --ntasks=4")
+    real_unlink = Path.unlink
+
+    def refused(self: Path, *a: object, **k: object) -> None:
+        if self.name.startswith(".relaunch-"):
+            raise OSError(errno.EACCES, "Permission denied", str(self))
+        real_unlink(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    assert relay.take_marker(tmp_path, "77") == ""
+
+
 def test_a_step_that_outlives_its_runs_finish_is_ended_completed(tmp_path: Path) -> None:
     """cluster.in_process_restart: a task taken for dead (SIGSTOP, D state) that never exits held the step after the
     ranks finished the run (.finished-JOBID) until the time limit: the relay ends it as after a relaunch marker,

@@ -222,3 +222,29 @@ def test_a_function_that_returns_at_its_last_step_finishes_whenever_the_signal_c
     Attempt.returned(at)  # type: ignore[arg-type]
     assert at.stopped is stops
     assert not stops or (at.stop_step, at.stop_reason) == (reached, "preempt")
+
+
+def test_a_finished_rank_stands_its_own_watchdog_down_whatever_handler_the_function_left(tmp_path: Path) -> None:
+    """Review: start.py stood the watchdog down through install_handlers(), which made a fresh Pulse when the
+    user's function had left a SIGTERM handler of its own: the Task's Pulse, the one the watchdog reads, kept
+    running through the ~60 s exit (a hang dump and a fail event after the finish). job.run_job stands its own
+    Task's Pulse down once the attempt finished. In a process of its own (run_job sets the rank's environment)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import signal\n"
+        "from hpc_train import job\n"
+        "seen = {}\n"
+        "def fake_run(paths, env, task, process_start, phases_s):\n"
+        "    seen['pulse'] = task.pulse\n"
+        "    signal.signal(signal.SIGTERM, lambda *a: None)  # the user's own handler, left in place\n"
+        "    return {'final_step': 3}\n"
+        "job._run = fake_run\n"
+        f"assert job.run_job({str(tmp_path)!r}) == {{'final_step': 3}}\n"
+        "print(seen['pulse'].last_beat)\n"
+    )
+    env = {**os.environ, "SUBMITIT_LOCAL_JOB_ID": "5", "SUBMITIT_LOCAL_NTASKS": "1"}
+    env |= {"SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_LOCALID": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "inf", out.stdout + out.stderr

@@ -420,3 +420,36 @@ def test_the_requeue_reserve_is_the_stop_paths_worst_case() -> None:
     elastic = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
     assert deadlines.decision_reserve_s(on_slurm, elastic) == 50.0 < ClusterConfig().signal_lead_s / 2
     assert deadlines.decision_reserve_s(SimpleNamespace(executor="local"), elastic) == 4.0
+
+
+def test_a_term_during_a_refused_requeue_makes_it_a_wait_for_slurms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the decision's facts held a copy of the signals received, so a preemption's TERM during the failure
+    path's `scontrol requeue` (which retries for up to 33 s) was not seen: a refused requeue stopped the rank inside
+    the grace time, and Slurm never requeued the job. The facts read the Pulse's own list."""
+    from types import SimpleNamespace
+
+    from hpc_train import requeue, slurm
+    from hpc_train.config import RunConfig
+    from hpc_train.paths import RunPaths
+
+    received: list[str] = []
+
+    def refused(job_id: str, policy: object) -> str:
+        received.append("SIGTERM")  # the preemption's TERM, recorded by the handler while scontrol retried
+        return "Job is being requeued, can not requeue"
+
+    monkeypatch.setattr(slurm, "requeue", refused)
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("n1",))
+    facts = requeue.Facts("failure", False, [], "", RunConfig().requeue, None, None, received)
+    assert requeue._requeue(env, RunConfig(), facts, "failure", [], lambda *a, **k: None) == "wait"
+    received.clear()
+    copied = requeue.Facts("failure", False, [], "", RunConfig().requeue, None, None, list(received))
+    assert requeue._requeue(env, RunConfig(), copied, "failure", [], lambda *a, **k: None) == "stop"
+    assert (
+        requeue.gather(
+            RunPaths(tmp_path), SimpleNamespace(executor="local"), RunConfig(), "failure", None, received
+        ).signals
+        is received
+    )

@@ -132,6 +132,9 @@ def test_a_deleted_trial_folder_is_a_missing_row_in_results_and_status(tmp_path:
     assert rows[0]["warnings"] == [f"{sweep_dir}/0000/config.yaml does not exist (deleted?)"]
     proc = run([HPC_TRAIN, "status", str(sweep_dir)])  # the table too
     assert proc.returncode == 0 and "missing" in proc.stdout, proc.stderr
+    # the trial itself, named alone before any rank wrote an event (review: taken for no run)
+    proc = run([HPC_TRAIN, "status", str(sweep_dir / "0001"), "--json"])
+    assert proc.returncode == 0 and [r["run"] for r in json.loads(proc.stdout)] == ["mix-1/0001"], proc.stderr
 
 
 def test_status_shows_a_runs_own_total_steps_never_another_loops() -> None:
