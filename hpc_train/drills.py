@@ -201,8 +201,11 @@ def chaos(run: Run, action: str, rank: int = 0, seconds: float | None = None, no
             f"writes its own: it would never fire; on this run use one of {', '.join(works)}"
         )
     if run.executor != "slurm" and action not in DRILLS:
+        # the local executor's preemption: its controller (the job id) forwards a TERM to every rank, which save,
+        # and restarts them in place (docs/operations.md)
+        local_way = f"; a preemption here: kill -TERM {run.job_id} (its local controller)" * (action == "preempt")
         raise ValueError(
-            f"{run.label} runs on the local executor; chaos {action} needs Slurm (cluster=dev); "
+            f"{run.label} runs on the local executor; chaos {action} needs Slurm (cluster=dev){local_way}; "
             f"local runs take {', '.join(DRILLS)}"
         )
     start = journal.last(journal.read(run.run_dir), journal.START)

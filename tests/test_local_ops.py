@@ -309,3 +309,17 @@ def test_the_attempt_header_is_written_once_per_file(tmp_path: Path) -> None:
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         subprocess.run([sys.executable, "-c", code], stdout=out, stderr=err, check=True)
     assert (tmp_path / "one").read_text() == "1\n" and (tmp_path / "out").read_text() == "2\n"
+
+
+def test_chaos_preempt_on_a_local_run_says_the_local_way(tmp_path: Path) -> None:
+    """Issue 29 D3: refused on the local executor, `chaos preempt` pointed to cluster=dev only, which a new user does
+    not have; it says the local way too (a TERM to the controller, the job id). Nothing is recorded."""
+    from hpc_train import drills
+    from hpc_train.runs import Run
+
+    run = Run(tmp_path, "demo-1", "5122", "local", tmp_path / "submitit")
+    with pytest.raises(ValueError, match=r"needs Slurm \(cluster=dev\); a preemption here: kill -TERM 5122 "):
+        drills.chaos(run, "preempt")
+    with pytest.raises(ValueError) as other:
+        drills.chaos(run, "kill-rank")
+    assert "kill -TERM" not in str(other.value) and not (tmp_path / "events.jsonl").exists()
