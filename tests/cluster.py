@@ -389,7 +389,11 @@ def reconfigure(root: Path = CLUSTER_DIR, max_array_size: int = 1001, ctld_param
     """
     conf = paths(root)["etc"] / "slurm.conf"
     kept = re.search(r"^MaxJobCount=(\d+)$", conf.read_text(), re.M)
-    conf.write_text(slurm_conf_text(root, max_array_size, ctld_parameters, int(kept.group(1)) if kept else None))
+    # whole or not at all (a temp file renamed over it): an srun of a running job reads slurm.conf as it starts,
+    # and found it empty mid-write ("s_p_parse_file: file ... is empty": an array task never ran, CI timed out)
+    fresh = conf.with_name("slurm.conf.new")
+    fresh.write_text(slurm_conf_text(root, max_array_size, ctld_parameters, int(kept.group(1)) if kept else None))
+    os.replace(fresh, conf)
     _run(["scontrol", "reconfigure"], root)
     want = ctld_parameters or "(null)"
     _wait_for(
