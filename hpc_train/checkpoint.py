@@ -661,16 +661,8 @@ class Saver:
         folder or None, seconds verifying, seconds loading)."""
         from rich.progress import Progress
 
-        rank, world = dist.get_rank(), dist.get_world_size()
-        listing: list[Any] = [None]
-        if rank == 0:  # each candidate's manifest, why not to trust it (another user's or writable by others), ours
-            listing[0] = [
-                (s, m, untrusted_checkpoint(p, names, self.root.parent), _ours([p, *(p / n for n in [MARKER, *names])]))
-                for s, p in reversed(step_folders(self.root).items())
-                if (p / MARKER).exists()
-                for m in [read_marker(p)]
-                for names in [list(m["files"]) if m else []]
-            ]
+        rank = dist.get_rank()
+        listing: list[Any] = [self._candidates() if rank == 0 else None]
         dist.broadcast_object_list(listing, src=0)
         t0 = time.monotonic()
         load_failed = ""
@@ -685,57 +677,13 @@ class Saver:
                     loose.append(folder)
                     self.event(journal.CHECKPOINT_SKIPPED, step, reason=f"{folder.name}: not loaded: {distrust}")
                     continue  # not `bad`: retention must not delete what may be this run's only progress
-                if distrust:
-                    why = f"not loaded: {distrust}"
-                elif marker is None:
-                    why = f"unreadable {MARKER}"
-                elif unknown_format(folder, marker):  # judged alike on every rank: all have the same listing
-                    raise Unrecoverable(  # falling back would have this attempt's saves and retention bury it
-                        f"{unknown_format(folder, marker)}. Resume with the hpc_train that wrote it (install "
-                        f"it, then hpc-train resume {self.root.parent}); nothing was loaded or deleted"
-                    )
-                else:
-                    share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
-                    task = progress.add_task(
-                        f"verifying {folder.name}", total=sum(marker["files"][n]["bytes"] for n in share)
-                    )
-                    why = verify(folder, {n: marker["files"][n] for n in share}, lambda n: progress.advance(task, n))
-                whys: list[Any] = [None] * world
-                dist.all_gather_object(whys, why)
-                why = next((w for w in whys if w), "")
+                why = self._verified_everywhere(folder, marker, distrust, progress)
+                verify_s, t1 = time.monotonic() - t0, time.monotonic()
                 if not why:
-                    verify_s, t1 = time.monotonic() - t0, time.monotonic()
-                    sd = state.state_dict()
-                    meta = saved_metadata(folder)
-                    why = meta if isinstance(meta, str) else ""
-                    sd = sd if why else _held_data_keys(sd, meta)
-                    lazy = set() if why else _lazy_optimizer_state(sd, meta)
-                    wrong = "" if why else shape_mismatch(meta, sd)
-                    if wrong:  # every older folder was written by the same code: a fallback would not fit either
-                        raise Unrecoverable(
-                            f"{folder} does not fit this run's state: {wrong}. It was written by other code (a "
-                            f"parameter, buffer, optimizer state or state.data added, removed or reshaped since). "
-                            f"Run the code that wrote it (then hpc-train resume {self.root.parent}), or start a "
-                            f"new run from its weights with checkpoint.init_from={folder} (when the model still "
-                            f"fits them); nothing was loaded or deleted"
-                        )
+                    why, partial = self._load(step, folder, marker, state)
+                    load_failed = why if partial else load_failed
                 if not why:
-                    try:  # DCP raises on every rank alike, so every rank goes on to the next folder
-                        with _helper_threads_single_threaded():
-                            dcp.load(sd, checkpoint_id=folder)
-                        state.load_state_dict(sd, strict=not lazy)  # shape_mismatch judged the model's keys
-                        drop_optimizer_state(state, lazy)
-                        # Another world size (elastic resume): DCP resharded model and optimizer above; a rank
-                        # the checkpoint had no file for keeps its fresh seed (Attempt.resume says so).
-                        if (folder / rank_file(rank)).exists():
-                            state.load_rank_state(
-                                torch.load(folder / rank_file(rank), weights_only=True)
-                            )  # no pickle runs
-                        self.verified.add(step)
-                        self.saved_world_size = int(marker["world_size"])
-                        return folder, verify_s, time.monotonic() - t1
-                    except CheckpointException as e:
-                        why = load_failed = f"verified but did not load: {str(e).splitlines()[0][:300]}"
+                    return folder, verify_s, time.monotonic() - t1
                 self.bad.add(step)
                 self.event(journal.CHECKPOINT_SKIPPED, step, reason=f"{folder.name}: {why}")
         if loose:  # starting over would lose them to this attempt's saves and retention: a person decides
@@ -750,6 +698,72 @@ class Saver:
                 f"the next attempt starts clean"
             )
         return None, time.monotonic() - t0, 0.0
+
+    def _candidates(self) -> list[tuple[int, dict[str, Any] | None, str, bool]]:
+        """Rank 0's listing, newest first: (step, its manifest, why not to trust it (another user's or writable by
+        others), whether it is this run's own)."""
+        return [
+            (s, m, untrusted_checkpoint(p, names, self.root.parent), _ours([p, *(p / n for n in [MARKER, *names])]))
+            for s, p in reversed(step_folders(self.root).items())
+            if (p / MARKER).exists()
+            for m in [read_marker(p)]
+            for names in [list(m["files"]) if m else []]
+        ]
+
+    def _verified_everywhere(self, folder: Path, marker: dict[str, Any] | None, distrust: str, progress: Any) -> str:
+        """Collective: "" when every rank's share of `folder` verifies, else the first rank's reason not to load it.
+        Raises Unrecoverable for a format this hpc_train does not know (judged alike on every rank: all have the
+        same listing)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if distrust:
+            why = f"not loaded: {distrust}"
+        elif marker is None:
+            why = f"unreadable {MARKER}"
+        elif unknown_format(folder, marker):
+            raise Unrecoverable(  # falling back would have this attempt's saves and retention bury it
+                f"{unknown_format(folder, marker)}. Resume with the hpc_train that wrote it (install "
+                f"it, then hpc-train resume {self.root.parent}); nothing was loaded or deleted"
+            )
+        else:
+            share = shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
+            task = progress.add_task(f"verifying {folder.name}", total=sum(marker["files"][n]["bytes"] for n in share))
+            why = verify(folder, {n: marker["files"][n] for n in share}, lambda n: progress.advance(task, n))
+        whys: list[Any] = [None] * world
+        dist.all_gather_object(whys, why)
+        return next((w for w in whys if w), "")
+
+    def _load(self, step: int, folder: Path, marker: dict[str, Any], state: TrainState) -> tuple[str, bool]:
+        """Load the verified `folder` into `state` on every rank: ("", False) once loaded, else (why not, whether
+        the model may hold part of it: DCP failed midway). Raises Unrecoverable for a checkpoint whose shapes do
+        not fit the model."""
+        sd = state.state_dict()
+        meta = saved_metadata(folder)
+        if isinstance(meta, str):
+            return meta, False
+        sd = _held_data_keys(sd, meta)
+        lazy = _lazy_optimizer_state(sd, meta)
+        if wrong := shape_mismatch(meta, sd):  # every older folder was written by the same code: none would fit
+            raise Unrecoverable(
+                f"{folder} does not fit this run's state: {wrong}. It was written by other code (a "
+                f"parameter, buffer, optimizer state or state.data added, removed or reshaped since). "
+                f"Run the code that wrote it (then hpc-train resume {self.root.parent}), or start a "
+                f"new run from its weights with checkpoint.init_from={folder} (when the model still "
+                f"fits them); nothing was loaded or deleted"
+            )
+        try:  # DCP raises on every rank alike, so every rank goes on to the next folder
+            with _helper_threads_single_threaded():
+                dcp.load(sd, checkpoint_id=folder)
+            state.load_state_dict(sd, strict=not lazy)  # shape_mismatch judged the model's keys
+            drop_optimizer_state(state, lazy)
+            # Another world size (elastic resume): DCP resharded model and optimizer above; a rank the checkpoint had
+            # no file for keeps its fresh seed (Attempt.resume says so).
+            if (folder / rank_file(dist.get_rank())).exists():
+                state.load_rank_state(torch.load(folder / rank_file(dist.get_rank()), weights_only=True))  # no pickle
+        except CheckpointException as e:
+            return f"verified but did not load: {str(e).splitlines()[0][:300]}", True
+        self.verified.add(step)
+        self.saved_world_size = int(marker["world_size"])
+        return "", False
 
     def init_from(self, state: TrainState) -> tuple[dict[str, Any], float, float]:
         """Collective: a new run's weights (and optimizer state, with checkpoint.init_from_optimizer) from

@@ -115,29 +115,7 @@ class ClusterConfig:
                 f"{self.tasks_per_node} x {self.cpus_per_task} CPUs an elastic run's ranks need on each "
                 f"node (it sets --mincpus={mincpus}); raise it or leave it out"
             )
-        if self.in_process_restart and not self.spare_nodes:
-            raise ValueError(
-                "cluster.in_process_restart=true needs a warm standby on a spare node; set cluster.spare_nodes=1 "
-                "(or more), or cluster.in_process_restart=false"
-            )
-        spread = str(self.sbatch_extra.get("distribution", "block"))
-        if self.in_process_restart and spread.split(":")[0] not in ("block", "*"):  # rejoin.split_standby's order
-            raise ValueError(
-                f"cluster.sbatch_extra.distribution={spread!r} puts the step's tasks on its nodes in another order, "
-                f"but cluster.in_process_restart=true takes the tasks of the first cluster.nodes nodes (Slurm's block "
-                f"order) as the trainers and the rest as standbys; drop it, keep its node part block (e.g. "
-                f"block:cyclic), or set cluster.in_process_restart=false"
-            )
-        if self.executor == "local" and self.spare_nodes:
-            raise ValueError(
-                f"cluster.spare_nodes={self.spare_nodes} but the local executor runs on this one machine; "
-                f"use cluster.spare_nodes=0, or cluster=slurm for hot spares"
-            )
-        if self.executor == "local" and self.nodes != 1:
-            raise ValueError(
-                f"cluster.nodes={self.nodes} but the local executor runs on this one machine; "
-                f"use cluster.nodes=1, or cluster=slurm for several nodes"
-            )
+        self._check_spares_and_local()
         if self.signal_lead_s >= self.timeout_min * 60:
             raise ValueError(
                 f"cluster.signal_lead_s={self.signal_lead_s} must be shorter than "
@@ -165,6 +143,33 @@ class ClusterConfig:
             raise ValueError(
                 f"cluster.template={self.template!r}: no {TEMPLATES_DIR}/{self.template}.sh; "
                 f"use one of {known} or add the file"
+            )
+
+    def _check_spares_and_local(self) -> None:
+        """Hot spares' in-process restart has standbys to rejoin, in Slurm's block order; the local executor is one
+        machine."""
+        if self.in_process_restart and not self.spare_nodes:
+            raise ValueError(
+                "cluster.in_process_restart=true needs a warm standby on a spare node; set cluster.spare_nodes=1 "
+                "(or more), or cluster.in_process_restart=false"
+            )
+        spread = str(self.sbatch_extra.get("distribution", "block"))
+        if self.in_process_restart and spread.split(":")[0] not in ("block", "*"):  # rejoin.split_standby's order
+            raise ValueError(
+                f"cluster.sbatch_extra.distribution={spread!r} puts the step's tasks on its nodes in another order, "
+                f"but cluster.in_process_restart=true takes the tasks of the first cluster.nodes nodes (Slurm's block "
+                f"order) as the trainers and the rest as standbys; drop it, keep its node part block (e.g. "
+                f"block:cyclic), or set cluster.in_process_restart=false"
+            )
+        if self.executor == "local" and self.spare_nodes:
+            raise ValueError(
+                f"cluster.spare_nodes={self.spare_nodes} but the local executor runs on this one machine; "
+                f"use cluster.spare_nodes=0, or cluster=slurm for hot spares"
+            )
+        if self.executor == "local" and self.nodes != 1:
+            raise ValueError(
+                f"cluster.nodes={self.nodes} but the local executor runs on this one machine; "
+                f"use cluster.nodes=1, or cluster=slurm for several nodes"
             )
 
     def _check_setup(self) -> None:
@@ -695,8 +700,18 @@ def validate_live(
         warnings.append(f"{short} (frozen at submit; a new run can set cluster.preempt_grace_s={grace})")
     node_info = slurm.nodes()
     in_partition = _expand(part.get("Nodes", ""))
-    members = [n for n in node_info if n in in_partition]
-    cpus = max((int(node_info[n].get("CPUTot", "0")) for n in members), default=0)
+    members = {n: node_info[n] for n in node_info if n in in_partition}
+    _check_node_size(cluster, name, members)
+    if max_parallel is not None and max_parallel < 1:
+        raise ValueError(f"--max-parallel={max_parallel} must be >= 1")
+    unchecked = _validate_site(cluster, name, part, members)
+    _test_only(script, name)
+    return unchecked
+
+
+def _check_node_size(cluster: ClusterConfig, name: str, members: dict[str, dict[str, str]]) -> None:
+    """The tasks' CPUs and the GPUs asked for fit the biggest of partition `name`'s nodes (scontrol show node)."""
+    cpus = max((int(info.get("CPUTot", "0")) for info in members.values()), default=0)
     want_cpus = cluster.tasks_per_node * cluster.cpus_per_task
     if want_cpus > cpus:
         raise ValueError(
@@ -705,22 +720,25 @@ def validate_live(
             f"at most {cpus}; lower one of them"
         )
     if cluster.gpus_per_node:
-        gpus = max((_gpu_count(node_info[n].get("Gres", "")) for n in members), default=0)
+        gpus = max((_gpu_count(info.get("Gres", "")) for info in members.values()), default=0)
         if cluster.gpus_per_node > gpus:
             raise ValueError(
                 f"cluster.gpus_per_node={cluster.gpus_per_node} but partition {name}'s nodes have "
                 f"at most {gpus} GPUs (Gres); use cluster.gpus_per_node<={gpus} or a GPU partition"
             )
-    if max_parallel is not None and max_parallel < 1:
-        raise ValueError(f"--max-parallel={max_parallel} must be >= 1")
-    unchecked = _validate_site(cluster, name, part, {n: node_info[n] for n in members})
+
+
+def _test_only(script: str, name: str) -> None:
+    """sbatch --test-only of the rendered script; refused: ValueError with Slurm's words."""
+    from hpc_train import slurm
+
     with tempfile.NamedTemporaryFile("w", suffix=".sh") as f:
         f.write(script)
         f.flush()
         for attempt in range(6):
             try:
                 slurm.test_only(f.name)
-                break
+                return
             except slurm.SlurmError as e:
                 # Right after a controller restart, nodes have not re-registered ("idle*", "unk*") and
                 # every request looks impossible for a few seconds: wait for them, up to ~10 s.
@@ -729,7 +747,6 @@ def validate_live(
                     time.sleep(2)
                     continue
                 raise ValueError(f"sbatch --test-only refused the request for partition {name}: {e}") from None
-    return unchecked
 
 
 def _validate_site(

@@ -556,8 +556,6 @@ def _submit_sweep(
     progress: Callable[[int, int], None] | None,
 ) -> tuple[Plan, list[Any]]:
     """Freeze every trial, record the manifest, then one sbatch per array; the caller holds sweep.json.lock."""
-    from hpc_train.job import run_job
-
     if sweep_dir is not None:
         saved = _load_manifest(p.target, overrides, p.trials)
         if saved is not None:
@@ -586,46 +584,60 @@ def _submit_sweep(
             continue
         array.submitting = True
         _save_manifest(p, overrides, changed=[])
-        if cluster.executor == "local":  # this machine is the cluster: one trial at a time
-            from hpc_train.runs import process_identity
-
-            with _interrupts_held(), _owner_writes_only():
-                with _stdio_to_devnull():
-                    new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
-                # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
-                p.trials[todo[0]].job_id = str(new[0].job_id)
-                p.trials[todo[0]].process = process_identity(int(new[0].job_id))
-                array.job_id, array.submitting = str(new[0].job_id), False
-                _save_manifest(p, overrides, changed=todo)
-            # Waits for the trial's end, never unpickling its result (a failed trial is in its events.jsonl)
-            with contextlib.suppress(Exception):
-                new[0].wait()
-        else:
-            what = (
-                f"trials {todo[0]}..{todo[-1]} of {p.target} (the manifest has what is queued: rerun the same "
-                f"command with --sweep-dir {p.target} to submit the rest)"
-            )
-            tried: list[int] = []
-
-            def queue_array() -> list[Any]:
-                # A try that timed out may still have queued the array: look it up before trying again.
-                if tried and _adopt_lost_array(p, array, executor):
-                    return []
-                tried.append(1)
-                return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
-
-            with _interrupts_held(), _owner_writes_only():
-                new = _sbatch_with_retry(queue_array, what)
-                for i, job in zip(todo, new):
-                    p.trials[i].job_id = str(job.job_id)
-                if new:  # one save per sbatch records the trials' and the array's ids (two saved the same twice)
-                    array.job_id, array.submitting = str(new[0].job_id).split("_")[0], False
-                _save_manifest(p, overrides, changed=todo if new else None)  # adopted: ids set elsewhere
-            if not new:  # adopted: the job ids are recorded already
-                continue
+        run = _run_local_trial if cluster.executor == "local" else _queue_array
+        new = run(p, array, todo, executor, overrides)
+        if not new:  # adopted: the job ids are recorded already
+            continue
         jobs += new
         done += len(todo)
         if progress:
             progress(done, len(p.trials))
     _save_manifest(p, overrides, changed=[])  # the arrays skipped above: their state, no trial's
     return p, jobs
+
+
+def _run_local_trial(p: Plan, array: Array, todo: list[int], executor: Any, overrides: list[str]) -> list[Any]:
+    """The local executor: this machine is the cluster, one trial at a time; returns its job once it ended."""
+    from hpc_train.job import run_job
+    from hpc_train.runs import process_identity
+
+    with _interrupts_held(), _owner_writes_only():
+        with _stdio_to_devnull():
+            new = [executor.submit(run_job, p.trials[todo[0]].run_dir)]
+        # recorded before waiting: status, cancel and resume tell this controller from a later pid's owner
+        p.trials[todo[0]].job_id = str(new[0].job_id)
+        p.trials[todo[0]].process = process_identity(int(new[0].job_id))
+        array.job_id, array.submitting = str(new[0].job_id), False
+        _save_manifest(p, overrides, changed=todo)
+    # Waits for the trial's end, never unpickling its result (a failed trial is in its events.jsonl)
+    with contextlib.suppress(Exception):
+        new[0].wait()
+    return new
+
+
+def _queue_array(p: Plan, array: Array, todo: list[int], executor: Any, overrides: list[str]) -> list[Any]:
+    """One sbatch of the array's `todo` trials, their ids recorded; [] when a lost try's array was adopted instead
+    (its ids recorded by _adopt_lost_array)."""
+    from hpc_train.job import run_job
+
+    what = (
+        f"trials {todo[0]}..{todo[-1]} of {p.target} (the manifest has what is queued: rerun the same "
+        f"command with --sweep-dir {p.target} to submit the rest)"
+    )
+    tried: list[int] = []
+
+    def queue_array() -> list[Any]:
+        # A try that timed out may still have queued the array: look it up before trying again.
+        if tried and _adopt_lost_array(p, array, executor):
+            return []
+        tried.append(1)
+        return executor.map_array(run_job, [p.trials[i].run_dir for i in todo])
+
+    with _interrupts_held(), _owner_writes_only():
+        new = _sbatch_with_retry(queue_array, what)
+        for i, job in zip(todo, new):
+            p.trials[i].job_id = str(job.job_id)
+        if new:  # one save per sbatch records the trials' and the array's ids (two saved the same twice)
+            array.job_id, array.submitting = str(new[0].job_id).split("_")[0], False
+        _save_manifest(p, overrides, changed=todo if new else None)  # adopted: ids set elsewhere
+    return new
