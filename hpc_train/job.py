@@ -10,7 +10,7 @@ The job side, one module a protocol (docs/architecture.md draws them):
     task.py        the rank process's own state (placed env, the failure claim, the life lock)
     rendezvous.py  the placed TCPStore rendezvous       lease.py     one live job owns a run directory
     watchdog.py    the hang watchdog                    failure.py   fail event, claim, the verdict wait
-    requeue.py     the one decision and its application relaunch.py  hot spares: the step again in the job
+    decision.py    the decision as data: facts in, one out  requeue.py  its facts gathered, and applied
     rejoin.py      in-process restart: standbys, plan   verdict.py   the verdicts and the one way out
     deadlines.py   every deadline of the stop and failure paths
 

@@ -19,7 +19,7 @@ from hpc_train.verdict import Verdict
 
 
 def split_standby(env: Any, cfg: Any) -> tuple[Any, bool]:
-    """cluster.in_process_restart: the step spans the spares too (sbatch renders it so; relaunch.relaunch again);
+    """cluster.in_process_restart: the step spans the spares too (sbatch renders it so, a relaunch too);
     its first cluster.nodes nodes train, every task beyond them is a warm standby. (the training env, standby?)"""
     lws = env.local_world_size
     if not (cfg.cluster.in_process_restart and env.executor == "slurm" and os.environ.get("HPC_TRAIN_STEP_ARGS")):

@@ -23,7 +23,7 @@ With hot spares (HPC_TRAIN_STEP_ARGS, exported by the batch script of a job with
 - once either is there the step gets STEP_END_S to end, then srun a TERM (SIGKILL to every task, a stopped
   one too), then STEP_KILL_S before SIGKILL to srun itself (a task in D state);
 - while the step runs this writes the time into FOLDER/.relay-JOBID every BEAT_S: a deciding rank that finds
-  it silent (beat_at, relaunch.relay_silent_s) takes this node for lost and requeues instead.
+  it silent (beat_at, requeue.relay_silent_s) takes this node for lost and requeues instead.
 A signal that came while one step ended goes to the next as HPC_TRAIN_PENDING_SIGNAL=SIGUSR2@<Unix s>, the
 time it came (preempt.install_handlers reads it).
 """
@@ -70,7 +70,7 @@ LOOK_S = 1.0  # how often the marker and the finished file are looked for (two s
 # A signal waits for srun's handlers at most this long, then goes anyway: srun 22.05 has them within ~10 ms;
 # a site's srun wrapper that never catches USR2 would otherwise hold the signal for good.
 SRUN_READY_WAIT_S = 10.0
-# The only words a marker may hold: what relaunch.relaunch writes. They become srun options, and a
+# The only words a marker may hold: what decision._relaunch writes. They become srun options, and a
 # group-writable folder must not let a teammate add --task-prolog or --export to this user's step.
 MARKER_OPTIONS = re.compile(r"--nodes=[0-9]+ --ntasks=[0-9]+( --exclude=[A-Za-z0-9._,-]+)?")
 

@@ -10,9 +10,11 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any
 
-from hpc_train import deadlines, journal, preempt, relaunch, slurm, verdict
+from hpc_train import deadlines, decision, journal, preempt, rejoin, relay, slurm, verdict
+from hpc_train.decision import Action, Decision, Facts, Inside, Queue
 from hpc_train.env import parse_nodelist
 from hpc_train.paths import RunPaths
 from hpc_train.task import Task
@@ -33,29 +35,17 @@ def spare_nodes(env: Any, cluster: Any) -> int | None:
     return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
-@dataclasses.dataclass(frozen=True)
-class Facts:
-    """What one decision knows, gathered once (gather): the run's journal, Slurm's fate of the job (or the local
-    event log's), the budgets as `hpc-train resume` raised them, the nodes a hot-spares job holds now, and the sick
-    nodes ({node: why}: those blamed, and those Slurm took out of the job)."""
-
-    reason: str
-    stopping: bool  # after a stop signal: the Slurm calls take the stop path's shorter policies
-    events: list[dict[str, Any]]
-    fate: str
-    budgets: Any
-    held: slurm.Allocation | None
-    sick: dict[str, str] | None
-    signals: list[str]  # the stop signals the deciding rank received, in order
-
-
 def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str] | None, signals: list[str]) -> Facts:
+    """Slurm's facts and the journal's, asked once for one decision (decision.Facts). signals: the Pulse's own list,
+    not a copy: a preemption's TERM during the Slurm calls that follow (scontrol requeue retries for up to 33 s)
+    makes a refused requeue a wait for Slurm's, not a stop (decision.after_refusal)."""
     stopping = reason in ("time_limit", "preempt")
+    on_slurm = env.executor == "slurm"
     events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
     fate = (
         slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE if stopping else slurm.FATE)
-        if env.executor == "slurm"
+        if on_slurm
         else journal.local_fate(events)
     )
     budgets = dataclasses.replace(cfg.requeue, **journal.budget_changes(events))  # raised by `hpc-train resume`
@@ -63,15 +53,76 @@ def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str
     # requeue's ExcNodeList leave it out (a requeued job started on it again while its slurmd still held the old
     # one: "Duplicate jobid", node drained, the job held). A stop asks only when its batch host is gone.
     held: slurm.Allocation | None = None
-    if cfg.cluster.spare_nodes and env.executor == "slurm" and (not stopping or fate == "batch_host_lost"):
+    spares = bool(cfg.cluster.spare_nodes) and on_slurm
+    if spares and (not stopping or fate == "batch_host_lost"):
         held = slurm.allocation(env.job_id, slurm.STOP_FATE if stopping else slurm.FATE)
         # read after the fate: the batch host may have left NodeList since (Slurm ends the job ms later)
         fate = "batch_host_lost" if held and slurm.batch_host_lost(held) else fate
         allocated, known = os.environ.get("SLURM_JOB_NODELIST", ""), journal.excluded_nodes(events)
         sick = {**lost_nodes(allocated, held, known, fate == "batch_host_lost"), **(sick or {})} or None
-    # the Pulse's own list, not a copy: a preemption's TERM during the Slurm calls that follow (scontrol requeue
-    # retries for up to 33 s) makes a refused requeue a wait for Slurm's, not a stop
-    return Facts(reason, stopping, events, fate, budgets, held, sick, signals)
+    inside = _inside_facts(env, cfg) if spares and not stopping and fate != "batch_host_lost" else None
+    return Facts(
+        reason,
+        stopping,
+        events,
+        fate,
+        budgets,
+        held,
+        sick,
+        signals,
+        executor=env.executor,
+        job_id=env.job_id,
+        nodes=tuple(getattr(env, "nodes", ())),
+        spare=spare_nodes(env, cfg.cluster) if sick else None,
+        queue=snapshot(env, cfg, stopping),
+        inside=inside,
+        now=time.time(),
+    )
+
+
+def _inside_facts(env: Any, cfg: Any) -> Inside:
+    """A hot-spares failure's facts for a restart inside the allocation: its nodes, the time left (Slurm's EndTime:
+    one scontrol call, 3 s at most, else the frozen time limit from the allocation's start the batch script noted),
+    the relay's silence, whether our batch script started the step, whether scontrol exists at all (a container)."""
+    folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
+    our_step = bool(folder and slurm_job and os.environ.get("HPC_TRAIN_STEP_ARGS"))  # exported by our batch script
+    end = (
+        slurm.end_time(env.job_id)[0]
+        or float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or "inf") + cfg.cluster.timeout_min * 60
+    )
+    silent = relay_silent_s(Path(folder), slurm_job) if our_step and folder and slurm_job else 0.0
+    return Inside(
+        parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")),
+        end,
+        silent,
+        our_step,
+        shutil.which("scontrol") is not None,
+        str(relay.beat_file(Path(folder), slurm_job)) if silent and folder and slurm_job else "",
+    )
+
+
+def relay_silent_s(folder: Path, slurm_job: str) -> float:
+    """How long the batch script's relay has been silent (its node lost), or 0.0 when it lives or nobody knows
+    (relay.beat_at). Older than deadlines.RELAY_SILENT_S by this node's clock, the beat is read once more
+    deadlines.RELAY_RECHECK_S later: a changed one is a live relay on a node whose clock is behind, not a lost one."""
+    beat = relay.beat_at(folder, slurm_job)
+    if beat is None or time.time() - beat <= deadlines.RELAY_SILENT_S:
+        return 0.0
+    time.sleep(deadlines.RELAY_RECHECK_S)
+    return time.time() - beat if relay.beat_at(folder, slurm_job) == beat else 0.0
+
+
+def snapshot(env: Any, cfg: Any, stopping: bool) -> Queue | None:
+    """An elastic run's queue snapshot (slurm.queue_snapshot; stopping: the stop path's shorter policy,
+    slurm.STOP_SNAPSHOT); None for a run that is not elastic (no call)."""
+    if not elastic(env, cfg):
+        return None
+    partition = cfg.cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
+    try:
+        states, jobs = slurm.queue_snapshot(partition, env.job_id, slurm.STOP_SNAPSHOT if stopping else (10.0, 1))
+    except slurm.SlurmError as e:
+        return Queue(error=str(e))
+    return Queue(states, jobs)
 
 
 def requeue_or_stop(
@@ -84,114 +135,87 @@ def requeue_or_stop(
     hang: bool = False,
     *,
     signals: list[str],
-) -> str:
-    """Ask Slurm (or the local event log) what it is doing with the job (gather), take the one decision
-    (preempt.decide; preempt.exclusion for `sick` nodes, {node: why}), act on it and record it. Returns
-    "requeue" (the job comes back, without the run's excluded nodes), "relaunch" (hot spares: the batch
-    script starts the training step again inside the allocation, without them; relaunch.relaunch), "rejoin"
-    (cluster.in_process_restart), "wait" (only Slurm can bring it back: stay alive until it ends the job) or
-    "stop". After a stop signal ("time_limit", "preempt") the Slurm calls take the stop path's shorter policies,
-    whose worst case deadlines.REQUEUE_RESERVE_S reserves. hang: the watchdog fired (an in-job restart
+) -> Verdict:
+    """Gather the facts once (Slurm's fate of the job, or the local event log's; `sick` nodes, {node: why}), decide
+    (decision.decide, pure) and apply the decision. Returns Verdict.REQUEUE (the job comes back, without the run's
+    excluded nodes), RELAUNCH (hot spares: the batch script starts the training step again inside the allocation,
+    without them), REJOIN (cluster.in_process_restart), WAIT (only Slurm can bring it back: stay alive until it ends
+    the job) or STOP. After a stop signal ("time_limit", "preempt") the Slurm calls take the stop path's shorter
+    policies, whose worst case deadlines.REQUEUE_RESERVE_S reserves. hang: the watchdog fired (an in-job restart
     relaunches, never rejoins: rejoin.plan_rejoin). signals: the stop signals this rank received (Task.pulse)."""
     facts = gather(paths, env, cfg, reason, sick, signals)
     record = lambda name, **f: journal.log(paths.run_dir, name, step, env.job_id, env.restart_count, **f)  # noqa: E731
-    action, why = preempt.decide(reason, facts.events, facts.budgets, facts.fate)
-    if how := _inside_the_allocation(paths, env, cfg, facts, action, record, hang):
-        return how
-    action, why, reason, excluded = _exclusions(env, cfg, facts, action, why, record)
-    if action == "stop":
-        record(journal.STOPPED, reason=why)
-        print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
-        return "stop"
-    if action == "slurm":
-        size, snapshot = next_attempt_size(env, cfg, queue_wait_s(env, cfg, excluded, facts.stopping))
-        err = update_next_attempt(env, cfg.cluster, excluded, size, record)
-        error = {"nodes_update_error": err} if err and size else {}
-        record(journal.REQUEUE, reason=reason, by="slurm", note=why, **snapshot, **error)
-        return "requeue"
-    return _requeue(env, cfg, facts, reason, excluded, record)
+    return apply(paths, env, cfg, facts, decision.decide(facts, cfg), record, hang)
 
 
-def _inside_the_allocation(
-    paths: RunPaths, env: Any, cfg: Any, facts: Facts, action: str, record: Callable[..., None], hang: bool
-) -> str:
-    """Hot spares replace a failure's requeue only (the stop path's reserve has no room for the EndTime call the
-    time check makes): "relaunch" or "rejoin" once relaunch.in_job_restart did it, else "" (said why)."""
-    if not (cfg.cluster.spare_nodes and env.executor == "slurm" and action == "requeue" and not facts.stopping):
-        return ""
-    if facts.fate == "batch_host_lost":  # no relay left to relaunch: requeue (and no EndTime call)
-        print(f"[hpc_train] not restarting inside the allocation: {preempt.BATCH_HOST_LOST}", file=sys.stderr)
-        return ""
-    # No scontrol at all (a container): the lost nodes stay unknown, as before they were asked; one that does not
-    # answer may be too busy to have noticed a lost node yet: a relaunch could count it
-    if facts.held is None and shutil.which("scontrol"):
-        print(
-            "[hpc_train] not restarting inside the allocation: Slurm did not say which nodes the job holds now "
-            "(scontrol show job); requeueing",
-            file=sys.stderr,
-            flush=True,
-        )
-        return ""
-    f, sick = facts, facts.sick or {}
-    return relaunch.in_job_restart(
-        paths, env, cfg, f.reason, f.fate, f.events, f.budgets, sick, f.signals, record, hang
+def apply(
+    paths: RunPaths, env: Any, cfg: Any, facts: Facts, d: Decision, record: Callable[..., None], hang: bool = False
+) -> Verdict:
+    """The one place a decision is acted on: its sentences said, its records written, Slurm asked (scontrol requeue
+    and update), the relaunch marker or the rejoin plan written; a relaunch or a rejoin that cannot be made takes
+    the decision's fallback."""
+    for line in d.said:
+        _say(line)
+    if d.action == Action.REJOIN:
+        used = journal.in_job_restarts_in_a_row(facts.events)
+        if rejoin.plan_rejoin(paths, env, facts.events, facts.sick or {}, used, d.reason, record, hang):
+            return Verdict.REJOIN
+        assert d.fallback is not None
+        return apply(paths, env, cfg, facts, d.fallback, record, hang)
+    if d.action == Action.RELAUNCH:
+        folder, slurm_job = os.environ.get("SUBMITIT_FOLDER", ""), os.environ.get("SLURM_JOB_ID", "")
+        try:
+            relay.write_marker(Path(folder), slurm_job, d.srun_args)
+        except OSError as e:  # a full disk: the requeue still brings the run back
+            _say(f"could not write the relaunch marker ({e}): requeueing")
+            assert d.fallback is not None
+            return apply(paths, env, cfg, facts, d.fallback, record, hang)
+        _write(record, d.records)
+        _say(d.why)
+        return Verdict.RELAUNCH
+    _write(record, d.records)
+    if d.action == Action.STOP:
+        record(journal.STOPPED, reason=d.why)
+        _say(f"not requeueing: {d.why}")
+        return Verdict.STOP
+    if d.action == Action.SLURM:
+        err = update_next_attempt(env, cfg.cluster, list(d.excluded), d.size, record)
+        error = {"nodes_update_error": err} if err and d.size else {}
+        record(journal.REQUEUE, reason=d.reason, by="slurm", note=d.why, **d.snapshot, **error)
+        return Verdict.REQUEUE
+    err = (
+        slurm.requeue(env.job_id, slurm.STOP_REQUEUE if facts.stopping else slurm.REQUEUE)
+        if env.executor == "slurm"
+        else ""
     )
-
-
-def _exclusions(
-    env: Any, cfg: Any, facts: Facts, action: str, why: str, record: Callable[..., None]
-) -> tuple[str, str, str, list[str]]:
-    """The sick nodes left out of the next attempt (preempt.exclusion, within requeue.max_excluded_nodes and the
-    partition's spare nodes) and recorded: (action, why, reason, the run's excluded nodes, oldest blame first).
-    One that cannot be left out turns the stop's requeue into a failure's (counted in requeue.max_failures, so a
-    crash loop still ends); one whose budget is spent stops the run."""
-    excluded = list(journal.excluded_nodes(facts.events))  # oldest blame first: update_next_attempt lets those in
-    sick, reason = facts.sick, facts.reason
-    if action == "stop" or not sick:
-        return action, why, reason, excluded
-    local = env.executor != "slurm"
-    max_out = facts.budgets.max_excluded_nodes
-    excluded, not_out, stop = preempt.exclusion(facts.events, sick, max_out, spare_nodes(env, cfg.cluster), local=local)
-    if stop:
-        action, why = "stop", stop
-    elif not_out:
-        record(journal.NODE_NOT_EXCLUDED, nodes=sorted(set(sick) - set(excluded)), why=not_out)
-        print(f"[hpc_train] {not_out}", file=sys.stderr, flush=True)
-        reason = "failure"
-        action, why = preempt.decide(reason, facts.events, facts.budgets, facts.fate)
-    for node, because in sick.items() if not (stop or not_out) else ():
-        record(journal.NODE_EXCLUDED, node=node, why=because)
-    order = [*(n for n in journal.excluded_nodes(facts.events) if n not in sick), *sick]  # the sick ones: newest
-    excluded = sorted(excluded, key=lambda n: order.index(n) if n in order else len(order))
-    return action, why, reason, excluded
-
-
-def _requeue(env: Any, cfg: Any, facts: Facts, reason: str, excluded: list[str], record: Callable[..., None]) -> str:
-    """hpc_train's own `scontrol requeue`, then the next attempt's ExcNodeList and size: "requeue"; refused (no
-    scontrol in a container), "wait" for a preemption (Slurm requeues it when it kills it) or "stop"."""
-    wait = queue_wait_s(env, cfg, excluded, facts.stopping)  # before the requeue, as the reserve counts it
-    policy = slurm.STOP_REQUEUE if facts.stopping else slurm.REQUEUE
-    err = slurm.requeue(env.job_id, policy) if env.executor == "slurm" else ""
     if not err:
-        size, snapshot = next_attempt_size(env, cfg, wait)
-        err = update_next_attempt(env, cfg.cluster, excluded, size, record)  # first: KillWait may end this process
-        error = {"nodes_update_error": err} if err and size else {}
-        record(journal.REQUEUE, reason=reason, by="hpc_train", fate=facts.fate, **snapshot, **error)
-        return "requeue"
-    # e.g. no scontrol in the container. Slurm requeues a preempted job itself when it kills it at the end
-    # of GraceTime, but not one that exited on its own before: so a preemption waits to be killed.
+        err = update_next_attempt(env, cfg.cluster, list(d.excluded), d.size, record)  # first: KillWait may end us
+        error = {"nodes_update_error": err} if err and d.size else {}
+        record(journal.REQUEUE, reason=d.reason, by="hpc_train", fate=facts.fate, **d.snapshot, **error)
+        return Verdict.REQUEUE
     # No requeue, so no pending job to set ExcNodeList on: the node's next preflight finds it and sets it then.
-    unset = {"exclude_nodes": f"not set ({','.join(sorted(excluded))}): the job was not requeued"} if excluded else {}
-    record(journal.REQUEUE_FAILED, reason=reason, fate=facts.fate, error=err, **unset)
-    # a crash inside a preemption's grace too; not a job that ended with its batch host, which Slurm never requeues
-    preempted = (reason == "preempt" or "SIGTERM" in facts.signals) and facts.fate != "batch_host_lost"
-    then = (
-        "waiting for Slurm to end and requeue the preempted job"
-        if preempted
-        else "the last committed checkpoint stays; resubmit to go on"
+    excluded = sorted(d.excluded)
+    unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
+    record(journal.REQUEUE_FAILED, reason=d.reason, fate=facts.fate, error=err, **unset)
+    then = decision.after_refusal(d.reason, facts.signals, facts.fate)  # the live list: a TERM during the retries
+    _say(
+        f"requeue failed: {err}; "
+        + (
+            "waiting for Slurm to end and requeue the preempted job"
+            if then == "wait"
+            else "the last committed checkpoint stays; resubmit to go on"
+        )
     )
-    print(f"[hpc_train] requeue failed: {err}; {then}", file=sys.stderr, flush=True)
-    return "wait" if preempted else "stop"
+    return Verdict(then)
+
+
+def _write(record: Callable[..., None], records: tuple[tuple[str, dict[str, Any]], ...]) -> None:
+    for name, fields in records:
+        record(name, **fields)
+
+
+def _say(line: str) -> None:
+    print(f"[hpc_train] {line}", file=sys.stderr, flush=True)
 
 
 def update_next_attempt(
@@ -249,58 +273,6 @@ def fit_exclusions(cluster: Any, nodes: list[str]) -> tuple[list[str], list[str]
 
 def elastic(env: Any, cfg: Any) -> bool:
     return env.executor == "slurm" and cfg.cluster.elastic()
-
-
-def queue_wait_s(
-    env: Any, cfg: Any, excluded: list[str], stopping: bool = False
-) -> tuple[float | None, dict[str, Any]]:
-    """(seconds until the job's full size could run, None if unknown; the snapshot's facts for the requeue
-    event) from one queue snapshot (preempt.full_size_wait_s), not counting the run's excluded nodes among
-    its own. Facts: free_nodes (counted free now) and not_free (node -> state of those neither free nor held
-    by a running job: why a node was not counted), or queue_error. (None, {}) for a job not elastic.
-    stopping: the stop path's shorter policy (slurm.STOP_SNAPSHOT)."""
-    if not elastic(env, cfg):
-        return None, {}
-    partition = cfg.cluster.partition or os.environ.get("SLURM_JOB_PARTITION", "")
-    try:
-        states, jobs = slurm.queue_snapshot(partition, env.job_id, slurm.STOP_SNAPSHOT if stopping else (10.0, 1))
-    except slurm.SlurmError as e:  # unknown: keep Slurm's range, go on smaller
-        return None, {"queue_error": str(e)}
-    # The run's own exclusions count wherever Slurm's ExcNodeList does: an update that failed, or a requeue
-    # Slurm made, left them out of ExcNodeList, and a left-out idle node counted free pinned NumNodes=4-4
-    # on 3 usable nodes (pending for good on a 4-node partition).
-    mine = [j for j in jobs if j["id"] == env.job_id] or [
-        {"id": env.job_id, "state": "PENDING", "end": None, "nodes": [], "excluded": []}
-    ]
-    jobs = [j for j in jobs if j["id"] != env.job_id] + [
-        {**mine[0], "excluded": sorted({*mine[0]["excluded"], *excluded})}
-    ]
-    own = [n for n in env.nodes if n not in excluded]
-    free = preempt.free_now(own, states, preempt.job_excluded(env.job_id, jobs))
-    facts = {"free_nodes": sorted(free), "not_free": preempt.not_free(env.job_id, states, free, jobs)}
-    return preempt.full_size_wait_s(cfg.cluster.nodes, env.job_id, own, states, jobs, time.time()), facts
-
-
-def next_attempt_size(
-    env: Any, cfg: Any, wait: tuple[float | None, dict[str, Any]]
-) -> tuple[dict[str, str], dict[str, Any]]:
-    """An elastic job (cluster.min_nodes < cluster.nodes, no hot spares: ClusterConfig.elastic), just requeued:
-    wait for all its nodes if they are free within requeue.shrink_after_s, else go on with the nodes free now
-    (preempt.next_size). Returns (the NumNodes/NumTasks fields for update_next_attempt, the requeue event's
-    fields: nodes_next, full_size_wait_s (None: unknown) and the snapshot's facts); ({}, {}) for a job that is
-    not elastic: a hot spares job is requeued as it was queued, nodes + spare_nodes."""
-    if not elastic(env, cfg):
-        return {}, {}
-    c, (wait_s, facts) = cfg.cluster, wait
-    free = facts.get("free_nodes")
-    fields = preempt.next_size(
-        c.min_nodes, c.nodes, c.tasks_per_node, wait_s, cfg.requeue.shrink_after_s, None if free is None else len(free)
-    )
-    return fields, {
-        "nodes_next": fields["NumNodes"],
-        "full_size_wait_s": None if wait_s is None else round(wait_s, 1),
-        **facts,
-    }
 
 
 def lost_nodes(

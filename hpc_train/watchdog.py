@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_train import failure, lease, preempt, relaunch, slurm
+from hpc_train import failure, lease, preempt, requeue, slurm
 from hpc_train.paths import RunPaths
 from hpc_train.task import Pulse, Task
 
@@ -62,13 +62,13 @@ def batch_host_lost(env: Any) -> str:
     """At a SIGTERM, in the watchdog thread (the main one blocked in a collective on a peer that died with no
     reset: a crashed node): has a spares job lost its batch script's node? "lost", "alive" (Slurm said not: not
     asked again), "" (no evidence yet: asked again at the next poll). Only with the relay's beat silent
-    (relaunch.relay_silent_s: no Slurm call otherwise, as a preemption TERMs every rank) is Slurm asked (one 10 s try).
+    (requeue.relay_silent_s: no Slurm call otherwise, as a preemption TERMs every rank) is Slurm asked (one 10 s try).
     Slurm ends such a --no-kill job without a requeue and SIGKILLs the ranks after KillWait (30 s by default), so
     the watchdog decides then: a requeue as a failure, where the blocked main thread would have died undecided."""
     folder, job_id = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")
     if env.executor != "slurm" or not (folder and job_id and os.environ.get("HPC_TRAIN_STEP_ARGS")):
         return "alive"
-    if not relaunch.relay_silent_s(Path(folder), job_id):
+    if not requeue.relay_silent_s(Path(folder), job_id):
         return ""
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     return "lost" if slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE) == "batch_host_lost" else "alive"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import read_events, run, submit, wait_finished, wait_until
 
-from hpc_train import journal, preempt, requeue, slurm
+from hpc_train import decision, journal, preempt, requeue, slurm
 from hpc_train.config import compose, to_run_config
 from hpc_train.sbatch import render
 
@@ -328,9 +328,22 @@ def test_the_runs_own_exclusions_are_not_counted_free(monkeypatch: pytest.Monkey
         monkeypatch.setattr(slurm, "queue_snapshot", lambda partition, job_id, policy: (states, snapshot_jobs))
         env = SimpleNamespace(executor="slurm", job_id="7", nodes=("node1", "node2", "node3", "node4"))
         cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "cluster.min_nodes=2"]))
-        wait = requeue.queue_wait_s(env, cfg, ["node4"])
+        facts = decision.Facts(
+            "time_limit",
+            True,
+            [],
+            "running",
+            cfg.requeue,
+            None,
+            None,
+            [],
+            job_id="7",
+            nodes=env.nodes,
+            queue=requeue.snapshot(env, cfg, True),
+        )
+        wait = decision.queue_wait(facts, cfg, ["node4"])
         assert wait == (None, {"free_nodes": ["node1", "node2", "node3"], "not_free": {"node4": "idle excluded"}})
-        size, fields = requeue.next_attempt_size(env, cfg, wait)
+        size, fields = decision.next_size(facts, cfg, ["node4"])
         assert size == {"NumNodes": "3-3", "NumTasks": "6"} and fields["nodes_next"] == "3-3"
 
 

@@ -21,11 +21,11 @@ from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finishe
 
 from hpc_train import (
     deadlines,
+    decision,
     failure,
     journal,
     preempt,
     rejoin,
-    relaunch,
     rendezvous,
     requeue,
     sbatch,
@@ -42,6 +42,58 @@ FATES = ("running", "unknown", "requeued", "cancelled", "batch_host_lost")
 
 def ev(name: str, restart: int = 0, step: int = 0, **f: object) -> dict:
     return {"time": 1.0, "event": name, "step": step, "restart": restart, "job_id": "7", **f}
+
+
+def inside_decision(
+    cfg: object,
+    nodes: list[str],
+    left_out: list[str] = (),  # type: ignore[assignment]
+    sick: dict[str, str] | None = None,
+    record: object = None,
+    apply: bool = True,
+) -> decision.Decision:
+    """The deciding rank's decision for a failure of a hot-spares job on `nodes` (its allocation, RUNNING), `left_out`
+    of them left out by earlier in-job restarts, as requeue.gather would make it from this process's environment
+    (SUBMITIT_FOLDER, SLURM_JOB_ID, HPC_TRAIN_STEP_ARGS, the relay's beat); a RELAUNCH is applied (the marker written,
+    its records through `record`). No Slurm call: EndTime is unknown (the time limit from HPC_TRAIN_ALLOCATED_AT)."""
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=tuple(nodes))
+    events = [
+        {
+            "time": time.time(),
+            "event": journal.NODE_EXCLUDED,
+            "step": 1,
+            "job_id": "7",
+            "restart": 0,
+            "node": n,
+            "why": "-",
+        }
+        for n in left_out
+    ]
+    saved, slurm.end_time = slurm.end_time, lambda job_id, timeout_s=3: (None, False)
+    try:
+        os.environ["SLURM_JOB_NODELIST"] = ",".join(nodes)
+        facts = decision.Facts(
+            "failure",
+            False,
+            events,
+            "running",
+            cfg.requeue,  # type: ignore[attr-defined]
+            slurm.Allocation("RUNNING", list(nodes), nodes[0]),
+            sick,
+            [],
+            job_id="7",
+            nodes=tuple(nodes),
+            inside=requeue._inside_facts(env, cfg),
+            now=time.time(),
+        )
+    finally:
+        slurm.end_time = saved
+        del os.environ["SLURM_JOB_NODELIST"]
+    d = decision.decide(facts, cfg)
+    if apply and d.action == decision.Action.RELAUNCH:
+        noop = lambda *a, **k: None  # noqa: E731
+        assert requeue.apply(None, env, cfg, facts, d, record or noop) == "relaunch"  # type: ignore[arg-type]
+    return d
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -198,7 +250,6 @@ def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.Mo
     RELAY_SILENT_S: its node is lost and nobody would read the marker (the step would end, and the job with it, at
     SlurmdTimeout, FAILED, without a requeue); the run requeues. A beat that is missing (a batch script from before
     it), a symlink or not a number is no evidence: the relaunch goes on, as before."""
-    from types import SimpleNamespace
 
     from hpc_train.relay import beat_at as relay_beat
 
@@ -208,14 +259,16 @@ def test_a_relaunch_needs_the_relay_alive(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("SUBMITIT_FOLDER", str(folder))
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=2 --ntasks=2")
-    cfg = to_run_config(compose(["cluster=dev", "cluster.tasks_per_node=1", "cluster.spare_nodes=1"])).cluster
+    cfg = to_run_config(
+        compose(["cluster=dev", "cluster.tasks_per_node=1", "cluster.nodes=2", "cluster.spare_nodes=1"])
+    )
     recorded: list[dict] = []
     record = lambda name, **f: recorded.append({"event": name, **f})  # noqa: E731
     nodes, beat, marker = ["node1", "node2", "node3"], folder / ".relay-7", folder / ".relaunch-7"
 
     def relaunched() -> bool:
         marker.unlink(missing_ok=True)
-        return relaunch.relaunch(SimpleNamespace(job_id="7"), cfg, "failure", nodes, ["node2"], 0, record, 2)
+        return inside_decision(cfg, nodes, ["node2"], record=record).action == decision.Action.RELAUNCH
 
     assert relay_beat(folder, "7") is None and relaunched() and marker.exists()  # no beat: as before
     beat.write_text(f"{time.time() - 10:.0f}\n")
@@ -486,11 +539,9 @@ def test_spares_with_min_nodes_keep_a_fixed_allocation_of_nodes_plus_spares() ->
     assert script == (Path(__file__).parent / "golden" / "dev_spares.sbatch").read_text()
     assert "#SBATCH --nodes=3\n" in script
     env = SimpleNamespace(executor="slurm", job_id="7", nodes=("node1", "node2", "node3"))
-    assert not requeue.elastic(env, cfg) and requeue.next_attempt_size(env, cfg, (None, {"free_nodes": ["node1"]})) == (
-        {},
-        {},
-    )
-    assert requeue.queue_wait_s(env, cfg, []) == (None, {})  # no snapshot taken (slurm is not called)
+    assert not requeue.elastic(env, cfg) and requeue.snapshot(env, cfg, False) is None  # no call: slurm is not asked
+    facts = decision.Facts("failure", False, [], "running", cfg.requeue, None, None, [], job_id="7", nodes=env.nodes)
+    assert decision.next_size(facts, cfg, []) == ({}, {})  # requeued as it was queued: nodes + spare_nodes
     assert deadlines.decision_reserve_s(env, cfg) == deadlines.REQUEUE_RESERVE_S  # nor reserved for
 
 
@@ -500,7 +551,6 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
     """cluster.in_process_restart: the step spans nodes + spares (rendered, and again at a relaunch), its first
     cluster.nodes nodes train and the tasks beyond are standbys; a step gone on smaller has none; without the
     option, or srun by hand (no HPC_TRAIN_STEP_ARGS), nothing changes."""
-    from types import SimpleNamespace
 
     from hpc_train.sbatch import executor_parameters
 
@@ -534,11 +584,16 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
     # a relaunch (the in-process path could not take it) starts the standbys on the spares left again
     monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    marker, nodes, record = tmp_path / ".relaunch-7", ["node1", "node2", "node3"], lambda *a, **k: None
-    assert relaunch.relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, [], 0, record, 2)
-    assert marker.read_text() == "--nodes=3 --ntasks=6\n"
-    assert relaunch.relaunch(SimpleNamespace(job_id="7"), cfg.cluster, "failure", nodes, ["node2"], 0, record, 2)
-    assert marker.read_text() == "--nodes=2 --ntasks=4 --exclude=node2\n"
+    marker, nodes = tmp_path / ".relaunch-7", ["node1", "node2", "node3"]
+    rejoining = inside_decision(cfg, nodes)
+    assert rejoining.action == decision.Action.REJOIN and rejoining.fallback is not None
+    relaunch_decision = rejoining.fallback  # the plan could not be made (requeue.apply): relaunched
+    assert (
+        relaunch_decision.action == decision.Action.RELAUNCH and relaunch_decision.srun_args == "--nodes=3 --ntasks=6"
+    )
+    assert inside_decision(off, nodes, apply=False).srun_args == "--nodes=2 --ntasks=4"  # without: the spare waits
+    assert inside_decision(cfg, nodes, ["node2"]).fallback.srun_args == "--nodes=2 --ntasks=4 --exclude=node2"  # type: ignore[union-attr]
+    assert not marker.exists()  # a rejoin decision writes no marker until its plan fails
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS")  # srun by hand: no standby
     assert rejoin.split_standby(from_env(task(5)), cfg) == (from_env(task(5)), False)
 
@@ -1340,7 +1395,7 @@ def test_a_finished_run_ends_its_job_completed_though_a_replaced_task_died(tmp_p
 def test_the_relaunch_survives_set_e_and_runs_only_our_own_options(tmp_path: Path) -> None:
     """Review: under a site template's `set -euo pipefail` the bare `wait` of a step that exited 145 ended the
     batch shell, so the run was neither relaunched nor requeued. A marker that is a symlink, not this user's,
-    or holds other words than relaunch.relaunch writes (--task-prolog, --export: code run as this user) is not used:
+    or holds other words than decision._relaunch writes (--task-prolog, --export: code run as this user) is not used:
     the step's status is the job's, the marker removed."""
     status, calls, marker, _ = _relay(tmp_path / "e", "--nodes=2 --ntasks=4", None, DECIDES_ONCE, "set -euo pipefail")
     assert (
@@ -1388,7 +1443,7 @@ def test_a_step_that_outlives_its_relaunch_marker_is_ended_then_relaunched(tmp_p
 
 
 def test_the_relay_writes_its_beat_while_the_step_runs(tmp_path: Path) -> None:
-    """With spares the relay writes the time into FOLDER/.relay-JOBID while the step runs (relaunch.relaunch and the
+    """With spares the relay writes the time into FOLDER/.relay-JOBID while the step runs (requeue.apply and the
     watchdog read it: a silent relay is a lost batch host), through a fresh mktemp file each time (no temp name a
     teammate could plant a symlink at), and removes it with any temp file once the step ended; without spares it
     writes nothing. The fake step copies what it sees after 2 s."""
@@ -1491,21 +1546,41 @@ def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monk
     """A step srun started by hand (salloc + srun, an older rendered script) has SUBMITIT_FOLDER and SLURM_JOB_ID
     but no HPC_TRAIN_STEP_ARGS: nobody would read a marker, so the decision requeues (review: it exited 145 and
     the run stopped silently)."""
-    from types import SimpleNamespace
 
     recorded: list[str] = []
-    cluster = SimpleNamespace(nodes=2, tasks_per_node=2, in_process_restart=False)
+    cfg = to_run_config(
+        compose(["cluster=dev", "cluster.nodes=2", "cluster.tasks_per_node=2", "cluster.spare_nodes=1"])
+    )
     monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.delenv("HPC_TRAIN_STEP_ARGS", raising=False)
-    args = (None, cluster, "failure", ["n1", "n2", "n3"], ["n2"], 0, lambda name, **f: recorded.append(name), 2)
-    assert relaunch.relaunch(*args) is False and not list(tmp_path.iterdir()) and recorded == []
+    nodes, record = ["n1", "n2", "n3"], lambda name, **f: recorded.append(name)
+    d = inside_decision(cfg, nodes, ["n2"], record=record)
+    assert d.action == decision.Action.REQUEUE and not list(tmp_path.iterdir()) and recorded == []
+    assert d.said == (
+        decision.NOT_INSIDE + "this step was not started by hpc_train's batch script with hot spares "
+        "(no HPC_TRAIN_STEP_ARGS, e.g. srun by hand); requeueing",
+    )
     monkeypatch.setenv("HPC_TRAIN_STEP_ARGS", "--nodes=2 --ntasks=4")
-    assert relaunch.relaunch(*args) is True and recorded == [journal.IN_JOB_RESTART]
+    assert inside_decision(cfg, nodes, ["n2"], record=record).action == "relaunch" and recorded == [
+        journal.IN_JOB_RESTART
+    ]
     assert (tmp_path / ".relaunch-77").read_text() == "--nodes=2 --ntasks=4 --exclude=n2\n"
-    # no spare left, cluster.min_nodes=1: the step goes on with the one node in_job_restart gave
-    assert relaunch.relaunch(*args[:-1], 1, {"n1": "Xid 79"}) is True
-    assert (tmp_path / ".relaunch-77").read_text() == "--nodes=1 --ntasks=2 --exclude=n2\n"
+    # no spare left, cluster.min_nodes=1: the step goes on with the one healthy node
+    smaller = to_run_config(
+        compose(
+            [
+                "cluster=dev",
+                "cluster.nodes=2",
+                "cluster.tasks_per_node=2",
+                "cluster.spare_nodes=1",
+                "cluster.min_nodes=1",
+            ]
+        )
+    )
+    assert inside_decision(smaller, nodes, ["n2"], {"n1": "Xid 79"}, record).action == "relaunch"
+    assert (tmp_path / ".relaunch-77").read_text() == "--nodes=1 --ntasks=2 --exclude=n1,n2\n"
+    assert recorded[-2:] == [journal.NODE_EXCLUDED, journal.IN_JOB_RESTART]
 
 
 @pytest.mark.slurm

@@ -27,14 +27,14 @@ LAYERS: list[tuple[str, ...]] = [
     # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;
     # script_helper: what a user's script imports (torch-free)
     ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
-    ("config", "verdict"),  # the root config, composed from the dataclasses beside their code; the verdicts
+    # the root config, composed from the dataclasses beside their code; the verdicts; the requeue decision (pure)
+    ("config", "verdict", "decision"),
     ("model", "checkpoint", "profiling"),  # the job side from here; profiling: profile.*, which Attempt steps
     ("memory_tier",),  # checkpoint.memory_every_steps: copies of TrainState in node-local tmpfs and a buddy's
     ("attempt",),
     # the job side's protocols, each in its own module (job.py's docstring lists them)
     ("lease", "rendezvous"),
     ("rejoin",),
-    ("relaunch",),
     ("requeue",),
     ("failure",),
     ("watchdog",),
@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start", "task", "deadlines"}
-JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "relaunch", "requeue", "failure", "watchdog"}
+JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "decision", "requeue", "failure", "watchdog"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
 
 

@@ -430,7 +430,7 @@ def test_a_term_during_a_refused_requeue_makes_it_a_wait_for_slurms(
     the grace time, and Slurm never requeued the job. The facts read the Pulse's own list."""
     from types import SimpleNamespace
 
-    from hpc_train import requeue, slurm
+    from hpc_train import decision, requeue, slurm
     from hpc_train.config import RunConfig
     from hpc_train.paths import RunPaths
 
@@ -442,14 +442,17 @@ def test_a_term_during_a_refused_requeue_makes_it_a_wait_for_slurms(
 
     monkeypatch.setattr(slurm, "requeue", refused)
     env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("n1",))
-    facts = requeue.Facts("failure", False, [], "", RunConfig().requeue, None, None, received)
-    assert requeue._requeue(env, RunConfig(), facts, "failure", [], lambda *a, **k: None) == "wait"
+    cfg, record = RunConfig(), lambda *a, **k: None
+    facts = decision.Facts("failure", False, [], "", cfg.requeue, None, None, received)
+    chosen = decision.decide(facts, cfg)
+    assert chosen.action == decision.Action.REQUEUE
+    assert requeue.apply(RunPaths(tmp_path), env, cfg, facts, chosen, record) == "wait"
     received.clear()
-    copied = requeue.Facts("failure", False, [], "", RunConfig().requeue, None, None, list(received))
-    assert requeue._requeue(env, RunConfig(), copied, "failure", [], lambda *a, **k: None) == "stop"
+    copied = decision.Facts("failure", False, [], "", cfg.requeue, None, None, list(received))
+    assert requeue.apply(RunPaths(tmp_path), env, cfg, copied, chosen, record) == "stop"
     assert (
         requeue.gather(
-            RunPaths(tmp_path), SimpleNamespace(executor="local"), RunConfig(), "failure", None, received
+            RunPaths(tmp_path), SimpleNamespace(executor="local", job_id="7"), RunConfig(), "failure", None, received
         ).signals
         is received
     )

@@ -1,0 +1,227 @@
+"""The requeue decision as data (decision.decide, pure): seeded facts of every kind through it, and what must always
+hold of the decision that comes out; then requeue.apply's fallbacks, with Slurm's two calls faked (the real ones run
+in the dev-cluster tests: test_in_job, test_elastic, test_slurm_preempt)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hpc_train import decision, journal, requeue, slurm
+from hpc_train.config import compose, to_run_config
+from hpc_train.decision import Action
+from hpc_train.paths import RunPaths
+
+REASONS = ("failure", "node_health", "preempt", "time_limit")
+FATES = ("running", "unknown", "requeued", "cancelled", "batch_host_lost")
+CONFIGS = [
+    ["cluster=dev", "cluster.nodes=2"],
+    ["cluster=dev", "cluster.nodes=3", "cluster.min_nodes=1"],
+    ["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"],
+    ["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=2", "cluster.min_nodes=1"],
+    ["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1", "cluster.in_process_restart=true"],
+    ["cluster=local"],
+]
+
+
+@functools.cache
+def composed(overrides: tuple[str, ...]) -> object:
+    return to_run_config(compose(list(overrides)))  # ~0.1 s each: once per config, not per draw
+
+
+def ev(name: str, restart: int, step: int, **f: object) -> dict:
+    return {"time": 1000.0 + restart, "event": name, "step": step, "restart": restart, "job_id": "7", **f}
+
+
+def random_facts(rng: random.Random, cfg: object, executor: str) -> decision.Facts:
+    """A run's history (commits, failure and stop requeues, left-out nodes, in-job restarts, a resume raising a
+    budget) and one moment's facts of Slurm, drawn at random."""
+    pool = [f"n{i}" for i in range(1, 7)]
+    events: list[dict] = [ev(journal.START, 0, 0, startup_s=rng.uniform(1, 60))]
+    step = attempt = 0
+    for _ in range(rng.randint(0, 12)):
+        kind = rng.random()
+        if kind < 0.25:
+            step += rng.randint(1, 5)
+            events.append(ev(journal.CHECKPOINT_COMMITTED, attempt, step))
+        elif kind < 0.5:
+            events.append(
+                ev(journal.REQUEUE, attempt, step, reason=rng.choice(REASONS), by=rng.choice(["hpc_train", "slurm"]))
+            )
+            attempt += 1
+        elif kind < 0.65:
+            events.append(ev(journal.NODE_EXCLUDED, attempt, step, node=rng.choice(pool), why="Xid 79"))
+        elif kind < 0.75:
+            events.append(ev(journal.EXCLUDE_NODES, attempt, step, nodes="", ok=rng.random() < 0.5))
+        elif kind < 0.9:
+            events.append(ev(journal.IN_JOB_RESTART, attempt, step, left_out=[]))
+            attempt += 1
+        else:
+            events.append(ev(journal.RESUME, attempt, step, budgets={"max_failures": rng.randint(0, 4)}))
+    job_nodes = rng.sample(pool, k=rng.randint(1, 5))
+    sick = {n: "Xid 79" for n in rng.sample(job_nodes, k=rng.randint(0, min(2, len(job_nodes))))} or None
+    budgets = dataclass_replace(cfg.requeue, journal.budget_changes(events))  # type: ignore[attr-defined]
+    reason = rng.choice(REASONS)
+    queue = rng.choice(
+        [None, decision.Queue(error="squeue did not answer"), decision.Queue({n: "idle" for n in pool}, [])]
+    )
+    inside = decision.Inside(
+        job_nodes,
+        end_at=rng.choice([float("inf"), 1000.0 + rng.uniform(0, 900)]),
+        relay_silent_s=rng.choice([0.0, 0.0, 45.0]),
+        our_step=rng.random() < 0.8,
+        scontrol=rng.random() < 0.9,
+    )
+    return decision.Facts(
+        reason,
+        reason in ("time_limit", "preempt"),
+        events,
+        rng.choice(FATES),
+        budgets,
+        rng.choice([None, slurm.Allocation("RUNNING", job_nodes, job_nodes[0])]),
+        sick,
+        rng.choice([[], [], ["SIGUSR2"], ["SIGTERM"]]),
+        executor=executor,
+        job_id="7",
+        nodes=tuple(job_nodes),
+        spare=rng.choice([None, 0, 1, 3]),
+        queue=queue if executor == "slurm" else None,
+        inside=inside if rng.random() < 0.9 else None,
+        now=1000.0,
+    )
+
+
+def dataclass_replace(budgets: object, changes: dict) -> object:
+    import dataclasses
+
+    return dataclasses.replace(budgets, **changes)  # type: ignore[type-var]
+
+
+def check(f: decision.Facts, cfg: object, d: decision.Decision) -> None:
+    """What every decision must hold, whatever the facts."""
+    c = cfg.cluster  # type: ignore[attr-defined]
+    before = journal.excluded_nodes(f.events)
+    sick = f.sick or {}
+    if f.fate == "cancelled":
+        assert d.action == Action.STOP and "cancelled" in d.why
+    if f.fate == "requeued":
+        assert d.action in (Action.SLURM, Action.STOP)
+    if d.action == Action.STOP:
+        assert d.why, "a stop says why"
+    if d.action in (Action.RELAUNCH, Action.REJOIN):
+        # only in place of a failure's requeue of a hot-spares job Slurm still runs, without a stop signal
+        assert c.spare_nodes and f.executor == "slurm" and not f.stopping and not f.signals
+        assert f.reason in ("failure", "node_health") and f.fate in ("running", "unknown")
+        assert journal.in_job_restarts_in_a_row(f.events) < f.budgets.max_in_job_restarts
+        assert f.inside is not None and d.fallback is not None
+        assert d.fallback.action in (Action.REQUEUE, Action.RELAUNCH, Action.STOP)
+    if d.action == Action.RELAUNCH:
+        assert f.inside is not None and f.inside.our_step and not f.inside.relay_silent_s
+        args = dict(a.lstrip("-").split("=") for a in d.srun_args.split())
+        left_out = args.get("exclude", "").split(",") if "exclude" in args else []
+        assert set(left_out) <= set(f.inside.job_nodes) and list(d.excluded) == left_out
+        n = int(args["nodes"])
+        healthy = len(set(f.inside.job_nodes) - set(left_out))
+        assert (c.min_nodes or c.nodes) <= n <= healthy and int(args["ntasks"]) == n * c.tasks_per_node
+        assert d.records[-1][0] == journal.IN_JOB_RESTART and d.records[-1][1]["srun_args"] == d.srun_args
+        assert f.inside.end_at - f.now >= journal.startup_s(f.events) + c.signal_lead_s
+    if d.action in (Action.REQUEUE, Action.SLURM):
+        # the left-out nodes grow by the sick ones, or stay; never past the budget unless they were already
+        assert set(before) <= set(d.excluded) <= set(before) | set(sick)
+        grown = set(d.excluded) - set(before)
+        assert not grown or (len(d.excluded) <= f.budgets.max_excluded_nodes and f.executor == "slurm")
+        assert not d.size or f.queue is not None
+        if d.reason == "failure" and f.fate != "requeued" and f.budgets.max_failures != -1:
+            assert journal.failures_in_a_row(f.events) < f.budgets.max_failures
+        if f.fate != "requeued" and d.reason in journal.BUDGET_KEYS and d.reason != "failure":
+            limit = getattr(f.budgets, journal.BUDGET_KEYS[d.reason])
+            assert limit == -1 or journal.requeues_counted(f.events, d.reason) < limit
+    named = [r[1].get("node") for r in d.records if r[0] == journal.NODE_EXCLUDED]
+    assert set(named) <= set(sick) and len(named) == len(set(named)), d.records
+    if d.fallback is not None:
+        check(f, cfg, d.fallback)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_every_decision_holds_whatever_the_facts(seed: int) -> None:
+    """Seeded facts of every kind through decide: the invariants of `check` hold for the decision and its fallbacks,
+    the facts are not changed, and the same facts give the same decision (pure)."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        overrides = rng.choice(CONFIGS)
+        cfg = composed(tuple(overrides))
+        executor = "local" if "cluster=local" in overrides else "slurm"
+        f = random_facts(rng, cfg, executor)
+        kept = copy.deepcopy(f)
+        d = decision.decide(f, cfg)
+        check(f, cfg, d)
+        assert f == kept and decision.decide(f, cfg) == d
+
+
+def test_a_relaunch_whose_marker_cannot_be_written_takes_its_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """requeue.apply: the marker's folder gone (a full or lost disk) turns the relaunch into its fallback's requeue,
+    said, with the sick node left out by that requeue's records, not the relaunch's (none written)."""
+    cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"]))
+    nodes = ["n1", "n2", "n3"]
+    f = decision.Facts(
+        "failure",
+        False,
+        [],
+        "running",
+        cfg.requeue,
+        slurm.Allocation("RUNNING", nodes, "n1"),
+        {"n2": "Xid 79"},
+        [],
+        job_id="7",
+        nodes=tuple(nodes),
+        spare=2,
+        inside=decision.Inside(nodes, float("inf")),
+        now=time.time(),
+    )
+    d = decision.decide(f, cfg)
+    assert d.action == Action.RELAUNCH and d.srun_args == "--nodes=2 --ntasks=4 --exclude=n2"
+    assert d.fallback is not None and d.fallback.action == Action.REQUEUE and d.fallback.excluded == ("n2",)
+    monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path / "gone"))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    asked: list[str] = []
+    monkeypatch.setattr(slurm, "requeue", lambda job_id, policy: asked.append("requeue") or "")
+    monkeypatch.setattr(slurm, "update_job", lambda job_id, fields: asked.append(f"update {fields}") or "")
+    monkeypatch.setattr(slurm, "node_states", lambda partition, policy: {})
+    recorded: list[tuple[str, dict]] = []
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=tuple(nodes))
+    verdict = requeue.apply(RunPaths(tmp_path), env, cfg, f, d, lambda name, **k: recorded.append((name, k)))
+    assert verdict == "requeue" and asked == ["requeue", "update {'ExcNodeList': 'n2'}"]
+    assert [name for name, _ in recorded] == [journal.NODE_EXCLUDED, journal.EXCLUDE_NODES, journal.REQUEUE]
+    assert "could not write the relaunch marker" in capsys.readouterr().err
+
+
+def test_a_stop_signal_during_gathering_is_the_decisions_and_never_a_relaunch() -> None:
+    """The facts hold the Pulse's own list: a SIGTERM recorded before decide runs makes the hot-spares failure a
+    requeue (the preemption's stop save and requeue give the allocation back), never a relaunch."""
+    cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"]))
+    nodes, received = ["n1", "n2", "n3"], []
+    f = decision.Facts(
+        "failure",
+        False,
+        [],
+        "running",
+        cfg.requeue,
+        slurm.Allocation("RUNNING", nodes, "n1"),
+        None,
+        received,
+        job_id="7",
+        nodes=tuple(nodes),
+        inside=decision.Inside(nodes, float("inf")),
+    )
+    assert decision.decide(f, cfg).action == Action.RELAUNCH
+    received.append("SIGTERM")
+    d = decision.decide(f, cfg)
+    assert d.action == Action.REQUEUE and d.said and d.said[0].startswith(decision.NOT_INSIDE + "a stop signal")
