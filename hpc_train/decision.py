@@ -37,13 +37,14 @@ class Queue:
 @dataclasses.dataclass(frozen=True)
 class Inside:
     """What a restart inside a hot-spares allocation is judged by, read on the failure path only: the allocation's
-    nodes (SLURM_JOB_NODELIST), Slurm's EndTime (else the allocation's start + the time limit), how long the batch
+    nodes (SLURM_JOB_NODELIST), the seconds to Slurm's EndTime (else the allocation's start + the time limit, taken
+    as it was read: the calls after it do not shorten it), how long the batch
     script's relay has been silent (requeue.relay_silent_s: 0.0 alive), whether our batch script started this step
     (HPC_TRAIN_STEP_ARGS: it reads the marker), and whether scontrol exists (without it the lost nodes stay unknown:
     a relaunch goes on without them)."""
 
     job_nodes: list[str]
-    end_at: float
+    left_s: float
     relay_silent_s: float = 0.0
     our_step: bool = True
     scontrol: bool = True
@@ -149,7 +150,9 @@ def inside(f: Facts, cfg: Any) -> tuple[Decision | None, str]:
     could not be left out there, which the requeue path then judges against the partition)."""
     if f.fate == "batch_host_lost":  # no relay left to relaunch: requeue (and no EndTime call)
         return None, preempt.BATCH_HOST_LOST
-    if f.inside is None or (f.held is None and f.inside.scontrol):
+    if f.inside is None:  # requeue.gather asks nothing of a restart after a stop signal
+        return None, f"a stop signal ({f.reason}, {f.signals}): the stop save and the requeue give the allocation back"
+    if f.held is None and f.inside.scontrol:
         return None, "Slurm did not say which nodes the job holds now (scontrol show job); requeueing"
     c, job_nodes, sick = cfg.cluster, f.inside.job_nodes, f.sick or {}
     excluded, not_out, stop = (
@@ -179,7 +182,7 @@ def inside(f: Facts, cfg: Any) -> tuple[Decision | None, str]:
             job_nodes,
             left_out,
             c.nodes,
-            left_s=f.inside.end_at - f.now,
+            left_s=f.inside.left_s,
             startup_s=journal.startup_s(f.events),
             signal_lead_s=c.signal_lead_s,
             min_nodes=c.min_nodes,
@@ -189,7 +192,8 @@ def inside(f: Facts, cfg: Any) -> tuple[Decision | None, str]:
         return None, why_not
     relaunch, why_not = _relaunch(f, cfg, job_nodes, left_out, used, n)
     if c.in_process_restart:  # the plan may still fail (requeue.apply): the relaunch, or the requeue, then
-        fallback = relaunch or dataclasses.replace(outside(f, cfg, "requeue", ""), said=(NOT_INSIDE + why_not,))
+        requeue = outside(f, cfg, "requeue", "")
+        fallback = relaunch or dataclasses.replace(requeue, said=(NOT_INSIDE + why_not, *requeue.said))
         return Decision(Action.REJOIN, reason=f.reason, excluded=tuple(left_out), fallback=fallback), ""
     return relaunch, why_not
 

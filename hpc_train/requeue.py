@@ -60,8 +60,12 @@ def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str
         fate = "batch_host_lost" if held and slurm.batch_host_lost(held) else fate
         allocated, known = os.environ.get("SLURM_JOB_NODELIST", ""), journal.excluded_nodes(events)
         sick = {**lost_nodes(allocated, held, known, fate == "batch_host_lost"), **(sick or {})} or None
-    inside = _inside_facts(env, cfg) if spares and not stopping and fate != "batch_host_lost" else None
-    return Facts(
+    # Only what this decision can use: nothing more after a stop (cancelled, a budget spent), no restart inside the
+    # allocation after a stop signal (preempt.in_job_restart refuses it), and the partition's spare nodes only for
+    # the requeue path: a relaunch counts the allocation's (each sinfo up to 21 s, EndTime 3 s, the relay 6 s)
+    action, _ = preempt.decide(reason, events, budgets, fate)
+    may_restart = spares and action == "requeue" and not (stopping or signals) and fate != "batch_host_lost"
+    facts = Facts(
         reason,
         stopping,
         events,
@@ -73,11 +77,13 @@ def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str
         executor=env.executor,
         job_id=env.job_id,
         nodes=tuple(getattr(env, "nodes", ())),
-        spare=spare_nodes(env, cfg.cluster) if sick else None,
-        queue=snapshot(env, cfg, stopping),
-        inside=inside,
+        queue=snapshot(env, cfg, stopping) if action != "stop" else None,
+        inside=_inside_facts(env, cfg) if may_restart else None,
         now=time.time(),
     )
+    if sick and action != "stop" and decision.decide(facts, cfg).action not in (Action.RELAUNCH, Action.REJOIN):
+        facts = dataclasses.replace(facts, spare=spare_nodes(env, cfg.cluster))
+    return facts
 
 
 def _inside_facts(env: Any, cfg: Any) -> Inside:
@@ -90,10 +96,11 @@ def _inside_facts(env: Any, cfg: Any) -> Inside:
         slurm.end_time(env.job_id)[0]
         or float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or "inf") + cfg.cluster.timeout_min * 60
     )
+    left_s = end - time.time()  # now, before the relay's recheck may sleep 6 s
     silent = relay_silent_s(Path(folder), slurm_job) if our_step and folder and slurm_job else 0.0
     return Inside(
         parse_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")),
-        end,
+        left_s,
         silent,
         our_step,
         shutil.which("scontrol") is not None,

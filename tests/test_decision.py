@@ -73,7 +73,7 @@ def random_facts(rng: random.Random, cfg: object, executor: str) -> decision.Fac
     )
     inside = decision.Inside(
         job_nodes,
-        end_at=rng.choice([float("inf"), 1000.0 + rng.uniform(0, 900)]),
+        left_s=rng.choice([float("inf"), rng.uniform(0, 900)]),
         relay_silent_s=rng.choice([0.0, 0.0, 45.0]),
         our_step=rng.random() < 0.8,
         scontrol=rng.random() < 0.9,
@@ -130,7 +130,7 @@ def check(f: decision.Facts, cfg: object, d: decision.Decision) -> None:
         healthy = len(set(f.inside.job_nodes) - set(left_out))
         assert (c.min_nodes or c.nodes) <= n <= healthy and int(args["ntasks"]) == n * c.tasks_per_node
         assert d.records[-1][0] == journal.IN_JOB_RESTART and d.records[-1][1]["srun_args"] == d.srun_args
-        assert f.inside.end_at - f.now >= journal.startup_s(f.events) + c.signal_lead_s
+        assert f.inside.left_s >= journal.startup_s(f.events) + c.signal_lead_s
     if d.action in (Action.REQUEUE, Action.SLURM):
         # the left-out nodes grow by the sick ones, or stay; never past the budget unless they were already
         assert set(before) <= set(d.excluded) <= set(before) | set(sick)
@@ -225,3 +225,68 @@ def test_a_stop_signal_during_gathering_is_the_decisions_and_never_a_relaunch() 
     received.append("SIGTERM")
     d = decision.decide(f, cfg)
     assert d.action == Action.REQUEUE and d.said and d.said[0].startswith(decision.NOT_INSIDE + "a stop signal")
+
+
+def test_gather_asks_only_what_the_decision_can_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: gather asked the partition's spare nodes (sinfo, up to 21 s), EndTime and the relay (up to 6 s) and an
+    elastic queue snapshot whatever the decision, so a stop (cancelled, a budget spent) or a relaunch waited on calls
+    it never used. Now: nothing after a stop, no restart's facts after a stop signal, no sinfo for a relaunch."""
+    asked: list[str] = []
+    fate = ["cancelled"]
+    monkeypatch.setattr(slurm, "job_fate", lambda job_id, restarts, policy: fate[0])
+    monkeypatch.setattr(slurm, "node_states", lambda partition, policy=None: asked.append("sinfo") or {})
+    monkeypatch.setattr(slurm, "queue_snapshot", lambda *a: asked.append("squeue") or ({}, []))
+    monkeypatch.setattr(slurm, "end_time", lambda job_id, timeout_s=3: asked.append("EndTime") or (None, False))
+    nodes = ["n1", "n2", "n3"]
+    monkeypatch.setattr(slurm, "allocation", lambda job_id, policy: slurm.Allocation("RUNNING", nodes, "n1"))
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
+    for key, value in {
+        "SUBMITIT_FOLDER": str(tmp_path),
+        "SLURM_JOB_ID": "7",
+        "HPC_TRAIN_STEP_ARGS": "--nodes=2",
+    }.items():
+        monkeypatch.setenv(key, value)
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=tuple(nodes))
+    paths, sick = RunPaths(tmp_path), {"n2": "Xid 79"}
+    elastic = composed(("cluster=dev", "cluster.nodes=3", "cluster.min_nodes=1"))
+    spares = composed(("cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"))
+
+    def gathered(cfg: object, reason: str = "failure", signals: tuple[str, ...] = ()) -> list[str]:
+        asked.clear()
+        f = requeue.gather(paths, env, cfg, reason, dict(sick), list(signals))
+        assert f.queue is None or "squeue" in asked
+        return list(asked)
+
+    assert gathered(elastic) == [] and gathered(spares) == []  # cancelled: a stop, nothing more asked
+    fate[0] = "running"
+    assert gathered(elastic) == ["squeue", "sinfo"]  # a requeue: its size, and the room to leave n2 out
+    assert gathered(spares) == ["EndTime"]  # a relaunch: it counts the allocation, not the partition
+    assert gathered(spares, signals=("SIGTERM",)) == ["sinfo"]  # a crash inside a preemption's grace: a requeue
+    assert gathered(spares, "time_limit", ("SIGUSR2",)) == ["sinfo"]
+
+
+def test_a_rejoin_that_falls_back_to_a_requeue_says_both_sentences() -> None:
+    """Review: the fallback of a rejoin with no relaunch to fall to (srun by hand) replaced the requeue's own sentences
+    by the "not restarting" one: a sick node that could not be left out was recorded (node_not_excluded) but not
+    said."""
+    cfg = composed(("cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1", "cluster.in_process_restart=true"))
+    nodes = ["n1", "n2", "n3"]
+    f = decision.Facts(
+        "failure",
+        False,
+        [],
+        "running",
+        cfg.requeue,  # type: ignore[attr-defined]
+        slurm.Allocation("RUNNING", nodes, "n1"),
+        {"n2": "Xid 79"},
+        [],
+        job_id="7",
+        nodes=tuple(nodes),
+        spare=0,  # the partition has no node to spare: the requeue cannot leave n2 out
+        inside=decision.Inside(nodes, float("inf"), our_step=False),
+    )
+    d = decision.decide(f, cfg)
+    assert d.action == Action.REJOIN and d.fallback is not None and d.fallback.action == Action.REQUEUE
+    assert [r[0] for r in d.fallback.records] == [journal.NODE_NOT_EXCLUDED]
+    assert len(d.fallback.said) == 2 and d.fallback.said[0].startswith(decision.NOT_INSIDE + "this step was not")
+    assert d.fallback.said[1].startswith("leaving out 1 sick nodes would leave too few")
