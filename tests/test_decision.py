@@ -164,6 +164,27 @@ def test_every_decision_holds_whatever_the_facts(seed: int) -> None:
         assert f == kept and decision.decide(f, cfg) == d
 
 
+def failure_facts(cfg: object, sick: dict[str, str] | None, signals: list[str], **kw: object) -> decision.Facts:
+    """A failure of a 3-node hot-spares job Slurm still runs, its relay alive (kw: the Inside's fields)."""
+    nodes = ["n1", "n2", "n3"]
+    spare = kw.pop("spare", None)
+    return decision.Facts(
+        "failure",
+        False,
+        [],
+        "running",
+        cfg.requeue,  # type: ignore[attr-defined]
+        slurm.Allocation("RUNNING", nodes, "n1"),
+        sick,
+        signals,
+        job_id="7",
+        nodes=tuple(nodes),
+        spare=spare,  # type: ignore[arg-type]
+        inside=decision.Inside(nodes, float("inf"), **kw),  # type: ignore[arg-type]
+        now=time.time(),
+    )
+
+
 def test_a_relaunch_whose_marker_cannot_be_written_takes_its_fallback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -171,21 +192,7 @@ def test_a_relaunch_whose_marker_cannot_be_written_takes_its_fallback(
     said, with the sick node left out by that requeue's records, not the relaunch's (none written)."""
     cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"]))
     nodes = ["n1", "n2", "n3"]
-    f = decision.Facts(
-        "failure",
-        False,
-        [],
-        "running",
-        cfg.requeue,
-        slurm.Allocation("RUNNING", nodes, "n1"),
-        {"n2": "Xid 79"},
-        [],
-        job_id="7",
-        nodes=tuple(nodes),
-        spare=2,
-        inside=decision.Inside(nodes, float("inf")),
-        now=time.time(),
-    )
+    f = failure_facts(cfg, {"n2": "Xid 79"}, [], spare=2)
     d = decision.decide(f, cfg)
     assert d.action == Action.RELAUNCH and d.srun_args == "--nodes=2 --ntasks=4 --exclude=n2"
     assert d.fallback is not None and d.fallback.action == Action.REQUEUE and d.fallback.excluded == ("n2",)
@@ -207,20 +214,8 @@ def test_a_stop_signal_during_gathering_is_the_decisions_and_never_a_relaunch() 
     """The facts hold the Pulse's own list: a SIGTERM recorded before decide runs makes the hot-spares failure a
     requeue (the preemption's stop save and requeue give the allocation back), never a relaunch."""
     cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1"]))
-    nodes, received = ["n1", "n2", "n3"], []
-    f = decision.Facts(
-        "failure",
-        False,
-        [],
-        "running",
-        cfg.requeue,
-        slurm.Allocation("RUNNING", nodes, "n1"),
-        None,
-        received,
-        job_id="7",
-        nodes=tuple(nodes),
-        inside=decision.Inside(nodes, float("inf")),
-    )
+    received: list[str] = []
+    f = failure_facts(cfg, None, received)
     assert decision.decide(f, cfg).action == Action.RELAUNCH
     received.append("SIGTERM")
     d = decision.decide(f, cfg)
@@ -270,21 +265,7 @@ def test_a_rejoin_that_falls_back_to_a_requeue_says_both_sentences() -> None:
     by the "not restarting" one: a sick node that could not be left out was recorded (node_not_excluded) but not
     said."""
     cfg = composed(("cluster=dev", "cluster.nodes=2", "cluster.spare_nodes=1", "cluster.in_process_restart=true"))
-    nodes = ["n1", "n2", "n3"]
-    f = decision.Facts(
-        "failure",
-        False,
-        [],
-        "running",
-        cfg.requeue,  # type: ignore[attr-defined]
-        slurm.Allocation("RUNNING", nodes, "n1"),
-        {"n2": "Xid 79"},
-        [],
-        job_id="7",
-        nodes=tuple(nodes),
-        spare=0,  # the partition has no node to spare: the requeue cannot leave n2 out
-        inside=decision.Inside(nodes, float("inf"), our_step=False),
-    )
+    f = failure_facts(cfg, {"n2": "Xid 79"}, [], spare=0, our_step=False)  # spare 0: n2 cannot be left out
     d = decision.decide(f, cfg)
     assert d.action == Action.REJOIN and d.fallback is not None and d.fallback.action == Action.REQUEUE
     assert [r[0] for r in d.fallback.records] == [journal.NODE_NOT_EXCLUDED]
