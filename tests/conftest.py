@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,19 @@ def worker_cluster(environ: Mapping[str, str]) -> dict[str, str]:
 os.environ.update(worker_cluster(os.environ))
 sys.path.insert(0, str(Path(__file__).parent))
 import cluster as test_cluster  # noqa: E402  (tests/cluster.py)
+
+
+@pytest.fixture(autouse=True)
+def _stop_handlers_per_test() -> Any:
+    """Each test leaves USR2/TERM's handlers as it found them. An Attempt built without a Task installs hpc_train's
+    record-only handlers (preempt.install_handlers) and they stayed for the worker's later tests: a test's own SIGUSR2
+    went into that one Pulse, and every later Attempt of the worker saw a stop pending (step_end True), in whatever
+    order xdist dealt the tests (4 test_checkpoint failures on one worker of a .ci/run)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
 
 HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
 
