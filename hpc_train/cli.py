@@ -290,7 +290,7 @@ def _status(args: argparse.Namespace) -> int:
         else:
             if args.watch:
                 print("\033[2J\033[H", end="")  # clear the screen between refreshes
-            status.print_status(rows)
+            status.print_status(rows, args.wide, args.every)
         if not args.watch:
             return 0
         time.sleep(args.watch)
@@ -448,7 +448,8 @@ def _results(args: argparse.Namespace) -> int:
     path = Path(args.sweep_dir)
     rows = status.sort_results(status.results_rows(path), args.sort, args.reverse)
     title = f"{path.name}: {len(rows)} trial(s), by {args.sort}{' (highest first)' if args.reverse else ''}"
-    status.print_results(rows, title, "json" if args.json else "csv" if args.csv else "table")
+    fmt = "json" if args.json else "csv" if args.csv else "table"
+    status.print_results(rows, title, fmt, args.sort, args.wide, args.every)
     return 0
 
 
@@ -594,7 +595,14 @@ def _add_reading_commands(sub: Any) -> None:
     p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")
     p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
     p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")
-    p.add_argument("--json", action="store_true", help="the same rows as JSON, for scripts")
+    p.add_argument("--json", action="store_true", help="every row as JSON, for scripts")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="every",
+        help="every trial of a sweep (default: of more than 20, its counts and the trials that need a person)",
+    )
+    p.add_argument("--wide", action="store_true", help="every column, 220 wide (default: the terminal's width)")
     p.add_argument(
         "--prometheus",
         action="store_true",
@@ -627,6 +635,13 @@ def _add_reading_commands(sub: Any) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
     fmt.add_argument("--csv", action="store_true", help="the rows as CSV, one column per override key")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="every",
+        help="every trial (default: of more than 20, the 5 first and last)",
+    )
+    p.add_argument("--wide", action="store_true", help="220 columns wide (default: the terminal's width)")
     p.set_defaults(func=_results)
 
 

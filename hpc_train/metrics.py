@@ -43,15 +43,20 @@ SLURM_SIGNAL_SLACK_S = 60
 def lead_warning(run_dirs: list[Path], signal_lead_s: int) -> str:
     """ "" if signal_lead_s covers the slowest measured save + the slowest step + Slurm's slack in these
     runs, else a warning that names the measurements and the value to use."""
-    saves = [s for d in run_dirs for s in journal.save_times_s(journal.read(d))]
+    return lead_warning_of([(journal.read(d), read_metrics(d)) for d in run_dirs], signal_lead_s)
+
+
+def lead_warning_of(runs: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], signal_lead_s: int) -> str:
+    """lead_warning of runs already read, as (events, metrics) pairs (pure)."""
+    saves = [s for events, _ in runs for s in journal.save_times_s(events)]
     # a step's evaluation (eval_s) runs before its stop check: counted whole (a signal cuts it after 8 batches)
     steps = [
         m.get("step_time_s", 0.0) + (m.get("eval_s") if _number(m.get("eval_s")) else 0.0)
-        for d in run_dirs
-        for m in read_metrics(d)
+        for _, metrics in runs
+        for m in metrics
         if _number(m.get("step_time_s", 0.0))
     ]
-    steps += [s for d in run_dirs for s in journal.first_step_times_s(journal.read(d))]
+    steps += [s for events, _ in runs for s in journal.first_step_times_s(events)]
     saves, steps = [x for x in saves if _number(x)], [x for x in steps if _number(x)]
     if not saves:
         return ""

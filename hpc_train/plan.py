@@ -30,6 +30,7 @@ class Trial:
     run_dir: str
     job_id: str | None = None
     process: dict[str, Any] | None = None  # a local trial: runs.process_identity of its controller
+    brief: dict[str, Any] | None = None  # what status reads of its frozen config (status.brief)
 
 
 @dataclass

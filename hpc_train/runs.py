@@ -31,6 +31,7 @@ class Run:
     log_dir: Path  # where submitit wrote the per-task logs
     unreadable: str = ""  # why this user may not read the run's files (another user's owner-only run)
     process: dict[str, Any] | None = None  # local runs: process_identity() of the controller at submit
+    brief: dict[str, Any] | None = None  # a sweep's trial: what status reads of its config (status.brief)
 
 
 def denied(path: Path) -> str:
@@ -51,7 +52,10 @@ def find_runs(path: Path) -> list[Run]:
     try:
         if (path / "sweep.json").exists():
             manifest = json.loads((path / "sweep.json").read_text())
-            executor = _executor([Path(t["run_dir"]) for t in manifest["trials"]])
+            first = manifest["trials"][0] if manifest["trials"] else {}
+            executor = (first.get("brief") or {}).get("executor") or _executor(
+                [Path(t["run_dir"]) for t in manifest["trials"]]
+            )
             return [
                 Run(
                     Path(t["run_dir"]),
@@ -60,6 +64,7 @@ def find_runs(path: Path) -> list[Run]:
                     executor,
                     path / "submitit",
                     process=t.get("process"),
+                    brief=t.get("brief"),
                 )
                 for t in manifest["trials"]
             ]

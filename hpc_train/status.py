@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import journal, slurm
-from hpc_train.metrics import lead_warning, read_metrics
+from hpc_train.metrics import lead_warning_of, read_metrics
 from hpc_train.runs import Run, denied, find_runs, local_pid
 
 NO_PROGRESS_WARN_S = 15 * 60
@@ -67,28 +67,60 @@ def stragglers(events: list[dict[str, Any]]) -> tuple[int, str]:
     return len(named), f"rank {last['rank']} on {last['node']}{' (now)' if now else ''}"
 
 
-def _total_steps(cfg: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> int | None:
+def own_steps(cfg: dict[str, Any]) -> int | None:
+    """train.steps for the built-in trainer; None for a function or a script, whose loop is not ours (pure)."""
+    builtin = not (cfg.get("script") or {}).get("cmd") and not (cfg.get("fn") or {}).get("_target_")
+    return cfg["train"]["steps"] if builtin else None
+
+
+def brief(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a status row reads of a run's frozen config (pure). submit keeps each trial's in sweep.json, so
+    that status of a 10,000-trial sweep parses no config.yaml: PyYAML takes 5 to 13 ms a file here, 50 s
+    and more for the sweep. A run alone, or a sweep submitted before, is read from its config.yaml."""
+    return {
+        "executor": cfg["cluster"]["executor"],
+        "signal_lead_s": cfg["cluster"]["signal_lead_s"],
+        "spare_nodes": cfg["cluster"].get("spare_nodes", 0),
+        "max_failures": cfg["requeue"]["max_failures"],
+        "steps": own_steps(cfg),
+    }
+
+
+def _total_steps(steps: int | None, events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> int | None:
     """The run's own total: what its loop told (Attempt.step_end's last_step; a script's `total_steps` in
-    script_helper.log), else train.steps for the built-in trainer only; a function's or a script's train.steps
-    is not theirs (none)."""
+    script_helper.log), else `steps` (own_steps: the built-in trainer's train.steps, else none)."""
     told = journal.total_steps(events)
     if told is None:
         told = next((m["total_steps"] for m in reversed(metrics) if type(m.get("total_steps")) is int), None)
-    builtin = not (cfg.get("script") or {}).get("cmd") and not (cfg.get("fn") or {}).get("_target_")
-    return told if told is not None else (cfg["train"]["steps"] if builtin else None)
+    return told if told is not None else steps
+
+
+def _brief_of(r: Run) -> dict[str, Any]:
+    """The trial's brief as submit recorded it, else read from its config.yaml (OSError: none to read)."""
+    import yaml
+
+    if r.brief is not None:
+        if not r.run_dir.is_dir():  # 5 us, where the yaml read below would have failed
+            raise FileNotFoundError(r.run_dir / "config.yaml")
+        return r.brief
+    try:
+        return brief(yaml.safe_load((r.run_dir / "config.yaml").read_text()))
+    except PermissionError as e:
+        r.unreadable = denied(Path(e.filename or r.run_dir))
+        raise
 
 
 def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
-    import yaml
-
+    """One row per run (COLUMNS and more). Reads each run's events.jsonl once, and its metrics.jsonl only
+    once it has an event: a trial still queued costs one failed open."""
     slurm_ids = [r.job_id for r in runs if r.executor == "slurm"]
     states, state_error = slurm_states_or_error(slurm_ids)
     rows = []
     for r in runs:
         try:
-            cfg = {} if r.unreadable else yaml.safe_load((r.run_dir / "config.yaml").read_text())
-        except PermissionError as e:
-            r.unreadable = denied(Path(e.filename or r.run_dir))
+            facts = {} if r.unreadable else _brief_of(r)
+        except PermissionError:
+            facts = {}
         except FileNotFoundError:  # a trial folder someone deleted: a row that says so, not a traceback
             missing = f"{r.run_dir / 'config.yaml'} does not exist (deleted?)"
             rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id, "state": "missing"})
@@ -99,25 +131,28 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             rows[-1].update(state="unreadable: permission denied", warnings=[r.unreadable])
             continue
         events = journal.read(r.run_dir)
-        state = (
-            states.get(r.job_id, "PENDING" if r.job_id else "NOT QUEUED")
-            if r.executor == "slurm"
-            else journal.local_state(events, local_pid(r) is not None)
-        )
-        rows.append(_row(r, cfg, events, state))
+        if not r.job_id:  # a trial still to be queued (a local sweep's: still to be run)
+            state = "NOT QUEUED"
+        elif r.executor == "slurm":
+            state = states.get(r.job_id, "PENDING")
+        else:
+            state = journal.local_state(events, local_pid(r) is not None)
+        rows.append(_row(r, facts, events, read_metrics(r.run_dir) if events else [], state))
         if state_error and r.executor == "slurm":  # shown once below the table, in full
             rows[-1].update(state="unknown", state_error=state_error)
     return rows
 
 
-def _warnings(r: Run, cfg: dict[str, Any], events: list[dict[str, Any]], state: str) -> list[str]:
+def _warnings(
+    facts: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]], state: str
+) -> list[str]:
     """What needs a person: a signal lead too short, the failure budget nearly spent, a failed requeue, no event
     for a while, the reason the run stopped."""
     warnings = []
-    if cfg["cluster"]["executor"] == "slurm" and lead_warning([r.run_dir], cfg["cluster"]["signal_lead_s"]):
+    if facts["executor"] == "slurm" and lead_warning_of([(events, metrics)], facts["signal_lead_s"]):
         warnings.append("signal lead too short")
     failures = journal.failures_in_a_row(events)  # what the job's requeue decision counts
-    max_failures = {**cfg["requeue"], **journal.budget_changes(events)}["max_failures"]  # resume may raise it
+    max_failures = journal.budget_changes(events).get("max_failures", facts["max_failures"])  # resume may raise it
     if failures and failures >= max_failures - 1:
         warnings.append(f"failure budget {failures}/{max_failures} used")
     warnings += [f"requeue failed: {e['error']}" for e in journal.named(events[-3:], journal.REQUEUE_FAILED)]
@@ -129,8 +164,9 @@ def _warnings(r: Run, cfg: dict[str, Any], events: list[dict[str, Any]], state: 
     return warnings
 
 
-def _row(r: Run, cfg: dict[str, Any], events: list[dict[str, Any]], state: str) -> dict[str, Any]:
-    metrics = read_metrics(r.run_dir)
+def _row(
+    r: Run, facts: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]], state: str
+) -> dict[str, Any]:
     last = max((e["time"] for e in events), default=None)
     atts = journal.attempts(events)
     return {
@@ -142,74 +178,194 @@ def _row(r: Run, cfg: dict[str, Any], events: list[dict[str, Any]], state: str) 
         # cluster.min_nodes: the latest attempt's
         "world_size": next((a["world_size"] for a in reversed(atts) if a["world_size"]), None),
         "committed_step": journal.committed_step(events),
-        "total_steps": _total_steps(cfg, events, metrics),
+        "total_steps": _total_steps(facts["steps"], events, metrics),
         "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
         "mfu": metrics[-1].get("mfu") if metrics else None,
-        "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),  # eval_every_steps
+        # eval_every_steps
+        "val_loss": next(
+            (m["val_loss"] for m in reversed(metrics) if isinstance(m.get("val_loss"), (int, float))), None
+        ),
+        # the last loss logged, as (step, loss): results' until summary.json holds the final one
+        "last_loss": next(
+            ((m["step"], m["loss"]) for m in reversed(metrics) if isinstance(m.get("loss"), (int, float))), None
+        ),
         "goodput": round(journal.goodput(events, metrics)["goodput"], 3) if atts else None,
         "since_last_event_s": round(time.time() - last, 1) if last else None,
-        "warnings": _warnings(r, cfg, events, state),
+        "warnings": _warnings(facts, events, metrics, state),
         "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
         "in_job_restarts": len(journal.in_job_restarts(events)),  # hot spares (cluster.spare_nodes)
         # of them, the ranks that survived rejoined in their processes (cluster.in_process_restart)
         "in_process_restarts": sum(bool(e.get("in_process")) for e in journal.in_job_restarts(events)),
-        "spares_left": journal.spares_left(events, cfg["cluster"].get("spare_nodes", 0)),
+        "spares_left": journal.spares_left(events, facts["spare_nodes"]),
         # the latest attempt that started: where it resumed from ("memory (step S)", "step_000040", None)
         "resumed": next(((a["restart"], a["resumed_from"]) for a in reversed(atts) if a["start"]), None),
         **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
     }
 
 
-def print_status(rows: list[dict[str, Any]]) -> None:
+# A sweep of more trials than this is shown at a glance: its counts, then only the trials that need a person.
+GLANCE_ROWS = 20
+# Width for output that is not a terminal (a pipe, a file, a capture): what a 100-column terminal shows.
+PLAIN_WIDTH = 100
+WIDE_WIDTH = 220
+
+
+def console(wide: bool = False) -> Any:
+    """rich's Console at the terminal's width (PLAIN_WIDTH when not a terminal); WIDE_WIDTH for --wide."""
     from rich.console import Console
+
+    if wide:
+        return Console(width=WIDE_WIDTH)
+    return Console(width=None if sys.stdout.isatty() else PLAIN_WIDTH)
+
+
+def needs_a_person(row: dict[str, Any]) -> bool:
+    """A row someone should look at (pure): a state neither live, COMPLETED nor still to be queued (failed,
+    cancelled, timed out, missing, unknown), a warning (a stop's reason, a spent budget, no event for a
+    while), a straggler now."""
+    bad_state = row["state"] not in (*slurm.ACTIVE_STATES, "COMPLETED", "NOT QUEUED")  # the counts show those
+    return bad_state or bool(row.get("warnings")) or str(row.get("last_straggler") or "").endswith("(now)")
+
+
+def glance(trials: list[dict[str, Any]]) -> list[str]:
+    """A sweep's trials in a few lines (pure): the count by state, the steps done of those known, the mean
+    goodput of the trials that ran, and the slowest running ones."""
+    counts: dict[str, int] = {}
+    for r in trials:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    by_state = ", ".join(f"{n:,} {state}" for state, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    known = [r for r in trials if r.get("total_steps")]
+    done = sum(min(r["committed_step"] or 0, r["total_steps"]) for r in known)
+    total = sum(r["total_steps"] for r in known)
+    ran = [r["goodput"] for r in trials if r.get("goodput") is not None]
+    lines = [f"{len(trials):,} trials: {by_state}"]
+    if total:
+        unknown = f" ({len(trials) - len(known):,} without a known total)" if len(known) < len(trials) else ""
+        lines.append(f"steps committed: {done:,} of {total:,} ({done / total:.1%}){unknown}")
+    if ran:
+        lines.append(f"goodput: {sum(ran) / len(ran):.1%}, the mean of the {len(ran):,} trials that ran")
+    running = [r for r in trials if r["state"] == "RUNNING" and r.get("tokens_per_s")]
+    if len(running) > 1:
+        slow = sorted(running, key=lambda r: r["tokens_per_s"])[:3]
+        lines.append("slowest running: " + ", ".join(f"{r['run']} ({r['tokens_per_s']:,.0f} tokens/s)" for r in slow))
+    return lines
+
+
+def print_status(rows: list[dict[str, Any]], wide: bool = False, every: bool = False) -> None:
+    """The table (wide: every column), and each sweep of more than GLANCE_ROWS trials at a glance (its
+    counts, then only its trials that need a person; every: all of them), then a line per note."""
+    out = console(wide)
+    sweeps: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:  # a trial's label is SWEEP/NNNN
+        sweeps.setdefault(r["run"].rpartition("/")[0], []).append(r)
+    shown = []
+    for sweep, members in sweeps.items():
+        if not sweep or every or len(members) <= GLANCE_ROWS:
+            shown += members
+            continue
+        flagged = [r for r in members if needs_a_person(r)]
+        for line in glance(members):
+            out.print(f"{sweep}: {line}", markup=False, highlight=False)
+        listed = f" (the first {GLANCE_ROWS} below)" if len(flagged) > GLANCE_ROWS else " (below)" * bool(flagged)
+        out.print(f"{sweep}: {len(flagged):,} need a person{listed}; every trial: --all", markup=False, highlight=False)
+        shown += flagged[:GLANCE_ROWS]
+    if shown:
+        _print_table(out, shown, wide)
+    _print_notes(out, shown)
+    for error in dict.fromkeys(r["state_error"] for r in rows if r.get("state_error")):
+        out.print(f"state unknown: {error}", markup=False, highlight=False, soft_wrap=True)
+
+
+def short(n: float | None) -> str:
+    """A count in at most 5 characters (pure): 9999, 12k, 535k, 1.2M; "-" for none."""
+    if n is None:
+        return "-"
+    if abs(n) < 10_000:
+        return f"{n:.0f}"
+    if abs(n) < 999_500:
+        return f"{n / 1e3:.0f}k"
+    return f"{n / 1e6:.1f}".rstrip("0").rstrip(".") + "M"
+
+
+def ago(seconds: float | None) -> str:
+    """How long ago, in the unit that reads best (pure): 40 s, 12 min, 5 h, 3 d."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def _cells(wide: bool) -> list[tuple[str, Any, str]]:
+    """(header, the cell of a row, when it is shown: "always", "some" (a row has a value) or "wide") of each
+    column. A 100-column terminal gets the few that matter, counts shortened and a straggler now among the
+    warnings; --wide every column, exact."""
+    number = (lambda n: "-" if n is None else str(n)) if wide else short
+
+    def step(r: dict[str, Any]) -> str:
+        return f"{number(r['committed_step'])}/{number(r['total_steps'] or None)}"
+
+    def count(key: str) -> Any:
+        return lambda r: "-" if r.get(key) is None else str(r[key])  # None: unreadable
+
+    def warnings(r: dict[str, Any]) -> str:
+        now = [] if wide or not str(r.get("last_straggler") or "").endswith("(now)") else [r["last_straggler"]]
+        return "; ".join([*(r["warnings"] or []), *(f"straggler {s}" for s in now)])
+
+    def tokens(r: dict[str, Any]) -> str:
+        return "-" if not r["tokens_per_s"] else f"{r['tokens_per_s']:,.0f}" if wide else short(r["tokens_per_s"])
+
+    def mfu(r: dict[str, Any]) -> str:  # n/a on CPU: no peak FLOP/s to divide by
+        return f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a" if wide else "-"
+
+    def val_loss(r: dict[str, Any]) -> str:
+        return f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], (int, float)) else "-"
+
+    always, some = "always", "some"  # some: when a row has a value
+    return [
+        ("run", lambda r: r["run"], always),
+        ("job", lambda r: r["job_id"], "wide"),  # every hpc-train command takes the run; sacct the job
+        ("state", lambda r: r["state"], always),
+        ("attempts", count("attempts"), always),
+        ("restarts", count("restarts"), "wide"),
+        ("ranks", count("world_size"), "wide"),
+        ("step", step, always),
+        ("tokens/s", tokens, some),
+        ("MFU", mfu, some),
+        ("val loss", val_loss, "wide"),
+        ("goodput", lambda r: f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", always),
+        ("last event", lambda r: ago(r["since_last_event_s"]), always),
+        ("stragglers", lambda r: f"{r['stragglers']}: {r['last_straggler']}" if r.get("stragglers") else "-", "wide"),
+        ("warnings", warnings, always),
+    ]
+
+
+def _print_table(out: Any, rows: list[dict[str, Any]], wide: bool) -> None:
     from rich.table import Table
 
+    columns = []
+    for header, cell, when in _cells(wide):
+        values = [cell(r) for r in rows]
+        if when == "always" or wide or (when == "some" and any(v != "-" for v in values)):
+            columns.append((header, values))
     table = Table()
-    for col in (
-        "run",
-        "job",
-        "state",
-        "attempts",
-        "restarts",
-        "ranks",
-        "step",
-        "tokens/s",
-        "MFU",
-        "val loss",
-        "goodput",
-        "last event",
-        "stragglers",
-        "warnings",
-    ):
-        table.add_column(col)
+    for header, _ in columns:  # the sentences wrap; a name or a number never does
+        sentences = header in ("warnings", "stragglers")
+        table.add_column(header, overflow="fold", no_wrap=not sentences, ratio=1 if sentences else None)
+    for i in range(len(rows)):
+        table.add_row(*(values[i] for _, values in columns))
+    out.print(table)
+
+
+def _print_notes(out: Any, rows: list[dict[str, Any]]) -> None:
+    """Below the table, a line per note: the reasons are sentences."""
     for r in rows:
-        step = f"{r['committed_step'] if r['committed_step'] is not None else '-'}/{r['total_steps'] or '-'}"
-        since = f"{r['since_last_event_s']:.0f} s ago" if r["since_last_event_s"] is not None else "-"
-        counts = [
-            "-" if r.get(k) is None else str(r[k]) for k in ("attempts", "restarts", "world_size")
-        ]  # None: unreadable
-        table.add_row(
-            r["run"],
-            r["job_id"],
-            r["state"],
-            *counts,
-            step,
-            f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
-            f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a",  # rich renders str only
-            f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], (int, float)) else "-",
-            f"{r['goodput']:.1%}" if r["goodput"] is not None else "-",
-            since,
-            f"{r['stragglers']}: {r['last_straggler']}" if r.get("stragglers") else "-",
-            "; ".join(r["warnings"]),
-        )
-    console = Console(width=220)
-    console.print(table)
-    for r in rows:  # a line per excluded node, below the table: the reasons are sentences
         for node, why in (r.get("excluded_nodes") or {}).items():
-            console.print(f"{r['run']}: {node} left out: {why}", markup=False, highlight=False, soft_wrap=True)
+            out.print(f"{r['run']}: {node} left out: {why}", markup=False, highlight=False, soft_wrap=True)
     for r in rows:
         if r.get("in_job_restarts"):
-            console.print(
+            out.print(
                 f"{r['run']}: {r['in_job_restarts']} in-job restart(s)"
                 + (f" ({r['in_process_restarts']} in process)" if r.get("in_process_restarts") else "")
                 + f"; {r['spares_left']:.0f} spare node(s) left",
@@ -219,9 +375,7 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r.get("resumed") and r["resumed"][1]:
             attempt, where = r["resumed"]
-            console.print(f"{r['run']}: attempt {attempt} resumed from {where}", markup=False, highlight=False)
-    for error in dict.fromkeys(r["state_error"] for r in rows if r.get("state_error")):
-        console.print(f"state unknown: {error}", markup=False, highlight=False, soft_wrap=True)
+            out.print(f"{r['run']}: attempt {attempt} resumed from {where}", markup=False, highlight=False)
 
 
 RESULT_COLUMNS = ("trial", "state", "step", "final_loss", "val_loss", "goodput", "run_dir")
@@ -242,24 +396,29 @@ def results_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     trials = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
     rows = []
     for trial, run, status in zip(trials, runs, status_rows(runs)):
-        metrics = read_metrics(run.run_dir)
-        summary_path = run.run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        losses = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
-        vals = [m["val_loss"] for m in metrics if isinstance(m.get("val_loss"), (int, float))]
+        try:
+            summary = json.loads((run.run_dir / "summary.json").read_text())
+        except FileNotFoundError:  # not finished: an open that fails is all a queued trial costs
+            summary = {}
+        step, loss = status.get("last_loss") or (None, None)
         rows.append(
             {
                 "trial": run.run_dir.name,
                 "overrides": {k: v for k, _, v in (o.partition("=") for o in trial["overrides"])},
                 "state": status["state"],
-                "step": summary.get("final_step", losses[-1]["step"] if losses else None),
-                "final_loss": summary.get("final_loss", losses[-1]["loss"] if losses else None),
-                "val_loss": vals[-1] if vals else None,
+                "step": summary.get("final_step", step),
+                "final_loss": summary.get("final_loss", loss),
+                "val_loss": status["val_loss"],
                 "goodput": status["goodput"],
                 "run_dir": str(run.run_dir),
             }
         )
     return rows
+
+
+def _result(row: dict[str, Any], key: str) -> Any:
+    """A results row's column or override value."""
+    return row[key] if key in RESULT_COLUMNS else row["overrides"].get(key)
 
 
 def sort_results(rows: list[dict[str, Any]], key: str, reverse: bool = False) -> list[dict[str, Any]]:
@@ -269,21 +428,25 @@ def sort_results(rows: list[dict[str, Any]], key: str, reverse: bool = False) ->
     if key not in keys:
         raise ValueError(f"--sort {key}: no such column; use one of {', '.join(keys)}")
 
-    def get(row: dict[str, Any]) -> Any:
-        return row[key] if key in RESULT_COLUMNS else row["overrides"].get(key)
-
     def value(row: dict[str, Any]) -> tuple[int, float, str]:
         try:
-            return (0, float(get(row)), "")
+            return (0, float(_result(row, key)), "")
         except (TypeError, ValueError):
-            return (1, 0.0, str(get(row)))
+            return (1, 0.0, str(_result(row, key)))
 
-    present = sorted((r for r in rows if get(r) is not None), key=value, reverse=reverse)
-    return present + [r for r in rows if get(r) is None]
+    present = sorted((r for r in rows if _result(r, key) is not None), key=value, reverse=reverse)
+    return present + [r for r in rows if _result(r, key) is None]
 
 
-def print_results(rows: list[dict[str, Any]], title: str, fmt: str) -> None:
-    """fmt "table" (overrides every trial shares go in the title), "json" or "csv" (every override)."""
+# results of a sweep of more than GLANCE_ROWS trials: the first and the last few in the order asked
+RESULTS_FEW = 5
+
+
+def print_results(
+    rows: list[dict[str, Any]], title: str, fmt: str, key: str = "final_loss", wide: bool = False, every: bool = False
+) -> None:
+    """fmt "table" (overrides every trial shares go below it; of more than GLANCE_ROWS rows, the RESULTS_FEW
+    first and last with a value of `key`, the sort key, unless every), "json" or "csv" (every row and override)."""
     overrides = list(dict.fromkeys(k for r in rows for k in r["overrides"]))
     if fmt == "json":
         print(json.dumps(rows, indent=1))
@@ -302,15 +465,20 @@ def print_results(rows: list[dict[str, Any]], title: str, fmt: str) -> None:
                 ]
             )
         return
-    from rich.console import Console
     from rich.table import Table
 
     varying = [k for k in overrides if len({r["overrides"].get(k) for r in rows}) > 1]
     common = " ".join(f"{k}={rows[0]['overrides'][k]}" for k in overrides if k not in varying)
+    valued = [r for r in rows if _result(r, key) is not None]
+    few = not every and len(rows) > GLANCE_ROWS
+    shown = [*valued[:RESULTS_FEW], None, *valued[-RESULTS_FEW:]] if few and len(valued) > 2 * RESULTS_FEW else rows
     table = Table(title=title)
     for col in ("trial", *varying, "state", "step", "final loss", "val loss", "goodput"):
         table.add_column(col)
-    for r in rows:
+    for r in shown:
+        if r is None:  # between the best and the worst few
+            table.add_row("...", *([""] * (len(varying) + 4)))
+            continue
         table.add_row(
             r["trial"],
             *(r["overrides"].get(k, "-") for k in varying),
@@ -319,7 +487,15 @@ def print_results(rows: list[dict[str, Any]], title: str, fmt: str) -> None:
             *("-" if r[k] is None else f"{r[k]:.4f}" for k in ("final_loss", "val_loss")),
             "-" if r["goodput"] is None else f"{r['goodput']:.1%}",
         )
-    console = Console(width=220)
-    console.print(table)
+    out = console(wide)
+    out.print(table)
     if common:
-        console.print(f"in every trial: {common}", markup=False, highlight=False, soft_wrap=True)
+        out.print(f"in every trial: {common}", markup=False, highlight=False, soft_wrap=True)
+    if shown is not rows:
+        out.print(
+            f"the {RESULTS_FEW} first and last of {len(valued):,} trials with a {key}"
+            + (f" ({len(rows) - len(valued):,} without one yet)" if len(valued) < len(rows) else "")
+            + "; every trial: --all",
+            markup=False,
+            highlight=False,
+        )

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal
+from hpc_train import journal, status
 from hpc_train.paths import RunPaths, locked, make_dir, untrusted, write_atomic
 from hpc_train.plan import MANIFEST, Array, Plan, Trial, job_name, next_dir
 from hpc_train.sbatch import make_executor
@@ -220,7 +220,7 @@ def _load_manifest(sweep_dir: Path, overrides: list[str], trials: list[Trial]) -
             f"the same overrides, or drop --sweep-dir to start a new sweep"
         )
     for t, saved in zip(trials, old["trials"]):
-        t.job_id, t.process = saved["job_id"], saved.get("process")
+        t.job_id, t.process, t.brief = saved["job_id"], saved.get("process"), saved.get("brief")
     return [Array(**a) for a in old["arrays"]]
 
 
@@ -564,7 +564,9 @@ def _submit_sweep(
     pin_init_from(p.target, p.configs, p.dir_mode)
     like = None
     for t in p.trials:
+        frozen = (Path(t.run_dir) / "config.yaml").exists()  # a resubmit: conf/ may have changed since
         like = _freeze(Path(t.run_dir), p.configs[t.index], p.private, p.dir_mode, code, like)
+        t.brief = t.brief or (None if frozen else status.brief(p.configs[t.index]))
     _save_manifest(p, overrides)
     jobs: list[Any] = []
     done = sum(1 for t in p.trials if t.job_id)

@@ -304,6 +304,8 @@ def _settle(storm: TeamStorm, env: dict[str, str], timeout_s: float) -> None:
     """The storm's last act: resume every trial cancelled or ended without a word, until every trial
     finished or stopped with a reason and no job of the sweep is left."""
     deadline = time.monotonic() + timeout_s
+    last: dict[int, str] = {}  # each trial's last answer to a resume here: why a trial did not settle
+    live: dict[int, list[str]] = {}
     while time.monotonic() < deadline:
         live, open_ = _live(storm, env), []
         for k in range(TRIALS):
@@ -315,11 +317,16 @@ def _settle(storm: TeamStorm, env: dict[str, str], timeout_s: float) -> None:
                 open_.append(k)
             elif journal.cancelled(events) or not journal.stopped(events):
                 open_.append(k)
-                _hpc(storm, env, "final", "resume", "resume", str(trial))
+                answer = _hpc(storm, env, "final", "resume", "resume", str(trial))
+                last[k] = f"the last resume exited {answer.rc}: {(answer.err or answer.out).strip()[-600:]}"
         if not open_ and not live:
             return
         time.sleep(3.0)
-    storm.unsettled = [str(storm.trial(k)) for k in range(TRIALS) if not (storm.trial(k) / "summary.json").exists()]
+    storm.unsettled = [
+        f"{storm.trial(k)} ({last.get(k, 'never resumed here')}; squeue: {live.get(k, [])})"
+        for k in range(TRIALS)
+        if not (storm.trial(k) / "summary.json").exists()
+    ]
 
 
 def _finished_jobs(storm: TeamStorm, env: dict[str, str]) -> dict[str, str]:

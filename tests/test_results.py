@@ -124,7 +124,7 @@ def test_a_deleted_trial_folder_is_a_missing_row_in_results_and_status(tmp_path:
     (sweep_dir / "sweep.json").write_text(json.dumps({"trials": trials}))
     proc = run([HPC_TRAIN, "results", str(sweep_dir), "--json"])
     assert proc.returncode == 0, proc.stderr
-    assert [(r["trial"], r["state"]) for r in json.loads(proc.stdout)] == [("0000", "missing"), ("0001", "UNKNOWN")]
+    assert [(r["trial"], r["state"]) for r in json.loads(proc.stdout)] == [("0000", "missing"), ("0001", "NOT QUEUED")]
     proc = run([HPC_TRAIN, "status", str(sweep_dir), "--json"])
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
@@ -140,11 +140,11 @@ def test_a_deleted_trial_folder_is_a_missing_row_in_results_and_status(tmp_path:
 def test_status_shows_a_runs_own_total_steps_never_another_loops() -> None:
     """train.steps is the built-in trainer's: a function's or a script's total is what its loop told (step_end's
     last_step in `first_step`, a script's hpc.log(total_steps=...)), else none."""
-    from hpc_train.status import _total_steps
+    from hpc_train.status import _total_steps, own_steps
 
-    builtin = {"train": {"steps": 60}, "fn": {"_target_": ""}, "script": {"cmd": []}}
-    function = {**builtin, "fn": {"_target_": "byo_train.main"}}
-    script = {**builtin, "script": {"cmd": ["python", "train.py"]}}
+    builtin = own_steps({"train": {"steps": 60}, "fn": {"_target_": ""}, "script": {"cmd": []}})
+    function = own_steps({"train": {"steps": 60}, "fn": {"_target_": "byo_train.main"}})
+    script = own_steps({"train": {"steps": 60}, "script": {"cmd": ["python", "train.py"]}})
     told = [
         {"event": "first_step", "step": 1, "total_steps": 300},
         {"event": "first_step", "step": 41, "total_steps": 200},
@@ -153,3 +153,165 @@ def test_status_shows_a_runs_own_total_steps_never_another_loops() -> None:
     assert _total_steps(function, [], []) is None and _total_steps(script, [], []) is None
     assert _total_steps(function, told, []) == 200  # the newest attempt's
     assert _total_steps(script, [], [{"step": 5, "total_steps": 40}, {"step": 6}]) == 40
+
+
+def test_each_trial_of_a_sweep_carries_the_brief_of_its_frozen_config(sweep: Path) -> None:
+    """status reads a trial's brief from sweep.json, never its config.yaml (PyYAML: 5 to 13 ms a file); what
+    submit wrote there is what the frozen config says."""
+    import yaml
+
+    from hpc_train.status import brief
+
+    trials = json.loads((sweep / "sweep.json").read_text())["trials"]
+    assert [t["brief"] for t in trials] == [
+        brief(yaml.safe_load((Path(t["run_dir"]) / "config.yaml").read_text())) for t in trials
+    ]
+    assert trials[0]["brief"] == {
+        "executor": "local",
+        "signal_lead_s": trials[0]["brief"]["signal_lead_s"],
+        "spare_nodes": 0,
+        "max_failures": 3,
+        "steps": 6,
+    }
+
+
+STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NOT QUEUED", "missing", "REQUEUED")
+
+
+def random_row(rng, label: str) -> dict:
+    from hpc_train.status import COLUMNS
+
+    state = rng.choice(STATES)
+    stragglers = rng.random() < 0.1
+    return {
+        **dict.fromkeys(COLUMNS),
+        "run": label,
+        "job_id": f"{rng.randrange(10**6)}_{rng.randrange(10**4)}",
+        "state": state,
+        "attempts": rng.randrange(4),
+        "world_size": rng.choice([None, 4, 512]),
+        "committed_step": rng.choice([None, rng.randrange(10**6)]),
+        "total_steps": rng.choice([None, 10**6]),
+        "goodput": rng.choice([None, rng.random()]),
+        "tokens_per_s": rng.choice([None, rng.uniform(1, 1e6)]),
+        "since_last_event_s": rng.choice([None, rng.uniform(0, 1e5)]),
+        "warnings": ["failure budget 2/3 used"] * (rng.random() < 0.1)
+        + ["signal lead too short"] * (rng.random() < 0.05),
+        "stragglers": 2 if stragglers else 0,
+        "last_straggler": ("rank 3 on node12" + rng.choice(["", " (now)"])) if stragglers else "",
+    }
+
+
+def test_status_at_a_glance_keeps_every_invariant() -> None:
+    """Random sweeps (seeded; HPC_TRAIN_GLANCE_SEED replays another) of 1 to 300 trials, printed as a pipe gets
+    them: every line fits 100 columns; a sweep of more than GLANCE_ROWS trials shows its counts (summing to its
+    size) and exactly its first GLANCE_ROWS trials that need a person, in order; a smaller one, or --all, every
+    trial; a single run beside it always."""
+    import io
+    import os
+    import random
+    import re
+    from contextlib import redirect_stdout
+
+    from test_local_ops import table_rows
+
+    from hpc_train.status import GLANCE_ROWS, needs_a_person, print_status
+
+    seed = int(os.environ.get("HPC_TRAIN_GLANCE_SEED", "29"))
+    rng = random.Random(seed)
+    for case in range(60):
+        n = rng.choice([1, GLANCE_ROWS, GLANCE_ROWS + 1, rng.randrange(1, 300)])
+        trials = [random_row(rng, f"mix-{case}/{i:04d}") for i in range(n)]
+        alone = random_row(rng, f"demo-{case}")
+        for every in (False, True):
+            out = io.StringIO()
+            with redirect_stdout(out):
+                print_status([alone, *trials], every=every)
+            text = out.getvalue()
+            where = f"seed {seed} case {case} (n={n}, every={every})"
+            assert max(len(line) for line in text.splitlines()) <= 100, where
+            shown = [r["run"] for r in table_rows(text, "run") if r["run"]]  # a wrapped cell's next line: no run
+            if every or n <= GLANCE_ROWS:
+                assert shown == [alone["run"], *(t["run"] for t in trials)], where
+                continue
+            flagged = [t["run"] for t in trials if needs_a_person(t)]
+            assert shown == [alone["run"], *flagged[:GLANCE_ROWS]], where
+            counts = re.search(rf"mix-{case}: ([\d,]+) trials: (.*?)\nmix-{case}: ", text, re.S)  # it may wrap
+            assert counts and int(counts[1].replace(",", "")) == n, where
+            assert sum(int(c.replace(",", "")) for c in re.findall(r"([\d,]+)\s+[A-Za-z]", counts[2])) == n, where
+            assert f"mix-{case}: {len(flagged):,} need a person" in text, where
+
+
+def test_needs_a_person_flags_failures_warnings_and_stragglers_now_only() -> None:
+    from hpc_train.status import COLUMNS, needs_a_person
+
+    row = {**dict.fromkeys(COLUMNS), "state": "RUNNING", "warnings": [], "last_straggler": ""}
+    assert not needs_a_person(row) and not needs_a_person({**row, "state": "COMPLETED"})
+    assert not needs_a_person({**row, "state": "NOT QUEUED"}) and not needs_a_person({**row, "state": "PENDING"})
+    assert needs_a_person({**row, "state": "FAILED"}) and needs_a_person({**row, "state": "missing"})
+    assert needs_a_person({**row, "warnings": ["no event for 20 min"]})
+    assert needs_a_person({**row, "last_straggler": "rank 1 on node2 (now)"})
+    assert not needs_a_person({**row, "last_straggler": "rank 1 on node2"})  # cleared since
+
+
+def synthetic_sweep(root: Path, n: int, failed: set[int], finished: set[int]) -> Path:
+    """A local sweep's folder as submit and its trials leave it, written directly: sweep.json with each
+    trial's brief, a folder per trial; `finished` trials with a start, a finish and summary.json (final_loss
+    = the index / 1000), `failed` ones with a start, a fail and a stop. The others have not run yet."""
+    from hpc_train import journal
+
+    sweep_dir = root / "big-1"
+    brief = {"executor": "local", "signal_lead_s": 120, "spare_nodes": 0, "max_failures": 3, "steps": 60}
+    trials = []
+    for i in range(n):
+        run_dir = sweep_dir / f"{i:04d}"
+        (run_dir / "checkpoints").mkdir(parents=True)
+        job = str(10**6 + i) if i in failed | finished else None
+        trials.append({"index": i, "overrides": [f"train.lr={i}e-5"], "run_dir": str(run_dir), "job_id": job})
+        trials[-1]["brief"] = brief
+        if job is None:
+            continue
+        journal.log(run_dir, journal.START, 0, job, 0, world_size=1)
+        if i in finished:
+            (run_dir / "summary.json").write_text(json.dumps({"final_step": 60, "final_loss": i / 1000}))
+            journal.log(run_dir, journal.FINISH, 60, job, 0, final_step=60)
+        else:
+            journal.log(run_dir, journal.FAIL, 10, job, 0, rank=0, error="boom")
+            journal.log(run_dir, journal.STOPPED, 10, job, 0, reason=f"trial {i} failed: boom")
+    (sweep_dir / "sweep.json").write_text(json.dumps({"sweep_dir": str(sweep_dir), "trials": trials}))
+    return sweep_dir
+
+
+def test_status_and_results_of_a_big_sweep_fit_one_screen(tmp_path: Path) -> None:
+    """Before: one row per trial, 142 columns wide. Now a sweep of 300 trials, 2 failed: its counts and the 2
+    failed trials, 100 columns wide; --all every trial; --json every row; results the 5 best and 5 worst."""
+    from test_local_ops import table_rows
+
+    sweep_dir = synthetic_sweep(tmp_path, 300, failed={17, 230}, finished=set(range(100, 150)))
+    proc = run([HPC_TRAIN, "status", str(sweep_dir)])
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "big-1: 300 trials: 248 NOT QUEUED, 50 COMPLETED, 2 FAILED" in lines[0]
+    assert "big-1: 2 need a person (below); every trial: --all" in proc.stdout
+    assert [r["run"] for r in table_rows(proc.stdout, "run") if r["run"]] == ["big-1/0017", "big-1/0230"]
+    assert max(map(len, lines)) <= 100 and len(lines) < 25
+    every = run([HPC_TRAIN, "status", str(sweep_dir), "--all"]).stdout
+    assert len([r for r in table_rows(every, "run") if r["run"]]) == 300  # a wrapped warning: a row without a run
+    assert len(json.loads(run([HPC_TRAIN, "status", str(sweep_dir), "--json"]).stdout)) == 300
+    wide = run([HPC_TRAIN, "status", str(sweep_dir), "--wide"]).stdout
+    assert {"restarts", "MFU"} <= set(table_rows(wide, "run")[0]) and "MFU" not in table_rows(proc.stdout, "run")[0]
+    results = run([HPC_TRAIN, "results", str(sweep_dir)]).stdout
+    trials = [r["trial"] for r in table_rows(results, "trial")]
+    assert trials == ["0100", "0101", "0102", "0103", "0104", "...", "0145", "0146", "0147", "0148", "0149"]
+    assert "the 5 first and last of 50 trials with a final_loss (250 without one yet); every trial: --all" in results
+    assert len(table_rows(run([HPC_TRAIN, "results", str(sweep_dir), "--all"]).stdout, "trial")) == 300
+
+
+def test_the_help_names_the_glance_limits_status_uses() -> None:
+    """cli writes them as numbers (it imports status only when a command runs)."""
+    from hpc_train.status import GLANCE_ROWS, RESULTS_FEW, WIDE_WIDTH
+
+    status_help = run([HPC_TRAIN, "status", "--help"]).stdout
+    results_help = run([HPC_TRAIN, "results", "--help"]).stdout
+    assert f"of more than {GLANCE_ROWS}" in " ".join(status_help.split()) and f"{WIDE_WIDTH} wide" in status_help
+    assert f"the {RESULTS_FEW} first and last" in " ".join(results_help.split())

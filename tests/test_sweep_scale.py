@@ -169,6 +169,7 @@ def test_manifest_save_serializes_only_what_changed(tmp_path: Path, monkeypatch:
     assert manifest["trials"][5] == {"index": 5, "overrides": ["a=5"], "run_dir": str(tmp_path / "0005")} | {
         "job_id": None,
         "process": None,
+        "brief": None,  # submit's freeze sets it (status.brief); this plan froze nothing
     }
 
 
