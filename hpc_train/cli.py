@@ -68,11 +68,14 @@ def _print_dry_run(p: object) -> None:
 
 
 def _print_table(p: object) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from hpc_train.status import console
+
     trials = p.trials  # type: ignore[attr-defined]
-    table = Table(title=f"{len(trials)} trial(s) queued in {len(p.arrays)} sbatch call(s)")  # type: ignore[attr-defined]
+    local = p.runs[0].cluster.executor == "local"  # type: ignore[attr-defined]
+    how = "run here by the local executor" if local else f"queued in {len(p.arrays)} sbatch call(s)"  # type: ignore[attr-defined]
+    table = Table(title=f"{len(trials)} trial(s) {how}")
     for col in ("trial", "overrides", "job id", "run directory"):
         table.add_column(col)
     shown = trials if len(trials) <= 20 else trials[:10] + trials[-10:]
@@ -80,7 +83,7 @@ def _print_table(p: object) -> None:
         if len(trials) > 20 and t is trials[-10]:
             table.add_row("...", f"{len(trials) - 20} more in sweep.json", "", "")
         table.add_row(str(t.index), " ".join(t.overrides), t.job_id or "-", t.run_dir)
-    Console(width=200).print(table)
+    console().print(table)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -152,7 +155,15 @@ def _submit(args: argparse.Namespace) -> int:
             return 0
         from hpc_train import submit
 
-        with _progress(enabled=args.multirun) as progress:
+        local_sweep = args.multirun and p.runs[0].cluster.executor == "local"
+        if local_sweep:  # minutes of silence otherwise
+            print(
+                f"hpc-train submit: {len(p.trials)} trial(s) run here one after another (the local executor); "
+                f"follow one with hpc-train logs -f {_shown(p.target)}/0000",
+                file=sys.stderr,
+                flush=True,
+            )
+        with _progress(enabled=args.multirun, local=local_sweep) as progress:
             p, jobs = submit.submit(p, args.overrides, args.multirun, args.sweep_dir, args.max_parallel, progress)
     except Exception as e:
         if not _is_user_error(e):
@@ -470,15 +481,19 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 class _progress:
-    """A rich progress bar on stderr for sweeps being queued; silent for small ones."""
+    """A rich progress bar on stderr for sweeps being queued, silent for small ones; a line per trial of a local
+    sweep, which runs them here."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.bar, self.task = enabled, None, None
+    def __init__(self, enabled: bool, local: bool = False) -> None:
+        self.enabled, self.local, self.bar, self.task = enabled, local, None, None
 
     def __enter__(self):  # type: ignore[no-untyped-def]
         return self.update if self.enabled else None
 
     def update(self, done: int, total: int) -> None:
+        if self.local:
+            print(f"hpc-train submit: {done}/{total} trial(s) ended", file=sys.stderr, flush=True)
+            return
         if self.bar is None:
             if total < 100:
                 return

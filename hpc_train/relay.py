@@ -23,7 +23,8 @@ With hot spares (HPC_TRAIN_STEP_ARGS, exported by the batch script of a job with
 - once either is there the step gets STEP_END_S to end, then srun a TERM (SIGKILL to every task, a stopped
   one too), then STEP_KILL_S before SIGKILL to srun itself (a task in D state);
 - while the step runs this writes the time into FOLDER/.relay-JOBID every BEAT_S: a deciding rank that finds
-  it silent (beat_at, requeue.relay_silent_s) takes this node for lost and requeues instead.
+  it silent (beat_at, requeue.relay_silent_s) takes this node for lost and requeues instead. The beat and the
+  looks for both files run in a thread of their own (Watch): NFS holding one never holds a signal.
 A signal that came while one step ended goes to the next as HPC_TRAIN_PENDING_SIGNAL=SIGUSR2@<Unix s>, the
 time it came (preempt.install_handlers reads it).
 """
@@ -61,6 +62,7 @@ import re  # noqa: E402
 import stat  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 log = logging.getLogger("hpc_train.relay")
@@ -194,9 +196,39 @@ def _status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class Watch:
+    """A spares step's folder I/O, in a thread of its own: a beat write or a look that NFS holds for seconds
+    never holds a signal on its way to srun. Writes the beat every beat_s and looks for the marker and the
+    finished file every LOOK_S until either is there (`why` then says which) or `stop` is set."""
+
+    def __init__(self, folder: Path, job_id: str, beat_s: float) -> None:
+        self.folder, self.job_id, self.beat_s = folder, job_id, beat_s
+        self.why = ""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="relay-watch", daemon=True)
+
+    def _run(self) -> None:
+        next_beat = next_look = time.monotonic()
+        while not self.stop.is_set() and not self.why:
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.beat_s
+                try:
+                    _write_new(beat_file(self.folder, self.job_id), f"{int(time.time())}\n")
+                except OSError:
+                    pass  # a full disk: a deciding rank reads the beat as silent and requeues
+            if now >= next_look:
+                next_look = now + LOOK_S
+                if _there(relaunch_marker(self.folder, self.job_id)):
+                    self.why = "its relaunch marker"
+                elif _there(finished_file(self.folder, self.job_id)):
+                    self.why = f"its run's finish ({finished_file(self.folder, self.job_id).name})"
+            self.stop.wait(max(0.0, min(next_beat, next_look) - time.monotonic()))
+
+
 def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: bool, limits: tuple[float, ...]) -> int:
     """One training step, to its end: the recorded signals passed on; with spares, the beat and the end of a
-    step that outlives its marker or its run's finish. Returns srun's status."""
+    step that outlives its marker or its run's finish (Watch). Returns srun's status."""
     end_s, kill_s, beat_s = limits
     # Taken with the signals held: one that comes meanwhile is not lost between the read and the reset, but
     # recorded as soon as they are let through, and sent to this step's srun.
@@ -205,9 +237,11 @@ def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: b
     relay.pending, relay.undelivered = "", 0
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # before the launch: srun would inherit the mask
     proc = subprocess.Popen(srun, env=env)
-    started = next_beat = next_look = time.monotonic()
+    started = time.monotonic()
+    watch = Watch(folder, job_id, beat_s) if spares else None
+    if watch:
+        watch.thread.start()
     end_at = kill_at = killed_at = None
-    why = ""
     while proc.poll() is None:
         now = time.monotonic()
         if relay.undelivered and (takes_usr2(proc.pid) or now - started > SRUN_READY_WAIT_S):
@@ -215,22 +249,13 @@ def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: b
                 log.info("the batch shell got SIGTERM; sent SIGUSR2 to srun, which would turn TERM into SIGKILL")
             relay.undelivered = 0
             proc.send_signal(signal.SIGUSR2)
-        if spares and end_at is None:
-            if now >= next_beat:
-                next_beat = now + beat_s
-                try:
-                    _write_new(beat_file(folder, job_id), f"{int(time.time())}\n")
-                except OSError:
-                    pass  # a full disk: a deciding rank reads the beat as silent and requeues
-            if now >= next_look:
-                next_look = now + LOOK_S
-                if _there(relaunch_marker(folder, job_id)):
-                    end_at, why = now + end_s, "its relaunch marker"
-                elif _there(finished_file(folder, job_id)):
-                    end_at, why = now + end_s, f"its run's finish ({finished_file(folder, job_id).name})"
+        if watch and end_at is None and watch.why:
+            end_at = now + end_s
         elif end_at is not None and kill_at is None and now >= end_at:
             log.warning(
-                "the training step did not end within %g s of %s; sent srun SIGTERM, which kills every task", end_s, why
+                "the training step did not end within %g s of %s; sent srun SIGTERM, which kills every task",
+                end_s,
+                watch.why if watch else "",
             )
             proc.terminate()
             kill_at = now + kill_s
@@ -243,7 +268,9 @@ def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: b
             proc.kill()
             killed_at = now
         time.sleep(POLL_S)
-    if spares:
+    if watch:
+        watch.stop.set()
+        watch.thread.join(timeout=LOOK_S + 1)  # a write NFS still holds is left to finish: removed at the next end
         beat = beat_file(folder, job_id)
         try:
             stale = [beat, *folder.glob(f"{beat.name}.*")]  # a relaunch writes it anew at once

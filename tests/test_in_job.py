@@ -1496,6 +1496,45 @@ def test_a_file_system_error_at_the_relays_looks_never_ends_the_running_step(
     assert "cannot remove" in caplog.text
 
 
+def test_a_beat_write_the_file_system_holds_never_holds_a_signal_on_its_way_to_srun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the relay wrote its beat (and looked for the marker) in the loop that passes signals on, so a
+    write NFS held for seconds held a preemption's USR2 as long, out of the ranks' grace. Now the folder's I/O
+    has its own thread (relay.Watch): here every beat write takes 3 s, and a stop signal recorded 1 s into the
+    step reaches the fake srun within a second."""
+    from hpc_train import relay
+
+    bin_dir, folder = tmp_path / "bin", tmp_path / "submitit"
+    bin_dir.mkdir()
+    folder.mkdir()
+    got = tmp_path / "got"
+    (bin_dir / "srun").write_text(
+        f"#!/bin/bash\ntrap 'date +%s.%N > {got}' USR2\nfor i in $(seq 50); do sleep 0.1; done\nexit 0\n"
+    )
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    real_write = relay._write_new
+
+    def held(path: Path, text: str) -> None:
+        time.sleep(3.0)  # a file server that holds the write
+        real_write(path, text)
+
+    monkeypatch.setattr(relay, "_write_new", held)
+    r = relay.Relay()
+    sent: list[float] = []
+
+    def stop_signal() -> None:  # what the handler records when Slurm's USR2 comes
+        time.sleep(1.0)
+        sent.append(time.time())
+        r.on_signal(signal.SIGUSR2, None)
+
+    threading.Thread(target=stop_signal, daemon=True).start()
+    environ = {"SLURM_JOB_ID": "77", "HPC_TRAIN_STEP_ARGS": "--nodes=2 --ntasks=2"}
+    assert relay.supervise(r, ["90", "120", "5", "python", str(folder)], environ) == 0
+    assert got.exists() and float(got.read_text()) - sent[0] < 1.0, (sent, got.read_text() if got.exists() else None)
+
+
 def test_a_marker_the_relay_cannot_remove_relaunches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Review: left in place, the marker would end the relaunched step at the relay's next look, and relaunch it
     again, until the time limit. Not removed, it is not acted on: the job ends with the step's status."""

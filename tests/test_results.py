@@ -22,6 +22,11 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout_s=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # a local sweep speaks of the local executor, and of each trial as it ends (issue 29: "queued in 2 sbatch
+    # call(s)", then 27 s of silence)
+    assert "hpc-train submit: 2 trial(s) run here one after another (the local executor)" in proc.stderr
+    assert proc.stderr.count("trial(s) ended") == 2 and "hpc-train submit: 2/2 trial(s) ended" in proc.stderr
+    assert "2 trial(s) run here by the local executor" in proc.stdout and "sbatch" not in proc.stdout
     sweep_dir = out / "demo-1"
     # An evaluating trainer logs val_loss in metrics.jsonl; these trials do not evaluate, so give trial 0 one.
     with (sweep_dir / "0000" / "metrics.jsonl").open("a") as f:
@@ -170,7 +175,7 @@ def test_each_trial_of_a_sweep_carries_the_brief_of_its_frozen_config(sweep: Pat
         "executor": "local",
         "signal_lead_s": trials[0]["brief"]["signal_lead_s"],
         "spare_nodes": 0,
-        "max_failures": 3,
+        "max_failures": 2,  # conf/requeue's default
         "steps": 6,
     }
 
