@@ -373,7 +373,9 @@ def _report(args: argparse.Namespace) -> int:
 def _goodput_table(label: str, parts: dict[str, float]) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"{label}: goodput {parts['goodput']:.1%} of {parts['allocated']:.1f} s allocated")
+    from hpc_train.report import share
+
+    table = Table(title=f"{label}: goodput {share(parts['goodput'])} of {parts['allocated']:.1f} s allocated")
     for col in ("part", "seconds", "share"):
         table.add_column(col)
     for key, what in (
@@ -381,6 +383,7 @@ def _goodput_table(label: str, parts: dict[str, float]) -> Any:
         ("lost", "work lost (recomputed)"),
         ("stall", "checkpoint stall"),
         ("overhead", "restart overhead (launch -> training)"),
+        *[("unknown", "unknown (a script's attempt: no steps, no checkpoint file)")] * bool(parts["unknown"]),
     ):
         table.add_row(
             what, f"{parts[key]:.1f}", f"{parts[key] / parts['allocated']:.1%}" if parts["allocated"] else "-"

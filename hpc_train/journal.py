@@ -527,6 +527,12 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
                     e.get("stall_s", 0.0) if e.get("reason") == "periodic" else e.get("save_s", 0.0) for e in commits
                 ),
                 "signals": [s for e in named(evs, SIGNAL) for s in e.get("signals", [])],
+                # a script's attempt (`submit ... -- CMD`) and the newest checkpoint file it left (its mtime,
+                # script._file_progress): what goodput knows of a script that tells no steps
+                "script": bool(start and start.get("target") == "script"),
+                "file_at": max(
+                    (e["mtime"] for e in named(evs, SCRIPT_CHECKPOINT) if _number(e.get("mtime"))), default=None
+                ),
                 # an elastic requeue's NumNodes ("2-2"), or an in-job restart's node count (fewer: min_nodes)
                 "nodes_next": next((e.get("nodes_next") for e in named(evs, REQUEUE, IN_JOB_RESTART)), None),
                 # an in-job restart (hot spares): the allocation's nodes it left out, the spares it kept; in process
@@ -550,7 +556,7 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
     return out
 
 
-def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, float]:
+def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = False) -> dict[str, Any]:
     """Where the allocated time went, in seconds; the parts add up to the attempts' wall time (pure).
 
     allocated   launch of each attempt -> its last event
@@ -558,8 +564,14 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
     stall       the loop blocked by checkpoint saves
     lost        training on steps no checkpoint kept (recomputed by the next attempt)
     committed   the rest: training that became committed progress
+    unknown     a script's attempt that tells no steps and ended unfinished without a checkpoint file
+                known (script.checkpoint): what it kept cannot be told; the goodput is then None
     queue_wait  requeue -> next launch (not allocated; reported beside); after an in-job restart the
                 allocation is held while the step relaunches: that gap is allocated overhead instead
+
+    A script's attempt that tells no steps (no script_helper) and ended unfinished lost the time since its
+    newest checkpoint file (its mtime, the file server's clock, kept within the attempt); a finished one
+    lost nothing.
 
     live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
     minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
@@ -582,6 +594,7 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
     step_times = sorted(m["step_time_s"] for m in metrics if isinstance(m.get("step_time_s"), (int, float)))
     step_s = step_times[len(step_times) // 2] if step_times else 0.0
     parts = {"allocated": 0.0, "overhead": 0.0, "stall": 0.0, "lost": 0.0, "committed": 0.0, "queue_wait": 0.0}
+    parts["unknown"] = 0.0
     for i, a in enumerate(atts):
         wall = a["end"] - a["launched"]
         overhead = (a["start"] - a["launched"]) if a["start"] else wall
@@ -589,12 +602,20 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
         after = atts[i + 1] if i + 1 < len(atts) else None
         if after and (after["resumed_from"] or "").startswith("memory") and after["start_step"] is not None:
             kept = max(kept, min(after["start_step"], a["reached_step"]))  # the memory tier kept these steps
-        lost = min(max(0.0, (a["reached_step"] - kept) * step_s), max(0.0, wall - overhead - a["stall_s"]))
+        worked = max(0.0, wall - overhead - a["stall_s"])
+        lost = min(max(0.0, (a["reached_step"] - kept) * step_s), worked)
+        unknown = 0.0
+        if a["script"] and a["reached_step"] == (a["start_step"] or 0) and a["ended_by"] != FINISH:
+            if a["file_at"] is not None:  # the work after the file was written is redone
+                lost = min(worked, max(0.0, a["end"] - max(a["file_at"], a["start"] or a["launched"])))
+            else:
+                unknown = worked
         parts["allocated"] += wall
         parts["overhead"] += overhead
         parts["stall"] += min(a["stall_s"], wall - overhead)
         parts["lost"] += lost
-        parts["committed"] += max(0.0, wall - overhead - a["stall_s"] - lost)
+        parts["unknown"] += unknown
+        parts["committed"] += max(0.0, worked - lost - unknown)
         if i + 1 < len(atts):
             gap = max(0.0, atts[i + 1]["launched"] - a["end"])
             if a["ended_by"] == IN_JOB_RESTART:
@@ -602,5 +623,6 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
                 parts["overhead"] += gap
             else:
                 parts["queue_wait"] += gap
-    parts["goodput"] = parts["committed"] / parts["allocated"] if parts["allocated"] else 0.0
+    known = parts["allocated"] and not parts["unknown"]
+    parts["goodput"] = parts["committed"] / parts["allocated"] if known else None if parts["unknown"] else 0.0
     return parts

@@ -48,6 +48,11 @@ METRICS = {
 }
 
 
+def _or_nan(x: float | None) -> float:
+    """A gauge's value: NaN for one not known (a script's goodput, journal.goodput)."""
+    return math.nan if x is None else x
+
+
 def tail_rows(path: Path, tail_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
     """The complete JSON rows in the last tail_bytes of a .jsonl file (the first, cut, line is dropped)."""
     import json
@@ -126,7 +131,7 @@ def values(run_dir: Path) -> dict[str, float]:
         "hpc_train_tokens_per_second": number(last.get("tokens_per_s")),
         "hpc_train_mfu": number(last.get("mfu")),
         "hpc_train_data_wait_fraction": number(last.get("data_wait_fraction")),
-        "hpc_train_goodput": journal.goodput(events, rows, live=True)["goodput"] if events else math.nan,
+        "hpc_train_goodput": _or_nan(journal.goodput(events, rows, live=True)["goodput"]) if events else math.nan,
         "hpc_train_attempt": float(journal.current_attempt(events)),
         "hpc_train_in_job_restarts": float(len(journal.in_job_restarts(events))),
         "hpc_train_spares_left": journal.spares_left(events, math.nan),

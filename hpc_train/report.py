@@ -13,6 +13,11 @@ from hpc_train.paths import MEMORY, RunPaths, profile_files
 from hpc_train.runs import Run
 
 
+def share(goodput: float | None) -> str:
+    """A goodput as a percentage; "unknown" when a script's attempt leaves it untold (journal.goodput)."""
+    return "unknown" if goodput is None else f"{goodput:.1%}"
+
+
 def size_text(att: dict[str, Any]) -> str:
     """An attempt's size for `report`: "4 on node1,node3" (ranks on nodes); past 4 nodes, their count."""
     if not att.get("world_size"):
@@ -100,7 +105,7 @@ def report_marks(atts: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> d
     }
 
 
-def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str, Any]], str]:
+def report(run: Run, png: Path | None) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
     """Goodput parts, attempts, and the PNG path written ('' when matplotlib is missing)."""
     events, metrics = journal.read(run.run_dir), read_metrics(run.run_dir)
     parts, atts = journal.goodput(events, metrics), journal.attempts(events)
@@ -153,7 +158,7 @@ def report(run: Run, png: Path | None) -> tuple[dict[str, float], list[dict[str,
     )
     ax_t.set_yticks(marks["attempt_ticks"])
     ax_t.set(
-        xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput {parts['goodput']:.1%}"
+        xlabel="seconds since first launch", ylabel="attempt", title=f"{run.label}: goodput {share(parts['goodput'])}"
     )
     ax_t.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, never over them
     ax_l.plot([m["step"] for m in metrics], [m.get("loss", float("nan")) for m in metrics], ".-")

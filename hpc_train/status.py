@@ -189,7 +189,7 @@ def _row(
         "last_loss": next(
             ((m["step"], m["loss"]) for m in reversed(metrics) if isinstance(m.get("loss"), (int, float))), None
         ),
-        "goodput": round(journal.goodput(events, metrics)["goodput"], 3) if atts else None,
+        "goodput": _rounded(journal.goodput(events, metrics)["goodput"]) if atts else None,  # None: unknown
         "since_last_event_s": round(time.time() - last, 1) if last else None,
         "warnings": _warnings(facts, events, metrics, state),
         "excluded_nodes": journal.excluded_nodes(events),  # node -> why (preflight, hardware error)
@@ -249,6 +249,10 @@ def glance(trials: list[dict[str, Any]]) -> list[str]:
         slow = sorted(running, key=lambda r: r["tokens_per_s"])[:3]
         lines.append("slowest running: " + ", ".join(f"{r['run']} ({r['tokens_per_s']:,.0f} tokens/s)" for r in slow))
     return lines
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def print_status(rows: list[dict[str, Any]], wide: bool = False, every: bool = False) -> None:

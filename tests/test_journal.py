@@ -309,3 +309,33 @@ def test_preempt_imports_nothing_before_the_handlers_go_in() -> None:
     assert out.strip() == "['hpc_train', 'hpc_train.preempt', 'hpc_train.task']", out  # task: its Pulse
     code = "import sys; from hpc_train import preempt; print('subprocess' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_a_scripts_goodput_counts_the_work_after_its_last_checkpoint_file_as_lost_or_says_unknown() -> None:
+    """Issue 29: a script without script_helper (it tells no steps) counted all its running time as committed:
+    93.2% for a run whose epochs after each snapshot were redone. Now an unfinished attempt lost the time after
+    its newest checkpoint file (script_checkpoint's mtime); without one known, the goodput is unknown (None),
+    not a guess; a finished attempt lost nothing."""
+
+    def attempt(restart: int, t0: float, end: str, file_at: float | None = None) -> list[dict]:
+        evs = [{"time": t0 + 5, "event": journal.START, "step": 0, "job_id": "7", "restart": restart}]
+        evs[0].update(launched_at=t0, target="script")
+        if file_at is not None:
+            evs.append({**evs[0], "event": journal.SCRIPT_CHECKPOINT, "time": t0 + 105, "mtime": file_at})
+            del evs[-1]["launched_at"], evs[-1]["target"]
+        evs.append({"time": t0 + 105, "event": end, "step": 0, "job_id": "7", "restart": restart})
+        return evs
+
+    # 100 s of work each; the requeued attempt's file was written 70 s in: 30 s redone
+    events = [*attempt(0, 0.0, journal.REQUEUE, file_at=75.0), *attempt(1, 200.0, journal.FINISH)]
+    parts = journal.goodput(events, [])
+    assert (parts["lost"], parts["unknown"], parts["committed"]) == (30.0, 0.0, 170.0)
+    assert parts["goodput"] == 170.0 / 210.0
+    # a file from the server's clock ahead of ours, or from before this attempt: within the attempt
+    assert journal.goodput(attempt(0, 0.0, journal.REQUEUE, file_at=999.0), [])["lost"] == 0.0
+    assert journal.goodput(attempt(0, 0.0, journal.REQUEUE, file_at=-50.0), [])["lost"] == 100.0
+    unknown = journal.goodput([*attempt(0, 0.0, journal.REQUEUE), *attempt(1, 200.0, journal.FINISH)], [])
+    assert unknown["unknown"] == 100.0 and unknown["goodput"] is None
+    # a trainer's attempt (no target="script") is as before: every step it did not commit was lost, by steps
+    trainer = [{**e, "target": None} for e in attempt(0, 0.0, journal.REQUEUE)]
+    assert journal.goodput(trainer, [])["goodput"] == 100.0 / 105.0
