@@ -323,6 +323,9 @@ def _cells(wide: bool) -> list[tuple[str, Any, str]]:
     def mfu(r: dict[str, Any]) -> str:  # n/a on CPU: no peak FLOP/s to divide by
         return f"{r['mfu']:.1%}" if isinstance(r["mfu"], (int, float)) else "n/a" if wide else "-"
 
+    def goodput(r: dict[str, Any]) -> str:  # unknown: a script that tells no steps left no checkpoint file
+        return f"{r['goodput']:.1%}" if r["goodput"] is not None else "unknown" if r.get("attempts") else "-"
+
     def val_loss(r: dict[str, Any]) -> str:
         return f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], (int, float)) else "-"
 
@@ -338,7 +341,7 @@ def _cells(wide: bool) -> list[tuple[str, Any, str]]:
         ("tokens/s", tokens, some),
         ("MFU", mfu, some),
         ("val loss", val_loss, "wide"),
-        ("goodput", lambda r: f"{r['goodput']:.1%}" if r["goodput"] is not None else "-", always),
+        ("goodput", goodput, always),
         ("last event", lambda r: ago(r["since_last_event_s"]), always),
         ("stragglers", lambda r: f"{r['stragglers']}: {r['last_straggler']}" if r.get("stragglers") else "-", "wide"),
         ("warnings", warnings, always),

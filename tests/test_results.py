@@ -320,3 +320,24 @@ def test_the_help_names_the_glance_limits_status_uses() -> None:
     results_help = run([HPC_TRAIN, "results", "--help"]).stdout
     assert f"of more than {GLANCE_ROWS}" in " ".join(status_help.split()) and f"{WIDE_WIDTH} wide" in status_help
     assert f"the {RESULTS_FEW} first and last" in " ".join(results_help.split())
+
+
+def test_status_says_unknown_for_a_scripts_goodput_nothing_tells(tmp_path: Path) -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from test_local_ops import table_rows
+
+    from hpc_train import journal
+    from hpc_train.runs import Run
+    from hpc_train.status import print_status, status_rows
+
+    journal.log(tmp_path, journal.START, 0, "7", 0, target="script", launched_at=0.0)
+    journal.log(tmp_path, journal.REQUEUE, 0, "7", 0, reason="preempt")
+    brief = {"executor": "local", "signal_lead_s": 120, "spare_nodes": 0, "max_failures": 2, "steps": None}
+    (row,) = status_rows([Run(tmp_path, "script-1", "7", "local", tmp_path / "submitit", brief=brief)])
+    assert row["goodput"] is None and row["attempts"] == 1
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_status([row])
+    assert table_rows(out.getvalue(), "run")[0]["goodput"] == "unknown"
