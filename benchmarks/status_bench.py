@@ -6,7 +6,8 @@ in one run.
 
 Each sweep is queued on hold by this tree's submit (no trial starts, every task PENDING in squeue). Then 3
 of its trials get the records a failed trial leaves (start, fail, stopped) and 20 those of a finished one
-(start, finish, summary.json), written directly, so that the glance has trials to show. Each command runs
+(start, finish, summary.json), written directly, and their tasks cancelled, so that the glance has trials
+to show. Each command runs
 3 times, the two trees taking turns: median wall seconds, the lines it printed, its widest line. The
 baseline is `git archive REV` unpacked in a temporary folder and imported first (PYTHONPATH), with the same
 interpreter and packages. Figures are printed, never asserted.
@@ -44,7 +45,7 @@ def queue_on_hold(out: Path, n: int, env: dict[str, str]) -> Path:
     name = f"glance{n}"
     cmd = [PY, "-c", CLI, "submit", "-m", "cluster=dev", f"out_dir={out}", f"name={name}"]
     cmd += [f"train.seed=range({n})", "+cluster.sbatch_extra.hold=''"]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    subprocess.run(cmd, env=env, cwd=out, check=True, capture_output=True, timeout=600)
     sweep_dir = out / f"{name}-1"
     deadline = time.monotonic() + 300
     while queued_tasks(job_name(sweep_dir), env) < n:
@@ -53,8 +54,9 @@ def queue_on_hold(out: Path, n: int, env: dict[str, str]) -> Path:
     return sweep_dir
 
 
-def mark_trials(sweep_dir: Path, n: int) -> None:
-    """FAILED trials with a failure's records, FINISHED with a finish's, spread over the sweep."""
+def mark_trials(sweep_dir: Path, n: int, env: dict[str, str]) -> None:
+    """FAILED trials with a failure's records, FINISHED with a finish's, spread over the sweep; then each is
+    cancelled with `hpc-train cancel`, so that Slurm no longer holds its task pending."""
     trials = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
     for k in range(FAILED + FINISHED):
         t = trials[(k * 7919) % n]  # a prime stride: spread, never twice for these sizes
@@ -69,11 +71,15 @@ def mark_trials(sweep_dir: Path, n: int) -> None:
         loss = 3.0 + k / 100
         (run_dir / "summary.json").write_text(json.dumps({"final_step": 60, "final_loss": loss}) + "\n")
         journal.log(run_dir, journal.FINISH, 60, job, 0, final_step=60, final_loss=loss)
+    for k in range(FAILED + FINISHED):
+        trial = trials[(k * 7919) % n]["run_dir"]
+        subprocess.run([PY, "-c", CLI, "cancel", trial], env=env, cwd=sweep_dir, check=True, capture_output=True)
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, str]:
+    """Run from cwd: `python -c` puts the current folder first on sys.path, and the repository's would win."""
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return time.monotonic() - t0, proc.stdout
 
@@ -100,6 +106,7 @@ def main() -> None:
         where = subprocess.run(
             [PY, "-c", "import hpc_train; print(hpc_train.__file__)"],
             env=tree_env,
+            cwd=work,
             text=True,
             capture_output=True,
             check=True,
@@ -109,7 +116,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     for n in sizes:
         sweep_dir = queue_on_hold(work, n, env)
-        mark_trials(sweep_dir, n)
+        mark_trials(sweep_dir, n, env)
         commands = {
             "status SWEEP": ["status", str(sweep_dir)],
             "status SWEEP --all": ["status", str(sweep_dir), "--all"],
@@ -122,7 +129,7 @@ def main() -> None:
                 for tree, tree_env in trees.items():
                     if "--all" in argv and tree == "baseline":
                         continue  # the baseline has no --all: its plain command printed every trial
-                    runs[tree].append(timed([PY, "-c", CLI, *argv], tree_env))
+                    runs[tree].append(timed([PY, "-c", CLI, *argv], tree_env, work))
             cells = []
             for tree, got in runs.items():
                 if got:

@@ -134,7 +134,9 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
         if not r.job_id:  # a trial still to be queued (a local sweep's: still to be run)
             state = "NOT QUEUED"
         elif r.executor == "slurm":
-            state = states.get(r.job_id, "PENDING")
+            # Neither squeue nor sacct knows a pending array task once it is cancelled (22.05 drops it from the
+            # array): the run's own cancel tells. Else a job neither knows yet is one just queued.
+            state = states.get(r.job_id) or ("CANCELLED" if journal.cancelled(events) else "PENDING")
         else:
             state = journal.local_state(events, local_pid(r) is not None)
         rows.append(_row(r, facts, events, read_metrics(r.run_dir) if events else [], state))
@@ -178,6 +180,7 @@ def _row(
         # cluster.min_nodes: the latest attempt's
         "world_size": next((a["world_size"] for a in reversed(atts) if a["world_size"]), None),
         "committed_step": journal.committed_step(events),
+        "finished": journal.finished(events) is not None,
         "total_steps": _total_steps(facts["steps"], events, metrics),
         "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
         "mfu": metrics[-1].get("mfu") if metrics else None,
@@ -221,9 +224,10 @@ def console(wide: bool = False) -> Any:
 
 def needs_a_person(row: dict[str, Any]) -> bool:
     """A row someone should look at (pure): a state neither live, COMPLETED nor still to be queued (failed,
-    cancelled, timed out, missing, unknown), a warning (a stop's reason, a spent budget, no event for a
-    while), a straggler now."""
-    bad_state = row["state"] not in (*slurm.ACTIVE_STATES, "COMPLETED", "NOT QUEUED")  # the counts show those
+    cancelled, timed out, missing, unknown) of a run that did not finish, a warning (a stop's reason, a spent
+    budget, no event for a while), a straggler now."""
+    # the counts show those; a run that finished needs no one, whatever Slurm says of its job since
+    bad_state = row["state"] not in (*slurm.ACTIVE_STATES, "COMPLETED", "NOT QUEUED") and not row.get("finished")
     return bad_state or bool(row.get("warnings")) or str(row.get("last_straggler") or "").endswith("(now)")
 
 
@@ -478,7 +482,9 @@ def print_results(
     common = " ".join(f"{k}={rows[0]['overrides'][k]}" for k in overrides if k not in varying)
     valued = [r for r in rows if _result(r, key) is not None]
     few = not every and len(rows) > GLANCE_ROWS
-    shown = [*valued[:RESULTS_FEW], None, *valued[-RESULTS_FEW:]] if few and len(valued) > 2 * RESULTS_FEW else rows
+    shown = rows
+    if few:  # the trials without a value are counted below the table
+        shown = [*valued[:RESULTS_FEW], None, *valued[-RESULTS_FEW:]] if len(valued) > 2 * RESULTS_FEW else valued
     table = Table(title=title)
     for col in ("trial", *varying, "state", "step", "final loss", "val loss", "goodput"):
         table.add_column(col)
@@ -497,10 +503,11 @@ def print_results(
     out = console(wide)
     out.print(table)
     if common:
-        out.print(f"in every trial: {common}", markup=False, highlight=False, soft_wrap=True)
+        out.print(f"in every trial: {common}", markup=False, highlight=False)
     if shown is not rows:
+        some = f"the {RESULTS_FEW} first and last of" if len(valued) > 2 * RESULTS_FEW else "the"
         out.print(
-            f"the {RESULTS_FEW} first and last of {len(valued):,} trials with a {key}"
+            f"{some} {len(valued):,} trials with a {key}"
             + (f" ({len(rows) - len(valued):,} without one yet)" if len(valued) < len(rows) else "")
             + "; every trial: --all",
             markup=False,

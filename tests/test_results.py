@@ -257,6 +257,7 @@ def test_needs_a_person_flags_failures_warnings_and_stragglers_now_only() -> Non
     assert needs_a_person({**row, "warnings": ["no event for 20 min"]})
     assert needs_a_person({**row, "last_straggler": "rank 1 on node2 (now)"})
     assert not needs_a_person({**row, "last_straggler": "rank 1 on node2"})  # cleared since
+    assert not needs_a_person({**row, "state": "CANCELLED", "finished": True})  # cancelled after its finish
 
 
 def synthetic_sweep(root: Path, n: int, failed: set[int], finished: set[int]) -> Path:

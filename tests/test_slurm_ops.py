@@ -137,3 +137,26 @@ def test_chaos_actions_lead_to_requeue_and_resume(slurm_env: dict[str, str], tmp
         if CHAOS_ANSWERS[action]:
             assert [e["reason"] for e in events if e["event"] == "requeue"] == [CHAOS_ANSWERS[action]], action
         assert json.loads((run_dir / "summary.json").read_text())["params_sha256"] == reference["params_sha256"], action
+
+
+def test_a_sweep_cancelled_while_pending_reads_cancelled_not_pending(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """A pending array task cancelled alone leaves squeue and sacct at once (Slurm 22.05 drops it from the array's
+    pending record), and once the whole array is cancelled squeue lists its first task only: status read every
+    such trial PENDING. The trials' own `cancel` events tell."""
+    proc = run(
+        [HPC_TRAIN, "submit", "-m", *RUN_ARGS, f"out_dir={tmp_path}", "name=held", "train.seed=1,2,3"]
+        + ["+cluster.sbatch_extra.hold=''"],
+        env=slurm_env,
+        timeout_s=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sweep = tmp_path / "held-1"
+
+    def states() -> list[str]:
+        return [r["state"] for r in json.loads(ops(["status", str(sweep), "--json"], slurm_env).stdout)]
+
+    assert states() == ["PENDING"] * 3
+    ops(["cancel", str(sweep / "0001")], slurm_env)
+    wait_until(lambda: states() == ["PENDING", "CANCELLED", "PENDING"], 30, "trial 1 cancelled")
+    ops(["cancel", str(sweep)], slurm_env)
+    wait_until(lambda: states() == ["CANCELLED"] * 3, 30, "every trial cancelled")
