@@ -238,7 +238,7 @@ def committed_step(events: list[Event]) -> int | None:
 def progress(events: list[Event], metrics: Path) -> bool:
     """The run got anywhere: a committed checkpoint, a script's checkpoint file, or a metrics row. Before that a
     failure that is the code's or the config's (an import, the syntax, the arguments) is one no retry mends."""
-    if named(events, CHECKPOINT_COMMITTED) or named(events, SCRIPT_CHECKPOINT):
+    if named(events, CHECKPOINT_COMMITTED) or any(_number(e.get("mtime")) for e in named(events, SCRIPT_CHECKPOINT)):
         return True
     try:
         return metrics.stat().st_size > 0
@@ -530,6 +530,7 @@ def attempts(events: list[Event]) -> list[dict[str, Any]]:
                 # a script's attempt (`submit ... -- CMD`) and the newest checkpoint file it left (its mtime,
                 # script._file_progress): what goodput knows of a script that tells no steps
                 "script": bool(start and start.get("target") == "script"),
+                "looked": bool(named(evs, SCRIPT_CHECKPOINT)),  # for a file at its end (none newer: mtime None)
                 "file_at": max(
                     (e["mtime"] for e in named(evs, SCRIPT_CHECKPOINT) if _number(e.get("mtime"))), default=None
                 ),
@@ -564,19 +565,20 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
     stall       the loop blocked by checkpoint saves
     lost        training on steps no checkpoint kept (recomputed by the next attempt)
     committed   the rest: training that became committed progress
-    unknown     a script's attempt that tells no steps and ended unfinished without a checkpoint file
-                known (script.checkpoint): what it kept cannot be told; the goodput is then None
+    unknown     a script's attempt that tells no steps and ended unfinished, with no look at its checkpoint
+                file on record (no script.checkpoint, or an end never recorded): the goodput is then None
     queue_wait  requeue -> next launch (not allocated; reported beside); after an in-job restart the
                 allocation is held while the step relaunches: that gap is allocated overhead instead
 
     A script's attempt that tells no steps (no script_helper) and ended unfinished lost the time since its
-    newest checkpoint file (its mtime, the file server's clock, kept within the attempt); a finished one
-    lost nothing.
+    newest checkpoint file (its mtime, the file server's clock, kept within the attempt), all of it when
+    none newer was found at its end; a finished one lost nothing.
 
     live: an attempt still running ends at its last metrics row, not its last event (a checkpoint,
     minutes ago), so Prometheus' gauge moves between events; the steps since its last commit count as lost.
     """
     atts = attempts(events)
+    helper = bool(named(events, CHECKPOINT_COMMITTED))  # a script that commits through script_helper tells steps
     last_row = metrics[-1] if metrics else {}
     if (
         live
@@ -605,9 +607,11 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
         worked = max(0.0, wall - overhead - a["stall_s"])
         lost = min(max(0.0, (a["reached_step"] - kept) * step_s), worked)
         unknown = 0.0
-        if a["script"] and a["reached_step"] == (a["start_step"] or 0) and a["ended_by"] != FINISH:
+        if a["script"] and not helper and a["ended_by"] != FINISH:
             if a["file_at"] is not None:  # the work after the file was written is redone
                 lost = min(worked, max(0.0, a["end"] - max(a["file_at"], a["start"] or a["launched"])))
+            elif a["looked"]:  # no newer file at its end: all of it is redone
+                lost = worked
             else:
                 unknown = worked
         parts["allocated"] += wall

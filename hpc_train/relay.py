@@ -199,7 +199,8 @@ def _status(returncode: int) -> int:
 class Watch:
     """A spares step's folder I/O, in a thread of its own: a beat write or a look that NFS holds for seconds
     never holds a signal on its way to srun. Writes the beat every beat_s and looks for the marker and the
-    finished file every LOOK_S until either is there (`why` then says which) or `stop` is set."""
+    finished file every LOOK_S until either is there (`why` then says which); once `stop` is set, removes the
+    beat itself, so that a write the file server held past the step's end cannot bring a stale beat back."""
 
     def __init__(self, folder: Path, job_id: str, beat_s: float) -> None:
         self.folder, self.job_id, self.beat_s = folder, job_id, beat_s
@@ -209,21 +210,39 @@ class Watch:
 
     def _run(self) -> None:
         next_beat = next_look = time.monotonic()
-        while not self.stop.is_set() and not self.why:
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + self.beat_s
-                try:
-                    _write_new(beat_file(self.folder, self.job_id), f"{int(time.time())}\n")
-                except OSError:
-                    pass  # a full disk: a deciding rank reads the beat as silent and requeues
-            if now >= next_look:
-                next_look = now + LOOK_S
-                if _there(relaunch_marker(self.folder, self.job_id)):
-                    self.why = "its relaunch marker"
-                elif _there(finished_file(self.folder, self.job_id)):
-                    self.why = f"its run's finish ({finished_file(self.folder, self.job_id).name})"
+        while not self.stop.is_set():
+            try:
+                next_beat, next_look = self._once(next_beat, next_look)
+            except Exception:  # never a silent death: the marker and the finish would go unseen
+                log.exception("the relay's look at %s failed; trying again", self.folder)
+                next_beat = next_look = time.monotonic() + LOOK_S
             self.stop.wait(max(0.0, min(next_beat, next_look) - time.monotonic()))
+        beat = beat_file(self.folder, self.job_id)
+        try:
+            stale = [beat, *self.folder.glob(f"{beat.name}.*")]  # a relaunch writes it anew at once
+        except OSError:
+            stale = [beat]
+        for path in stale:
+            _remove(path)
+
+    def _once(self, next_beat: float, next_look: float) -> tuple[float, float]:
+        """One round of the folder's I/O; returns when the next beat and the next look are due."""
+        now = time.monotonic()
+        if self.why:  # the step is ending: no more beats, nothing more to look for
+            return now + LOOK_S, now + LOOK_S
+        if now >= next_beat:
+            next_beat = now + self.beat_s
+            try:
+                _write_new(beat_file(self.folder, self.job_id), f"{int(time.time())}\n")
+            except OSError:
+                pass  # a full disk: a deciding rank reads the beat as silent and requeues
+        if now >= next_look:
+            next_look = now + LOOK_S
+            if _there(relaunch_marker(self.folder, self.job_id)):
+                self.why = "its relaunch marker"
+            elif _there(finished_file(self.folder, self.job_id)):
+                self.why = f"its run's finish ({finished_file(self.folder, self.job_id).name})"
+        return next_beat, next_look
 
 
 def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: bool, limits: tuple[float, ...]) -> int:
@@ -235,12 +254,12 @@ def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: b
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     env = {**os.environ, "HPC_TRAIN_PENDING_SIGNAL": relay.pending}
     relay.pending, relay.undelivered = "", 0
+    watch = Watch(folder, job_id, beat_s) if spares else None
+    if watch:  # started under the mask, which it keeps: the kernel hands the stop signals to this thread only
+        watch.thread.start()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # before the launch: srun would inherit the mask
     proc = subprocess.Popen(srun, env=env)
     started = time.monotonic()
-    watch = Watch(folder, job_id, beat_s) if spares else None
-    if watch:
-        watch.thread.start()
     end_at = kill_at = killed_at = None
     while proc.poll() is None:
         now = time.monotonic()
@@ -268,16 +287,9 @@ def run_step(relay: Relay, srun: list[str], folder: Path, job_id: str, spares: b
             proc.kill()
             killed_at = now
         time.sleep(POLL_S)
-    if watch:
+    if watch:  # it removes the beat as it ends; a write NFS still holds finishes first
         watch.stop.set()
-        watch.thread.join(timeout=LOOK_S + 1)  # a write NFS still holds is left to finish: removed at the next end
-        beat = beat_file(folder, job_id)
-        try:
-            stale = [beat, *folder.glob(f"{beat.name}.*")]  # a relaunch writes it anew at once
-        except OSError:
-            stale = [beat]
-        for path in stale:
-            _remove(path)
+        watch.thread.join(timeout=LOOK_S + 1)
     return _status(proc.returncode)
 
 

@@ -558,15 +558,24 @@ def _file_progress(
 ) -> None:
     """Rank 0, as the attempt ends: a checkpoint file newer than the one found at its start (mtime `since`, 0
     for none) is progress for the failure budget (journal.failures_in_a_row), unless script_helper.committed()
-    spoke in this attempt: its steps say more than a file's time."""
+    spoke in this attempt: its steps say more than a file's time. With script.checkpoint set, an attempt that
+    left no newer file says so too (path and mtime None): goodput then counts its work as lost, not unknown."""
     if any(e["restart"] == env.restart_count for e in journal.named(events, journal.CHECKPOINT_COMMITTED)):
+        return
+    if not checkpoint_path(config, paths.run_dir):  # nothing names the script's files: nothing to tell
         return
     newest = found_checkpoint(config, paths.run_dir)
     mtime = _mtime(Path(newest)) if newest else 0.0
-    if mtime > since:
-        journal.log(
-            paths.run_dir, journal.SCRIPT_CHECKPOINT, step, env.job_id, env.restart_count, path=newest, mtime=mtime
-        )
+    newer = mtime > since
+    journal.log(
+        paths.run_dir,
+        journal.SCRIPT_CHECKPOINT,
+        step,
+        env.job_id,
+        env.restart_count,
+        path=newest if newer else None,
+        mtime=mtime if newer else None,
+    )
 
 
 # A shell's exit codes for a command that never ran (bash, dash and our _SHIM alike): no requeue makes it run.

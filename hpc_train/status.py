@@ -73,6 +73,9 @@ def own_steps(cfg: dict[str, Any]) -> int | None:
     return cfg["train"]["steps"] if builtin else None
 
 
+BRIEF_KEYS = {"executor", "signal_lead_s", "spare_nodes", "max_failures", "steps"}
+
+
 def brief(cfg: dict[str, Any]) -> dict[str, Any]:
     """What a status row reads of a run's frozen config (pure). submit keeps each trial's in sweep.json, so
     that status of a 10,000-trial sweep parses no config.yaml: PyYAML takes 5 to 13 ms a file here, 50 s
@@ -99,7 +102,7 @@ def _brief_of(r: Run) -> dict[str, Any]:
     """The trial's brief as submit recorded it, else read from its config.yaml (OSError: none to read)."""
     import yaml
 
-    if r.brief is not None:
+    if r.brief is not None and set(r.brief) == BRIEF_KEYS:  # another version's brief: read the config instead
         if not r.run_dir.is_dir():  # 5 us, where the yaml read below would have failed
             raise FileNotFoundError(r.run_dir / "config.yaml")
         return r.brief
@@ -126,12 +129,17 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id, "state": "missing"})
             rows[-1]["warnings"] = [missing]
             continue
+        if not r.unreadable:
+            try:
+                events = journal.read(r.run_dir)
+                metrics = read_metrics(r.run_dir) if events else []
+            except PermissionError as e:  # a trial made owner-only after its brief was written
+                r.unreadable = denied(Path(e.filename or r.run_dir))
         if r.unreadable:
             rows.append({**dict.fromkeys(COLUMNS), "run": r.label, "job_id": r.job_id})
             rows[-1].update(state="unreadable: permission denied", warnings=[r.unreadable])
             continue
-        events = journal.read(r.run_dir)
-        if not r.job_id:  # a trial still to be queued (a local sweep's: still to be run)
+        if not r.job_id and (r.executor == "slurm" or not events):  # still to be queued (a local sweep's: run)
             state = "NOT QUEUED"
         elif r.executor == "slurm":
             # Neither squeue nor sacct knows a pending array task once it is cancelled (22.05 drops it from the
@@ -139,7 +147,7 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
             state = states.get(r.job_id) or ("CANCELLED" if journal.cancelled(events) else "PENDING")
         else:
             state = journal.local_state(events, local_pid(r) is not None)
-        rows.append(_row(r, facts, events, read_metrics(r.run_dir) if events else [], state))
+        rows.append(_row(r, facts, events, metrics, state))
         if state_error and r.executor == "slurm":  # shown once below the table, in full
             rows[-1].update(state="unknown", state_error=state_error)
     return rows
@@ -219,16 +227,21 @@ def console(wide: bool = False) -> Any:
 
     if wide:
         return Console(width=WIDE_WIDTH)
+    # a pipe or a file: a 100-column terminal's, whatever COLUMNS says (what a script parses stays put)
     return Console(width=None if sys.stdout.isatty() else PLAIN_WIDTH)
 
 
 def needs_a_person(row: dict[str, Any]) -> bool:
     """A row someone should look at (pure): a state neither live, COMPLETED nor still to be queued (failed,
     cancelled, timed out, missing, unknown) of a run that did not finish, a warning (a stop's reason, a spent
-    budget, no event for a while), a straggler now."""
+    budget, no event for a while), a straggler now, a node left out (its note is printed for the rows shown).
+    Not a state Slurm could not tell: that error is said once."""
     # the counts show those; a run that finished needs no one, whatever Slurm says of its job since
     bad_state = row["state"] not in (*slurm.ACTIVE_STATES, "COMPLETED", "NOT QUEUED") and not row.get("finished")
-    return bad_state or bool(row.get("warnings")) or str(row.get("last_straggler") or "").endswith("(now)")
+    if row.get("state_error"):  # Slurm did not answer: said once below the table, not for every trial
+        bad_state = False
+    straggler = str(row.get("last_straggler") or "").endswith("(now)")
+    return bad_state or bool(row.get("warnings")) or straggler or bool(row.get("excluded_nodes"))
 
 
 def glance(trials: list[dict[str, Any]]) -> list[str]:
@@ -279,20 +292,20 @@ def print_status(rows: list[dict[str, Any]], wide: bool = False, every: bool = F
         shown += flagged[:GLANCE_ROWS]
     if shown:
         _print_table(out, shown, wide)
-    _print_notes(out, shown)
+    _print_notes(out, shown, wide)
     for error in dict.fromkeys(r["state_error"] for r in rows if r.get("state_error")):
         out.print(f"state unknown: {error}", markup=False, highlight=False, soft_wrap=True)
 
 
 def short(n: float | None) -> str:
-    """A count in at most 5 characters (pure): 9999, 12k, 535k, 1.2M; "-" for none."""
+    """A count in at most 5 characters, rounded down (pure): 9999, 12k, 999k, 1.2M; "-" for none."""
     if n is None:
         return "-"
     if abs(n) < 10_000:
         return f"{n:.0f}"
-    if abs(n) < 999_500:
-        return f"{n / 1e3:.0f}k"
-    return f"{n / 1e6:.1f}".rstrip("0").rstrip(".") + "M"
+    if abs(n) < 1_000_000:  # rounded down: 999,600 of 1,000,000 is not done
+        return f"{int(n // 1000)}k"
+    return f"{int(n // 100_000) / 10:g}M"
 
 
 def ago(seconds: float | None) -> str:
@@ -307,8 +320,8 @@ def ago(seconds: float | None) -> str:
 
 def _cells(wide: bool) -> list[tuple[str, Any, str]]:
     """(header, the cell of a row, when it is shown: "always", "some" (a row has a value) or "wide") of each
-    column. A 100-column terminal gets the few that matter, counts shortened and a straggler now among the
-    warnings; --wide every column, exact."""
+    column. A 100-column terminal gets the few that matter, counts shortened (the warnings and a straggler
+    now go below the table, as sentences: _print_notes); --wide every column, exact."""
     number = (lambda n: "-" if n is None else str(n)) if wide else short
 
     def step(r: dict[str, Any]) -> str:
@@ -318,8 +331,7 @@ def _cells(wide: bool) -> list[tuple[str, Any, str]]:
         return lambda r: "-" if r.get(key) is None else str(r[key])  # None: unreadable
 
     def warnings(r: dict[str, Any]) -> str:
-        now = [] if wide or not str(r.get("last_straggler") or "").endswith("(now)") else [r["last_straggler"]]
-        return "; ".join([*(r["warnings"] or []), *(f"straggler {s}" for s in now)])
+        return "; ".join(r["warnings"] or [])
 
     def tokens(r: dict[str, Any]) -> str:
         return "-" if not r["tokens_per_s"] else f"{r['tokens_per_s']:,.0f}" if wide else short(r["tokens_per_s"])
@@ -348,7 +360,7 @@ def _cells(wide: bool) -> list[tuple[str, Any, str]]:
         ("goodput", goodput, always),
         ("last event", lambda r: ago(r["since_last_event_s"]), always),
         ("stragglers", lambda r: f"{r['stragglers']}: {r['last_straggler']}" if r.get("stragglers") else "-", "wide"),
-        ("warnings", warnings, always),
+        ("warnings", warnings, "wide"),  # else sentences below the table (_print_notes): they read whole there
     ]
 
 
@@ -361,16 +373,21 @@ def _print_table(out: Any, rows: list[dict[str, Any]], wide: bool) -> None:
         if when == "always" or wide or (when == "some" and any(v != "-" for v in values)):
             columns.append((header, values))
     table = Table()
-    for header, _ in columns:  # the sentences wrap; a name or a number never does
-        sentences = header in ("warnings", "stragglers")
-        table.add_column(header, overflow="fold", no_wrap=not sentences, ratio=1 if sentences else None)
+    for header, _ in columns:  # squeezed, a cell wraps whole: never cut (a label or a count read wrong)
+        table.add_column(header, overflow="fold", min_width=12 if header == "run" else None)
     for i in range(len(rows)):
         table.add_row(*(values[i] for _, values in columns))
     out.print(table)
 
 
-def _print_notes(out: Any, rows: list[dict[str, Any]]) -> None:
-    """Below the table, a line per note: the reasons are sentences."""
+def _print_notes(out: Any, rows: list[dict[str, Any]], wide: bool = False) -> None:
+    """Below the table, a line per note: the reasons are sentences. The warnings too, unless --wide put them in
+    the table."""
+    for r in [] if wide else rows:
+        straggler = str(r.get("last_straggler") or "")
+        now = [f"straggler {straggler}"] if straggler.endswith("(now)") else []
+        for warning in [*(r.get("warnings") or []), *now]:
+            out.print(f"{r['run']}: {warning}", markup=False, highlight=False)
     for r in rows:
         for node, why in (r.get("excluded_nodes") or {}).items():
             out.print(f"{r['run']}: {node} left out: {why}", markup=False, highlight=False, soft_wrap=True)
@@ -498,12 +515,12 @@ def print_results(
             r["state"],
             "-" if r["step"] is None else str(r["step"]),
             *("-" if r[k] is None else f"{r[k]:.4f}" for k in ("final_loss", "val_loss")),
-            "-" if r["goodput"] is None else f"{r['goodput']:.1%}",
+            "-" if r["goodput"] is None else f"{r['goodput']:.1%}",  # results_rows: None also before a start
         )
     out = console(wide)
     out.print(table)
     if common:
-        out.print(f"in every trial: {common}", markup=False, highlight=False)
+        out.print(f"in every trial: {common}", markup=False, highlight=False, soft_wrap=True)
     if shown is not rows:
         some = f"the {RESULTS_FEW} first and last of" if len(valued) > 2 * RESULTS_FEW else "the"
         out.print(

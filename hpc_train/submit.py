@@ -157,6 +157,15 @@ def _freeze(
     return path
 
 
+def _freeze_trial(t: Trial, config: dict[str, Any], p: Plan, code: str, like: Path | None) -> Path | None:
+    """_freeze of a sweep's trial, and its brief (status.brief) from the config it holds now: a resubmit keeps
+    a frozen trial's (conf/ may have changed since), a folder made again gets its new config's."""
+    frozen = (Path(t.run_dir) / "config.yaml").exists()
+    like = _freeze(Path(t.run_dir), config, p.private, p.dir_mode, code, like)
+    t.brief = t.brief if frozen else status.brief(config)
+    return like
+
+
 def _code_identity(target: Path, private: bool) -> str:
     """code.json's text, computed once per submit (3 git calls, ~10 ms); the diff, if any, goes to
     <target>/code.diff once, not into each of a sweep's trials."""
@@ -564,9 +573,7 @@ def _submit_sweep(
     pin_init_from(p.target, p.configs, p.dir_mode)
     like = None
     for t in p.trials:
-        frozen = (Path(t.run_dir) / "config.yaml").exists()  # a resubmit: conf/ may have changed since
-        like = _freeze(Path(t.run_dir), p.configs[t.index], p.private, p.dir_mode, code, like)
-        t.brief = t.brief or (None if frozen else status.brief(p.configs[t.index]))
+        like = _freeze_trial(t, p.configs[t.index], p, code, like)
     _save_manifest(p, overrides)
     jobs: list[Any] = []
     done = sum(1 for t in p.trials if t.job_id)

@@ -323,7 +323,9 @@ def _settle(storm: TeamStorm, env: dict[str, str], timeout_s: float) -> None:
             return
         time.sleep(3.0)
     storm.unsettled = [
-        f"{storm.trial(k)} ({last.get(k, 'never resumed here')}; squeue: {live.get(k, [])})"
+        f"{storm.trial(k)} ({last.get(k, 'never resumed here')}; squeue: {live.get(k, [])}; its last events: "
+        + "; ".join(f"{e['event']} job {e['job_id']} attempt {e['restart']}" for e in read_events(storm.trial(k))[-6:])
+        + ")"
         for k in range(TRIALS)
         if not (storm.trial(k) / "summary.json").exists()
     ]

@@ -336,6 +336,22 @@ def test_a_scripts_goodput_counts_the_work_after_its_last_checkpoint_file_as_los
     assert journal.goodput(attempt(0, 0.0, journal.REQUEUE, file_at=-50.0), [])["lost"] == 100.0
     unknown = journal.goodput([*attempt(0, 0.0, journal.REQUEUE), *attempt(1, 200.0, journal.FINISH)], [])
     assert unknown["unknown"] == 100.0 and unknown["goodput"] is None
+    # its end looked (script.checkpoint set) and found no newer file: all of it redone, not unknown
+    looked = [*attempt(0, 0.0, journal.REQUEUE, file_at=75.0), *attempt(1, 200.0, journal.FAIL)]
+    for e in looked[3:]:
+        if e["event"] == journal.SCRIPT_CHECKPOINT:
+            e["mtime"] = None
+    looked.insert(4, {**looked[0], "event": journal.SCRIPT_CHECKPOINT, "restart": 1, "time": 305.0, "mtime": None})
+    del looked[4]["launched_at"], looked[4]["target"]
+    parts = journal.goodput(looked, [])
+    assert (parts["lost"], parts["unknown"]) == (130.0, 0.0) and parts["goodput"] == 70.0 / 210.0
+    assert not journal.progress(looked[4:5], Path("/nonexistent"))  # "none newer" is no progress
+    # a script that commits through script_helper tells its steps: the step account, not the file's time
+    helper = [
+        *attempt(0, 0.0, journal.REQUEUE),
+        {**attempt(1, 200.0, journal.FINISH)[0], "event": journal.CHECKPOINT_COMMITTED},
+    ]
+    assert journal.goodput(helper, [])["unknown"] == 0.0
     # a trainer's attempt (no target="script") is as before: every step it did not commit was lost, by steps
     trainer = [{**e, "target": None} for e in attempt(0, 0.0, journal.REQUEUE)]
     assert journal.goodput(trainer, [])["goodput"] == 100.0 / 105.0

@@ -342,3 +342,80 @@ def test_status_says_unknown_for_a_scripts_goodput_nothing_tells(tmp_path: Path)
     with redirect_stdout(out):
         print_status([row])
     assert table_rows(out.getvalue(), "run")[0]["goodput"] == "unknown"
+
+
+def test_review_of_the_glance_an_unreadable_trial_a_remade_folder_and_a_silent_slurm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: (1) a trial made owner-only after submit wrote its brief was a PermissionError traceback (the brief
+    skipped the config read that used to say `unreadable`); (2) a trial folder deleted and made again by a
+    resubmit kept the brief of the config it had; (3) with squeue and sacct down every trial was "needing a
+    person"; (4) a trial with a node left out was not listed, so its note was never printed."""
+    import io
+    from contextlib import redirect_stdout
+    from types import SimpleNamespace
+
+    from hpc_train import journal, submit
+    from hpc_train.plan import Trial
+    from hpc_train.runs import Run
+    from hpc_train.status import COLUMNS, needs_a_person, print_status, status_rows
+
+    brief = {"executor": "local", "signal_lead_s": 120, "spare_nodes": 0, "max_failures": 2, "steps": 60}
+    journal.log(tmp_path, journal.START, 0, "7", 0)
+    real_read = journal.read
+
+    def denied(run_dir: Path) -> list:
+        raise PermissionError(13, "Permission denied", str(run_dir / "events.jsonl"))
+
+    monkeypatch.setattr(journal, "read", denied)
+    (row,) = status_rows([Run(tmp_path, "s-1/0003", "7", "local", tmp_path / "submitit", brief=brief)])
+    assert row["state"] == "unreadable: permission denied" and "events.jsonl" in row["warnings"][0]
+    monkeypatch.setattr(journal, "read", real_read)
+
+    def config(steps: int) -> dict:
+        return {
+            "cluster": {"executor": "local", "signal_lead_s": 120},
+            "requeue": {"max_failures": 2},
+            "train": {"steps": steps},
+        }
+
+    p = SimpleNamespace(private=False, dir_mode=0o755)
+    kept = Trial(0, [], str(tmp_path / "0000"), brief={**brief, "steps": 60})
+    submit._freeze_trial(kept, config(60), p, "{}", None)
+    submit._freeze_trial(kept, config(999), p, "{}", None)  # frozen already: conf/ changed since, the brief stays
+    assert kept.brief["steps"] == 60
+    remade = Trial(1, [], str(tmp_path / "0001"), brief={**brief, "steps": 60})  # its folder was deleted
+    submit._freeze_trial(remade, config(500), p, "{}", None)
+    assert remade.brief["steps"] == 500 and (tmp_path / "0001" / "config.yaml").exists()
+
+    row = {**dict.fromkeys(COLUMNS), "run": "s-1/0001", "state": "unknown", "warnings": [], "state_error": "down"}
+    assert not needs_a_person(row)
+    assert needs_a_person({**row, "state": "RUNNING", "state_error": None, "excluded_nodes": {"node2": "sick"}})
+    rows = [{**row, "run": f"big-1/{i:04d}", "state": "RUNNING", "state_error": None} for i in range(30)]
+    rows[7]["excluded_nodes"] = {"node2": "marked sick"}
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_status(rows)
+    assert "big-1/0007: node2 left out: marked sick" in out.getvalue()
+
+
+def test_a_squeezed_table_wraps_a_long_label_and_keeps_the_warnings_readable() -> None:
+    """Review: every column but the warnings was cut at 100 columns (`pretrain-llama-ablation-7/012` for /0123,
+    `1200/500` for 1200/5000, `RUNNIN`), and the warnings column could be squeezed to nothing: now a cell
+    wraps whole, and the warnings keep 24 columns."""
+    import io
+    from contextlib import redirect_stdout
+
+    from hpc_train.status import COLUMNS, print_status
+
+    row = {**dict.fromkeys(COLUMNS), "run": "pretrain-llama-ablation-7/0123", "job_id": "1234567_123"}
+    row.update(state="RUNNING", attempts=3, committed_step=1200, total_steps=5000, goodput=0.5, tokens_per_s=123456.0)
+    row.update(mfu=0.41, since_last_event_s=12.0, warnings=["failure budget 2/3 used", "signal lead too short"])
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_status([row])
+    text = out.getvalue()
+    cells = "".join(line.replace("│", " ") for line in text.splitlines())
+    for word in ("pretrain-llama-ablati", "1200/5000", "RUNNING", "failure", "budget", "2/3", "signal", "lead"):
+        assert word in cells, (word, text)
+    assert max(len(line) for line in text.splitlines()) <= 100

@@ -60,6 +60,7 @@ def test_sick_node_is_left_out_and_the_run_finishes_bit_exact(
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout  # kept MinJobAge=300 s after the end
     assert f"ExcNodeList={sick} " in job, job
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env)
+    print(status.stdout)  # docs/operations.md's capture (pytest -s)
     assert f"{run_dir.name}: {sick} left out: marked sick by `hpc-train chaos sick-node`" in status.stdout, (
         status.stdout
     )

@@ -65,6 +65,7 @@ def test_status_of_a_sweep_with_preempted_failed_and_finished_trials(slurm_env: 
     ]
     assert 0 < rows[1]["goodput"] < rows[0]["goodput"] <= 1  # the preempted trial lost some time
     table = ops(["status", str(sweep)], slurm_env).stdout
+    print(table)  # docs/operations.md's capture (pytest -s)
     assert "mix-1/0001" in table and "COMPLETED" in table and "FAILED" in table
 
 

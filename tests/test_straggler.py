@@ -268,6 +268,7 @@ def test_dev_cluster_clean_1000_steps_then_the_slow_rank_is_named(slurm_env: dic
     # 7.7 ms on an idle dev cluster (straggler.py), 16.7 ms on a loaded machine, where "< 15 ms" failed.
     assert named[0]["compute_s"] >= drill_s and named[0]["compute_s"] - named[0]["median_own_s"] > drill_s / 2, named
     status = json.loads(run([HPC_TRAIN, "status", str(run_dir), "--json"], env=slurm_env).stdout)[0]
+    print(run([HPC_TRAIN, "status", str(run_dir), "--wide"], env=slurm_env).stdout)  # docs/operations.md (pytest -s)
     assert status["stragglers"] == 1 and status["last_straggler"] == f"rank 3 on {start['rank_nodes'][3]} (now)"
     run([HPC_TRAIN, "chaos", str(run_dir), "slow-rank", "--rank", "3", "--seconds", "0"], env=slurm_env)
     wait_finished(run_dir, job_id, slurm_env)
