@@ -1535,6 +1535,38 @@ def test_a_beat_write_the_file_system_holds_never_holds_a_signal_on_its_way_to_s
     assert got.exists() and float(got.read_text()) - sent[0] < 1.0, (sent, got.read_text() if got.exists() else None)
 
 
+def test_an_error_in_the_relays_watch_never_stops_it_from_seeing_the_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: the Watch thread caught OSError only; any other error ended it silently, and a step that outlived
+    its run's finish was never ended. Here its first look raises ValueError: it says so, looks again, sees the
+    finished file and ends the step within end_s, and the beat file is gone afterwards."""
+    from hpc_train import relay
+
+    bin_dir, folder = tmp_path / "bin", tmp_path / "submitit"
+    bin_dir.mkdir()
+    folder.mkdir()
+    relay.write_finished(folder, "77")
+    (bin_dir / "srun").write_text("#!/bin/bash\ntrap 'exit 143' TERM\nfor i in $(seq 300); do sleep 0.1; done\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    real_there, calls = relay._there, []
+
+    def flaky(path: Path) -> bool:
+        calls.append(path.name)
+        if len(calls) == 1:
+            raise ValueError("a surprise")
+        return real_there(path)
+
+    monkeypatch.setattr(relay, "_there", flaky)
+    t0 = time.monotonic()
+    with caplog.at_level("ERROR", logger="hpc_train.relay"):
+        status = relay.run_step(relay.Relay(), ["srun", "x"], folder, "77", True, (1.0, 5.0, 5.0))
+    assert time.monotonic() - t0 < 10 and status == 143, status  # ended by TERM 1 s after the finish was seen
+    assert "the relay's look at" in caplog.text and len(calls) >= 2
+    assert not relay.beat_file(folder, "77").exists()
+
+
 def test_a_marker_the_relay_cannot_remove_relaunches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Review: left in place, the marker would end the relaunched step at the relay's next look, and relaunch it
     again, until the time limit. Not removed, it is not acted on: the job ends with the step's status."""
