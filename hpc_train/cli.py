@@ -608,19 +608,20 @@ def _add_run_commands(sub: Any) -> None:
     p.set_defaults(func=_prepare_data)
 
 
+def _glance_flags(p: argparse.ArgumentParser, every: str) -> None:
+    """--all and --wide of status and results (the numbers are status.GLANCE_ROWS, RESULTS_FEW and WIDE_WIDTH:
+    cli imports status only when a command runs)."""
+    p.add_argument("--all", action="store_true", dest="every", help=every)
+    p.add_argument("--wide", action="store_true", help="every column, 220 wide (default: the terminal's width)")
+
+
 def _add_reading_commands(sub: Any) -> None:
     """The commands that read runs (and cancel): status, logs, cancel, report, results."""
     p = sub.add_parser("status", help="one row per run or trial: Slurm state, progress, goodput, warnings")
     p.add_argument("path", nargs="?", default="runs", help="a run, a sweep, or a folder of them (default: runs)")
     p.add_argument("--watch", type=float, nargs="?", const=5.0, help="refresh every N seconds (default 5)")
     p.add_argument("--json", action="store_true", help="every row as JSON, for scripts")
-    p.add_argument(
-        "--all",
-        action="store_true",
-        dest="every",
-        help="every trial of a sweep (default: of more than 20, its counts and the trials that need a person)",
-    )
-    p.add_argument("--wide", action="store_true", help="every column, 220 wide (default: the terminal's width)")
+    _glance_flags(p, "every trial of a sweep (default: of more than 20, its counts and the trials that need a person)")
     p.add_argument(
         "--prometheus",
         action="store_true",
@@ -653,13 +654,7 @@ def _add_reading_commands(sub: Any) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
     fmt.add_argument("--csv", action="store_true", help="the rows as CSV, one column per override key")
-    p.add_argument(
-        "--all",
-        action="store_true",
-        dest="every",
-        help="every trial (default: of more than 20, the 5 first and last)",
-    )
-    p.add_argument("--wide", action="store_true", help="220 columns wide (default: the terminal's width)")
+    _glance_flags(p, "every trial (default: of more than 20, the 5 first and last)")
     p.set_defaults(func=_results)
 
 
