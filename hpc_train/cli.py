@@ -352,16 +352,15 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from hpc_train import journal, report
+    from hpc_train.status import console as status_console
 
     for run in _runs(args.run):
         png = Path(args.png) if args.png else run.run_dir / "report.png"
         parts, atts, made = report.report(run, png)
-        console = Console(width=200)
+        console = status_console(args.wide)
         console.print(_goodput_table(run.label, parts))
-        console.print(_attempts_table(atts, report.cluster_nodes(run.run_dir)))
+        console.print(_attempts_table(atts, report.cluster_nodes(run.run_dir), args.wide))
         if slow := journal.straggler_episodes(journal.read(run.run_dir)):
             console.print(_stragglers_table(slow))
         for line in report.profile_lines(run.run_dir):  # profile.*: the traces, and how to open them
@@ -392,13 +391,16 @@ def _goodput_table(label: str, parts: dict[str, float]) -> Any:
     return table
 
 
-def _attempts_table(atts: list[dict[str, Any]], nodes: Any) -> Any:
+def _attempts_table(atts: list[dict[str, Any]], nodes: Any, wide: bool = True) -> Any:
+    """One row per attempt; its start-up phase by phase only when wide (a 100-column terminal has no room)."""
     from rich.table import Table
 
     from hpc_train import report
 
     attempts = Table(
         title="attempts (start-up: python imports rendezvous preflight setup verify load first-step, seconds)"
+        if wide
+        else "attempts (--wide: the start-up phase by phase)"
     )
     batches = report.batch_text(atts)  # a column only when the global batch or accumulation changed
     for col in (
@@ -410,11 +412,11 @@ def _attempts_table(atts: list[dict[str, Any]], nodes: Any) -> Any:
         "resumed from",
         "wall s",
         "start-up s",
-        "start-up by phase",
+        *(["start-up by phase"] if wide else []),
         "ended by",
         "signals",
     ):
-        attempts.add_column(col)
+        attempts.add_column(col, overflow="fold")
     for i, a in enumerate(atts):
         phases = " ".join(
             f"{a['phases_s'][k]:.1f}" if k in a["phases_s"] else "-"
@@ -429,7 +431,7 @@ def _attempts_table(atts: list[dict[str, Any]], nodes: Any) -> Any:
             a["resumed_from"] or "-",
             f"{a['end'] - a['launched']:.1f}",
             f"{(a['start'] or a['end']) - a['launched']:.1f}",
-            phases,
+            *([phases] if wide else []),
             report.ended_text(a, nodes),
             ",".join(a["signals"]),
         )
@@ -642,6 +644,7 @@ def _add_reading_commands(sub: Any) -> None:
     p = sub.add_parser("report", help="goodput breakdown across attempts, as a table and a PNG")
     p.add_argument("run", help="the run directory (a sweep's trial: SWEEP/0003)")
     p.add_argument("--png", help="where to write the picture (default: RUN/report.png)")
+    p.add_argument("--wide", action="store_true", help="every column (start-up by phase), 220 wide")
     p.set_defaults(func=_report)
     p = sub.add_parser("results", help="a sweep's trials side by side: overrides, state, loss, goodput; sorted")
     p.add_argument("sweep_dir", help="the sweep directory `submit -m` printed, e.g. runs/mix-1")

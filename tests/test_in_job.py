@@ -1123,7 +1123,7 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     assert "1 in-job restart(s) (1 in process)" in status, status
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
     assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
-    report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
+    report = run([HPC_TRAIN, "report", str(run_dir), "--wide"], env=slurm_env).stdout
     # down: the table wraps the row's end ("(in process; ..." on the next line), as in the shrink test
     end = f" (left out: {lost}; 0 spare(s) left)" if victim == "down" else f" (in process; {lost} -> {spare})"
     assert f"in_job_restart{end}" in report, report
@@ -1253,7 +1253,7 @@ def test_with_no_spare_left_the_step_goes_on_smaller_inside_the_allocation(
     assert worst <= LOSS_RTOL
     atts = journal.attempts(events)
     assert [a["nodes_next"] for a in atts if a["ended_by"] == journal.IN_JOB_RESTART] == [2, 2, 2, 1]
-    report = run([HPC_TRAIN, "report", str(run_dir)], env=slurm_env).stdout
+    report = run([HPC_TRAIN, "report", str(run_dir), "--wide"], env=slurm_env).stdout
     # the table wraps the left-out nodes onto the row's next line
     assert "in_job_restart (next: 1 nodes)" in report and f"│ 1 on {last} " in report, report
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
@@ -1311,7 +1311,7 @@ def test_report_names_the_next_size_of_an_in_job_restart_only_when_it_is_smaller
     ]
     run_dir = local_run(tmp_path / "spares", 999999, {"start_time": 0, "boot_id": "gone", "host": "gone"}, events)
     (run_dir / "config.yaml").write_text("cluster: {executor: local, nodes: 2, spare_nodes: 1}\n")
-    proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")])
+    proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png"), "--wide"])
     assert proc.returncode == 0, proc.stderr
     assert [r["ended by"] for r in table_rows(proc.stdout, "attempt")] == [
         "in_job_restart",

@@ -267,7 +267,7 @@ def test_report_and_status_show_each_attempts_size(tmp_path: Path) -> None:
         *attempt(2, 160.0, 40, 4, ["node1", "node3"], 1),
     ]
     run_dir = local_run(tmp_path / "el", 999999, {"start_time": 0, "boot_id": "gone", "host": "gone"}, events)
-    proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")])
+    proc = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png"), "--wide"])
     assert proc.returncode == 0, proc.stderr
     got = table_rows(proc.stdout, "attempt")
     assert [(r["ranks"], r["batch"], r["ended by"]) for r in got] == [

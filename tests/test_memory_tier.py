@@ -521,7 +521,7 @@ def test_a_rank_killed_on_a_sick_node_resumes_from_its_buddys_memory_on_a_spare(
     assert (resumed["memory"]["own"], resumed["memory"]["buddy"]) == (1, 1), resumed["memory"]
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
     assert f"attempt 2 resumed from memory (step {resumed['step']})" in status, status
-    report = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png")], env=slurm_env).stdout
+    report = run([HPC_TRAIN, "report", str(run_dir), "--png", str(tmp_path / "r.png"), "--wide"], env=slurm_env).stdout
     assert f"memory (step {resumed['step']})" in report, report
     # The finished attempt's nodes removed their folders; the left-out node's ranks were killed, so its copies
     # stay in tmpfs until the node's cleanup (docs/preemption.md, limits): removed here by hand.
