@@ -627,6 +627,8 @@ def goodput(events: list[Event], metrics: list[dict[str, Any]], live: bool = Fal
                 parts["overhead"] += gap
             else:
                 parts["queue_wait"] += gap
-    known = parts["allocated"] and not parts["unknown"]
-    parts["goodput"] = parts["committed"] / parts["allocated"] if known else None if parts["unknown"] else 0.0
+    if parts["unknown"]:  # a script's attempt that nothing tells: no share is honest
+        parts["goodput"] = None
+    else:
+        parts["goodput"] = parts["committed"] / parts["allocated"] if parts["allocated"] else 0.0
     return parts
