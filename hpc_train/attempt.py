@@ -41,6 +41,7 @@ from hpc_train.env import RankEnv
 from hpc_train.memory_tier import MemoryTier
 from hpc_train.paths import RunPaths, write_atomic
 from hpc_train.profiling import Profile
+from hpc_train.reasons import Reason
 from hpc_train.task import Pulse, Task
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ class Attempt:
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up, phase by phase, for the start event
     stopped: bool = False  # step_end() saw a stop signal: the job requeues (or stops) when fn returns
     stop_step: int = -1  # the step it stopped at
-    stop_reason: str = ""  # "time_limit" | "preempt", judged once, by every rank's signals, at the stop
+    stop_reason: Reason = Reason.PREEMPT  # judged once, by every rank's signals, at the stop
     kill_deadline: float = float("inf")  # time.monotonic() when Slurm's SIGKILL is due, from the first signal
     end_at: float = 0.0  # Unix time of Slurm's EndTime as the attempt started (slurm.end_time); 0: unknown
     # Seconds a time-limit stop keeps after its save for the requeue decision (deadlines.decision_reserve_s): a
@@ -377,7 +378,7 @@ class Attempt:
         )
         t = torch.tensor([-left, code], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the least time left, the strongest reason
-        return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
+        return -float(t[0]), Reason.TIME_LIMIT if int(t[1]) == 1 else Reason.PREEMPT
 
     def _agree(self, ok: bool) -> bool:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -408,7 +409,7 @@ class Attempt:
             left, reason = self.time_left_s()
             # A preempted job is requeued by Slurm itself when it kills it at GraceTime's end: only a time
             # limit's SIGKILL (TIMEOUT, never requeued) must wait for our requeue.
-            reserve = self.reserve_s if reason == "time_limit" else 0.0
+            reserve = self.reserve_s if reason == Reason.TIME_LIMIT else 0.0
             self.event(
                 journal.SIGNAL,
                 state.step,

@@ -5,23 +5,10 @@ nodes preempt.exclusion's, a restart inside the allocation preempt.in_job_restar
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 from hpc_train import journal, preempt
-
-
-class Action(str, enum.Enum):
-    """What the deciding rank does (a str: the value requeue_or_stop's callers and the tests compare)."""
-
-    STOP = "stop"  # the run ends here: no requeue
-    SLURM = "slurm"  # Slurm requeues the job itself (fate "requeued"): no budget spent, no scontrol requeue
-    REQUEUE = "requeue"  # hpc_train's own scontrol requeue; refused: a preemption waits for Slurm's, else a stop
-    RELAUNCH = "relaunch"  # hot spares: the batch script's relay starts the step again inside the allocation
-    REJOIN = "rejoin"  # cluster.in_process_restart: the survivors rejoin in their processes
-
-    __str__ = str.__str__
-    __format__ = str.__format__
+from hpc_train.reasons import Action, Fate, Reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +47,10 @@ class Facts:
     nodes beyond the run's need (spare; None: unknown or not asked, no node sick), an elastic run's queue snapshot,
     and a hot-spares failure's Inside facts."""
 
-    reason: str
+    reason: Reason
     stopping: bool  # after a stop signal: the Slurm calls take the stop path's shorter policies
     events: list[dict[str, Any]]
-    fate: str
+    fate: Fate
     budgets: Any
     held: Any  # slurm.Allocation | None
     sick: dict[str, str] | None
@@ -105,7 +92,7 @@ def decide(f: Facts, cfg: Any) -> Decision:
     of a hot-spares job Slurm still runs becomes a restart inside the allocation where one can be made (inside);
     otherwise the sick nodes are left out of the requeued job within their budgets (outside)."""
     action, why = preempt.decide(f.reason, f.events, f.budgets, f.fate)
-    if not (cfg.cluster.spare_nodes and f.executor == "slurm" and action == "requeue" and not f.stopping):
+    if not (cfg.cluster.spare_nodes and f.executor == "slurm" and action == Action.REQUEUE and not f.stopping):
         return outside(f, cfg, action, why)
     restart, why_not = inside(f, cfg)
     if restart is not None:
@@ -114,7 +101,7 @@ def decide(f: Facts, cfg: Any) -> Decision:
     return dataclasses.replace(fallback, said=(*([NOT_INSIDE + why_not] if why_not else []), *fallback.said))
 
 
-def outside(f: Facts, cfg: Any, action: str, why: str) -> Decision:
+def outside(f: Facts, cfg: Any, action: Action, why: str) -> Decision:
     """The requeue path: the sick nodes left out of the next attempt (preempt.exclusion, within
     requeue.max_excluded_nodes and the partition's spare nodes). One that cannot be left out turns the stop's
     requeue into a failure's (counted in requeue.max_failures, so a crash loop still ends); one whose budget is
@@ -123,21 +110,21 @@ def outside(f: Facts, cfg: Any, action: str, why: str) -> Decision:
     excluded, reason, sick = list(before), f.reason, f.sick or {}
     records: list[tuple[str, dict[str, Any]]] = []
     said: list[str] = []
-    if action != "stop" and sick:
+    if action != Action.STOP and sick:
         local = f.executor != "slurm"
         excluded, not_out, stop = preempt.exclusion(f.events, sick, f.budgets.max_excluded_nodes, f.spare, local=local)
         if stop:
-            action, why = "stop", stop
+            action, why = Action.STOP, stop
         elif not_out:
             records.append((journal.NODE_NOT_EXCLUDED, {"nodes": sorted(set(sick) - set(excluded)), "why": not_out}))
             said.append(not_out)
-            reason = "failure"
+            reason = Reason.FAILURE
             action, why = preempt.decide(reason, f.events, f.budgets, f.fate)
         else:
             records += [(journal.NODE_EXCLUDED, {"node": n, "why": because}) for n, because in sick.items()]
         order = [*(n for n in before if n not in sick), *sick]  # the sick ones: newest
         excluded = sorted(excluded, key=lambda n: order.index(n) if n in order else len(order))
-    if action == "stop":
+    if action == Action.STOP:
         return Decision(Action.STOP, why, reason, tuple(excluded), tuple(records), tuple(said))
     size, snapshot = next_size(f, cfg, excluded)
     return Decision(Action(action), why, reason, tuple(excluded), tuple(records), tuple(said), size, snapshot)
@@ -148,7 +135,7 @@ def inside(f: Facts, cfg: Any) -> tuple[Decision | None, str]:
     failure's requeue, the sick nodes left out of the allocation (preempt.exclusion counting its nodes: the step
     starts there, whatever the partition holds). (the Decision, "") or (None, why not: "" for a blamed node that
     could not be left out there, which the requeue path then judges against the partition)."""
-    if f.fate == "batch_host_lost":  # no relay left to relaunch: requeue (and no EndTime call)
+    if f.fate == Fate.BATCH_HOST_LOST:  # no relay left to relaunch: requeue (and no EndTime call)
         return None, preempt.BATCH_HOST_LOST
     if f.inside is None:  # requeue.gather asks nothing of a restart after a stop signal
         return None, f"a stop signal ({f.reason}, {f.signals}): the stop save and the requeue give the allocation back"
@@ -173,7 +160,7 @@ def inside(f: Facts, cfg: Any) -> tuple[Decision | None, str]:
     n, why_not = preempt.in_job_restart(
         preempt.RestartFacts(
             c.spare_nodes,
-            "requeue",
+            Action.REQUEUE,
             f.reason,
             f.fate,
             list(f.signals),
@@ -192,7 +179,7 @@ def inside(f: Facts, cfg: Any) -> tuple[Decision | None, str]:
         return None, why_not
     relaunch, why_not = _relaunch(f, cfg, job_nodes, left_out, used, n)
     if c.in_process_restart:  # the plan may still fail (requeue.apply): the relaunch, or the requeue, then
-        requeue = outside(f, cfg, "requeue", "")
+        requeue = outside(f, cfg, Action.REQUEUE, "")
         fallback = relaunch or dataclasses.replace(requeue, said=(NOT_INSIDE + why_not, *requeue.said))
         return Decision(Action.REJOIN, reason=f.reason, excluded=tuple(left_out), fallback=fallback), ""
     return relaunch, why_not
@@ -236,7 +223,7 @@ def _relaunch(
     out = f" without {', '.join(left_out)}" if left_out else ""
     smaller = f", going on with {n} of cluster.nodes={c.nodes}" if n < c.nodes else ""
     why = f"restarting inside the allocation{out} ({spares} spare(s) left{smaller}): srun {args}"
-    fallback = outside(f, cfg, "requeue", "")
+    fallback = outside(f, cfg, Action.REQUEUE, "")
     return Decision(Action.RELAUNCH, why, f.reason, tuple(left_out), records, srun_args=args, fallback=fallback), ""
 
 
@@ -285,10 +272,10 @@ def next_size(f: Facts, cfg: Any, excluded: list[str]) -> tuple[dict[str, str], 
     }
 
 
-def after_refusal(reason: str, signals: list[str], fate: str) -> str:
+def after_refusal(reason: Reason, signals: list[str], fate: Fate) -> str:
     """A requeue Slurm refused (no scontrol in the container): "wait" for a preemption, which Slurm requeues itself
     when it kills the job at the end of GraceTime (not one that exited on its own before), a crash inside a
     preemption's grace too; else "stop". Not a job that ended with its batch host: Slurm never requeues that one.
     signals: read after the refusal (a TERM may have come during scontrol's retries)."""
-    preempted = (reason == "preempt" or "SIGTERM" in signals) and fate != "batch_host_lost"
+    preempted = (reason == Reason.PREEMPT or "SIGTERM" in signals) and fate != Fate.BATCH_HOST_LOST
     return "wait" if preempted else "stop"

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from hpc_train import deadlines, journal, preempt, rejoin, requeue, verdict
 from hpc_train.paths import RunPaths
+from hpc_train.reasons import Reason
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
 
@@ -140,7 +141,7 @@ def after_failure(
     if hang:
         sick = hung_nodes(hangs, env, min(30.0, cfg.train.watchdog_s)) or None
     step, signals = task.pulse.step_reached, task.pulse.received
-    chosen = requeue.requeue_or_stop(paths, env, cfg, "failure", step, sick, hang, signals=signals)
+    chosen = requeue.requeue_or_stop(paths, env, cfg, Reason.FAILURE, step, sick, hang, signals=signals)
     # by the verdict on record, as the other ranks judge it: a relaunch that leaves this rank's node out
     # (its own hardware error, its hang) has no rank here to read this node's copies
     clean_memory(journal.verdict(journal.read(paths.run_dir), env.restart_count), env.executor == "local", task.memory)

@@ -61,6 +61,7 @@ from hpc_train import (
     watchdog,
 )
 from hpc_train.paths import RunPaths, locked, make_dir
+from hpc_train.reasons import Fate, Reason
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
 
@@ -197,7 +198,7 @@ def _run(
         sick = preflight.check(env, cfg.preflight, paths, time_gpu=not cfg.script.cmd)
         phases_s["preflight"] = time.time() - t0
         if sick:
-            requeue.decide_together(paths, env, task, cfg, "node_health", -1, sick=sick)
+            requeue.decide_together(paths, env, task, cfg, Reason.NODE_HEALTH, -1, sick=sick)
     if cfg.script.cmd:
         return _run_script(paths, env, task, cfg, process_start)
     return _run_function(paths, env, task, cfg, process_start, phases_s)
@@ -220,7 +221,7 @@ def _before_rendezvous(paths: RunPaths, env: Any, cfg: Any) -> None:
                 paths.run_dir, journal.CODE_CHANGED, -1, env.job_id, env.restart_count, rank=env.rank, detail=changed
             )
             print(f"[hpc_train] warning: {changed}", file=sys.stderr, flush=True)
-    if env.executor == "local" and journal.local_fate(journal.read(paths.run_dir)) == "cancelled":
+    if env.executor == "local" and journal.local_fate(journal.read(paths.run_dir)) == Fate.CANCELLED:
         if env.rank == 0:  # `hpc-train cancel` came between two attempts
             why = "cancelled before this attempt started"
             journal.log(paths.run_dir, journal.STOPPED, -1, env.job_id, env.restart_count, reason=why)

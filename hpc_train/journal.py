@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.paths import RunPaths, append_line
+from hpc_train.reasons import Fate, Reason
 
 Event = dict[str, Any]
 
@@ -68,7 +69,11 @@ CANCEL = "cancel"  # `hpc-train cancel`
 CHAOS = "chaos"  # `hpc-train chaos`: action, injected
 
 ENDS = (FINISH, REQUEUE, IN_JOB_RESTART, STOPPED, FAIL)  # what can end an attempt, as `report` names it
-BUDGET_KEYS = {"preempt": "max_preemptions", "time_limit": "max_time_limit_requeues", "failure": "max_failures"}
+BUDGET_KEYS = {
+    Reason.PREEMPT: "max_preemptions",
+    Reason.TIME_LIMIT: "max_time_limit_requeues",
+    Reason.FAILURE: "max_failures",
+}
 
 
 # ---- write and read -------------------------------------------------------------------------------------
@@ -315,14 +320,14 @@ def local_state(events: list[Event], alive: bool) -> str:
     return "FAILED" if last(since, FAIL) else "UNKNOWN"
 
 
-def local_fate(events: list[Event]) -> str:
+def local_fate(events: list[Event]) -> Fate:
     """The local executor's answer to "what is the scheduler doing with this job": "cancelled" once
     `hpc-train cancel` wrote its event in the attempt of the last requeue or later (a cancel that raced
     that requeue still counts: the next attempt stops at once), else "running". A `resume` starts a new
     attempt as a requeue does: the cancel that stopped the run before it no longer counts."""
     cancels = [e.get("restart", 0) for e in named(events, CANCEL)]
     requeues = [e.get("restart", 0) for e in named(events, REQUEUE, RESUME)]
-    return "cancelled" if cancels and max(cancels) >= max(requeues, default=-1) else "running"
+    return Fate.CANCELLED if cancels and max(cancels) >= max(requeues, default=-1) else Fate.RUNNING
 
 
 # ---- budgets --------------------------------------------------------------------------------------------
@@ -383,7 +388,7 @@ def spares_left(events: list[Event], spare_nodes: float) -> float:
     return float(events[at]["spares_left"])
 
 
-def requeues_counted(events: list[Event], reason: str) -> int:
+def requeues_counted(events: list[Event], reason: Reason) -> int:
     """Requeues this run asked for, for `reason`; those Slurm did by itself cost no budget."""
     return sum(1 for e in named(events, REQUEUE) if e.get("reason") == reason and e.get("by") != "slurm")
 

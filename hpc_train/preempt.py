@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train.reasons import Action, Fate, Reason
 from hpc_train.task import Pulse
 
 # submitit's local controller restarts every task of a job when one exits with this code; on Slurm the
@@ -62,14 +63,16 @@ def install_handlers() -> Pulse:
     return pulse
 
 
-def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempted: bool = False) -> str:
+def stop_reason(signals: list[str], end_in_s: float, signal_lead_s: int, preempted: bool = False) -> Reason:
     """ "time_limit" for a USR2 near the allocation's end (end_in_s: seconds from now to Slurm's EndTime,
     slurm.end_time, which follows --time-min, --deadline and `scontrol update TimeLimit=`; not
     cluster.timeout_min), else "preempt": SIGTERM, a job Slurm is preempting (PreemptTime set), or USR2
     sent early by preempt_send_user_signal, scancel --signal, the batch-shell relay or `hpc-train chaos`."""
     near_end = end_in_s <= signal_lead_s + TIME_LIMIT_SLACK_S
     return (
-        "time_limit" if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end and not preempted else "preempt"
+        Reason.TIME_LIMIT
+        if "SIGUSR2" in signals and "SIGTERM" not in signals and near_end and not preempted
+        else Reason.PREEMPT
     )
 
 
@@ -90,7 +93,7 @@ def time_left(
     reason = stop_reason(pulse.received, end_in_s + since_s, cluster.signal_lead_s, preempted=preempted)
     kill_in_s = seconds_to_kill(reason, cluster.signal_lead_s, cluster.preempt_grace_s)
     left = pulse.received_at[0] + kill_in_s - time.monotonic()
-    return (min(left, end_in_s) if said else left), 2.0 if reason == "preempt" else 1.0
+    return (min(left, end_in_s) if said else left), 2.0 if reason == Reason.PREEMPT else 1.0
 
 
 def slurm_end(executor: str, job_id: str) -> tuple[float, float]:
@@ -104,10 +107,10 @@ def slurm_end(executor: str, job_id: str) -> tuple[float, float]:
     return end or 0.0, 1.0 if preempting else 0.0
 
 
-def seconds_to_kill(reason: str, signal_lead_s: float, grace_s: float) -> float:
+def seconds_to_kill(reason: Reason, signal_lead_s: float, grace_s: float) -> float:
     """From the first signal to Slurm's SIGKILL: the time limit comes signal_lead_s after its warning; a
     preemption (SIGTERM, or USR2 under preempt_send_user_signal) kills after the partition's GraceTime."""
-    return signal_lead_s if reason == "time_limit" else grace_s
+    return signal_lead_s if reason == Reason.TIME_LIMIT else grace_s
 
 
 # ---- who owns a run directory ---------------------------------------------------------------------------
@@ -167,7 +170,7 @@ def drill_seconds(drills: Path, name: str) -> float:
 # ---- the requeue decision (pure) ---------------------------------------------------------------------
 
 
-def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -> tuple[str, str]:
+def decide(reason: Reason, events: list[dict[str, Any]], budgets: Any, fate: Fate) -> tuple[Action, str]:
     """The one requeue decision, for a clean stop and a failure alike (pure).
 
     reason: "preempt" | "time_limit" | "failure" | "node_health" (the preflight found a sick node);
@@ -175,31 +178,53 @@ def decide(reason: str, events: list[dict[str, Any]], budgets: Any, fate: str) -
     fate: what Slurm is doing with the job (slurm.job_fate / journal.local_fate): "running", "requeued",
     "cancelled", "batch_host_lost" (hot spares' --no-kill job ended by the loss of its batch script's node:
     requeued as a failure) or "unknown" (scontrol did not answer: treated as running, since requeueing a live
-    run beats losing it). Returns ("requeue", "") when we must requeue, ("slurm", why) when Slurm already
-    does, ("stop", why) when the run ends here.
+    run beats losing it). Returns (REQUEUE, "") when we must requeue, (SLURM, why) when Slurm already does (or
+    the job requeued itself: requeued_inside, within its budget), (STOP, why) when the run ends here.
     """
     from hpc_train import journal  # here, not at the top: start.py imports this module before its handlers
 
-    if fate == "cancelled":
-        return "stop", "cancelled (scancel or hpc-train cancel): not requeueing"
-    if fate == "requeued":
-        return "slurm", "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent"
-    if reason == "node_health":  # a sick node, not the run's fault: bounded by `exclusion`, not a requeue budget
-        return "requeue", ""
+    if fate == Fate.CANCELLED:
+        return Action.STOP, "cancelled (scancel or hpc-train cancel): not requeueing"
+    inside = requeued_inside(reason, fate)
+    if fate == Fate.REQUEUED and not inside:
+        return Action.SLURM, "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent"
+    if reason == Reason.NODE_HEALTH:  # a sick node, not the run's fault: bounded by `exclusion`, not a requeue budget
+        return Action.REQUEUE, ""
     key = journal.BUDGET_KEYS[reason]
     limit = getattr(budgets, key)
-    if reason == "failure":
+    if reason == Reason.FAILURE:
         used = journal.failures_in_a_row(events)
         if limit != -1 and used >= limit:
-            return "stop", (
+            return Action.STOP, (
                 f"failure budget spent: {used} failure requeues in a row without a newer checkpoint "
                 f"(requeue.{key}={limit})"
             )
     else:
         used = journal.requeues_counted(events, reason)
         if limit != -1 and used >= limit:
-            return "stop", f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit})"
-    return "requeue", ""
+            cancel = "; the requeue made inside the job is cancelled" if inside else ""
+            return Action.STOP, (
+                f"{reason} budget spent: {used} requeues for {reason} already (requeue.{key}={limit}){cancel}"
+            )
+    if inside:
+        return Action.SLURM, REQUEUED_INSIDE
+    return Action.REQUEUE, ""
+
+
+# Lightning's auto_requeue runs `scontrol requeue` in its USR1 handler; submitit's own handler does the same.
+REQUEUED_INSIDE = (
+    "the job was requeued from inside it during the time-limit warning (Slurm requeues no job for its time limit "
+    "itself: the script's own `scontrol requeue`, e.g. Lightning's auto_requeue, or a person's): counted under "
+    "requeue.max_time_limit_requeues"
+)
+
+
+def requeued_inside(reason: Reason, fate: Fate) -> bool:
+    """A requeue Slurm did not make (pure): the job is requeued while its ranks stop for the time-limit warning.
+    Slurm ends a job at its time limit as TIMEOUT and never requeues it, so someone's `scontrol requeue` did: the
+    script's own (a framework's auto-requeue), or a person's. It counts against the time-limit budget as ours
+    would; a preemption requeued meanwhile is Slurm's own at GraceTime's end, and costs none."""
+    return fate == Fate.REQUEUED and reason == Reason.TIME_LIMIT
 
 
 BATCH_HOST_LOST = (
@@ -214,8 +239,8 @@ class RestartFacts:
 
     spare_nodes: int  # cluster.spare_nodes
     action: str  # what `decide` chose
-    reason: str
-    fate: str
+    reason: Reason
+    fate: Fate
     signals: list[str]
     used: int  # journal.in_job_restarts_in_a_row
     budget: int  # requeue.max_in_job_restarts
@@ -245,13 +270,13 @@ def in_job_restart(facts: RestartFacts) -> tuple[int, str]:
     its first step boundary after the warning, or be killed before it, and the requeue it ends in (if any)
     is one a requeue now makes without the start-up."""
     f = facts
-    if not f.spare_nodes or f.action != "requeue":
+    if not f.spare_nodes or f.action != Action.REQUEUE:
         return 0, "no spares asked for" if not f.spare_nodes else f"not a requeue ({f.action})"
-    if f.fate == "batch_host_lost":  # before the signals: the job's end sent its tasks a SIGTERM too
+    if f.fate == Fate.BATCH_HOST_LOST:  # before the signals: the job's end sent its tasks a SIGTERM too
         return 0, BATCH_HOST_LOST
-    if f.reason not in ("failure", "node_health") or f.signals:
+    if f.reason not in (Reason.FAILURE, Reason.NODE_HEALTH) or f.signals:
         return 0, f"a stop signal ({f.reason}, {f.signals}): the stop save and the requeue give the allocation back"
-    if f.fate not in ("running", "unknown"):
+    if f.fate not in (Fate.RUNNING, Fate.UNKNOWN):
         return 0, f"Slurm is not running the job as before ({f.fate})"
     if f.budget == 0:
         return 0, "requeue.max_in_job_restarts=0: never inside the allocation; requeueing"

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import deadlines, decision, journal, preempt, rejoin, relay, slurm, verdict
-from hpc_train.decision import Action, Decision, Facts, Inside, Queue
+from hpc_train.decision import Decision, Facts, Inside, Queue
 from hpc_train.env import parse_nodelist
 from hpc_train.paths import RunPaths
+from hpc_train.reasons import STOP_SIGNALLED, Action, Fate, Reason
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
 
@@ -35,11 +36,13 @@ def spare_nodes(env: Any, cluster: Any) -> int | None:
     return preempt.spare_nodes(states, need, parse_nodelist(cluster.exclude or "")) if states else None
 
 
-def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str] | None, signals: list[str]) -> Facts:
+def gather(
+    paths: RunPaths, env: Any, cfg: Any, reason: Reason, sick: dict[str, str] | None, signals: list[str]
+) -> Facts:
     """Slurm's facts and the journal's, asked once for one decision (decision.Facts). signals: the Pulse's own list,
     not a copy: a preemption's TERM during the Slurm calls that follow (scontrol requeue retries for up to 33 s)
     makes a refused requeue a wait for Slurm's, not a stop (decision.after_refusal)."""
-    stopping = reason in ("time_limit", "preempt")
+    stopping = reason in STOP_SIGNALLED
     on_slurm = env.executor == "slurm"
     events = journal.read(paths.run_dir)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # Slurm's count for this job, not the run's attempt
@@ -54,17 +57,17 @@ def gather(paths: RunPaths, env: Any, cfg: Any, reason: str, sick: dict[str, str
     # one: "Duplicate jobid", node drained, the job held). A stop asks only when its batch host is gone.
     held: slurm.Allocation | None = None
     spares = bool(cfg.cluster.spare_nodes) and on_slurm
-    if spares and (not stopping or fate == "batch_host_lost"):
+    if spares and (not stopping or fate == Fate.BATCH_HOST_LOST):
         held = slurm.allocation(env.job_id, slurm.STOP_FATE if stopping else slurm.FATE)
         # read after the fate: the batch host may have left NodeList since (Slurm ends the job ms later)
-        fate = "batch_host_lost" if held and slurm.batch_host_lost(held) else fate
+        fate = Fate.BATCH_HOST_LOST if held and slurm.batch_host_lost(held) else fate
         allocated, known = os.environ.get("SLURM_JOB_NODELIST", ""), journal.excluded_nodes(events)
-        sick = {**lost_nodes(allocated, held, known, fate == "batch_host_lost"), **(sick or {})} or None
+        sick = {**lost_nodes(allocated, held, known, fate == Fate.BATCH_HOST_LOST), **(sick or {})} or None
     # Only what this decision can use: nothing more after a stop (cancelled, a budget spent), no restart inside the
     # allocation after a stop signal (preempt.in_job_restart refuses it), and the partition's spare nodes only for
     # the requeue path: a relaunch counts the allocation's (each sinfo up to 21 s, EndTime 3 s, the relay 6 s)
     action, _ = preempt.decide(reason, events, budgets, fate)
-    may_restart = spares and action == "requeue" and not (stopping or signals) and fate != "batch_host_lost"
+    may_restart = spares and action == "requeue" and not (stopping or signals) and fate != Fate.BATCH_HOST_LOST
     facts = Facts(
         reason,
         stopping,
@@ -136,7 +139,7 @@ def requeue_or_stop(
     paths: RunPaths,
     env: Any,
     cfg: Any,
-    reason: str,
+    reason: Reason,
     step: int,
     sick: dict[str, str] | None = None,
     hang: bool = False,
@@ -181,14 +184,21 @@ def apply(
         _say(d.why)
         return Verdict.RELAUNCH
     _write(record, d.records)
+    inside = preempt.requeued_inside(d.reason or facts.reason, facts.fate)
     if d.action == Action.STOP:
         record(journal.STOPPED, reason=d.why)
         _say(f"not requeueing: {d.why}")
+        if inside and env.executor == "slurm":  # the requeued job would start again: the budget is spent
+            try:
+                slurm.scancel([env.job_id])
+            except slurm.SlurmError as e:
+                _say(f"could not cancel the requeued job {env.job_id}: {e}; scancel it by hand")
         return Verdict.STOP
     if d.action == Action.SLURM:
         err = update_next_attempt(env, cfg.cluster, list(d.excluded), d.size, record)
         error = {"nodes_update_error": err} if err and d.size else {}
-        record(journal.REQUEUE, reason=d.reason, by="slurm", note=d.why, **d.snapshot, **error)
+        by = "inside_job" if inside else "slurm"  # inside_job counts against its budget (journal.requeues_counted)
+        record(journal.REQUEUE, reason=d.reason, by=by, note=d.why, **d.snapshot, **error)
         return Verdict.REQUEUE
     err = (
         slurm.requeue(env.job_id, slurm.STOP_REQUEUE if facts.stopping else slurm.REQUEUE)
@@ -312,7 +322,7 @@ def decide_together(
     env: Any,
     task: Task,
     cfg: Any,
-    reason: str,
+    reason: Reason,
     step: int,
     kill_deadline: float = float("inf"),
     sick: dict[str, str] | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 from hpc_train import journal
 from hpc_train.paths import RunPaths, dir_mode, locked
 from hpc_train.plan import MANIFEST, job_name
+from hpc_train.reasons import Reason
 from hpc_train.sbatch import check_syntax, make_executor, render, validate_live
 from hpc_train.slurm import ACTIVE_STATES
 from hpc_train.submit import (
@@ -245,8 +246,8 @@ def _budget_lines(cfg: Any, events: list[dict[str, Any]], budgets: dict[str, int
             raise ValueError(f"{flag} {v}: a budget is a count >= 0{unlimited}; e.g. {flag} 4")
     limits = replace(cfg.requeue, **{**journal.budget_changes(events), **budgets})
     used = {
-        "max_preemptions": journal.requeues_counted(events, "preempt"),
-        "max_time_limit_requeues": journal.requeues_counted(events, "time_limit"),
+        "max_preemptions": journal.requeues_counted(events, Reason.PREEMPT),
+        "max_time_limit_requeues": journal.requeues_counted(events, Reason.TIME_LIMIT),
         "max_failures": 0,
     }  # a resume resets failures in a row: a person decided the cause is fixed
     what = {

@@ -31,6 +31,7 @@ from typing import Any
 
 from hpc_train import journal, preempt, slurm
 from hpc_train.paths import RunPaths, make_dir, write_atomic
+from hpc_train.reasons import Reason
 from hpc_train.task import Pulse, Task
 
 STOP_SIGNALS = ("TERM", "USR1", "USR2", "INT")
@@ -662,7 +663,7 @@ def judge(failed: list[dict[str, Any]], cmd: list[str], run_dir: str | Path) -> 
                 "(no retry mends it: no budget spent)"
             ),
         }
-    return {"outcome": "failed", "reason": "failure", "first": first["rank"], "sick": sick or None}
+    return {"outcome": "failed", "reason": Reason.FAILURE, "first": first["rank"], "sick": sick or None}
 
 
 def already_delivered(executor: str, stop_signal: str, child_from: float, pulse: Pulse) -> bool:
@@ -680,12 +681,12 @@ def already_delivered(executor: str, stop_signal: str, child_from: float, pulse:
     return any(n == name and at >= child_from for n, at in zip(pulse.received, pulse.received_at))
 
 
-def grace_s(left_s: float, reason: str, reserve_s: float) -> float:
+def grace_s(left_s: float, reason: Reason, reserve_s: float) -> float:
     """Seconds from the stop signal to the child's SIGKILL, of the left_s Slurm leaves (pure). A time
     limit's TIMEOUT is never requeued by Slurm: the decision's worst case (reserve_s, deadlines.decision_reserve_s:
     35 s, 50 s elastic) is kept whole, even if nothing is left for the script (submit warns:
     deadlines.reserve_warning). A preempted job Slurm requeues itself: a little for the records."""
-    keep = reserve_s if reason == "time_limit" else min(DECIDE_RESERVE_S, left_s / 4)
+    keep = reserve_s if reason == Reason.TIME_LIMIT else min(DECIDE_RESERVE_S, left_s / 4)
     return max(0.0, left_s - keep)
 
 
@@ -703,7 +704,7 @@ def _time_left_s(env: Any, cfg: Any, launched_at: float, pulse: Pulse) -> tuple[
     left, code = preempt.time_left(pulse, cfg.cluster, float(end[0]), bool(end[1]), 0.0, allocated_at)
     t = torch.tensor([-left, code], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return -float(t[0]), "time_limit" if int(t[1]) == 1 else "preempt"
+    return -float(t[0]), Reason.TIME_LIMIT if int(t[1]) == 1 else Reason.PREEMPT
 
 
 def finish(env: Any, paths: RunPaths, outcome: dict[str, Any]) -> dict[str, Any]:

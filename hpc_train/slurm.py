@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from hpc_train.reasons import Fate
+
 TRANSIENT = ("timed out", "unable to contact", "connection refused", "socket timed out", "try again")
 
 
@@ -238,7 +240,7 @@ def test_only(script_path: str) -> str:
     return call(["sbatch", "--test-only", script_path], timeout_s=30, retries=1)
 
 
-def parse_fate(text: str, restart_count: int) -> str:
+def parse_fate(text: str, restart_count: int) -> Fate:
     """`scontrol show job -o` of this job as its ranks stop -> what Slurm is doing with it (pure):
     "requeued" (Restarts passed ours: an operator's `scontrol requeue`, a node failure, or a preemption
     Slurm finished requeueing), "cancelled" (scancel: CANCELLED, or COMPLETING with Restarts unchanged
@@ -249,16 +251,16 @@ def parse_fate(text: str, restart_count: int) -> str:
     fields = parse_key_values(text)
     state, restarts = fields.get("JobState"), fields.get("Restarts", "")
     if state is None or not restarts.isdigit():
-        return "unknown"
+        return Fate.UNKNOWN
     if int(restarts) > restart_count:
-        return "requeued"
+        return Fate.REQUEUED
     if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
-        return "running"  # the limit came during the stop: a finished job can still be requeued
+        return Fate.RUNNING  # the limit came during the stop: a finished job can still be requeued
     if (job := parse_allocation(text)) and batch_host_lost(job):
-        return "batch_host_lost"
+        return Fate.BATCH_HOST_LOST
     if state in ("CANCELLED", "COMPLETING"):
-        return "cancelled"
-    return "running"
+        return Fate.CANCELLED
+    return Fate.RUNNING
 
 
 # (timeout s, retries) of each call the job makes; the stop path's are shorter, since they run between the
@@ -269,7 +271,7 @@ STOP_REQUEUE = (10.0, 1)  # 10 + 1 + 10 = 21 s: the one call a time-limit stop c
 STOP_SNAPSHOT = (5.0, 0)  # each of an elastic run's 3 queue-snapshot calls: 15 s in all
 
 
-def job_fate(job_id: str, restart_count: int, policy: tuple[float, int] = FATE) -> str:
+def job_fate(job_id: str, restart_count: int, policy: tuple[float, int] = FATE) -> Fate:
     """parse_fate of the live job; "unknown" when scontrol is missing (containers) or does not answer.
     Shielded from the stop signals: a second SIGTERM killed scontrol mid-answer."""
     timeout_s, retries = policy
@@ -277,7 +279,7 @@ def job_fate(job_id: str, restart_count: int, policy: tuple[float, int] = FATE) 
         text = call(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s, retries=retries, ignore_term=True)
         return parse_fate(text, restart_count)
     except SlurmError:
-        return "unknown"
+        return Fate.UNKNOWN
 
 
 def parse_end_time(text: str) -> tuple[float | None, bool]:

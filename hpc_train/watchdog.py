@@ -13,6 +13,7 @@ from typing import Any
 
 from hpc_train import failure, lease, preempt, requeue, slurm
 from hpc_train.paths import RunPaths
+from hpc_train.reasons import Fate
 from hpc_train.task import Pulse, Task
 
 
@@ -71,4 +72,4 @@ def batch_host_lost(env: Any) -> str:
     if not requeue.relay_silent_s(Path(folder), job_id):
         return ""
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    return "lost" if slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE) == "batch_host_lost" else "alive"
+    return "lost" if slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE) == Fate.BATCH_HOST_LOST else "alive"

@@ -271,3 +271,31 @@ def test_a_rejoin_that_falls_back_to_a_requeue_says_both_sentences() -> None:
     assert [r[0] for r in d.fallback.records] == [journal.NODE_NOT_EXCLUDED]
     assert len(d.fallback.said) == 2 and d.fallback.said[0].startswith(decision.NOT_INSIDE + "this step was not")
     assert d.fallback.said[1].startswith("leaving out 1 sick nodes would leave too few")
+
+
+def test_a_requeue_made_inside_the_job_at_the_time_limit_is_recorded_as_such_and_spends_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: with script.stop_signal=USR1, Lightning's own auto-requeue ran `scontrol requeue` inside the job at
+    the time-limit warning, and we recorded Slurm's requeue with no budget spent: a script that requeues itself
+    at every warning ran for ever. Slurm never requeues a job for its time limit, so such a requeue is the job's
+    own: recorded by="inside_job", counted under requeue.max_time_limit_requeues, and once that is spent the run
+    stops and the requeued job is cancelled (scancel faked here; test_slurm_script runs the real one)."""
+    monkeypatch.setattr(slurm, "job_fate", lambda job_id, restarts, policy: "requeued")
+    cancelled: list[list[str]] = []
+    monkeypatch.setattr(slurm, "scancel", lambda ids, *a, **k: cancelled.append(list(ids)))
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("n1",))
+    paths = RunPaths(tmp_path)
+    cfg = composed(("cluster=dev", "cluster.nodes=1", "requeue.max_time_limit_requeues=1"))
+
+    def decided(reason: str) -> str:
+        return requeue.requeue_or_stop(paths, env, cfg, reason, 5, signals=["SIGUSR2"])
+
+    assert decided("time_limit") == "requeue" and not cancelled
+    first = journal.last(journal.read(tmp_path), journal.REQUEUE)
+    assert first is not None and first["by"] == "inside_job" and first["reason"] == "time_limit"
+    assert decided("preempt") == "requeue"  # a preempted job Slurm requeues itself: by slurm, no budget
+    assert journal.last(journal.read(tmp_path), journal.REQUEUE)["by"] == "slurm"
+    assert decided("time_limit") == "stop" and cancelled == [["7"]]  # max_time_limit_requeues=1 spent
+    stopped = journal.last(journal.read(tmp_path), journal.STOPPED)
+    assert stopped is not None and "time_limit budget spent" in stopped["reason"]

@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
         "leave",
         "task",
         "relay",
-    ),  # facts and names, torch-free; the exit; a rank process's own state; the batch step's supervisor
+        "reasons",
+    ),  # facts and names, torch-free; the stop path's words (Reason, Fate, Action); the exit; a rank process's own state; the batch step's supervisor
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
     ("metrics", "preempt", "provenance", "data", "deadlines"),  # deadlines: the stop and failure paths' table
     # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;

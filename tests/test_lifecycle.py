@@ -149,7 +149,7 @@ def test_decide_random_histories(seed: int) -> None:
     events: list[dict] = []
     step = 0
     for _ in range(rng.randint(0, 60)):
-        kind = rng.choice(["commit", "requeue", "requeue_slurm", "signal", "cancel"])
+        kind = rng.choice(["commit", "requeue", "requeue_slurm", "requeue_inside_job", "signal", "cancel"])
         if kind == "commit":
             step += rng.choice([0, 10, 20])
             events.append(ev("checkpoint_committed", step))
@@ -158,7 +158,7 @@ def test_decide_random_histories(seed: int) -> None:
                 ev(
                     "requeue",
                     reason=rng.choice(list(journal.BUDGET_KEYS)),
-                    by="slurm" if kind == "requeue_slurm" else "hpc_train",
+                    by={"requeue_slurm": "slurm", "requeue_inside_job": "inside_job"}.get(kind, "hpc_train"),
                 )
             )
         else:
@@ -169,8 +169,12 @@ def test_decide_random_histories(seed: int) -> None:
             limit = getattr(budgets, journal.BUDGET_KEYS[reason])
             if fate == "cancelled":
                 assert action == "stop" and why.startswith("cancelled")
-            elif fate == "requeued":
+            elif fate == "requeued" and reason != "time_limit":
                 assert action == "slurm"  # never a second requeue, never budget
+            elif fate == "requeued":  # requeued from inside the job at the time-limit warning: its budget counts
+                used = journal.requeues_counted(events, reason)
+                assert action == ("stop" if limit != -1 and used >= limit else "slurm"), (used, limit, action)
+                assert (why == preempt.REQUEUED_INSIDE) == (action == "slurm")
             elif limit == -1:
                 assert action == "requeue"
             else:
@@ -191,6 +195,12 @@ def test_decide_random_histories(seed: int) -> None:
                 journal.failures_in_a_row(events) if reason == "failure" else journal.requeues_counted(events, reason)
             )
             assert more == max(0, limit - used)
+            if reason == "time_limit":  # a script that requeues itself at every warning is bounded alike
+                log, more = list(events), 0
+                while preempt.decide(reason, log, budgets, "requeued")[0] == "slurm":
+                    log.append(ev("requeue", reason=reason, by="inside_job"))
+                    more += 1
+                assert more == max(0, limit - used)
     last = max((e.get("restart", 0) for e in events if e["event"] == "requeue"), default=0)
     assert journal.local_fate(events + [ev("cancel", restart=last)]) == "cancelled"
     # a cancel that raced its own attempt's requeue still counts; a later attempt's requeue supersedes it
