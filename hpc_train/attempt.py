@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
+import logging
 import os
 import random
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpc_train import deadlines, journal, preempt
+from hpc_train import deadlines, journal, preempt, protocol
 from hpc_train.checkpoint import Saver, TrainState, Writer
 from hpc_train.config import RunConfig
 from hpc_train.env import RankEnv
 from hpc_train.memory_tier import MemoryTier
-from hpc_train.paths import RunPaths, write_atomic
+from hpc_train.paths import RunPaths
 from hpc_train.profiling import Profile
 from hpc_train.reasons import Reason
 from hpc_train.task import Pulse, Task
@@ -48,6 +47,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Attempt", "TrainState"]
+
+log = logging.getLogger(__name__)
 
 
 def device_and_mesh(world_size: int, tp: int) -> tuple[torch.device, DeviceMesh]:
@@ -130,7 +131,7 @@ def rebucket_at_first_forward(ddp: Any, spent_s: list[float], say: Callable[[str
             floats = [t.float().sum() for t in out if t.requires_grad and t.is_floating_point()]
             if not floats:  # the 0 x p terms alone: buckets in their order, not the graph's
                 say(
-                    "[hpc_train] warning: no output of the DDP needs a gradient, so its buckets after this resume "
+                    "warning: no output of the DDP needs a gradient, so its buckets after this resume "
                     "may not be the uninterrupted run's: the weights may then differ in their last bits"
                 )
             (sum(floats, torch.zeros(())) + sum(p.sum() * 0 for p in params)).backward()
@@ -246,7 +247,7 @@ class Attempt:
         )
         memory = None
         if cfg.checkpoint.memory_every_steps:
-            say = lambda line: print(line, flush=True) if env.rank == 0 else None  # noqa: E731
+            say = log.info if env.rank == 0 else lambda line: None
             shape = (mesh["dp"].size(), mesh["tp"].size())
             timeout_s = preempt.collective_timeout_s(cfg.train.watchdog_s)  # as the training's group's
             memory = MemoryTier.build(cfg.checkpoint, env, paths.run_dir, shape, say, timeout_s)
@@ -272,9 +273,9 @@ class Attempt:
         self.saver.event(name, step, **fields)
 
     def say(self, line: str) -> None:
-        """One line on rank 0's log (the run's console); silent elsewhere."""
+        """One line on rank 0's log (the run's console, through the `hpc_train` logger); silent elsewhere."""
         if self.env.rank == 0:
-            print(line, flush=True)
+            log.info(line)
 
     def should_stop(self) -> bool:
         """Collective: True on every rank once any rank caught a stop signal (one 4-byte all-reduce,
@@ -317,31 +318,27 @@ class Attempt:
         )
         if resharded:
             self.say(
-                f"[hpc_train] {folder} was written by {saved} ranks; resharded to {self.env.world_size}"
+                f"{folder} was written by {saved} ranks; resharded to {self.env.world_size}"
                 + (
                     f"; ranks {saved}..{self.env.world_size - 1} keep a fresh RNG seed"
                     if saved < self.env.world_size
                     else ""
                 )
             )
-        # pid (`hpc-train chaos kill-rank`, post-mortems) and whether the rank computes on a GPU (benchmarks
-        # refuse a "GPU" figure that a CPU produced)
-        pids = [torch.zeros(2, dtype=torch.int64) for _ in range(self.env.world_size)]
-        dist.all_gather(pids, torch.tensor([os.getpid(), self.device.type == "cuda"]))
-        self.event(
-            journal.START,
+        # whether each rank computes on a GPU: benchmarks refuse a "GPU" figure that a CPU produced
+        pids = protocol.gather_ints(self.env, [os.getpid(), self.device.type == "cuda"])
+        protocol.start_event(
+            self.env,
+            self.paths,
             state.step,
+            target=self.cfg.fn._target_ or "hpc_train.train.main",
+            launched_at=self.process_start,
+            pids=[p[0] for p in pids],
             resumed_from=f"memory step {memory['step']}" if "step" in memory else str(folder) if folder else None,
             init_from=source,
-            target=self.cfg.fn._target_ or "hpc_train.train.main",
             mesh={"dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()},
             vocab_size=self.cfg.model.vocab_size,  # data=tokens: raised to the data's meta.json (config.py)
-            world_size=self.env.world_size,
-            nodes=list(self.env.nodes),
-            launched_at=self.process_start,
-            pids=[int(p[0]) for p in pids],
             devices=["cuda" if p[1] else "cpu" for p in pids],
-            rank_nodes=[self.env.nodes[r // self.env.local_world_size] for r in range(self.env.world_size)],
             phases_s={k: round(v, 3) for k, v in self.phases_s.items()},
             tokens_seen=state.tokens_seen,
             data=None
@@ -360,25 +357,10 @@ class Attempt:
         self.profile.step(state.step)  # profile.*: the window may begin with the next step
         return resumed
 
-    def time_left_s(self) -> tuple[float, str]:
-        """Collective: (seconds until Slurm's SIGKILL, why) from the first stop signal any rank caught, the
-        same on every rank. A USR2 near the allocation's end is the time-limit warning ("time_limit":
-        cluster.signal_lead_s left); anything else, a USR2 under preempt_send_user_signal included, is a
-        preemption ("preempt": cluster.preempt_grace_s left). One rank's SIGTERM makes it a preemption.
-        The end is Slurm's EndTime, asked again now (an administrator may have shortened the limit since
-        the start), never later than it: rank 0 asks, every rank gets its answer."""
-        end = torch.tensor(
-            preempt.slurm_end(self.env.executor, self.env.job_id) if self.env.rank == 0 else (0.0, 0.0),
-            dtype=torch.float64,
-        )
-        dist.broadcast(end, src=0)
-        allocated_at = float(os.environ.get("HPC_TRAIN_ALLOCATED_AT") or self.process_start)
-        left, code = preempt.time_left(
-            self.pulse, self.cfg.cluster, float(end[0]), bool(end[1]), self.end_at, allocated_at
-        )
-        t = torch.tensor([-left, code], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the least time left, the strongest reason
-        return -float(t[0]), Reason.TIME_LIMIT if int(t[1]) == 1 else Reason.PREEMPT
+    def time_left_s(self) -> tuple[float, Reason]:
+        """Collective: (seconds until Slurm's SIGKILL, why) from the first stop signal any rank caught, the same on
+        every rank (protocol.time_left)."""
+        return protocol.time_left(self.env, self.cfg.cluster, self.pulse, self.process_start, self.end_at)
 
     def _agree(self, ok: bool) -> bool:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -410,12 +392,13 @@ class Attempt:
             # A preempted job is requeued by Slurm itself when it kills it at GraceTime's end: only a time
             # limit's SIGKILL (TIMEOUT, never requeued) must wait for our requeue.
             reserve = self.reserve_s if reason == Reason.TIME_LIMIT else 0.0
-            self.event(
-                journal.SIGNAL,
+            protocol.signal_event(
+                self.env,
+                self.paths,
                 state.step,
-                signals=list(self.pulse.received),
-                reason=reason,
-                left_s=round(left, 2),
+                self.pulse,
+                reason,
+                left,
                 reserve_s=reserve,
                 finishing=state.step >= last_step,
             )
@@ -453,24 +436,16 @@ class Attempt:
             self.kill_deadline = time.monotonic() + left
 
     def finish(self, state: TrainState | None, **summary: Any) -> dict[str, Any]:
-        """Collective: the final save (waiting for any write in flight), summary.json, the finish event."""
+        """Collective: the final save (waiting for any write in flight), then the run's finish (protocol.finish:
+        summary.json, the finish event)."""
         self.profile.close()  # a window the run ends inside: what it recorded, written before the final save
         if state is not None:
             self.saver.final(state)
         step = state.step if state is not None else max(self.saver.verified, default=0)
-        self.finished = {"final_step": step, **summary}
-        if self.env.rank == 0:  # whole or absent: readers poll for it
-            write_atomic(self.paths.summary, json.dumps(self.finished, indent=1, default=str) + "\n")
-        self.event(journal.FINISH, step, **self.finished)
         if self.memory:  # no relaunch will read it; the copy in flight first (every rank is here)
-            if not self.wait_for_memory(
-                deadlines.FINISH_MEMORY_WAIT_S
-            ):  # a copy stuck on a gone peer: the disk has the step
-                self.say(
-                    f"[hpc_train] the memory copy in flight did not end within {deadlines.FINISH_MEMORY_WAIT_S:.0f} s"
-                )
+            if not self.wait_for_memory(deadlines.FINISH_MEMORY_WAIT_S):  # a copy stuck on a gone peer: disk has it
+                log.warning("the memory copy in flight did not end within %.0f s", deadlines.FINISH_MEMORY_WAIT_S)
                 self.memory.abandon()
             self.memory.clean(join_s=10.0)  # its thread ends before the process does
-        self.say(f"[hpc_train] finished at step {step}: {json.dumps(self.finished, default=str)}")
-        sys.stdout.flush()
+        self.finished = protocol.finish(self.env, self.paths, step, **summary)
         return self.finished

@@ -168,7 +168,7 @@ def _submit(args: argparse.Namespace) -> int:
     except Exception as e:
         if not _is_user_error(e):
             raise
-        print(f"hpc-train submit: error: {explain(e)}", file=sys.stderr)
+        _error("submit", explain(e))
         return 2
     if args.multirun:
         _print_table(p)
@@ -711,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args.overrides.append(override(script_cmd))
         except ValueError as e:
-            print(f"hpc-train submit: error: {e}", file=sys.stderr)
+            _error("submit", e)
             return 2
     if argv is None and args.func is _submit:
         import gc
@@ -747,8 +747,26 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as e:
         if not _is_user_error(e):
             raise
-        print(f"hpc-train {args.command}: error: {e}", file=sys.stderr)
+        _error(args.command, e)
         return 2
+
+
+def _error(command: str, message: object) -> None:
+    """One error on stderr: one line into a pipe or a file (what a script greps stays whole), wrapped to the
+    terminal's width on one (a sentence that names the value and the fix ran to 379 columns), words and paths
+    kept whole."""
+    text = f"hpc-train {command}: error: {message}"
+    if sys.stderr.isatty():
+        import shutil
+        import textwrap
+
+        width = shutil.get_terminal_size().columns
+        lines = [
+            textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+            for line in text.splitlines()
+        ]
+        text = "\n".join(lines)
+    print(text, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ it."""
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -16,6 +16,8 @@ from hpc_train.paths import RunPaths
 from hpc_train.reasons import Reason
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
+
+log = logging.getLogger(__name__)
 
 
 def failed(paths: RunPaths, env: Any, task: Task, e: BaseException) -> tuple[str, float]:
@@ -96,11 +98,7 @@ def after_failure(
     from hpc_train.config import check_environment, load_frozen
 
     if _finished(paths, env):
-        print(
-            f"[hpc_train] rank {env.rank}: the run finished (its finish is on record) before this failure: leaving 0",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning("the run finished (its finish is on record) before this failure: leaving 0")
         return Verdict.FINISHED, 0.0
     hangs = rejoin.write_heartbeats(paths, env, task.pulse.ticks)
     try:
@@ -162,11 +160,9 @@ def _await_verdict(paths: RunPaths, env: Any, task: Task, hang: bool) -> tuple[s
     until = time.monotonic() + deadlines.VERDICT_WAIT_S
     while (end := journal.verdict(journal.read(paths.run_dir), env.restart_count)) is None:
         if time.monotonic() >= until:
-            print(
-                f"[hpc_train] no verdict on record {deadlines.VERDICT_WAIT_S:.0f} s after this rank failed: "
-                f"leaving without it, this node's memory copies kept for a relaunch that may still come",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                f"no verdict on record {deadlines.VERDICT_WAIT_S:.0f} s after this rank failed: "
+                f"leaving without it, this node's memory copies kept for a relaunch that may still come"
             )
             break
         time.sleep(0.5)
@@ -185,7 +181,7 @@ def _stop(paths: RunPaths, env: Any, task: Task, why: str) -> tuple[str, float]:
         journal.log(paths.run_dir, journal.STOPPED, task.pulse.step_reached, env.job_id, env.restart_count, reason=why)
     except OSError:
         pass
-    print(f"[hpc_train] not requeueing: {why}", file=sys.stderr, flush=True)
+    log.error(f"not requeueing: {why}")
     return Verdict.STOP, 0.0
 
 

@@ -38,6 +38,7 @@ import gc
 import importlib
 import inspect
 import json
+import logging
 import os
 import sys
 import time
@@ -52,11 +53,11 @@ from hpc_train import (
     journal,
     lease,
     preempt,
+    ranklog,
     rejoin,
     relay,
     rendezvous,
     requeue,
-    script,
     verdict,
     watchdog,
 )
@@ -64,6 +65,8 @@ from hpc_train.paths import RunPaths, locked, make_dir
 from hpc_train.reasons import Fate, Reason
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
+
+log = logging.getLogger(__name__)
 
 
 def process_start_time() -> float:
@@ -102,16 +105,6 @@ def check_kwargs(fn: Callable[..., Any], target: str, kwargs: dict[str, Any]) ->
         ) from None
 
 
-def _log_files() -> list[Any]:
-    """stdout, and stderr where it is another file: a Slurm job's are one (stderr_to_stdout), where the header
-    written to both came out twice."""
-    try:
-        same = os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
-    except (OSError, ValueError, AttributeError):  # a stream without a file (a test's capture)
-        same = False
-    return [sys.stdout] if same else [sys.stdout, sys.stderr]
-
-
 def run_job(run_dir_str: str) -> dict[str, Any] | None:
     from hpc_train import env as rank_env
 
@@ -124,11 +117,9 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
     with locked(paths.lock, shared=True, wait_s=deadlines.RUN_LOCK_WAIT_S) as ok:
         events = journal.read(paths.run_dir)
     if not ok:
-        print(
-            f"[hpc_train] warning: {paths.lock} still locked after {deadlines.RUN_LOCK_WAIT_S:.0f} s (a crashed "
-            f"`hpc-train resume`?): read the attempt number without it",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            f"{paths.lock} still locked after {deadlines.RUN_LOCK_WAIT_S:.0f} s (a crashed "
+            f"`hpc-train resume`?): read the attempt number without it"
         )
     if "SLURM_PROCID" not in os.environ:  # the local controller restarts in place: attempts counted on disk
         os.environ["HPC_TRAIN_ATTEMPT"] = str(journal.new_job_attempt(events, None))
@@ -144,9 +135,9 @@ def run_job(run_dir_str: str) -> dict[str, Any] | None:
         )
         env = dataclasses.replace(env, restart_count=attempt, master_port=port)
     os.environ["HPC_TRAIN_ATTEMPT"] = str(env.restart_count)  # the run's attempt: drills fire in attempt 0 only
+    ranklog.configure(env.rank)  # Slurm's task number until placement names the rank (rendezvous.join)
     os.environ.update(rank_env.torchrun_vars(env))
-    for stream in _log_files():  # `hpc-train logs --attempt` cuts each file at these lines
-        print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
+    ranklog.header(env.restart_count, env.rank)
     task = Task(pulse)
     try:
         result = _run(paths, env, task, process_start, phases_s)
@@ -220,7 +211,7 @@ def _before_rendezvous(paths: RunPaths, env: Any, cfg: Any) -> None:
             journal.log(
                 paths.run_dir, journal.CODE_CHANGED, -1, env.job_id, env.restart_count, rank=env.rank, detail=changed
             )
-            print(f"[hpc_train] warning: {changed}", file=sys.stderr, flush=True)
+            log.warning(changed)
     if env.executor == "local" and journal.local_fate(journal.read(paths.run_dir)) == Fate.CANCELLED:
         if env.rank == 0:  # `hpc-train cancel` came between two attempts
             why = "cancelled before this attempt started"
@@ -244,22 +235,24 @@ def _before_rendezvous(paths: RunPaths, env: Any, cfg: Any) -> None:
 
 
 def _run_script(paths: RunPaths, env: Any, task: Task, cfg: Any, process_start: float) -> dict[str, Any] | None:
-    """The user's own command, one child per rank (script.py), then the one decision."""
+    """The user's own command, one child per rank (supervisor.py), then the one decision."""
     import torch.distributed as dist
 
+    from hpc_train import supervisor
+
     reserve = deadlines.decision_reserve_s(env, cfg)
-    out = script.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start, reserve, task)
+    out = supervisor.supervise(env, cfg, paths, dataclasses.asdict(cfg), process_start, reserve, task)
     if out["outcome"] == "unrunnable":  # exit 126/127: no requeue makes a missing program run
         if env.rank == 0:
             journal.log(paths.run_dir, journal.STOPPED, out["step"], env.job_id, env.restart_count, reason=out["why"])
-            print(f"[hpc_train] not requeueing: {out['why']}", file=sys.stderr, flush=True)
+            log.error(f"not requeueing: {out['why']}")
         dist.barrier()  # the verdict is on record before any rank exits (srun's KillOnBadExit)
         dist.destroy_process_group()
         verdict.leave(task, Verdict.STOP, 0.0)
     if out["outcome"] != "finished":
         kill_deadline = out.get("kill_deadline", float("inf"))
         requeue.decide_together(paths, env, task, cfg, out["reason"], out["step"], kill_deadline, out.get("sick"))
-    summary = script.finish(env, paths, out)
+    summary = supervisor.finish(env, paths, out)
     _close(env)
     return summary if env.rank == 0 else None
 
@@ -296,7 +289,7 @@ def _run_function(
             if chosen != Verdict.REJOIN:
                 failure.leave_after_failure(task, chosen, grace_s, env)
             traceback.print_exc()
-            print(f"[hpc_train] rank {env.rank}: {type(e).__name__}: {e}; rejoining in this process", flush=True)
+            log.info(f"{type(e).__name__}: {e}; rejoining in this process")
             plan, env = rejoin.rejoin_plan_or_leave(paths, env.job_id, task), task.placed or env
     at.returned()  # at its own stop check: a stop at the step reached
     if at.stopped and at.finished is None:
@@ -324,4 +317,4 @@ def _close(env: Any) -> None:
         dist.barrier()
         dist.destroy_process_group()
     except Exception as e:
-        print(f"[hpc_train] rank {env.rank}: the run finished; its closing barrier failed: {e}", file=sys.stderr)
+        log.warning(f"the run finished; its closing barrier failed: {e}")

@@ -4,9 +4,9 @@ deleted, and renews it from the watchdog thread); a second job on the same run r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -14,6 +14,8 @@ from hpc_train import journal, preempt, slurm, verdict
 from hpc_train.paths import RunPaths, locked, write_atomic
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
+
+log = logging.getLogger(__name__)
 
 
 def read(paths: RunPaths) -> dict[str, Any] | None:
@@ -82,7 +84,7 @@ def renew(paths: RunPaths, env: Any) -> None:
             if lease is None or str(lease.get("job_id")) == env.job_id:
                 write(paths, env)
             else:
-                print(f"[hpc_train] warning: job {lease.get('job_id')} took this run's lease", file=sys.stderr)
+                log.warning(f"job {lease.get('job_id')} took this run's lease")
     except (OSError, ValueError):  # a full disk or a busy lock: the next turn, 30 s on
         pass
 
@@ -108,12 +110,10 @@ def own_run_dir(paths: RunPaths, env: Any, task: Task) -> None:
             owner_host=lease.get("host"),
             expires_at=lease.get("expires_at"),
         )
-        print(
-            f"[hpc_train] job {env.job_id} refuses to train: job {lease['job_id']} (on {lease.get('host')}) owns "
+        log.error(
+            f"job {env.job_id} refuses to train: job {lease['job_id']} (on {lease.get('host')}) owns "
             f"{paths.run_dir} and is still queued or running; this job leaves its checkpoints and budgets "
             f"alone. Follow the owner with hpc-train status {paths.run_dir}; if it is gone, hpc-train resume "
-            f"{paths.run_dir} starts the run again",
-            file=sys.stderr,
-            flush=True,
+            f"{paths.run_dir} starts the run again"
         )
     verdict.leave(task, Verdict.STOP, 0.0)

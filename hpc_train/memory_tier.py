@@ -31,13 +31,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import queue
 import re
 import shutil
 import stat
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +54,8 @@ from hpc_train.checkpoint import HostBuffers, TrainState, drop_optimizer_state
 from hpc_train.config import CheckpointConfig
 from hpc_train.env import RankEnv
 from hpc_train.paths import MARKER, make_dir, step_folders, untrusted, write_atomic
+
+log = logging.getLogger(__name__)
 
 STEP = re.compile(r"step-(\d+)")
 TAG = 0x4D45  # the buddy exchange's gloo tag: never matched by another send
@@ -186,7 +188,7 @@ class MemoryTier:
     source: int | None  # the rank whose copy this rank keeps
     off: str = ""
     warned: bool = False
-    say: Callable[[str], None] = print
+    say: Callable[[str], None] = log.info
     # The copy thread's own gloo group (build, once per attempt): its sends and its agreement never interleave
     # with training's collectives on the default group, which the loop runs meanwhile.
     group: Any = None
@@ -253,10 +255,10 @@ class MemoryTier:
         if not tier.off:  # on every rank alike: new_group is collective
             tier.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         if tier.off:
-            say(f"[hpc_train] warning: checkpoint.memory_every_steps is off in this attempt: {tier.off}")
+            say(f"warning: checkpoint.memory_every_steps is off in this attempt: {tier.off}")
         elif not two:
             say(
-                "[hpc_train] checkpoint.memory_every_steps: one node, so no buddy copy: a rank's crash is recovered "
+                "checkpoint.memory_every_steps: one node, so no buddy copy: a rank's crash is recovered "
                 "from memory, its node's loss from disk"
             )
         return tier
@@ -298,7 +300,7 @@ class MemoryTier:
         if busy and not self.warned_wait:
             self.warned_wait = True
             self.say(
-                f"[hpc_train] warning: checkpoint.memory_every_steps={self.every_steps}: step {state.step}'s copy "
+                f"warning: checkpoint.memory_every_steps={self.every_steps}: step {state.step}'s copy "
                 f"waited {waited * 1e3:.1f} ms for the previous one (a copy takes {self.copy_s * 1e3:.0f} ms in "
                 "the background): raise checkpoint.memory_every_steps so that one copy fits between two "
                 "(metrics.jsonl: memory_wait_s)"
@@ -381,12 +383,7 @@ class MemoryTier:
             del data
             if why and why != "abandoned" and not self.warned:
                 self.warned = True
-                print(  # this rank's log: say() prints on rank 0 only, which says the step is incomplete
-                    f"[hpc_train] warning: rank {self.rank}: a copy in memory was not written ({why}); the disk "
-                    "checkpoints go on",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                log.warning(f"a copy in memory was not written ({why}); the disk checkpoints go on")
             ok = torch.tensor([0 if why or self.abandoned else 1], dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
             with self.lock:
@@ -400,7 +397,7 @@ class MemoryTier:
                     if not self.warned_incomplete:  # rank 0 says it (say prints there), whichever rank's failed
                         self.warned_incomplete = True
                         self.say(
-                            f"[hpc_train] warning: step {step}'s copies in memory are incomplete on some rank (a full "
+                            f"warning: step {step}'s copies in memory are incomplete on some rank (a full "
                             f"tmpfs? its log says why); a relaunch would read step {self.last} from memory, else disk"
                         )
         except Exception as e:  # gloo: a peer closed its connection; nothing was agreed, nothing removed
@@ -556,17 +553,13 @@ class MemoryTier:
         which lets go of its gloo group (the run's finish: nothing is in flight then)."""
         self.abandon()
         if join_s and self.thread is not None:
-            # A daemon thread still in torch code (here: letting go of its gloo group) while the process exits
-            # can die inside C++: after "finished at step 60", rank 0 printed "terminate called without an
-            # active exception" (exit 134) and the finished job ended FAILED in .ci/run at 4900622. Not only
-            # this thread: a run without the tier did the same at 7638722 (cause still open); joined, it is done.
+            # A daemon thread still in torch code (here: letting go of its gloo group) when the process exits can
+            # die inside C++ ("terminate called without an active exception", exit 134, a finished job FAILED);
+            # leave.py exits without finalizing, and joined here, the thread is done before that.
             self.thread.join(join_s)
             if self.thread.is_alive():  # on record, should the exit's crash come back
-                print(
-                    f"[hpc_train] warning: rank {self.rank}: the memory copy thread has not ended {join_s:.0f} s after "
-                    "the finish; the process exits with it",
-                    file=sys.stderr,
-                    flush=True,
+                log.warning(
+                    f"the memory copy thread has not ended {join_s:.0f} s after the finish; the process exits with it"
                 )
         shutil.rmtree(self.folder, ignore_errors=True)
         clean_empty(self.folder.parent, self.base)

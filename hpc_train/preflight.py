@@ -19,6 +19,7 @@ The module imports torch only inside `check`: config.py imports PreflightConfig 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import shutil
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_train.paths import MARKER, RunPaths, read_marker, step_folders
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -415,7 +418,7 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths, time_gpu: bool = True
             wall_s=round(time.perf_counter() - t0, 3),
         )
         for line in [*(f"node {n} failed the preflight: {why}" for n, why in sick.items()), *warnings]:
-            print(f"[hpc_train] preflight: {line}", flush=True)
+            log.info(f"preflight: {line}")
     if stop:
         raise Unrecoverable(f"preflight: {stop}")
     return sick

@@ -14,7 +14,7 @@ a trace takes as long as it takes, and the stop save comes first. docs/profiling
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,8 @@ import torch
 
 from hpc_train.config import ProfileConfig
 from hpc_train.paths import MEMORY, TRACE, RunPaths, dir_mode, make_dir, write_atomic
+
+log = logging.getLogger(__name__)
 
 # CUDA allocator events kept for the snapshot (torch's own default): ~100 bytes each on the host, ~10 MB.
 MEMORY_ENTRIES = 100_000
@@ -78,7 +80,7 @@ class Profile:
         if self.cfg.memory and self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
         elif self.cfg.memory:
-            self.say("[hpc_train] profile.memory=true: no CUDA here, so no memory snapshot; the CPU trace is written")
+            self.say("profile.memory=true: no CUDA here, so no memory snapshot; the CPU trace is written")
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.cuda else [])]
         prof = profile(activities=activities, schedule=action, on_trace_ready=self._write)
         # The profiler counts steps from 0 and labels each "ProfilerStep#N": from the global step instead, so
@@ -88,10 +90,7 @@ class Profile:
         prof.step()
         self.torch = prof
         resumed = f" (this attempt resumed at step {done}, inside the window)" if done + 1 > first else ""
-        self.say(
-            f"[hpc_train] profiling steps {self.recorded_from}-{last} on every rank{resumed}: traces in "
-            f"{self.paths.profile}"
-        )
+        self.say(f"profiling steps {self.recorded_from}-{last} on every rank{resumed}: traces in {self.paths.profile}")
 
     def _write(self, prof: Any) -> None:
         """on_trace_ready, from close()'s stop: steps recorded_from .. step_num (the step still open, the last
@@ -103,10 +102,10 @@ class Profile:
             if self.cfg.memory and self.cuda:
                 write_atomic(self.paths.profile_file(*steps, MEMORY), torch.cuda.memory._dump_snapshot)
         except OSError as e:
-            print(f"[hpc_train] profile: rank {self.rank} could not write {trace}: {e}", file=sys.stderr, flush=True)
+            log.warning(f"profile: could not write {trace}: {e}")
             return
         self.say(
-            f"[hpc_train] profile of steps {steps[1]}-{steps[2]} written: one trace per rank, e.g. {trace} "
+            f"profile of steps {steps[1]}-{steps[2]} written: one trace per rank, e.g. {trace} "
             f"(hpc-train report {self.paths.run_dir} says how to open them)"
         )
 
@@ -124,9 +123,9 @@ class Profile:
             if self.cfg.memory and self.cuda:
                 torch.cuda.memory._record_memory_history(enabled=None)
         except Exception as e:  # a profiler fault must never cost a stop save, a requeue or a finish
-            print(f"[hpc_train] profile: rank {self.rank}: the profiler failed to stop: {e!r}", file=sys.stderr)
+            log.warning(f"profile: the profiler failed to stop: {e!r}")
         if not write:
             self.say(
-                f"[hpc_train] profile: a stop inside steps {self.first}-{self.last} (warm-up included): this "
+                f"profile: a stop inside steps {self.first}-{self.last} (warm-up included): this "
                 f"attempt's recording is dropped ({first} comes first); the attempt that resumes records the rest"
             )

@@ -13,6 +13,7 @@ lines, ~30 MB: not re-read on every scrape).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -25,6 +26,8 @@ from typing import Any
 
 from hpc_train import journal
 from hpc_train.paths import RunPaths, write_atomic
+
+log = logging.getLogger(__name__)
 
 TAIL_BYTES = 256 * 1024  # ~800 metrics rows: the last row, and the median step time goodput() needs
 CLOSE_WAIT_S = 2.0  # the most close() waits for the server loop to stop (it polls every 0.5 s): then server_close
@@ -195,10 +198,9 @@ class Exporter:
         line = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         if not self.warned:
             self.warned = True
-            print(
-                f"[hpc_train] warning: the Prometheus metrics could not be rendered ({line}); training goes "
-                f"on, the endpoint answers 500 and the textfile keeps its last values until it renders again",
-                flush=True,
+            log.warning(
+                f"the Prometheus metrics could not be rendered ({line}); training goes "
+                f"on, the endpoint answers 500 and the textfile keeps its last values until it renders again"
             )
         return line
 
@@ -207,11 +209,7 @@ class Exporter:
             try:
                 write_atomic(Path(self.textfile), self.text())  # whole or absent for the collector
             except OSError as e:  # the folder is gone or read-only: not tried again
-                print(
-                    f"[hpc_train] warning: metrics.prometheus_textfile={self.textfile}: {e}; not written again "
-                    f"in this attempt",
-                    flush=True,
-                )
+                log.warning(f"metrics.prometheus_textfile={self.textfile}: {e}; not written again in this attempt")
                 self.textfile = ""
             except Exception as e:  # noqa: BLE001  (the run's files: tried again at the next tick)
                 self.warn_once(e)
@@ -263,10 +261,9 @@ def start(
             exporter.server.daemon_threads = True  # one thread per scrape; a stuck one never holds the exit
         except OSError as e:
             event(journal.PROMETHEUS_FAILED, -1, address=f"{addr}:{port}", error=str(e))
-            print(
-                f"[hpc_train] warning: metrics.prometheus_port={port} on {addr}: {e}; training goes on without "
-                f"the endpoint (pick a free port, or metrics.prometheus_textfile=PATH)",
-                flush=True,
+            log.warning(
+                f"metrics.prometheus_port={port} on {addr}: {e}; training goes on without "
+                f"the endpoint (pick a free port, or metrics.prometheus_textfile=PATH)"
             )
         else:
             threading.Thread(target=exporter.server.serve_forever, name="prometheus", daemon=True).start()

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_train import deadlines, journal, leave, rendezvous, verdict
+from hpc_train import deadlines, journal, leave, ranklog, rendezvous, verdict
 from hpc_train.paths import RunPaths, hold_for_life, holder_gone, make_dir, untrusted, write_atomic
 from hpc_train.task import Pulse, Task
 from hpc_train.verdict import Verdict
+
+log = logging.getLogger(__name__)
 
 
 def split_standby(env: Any, cfg: Any) -> tuple[Any, bool]:
@@ -60,7 +62,7 @@ def read_rejoin_plan(paths: RunPaths, job_id: str, said: set[str] | None = None)
         if said is None or why not in said:
             if said is not None:
                 said.add(why)
-            print(f"[hpc_train] not rejoining by {where}: {why}", file=sys.stderr, flush=True)
+            log.warning(f"not rejoining by {where}: {why}")
         return None
     try:
         plan = json.loads(text)
@@ -76,9 +78,7 @@ def rejoin_plan_or_leave(paths: RunPaths, job_id: str, task: Task) -> dict[str, 
     same verdict came again, a busy loop until the 900 s watchdog."""
     plan = read_rejoin_plan(paths, job_id)
     if plan is None:
-        print(
-            f"[hpc_train] no rejoin plan to read in {paths.rejoin_plan(job_id)}: leaving", file=sys.stderr, flush=True
-        )
+        log.warning(f"no rejoin plan to read in {paths.rejoin_plan(job_id)}: leaving")
         verdict.leave(task, Verdict.STOP, 0.0)
     return plan
 
@@ -91,7 +91,7 @@ def standby_wait(paths: RunPaths, env: Any, pulse: Pulse) -> dict[str, Any]:
     make_dir(mine.parent, exist_ok=True)
     write_atomic(mine, node)
     held = hold_for_life(mine)  # freed by its death: plan_rejoin counts live standbys only
-    print(f"[hpc_train] task {procid} on {node}: warm standby (cluster.in_process_restart)", flush=True)
+    log.info(f"task {procid} on {node}: warm standby (cluster.in_process_restart)")
     check, confirmed = 0.0, env.restart_count  # the newest plan's attempt whose verdict is on record
     said: set[str] = set()  # read_rejoin_plan's refusals said so far
     while True:
@@ -109,7 +109,7 @@ def standby_wait(paths: RunPaths, env: Any, pulse: Pulse) -> dict[str, Any]:
         if time.monotonic() >= check:
             check = time.monotonic() + 1.0
             if why := step_left(paths, env, plan if plan and plan["attempt"] == confirmed else None, pulse):
-                print(f"[hpc_train] task {procid} on {node}: standby leaves: {why}", flush=True)
+                log.info(f"task {procid} on {node}: standby leaves: {why}")
                 mine.unlink(missing_ok=True)
                 leave.process(0)
         time.sleep(0.02)
@@ -206,7 +206,7 @@ def plan_rejoin(
         else ""
     )
     if why:
-        print(f"[hpc_train] not restarting in process: {why}; relaunching the step", file=sys.stderr, flush=True)
+        log.warning(f"not restarting in process: {why}; relaunching the step")
         return False
     nodes, standby = list(env.nodes), {}
     for n, node in zip(dead_nodes, free):
@@ -219,7 +219,7 @@ def plan_rejoin(
     try:
         write_atomic(paths.rejoin_plan(env.job_id), json.dumps(plan | {"at": time.time()}) + "\n")
     except OSError as e:
-        print(f"[hpc_train] could not write the rejoin plan ({e}): relaunching the step", file=sys.stderr, flush=True)
+        log.warning(f"could not write the rejoin plan ({e}): relaunching the step")
         return False
     replaced = {env.nodes[n]: nodes[n] for n in dead_nodes}
     for node, because in sick.items():
@@ -235,7 +235,7 @@ def plan_rejoin(
         in_job_restarts=used + 1,
     )
     swaps = ", ".join(f"{a} by the standby on {b}" for a, b in replaced.items()) or "no node lost"
-    print(f"[hpc_train] restarting in process ({swaps}): the ranks that survived rejoin", file=sys.stderr, flush=True)
+    log.warning(f"restarting in process ({swaps}): the ranks that survived rejoin")
     return True
 
 
@@ -257,7 +257,7 @@ def drop_group(env: Any, paths: RunPaths | None = None, ticks: int = 0) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception as e:  # a group a failure left half torn down: the new one does not need it
-        print(f"[hpc_train] destroying the failed process group: {type(e).__name__}: {e}", file=sys.stderr)
+        log.warning(f"destroying the failed process group: {type(e).__name__}: {e}")
 
 
 def cut_connections(hosts: set[str]) -> None:
@@ -314,8 +314,7 @@ def join(
     # also restarts a survivor's watchdog clock.
     task.pulse.ticks = 0
     task.pulse.beat()
-    for stream in (sys.stdout, sys.stderr):  # `hpc-train logs --attempt` cuts both files at these lines
-        print(f"==== hpc_train attempt {env.restart_count} rank {env.rank} ====", file=stream, flush=True)
+    ranklog.header(env.restart_count, env.rank)
     task.placed = env  # a failure in the rendezvous is this attempt's (not yet trained: plan_rejoin relaunches)
     placed = rendezvous.join(env, cfg, paths, task, keep_order=True)
     return placed, float(plan["at"]), {"rejoin": time.time() - float(plan["at"])}

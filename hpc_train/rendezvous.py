@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 from datetime import timedelta
 from typing import Any
 
-from hpc_train import preempt
+from hpc_train import preempt, ranklog
 from hpc_train.paths import RunPaths, hold_for_life, make_dir
 from hpc_train.task import Task
+
+log = logging.getLogger(__name__)
 
 
 def join(env: Any, cfg: Any, paths: RunPaths, task: Task, keep_order: bool = False) -> Any:
@@ -88,6 +91,7 @@ def join(env: Any, cfg: Any, paths: RunPaths, task: Task, keep_order: bool = Fal
         if task.alive_fd is not None:
             os.close(task.alive_fd)
         task.alive_fd = hold_for_life(paths.alive(env.job_id, env.restart_count) / str(placed.rank))
-    print(f"[hpc_train] placed task {env.rank} as rank {placed.rank} on {node}", flush=True)
+    ranklog.configure(placed.rank)  # from here this process speaks as its placed rank
+    log.info(f"placed task {env.rank} as rank {placed.rank} on {node}")
     task.placed = placed
     return placed

@@ -5,9 +5,9 @@ agreement (rank 0 decides, every rank leaves by the broadcast verdict)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -20,6 +20,8 @@ from hpc_train.paths import RunPaths
 from hpc_train.reasons import STOP_SIGNALLED, Action, Fate, Reason
 from hpc_train.task import Task
 from hpc_train.verdict import Verdict
+
+log = logging.getLogger(__name__)
 
 
 def spare_nodes(env: Any, cluster: Any) -> int | None:
@@ -165,7 +167,7 @@ def apply(
     and update), the relaunch marker or the rejoin plan written; a relaunch or a rejoin that cannot be made takes
     the decision's fallback."""
     for line in d.said:
-        _say(line)
+        log.warning(line)
     if d.action == Action.REJOIN:
         used = journal.in_job_restarts_in_a_row(facts.events)
         if rejoin.plan_rejoin(paths, env, facts.events, facts.sick or {}, used, d.reason, record, hang):
@@ -177,22 +179,22 @@ def apply(
         try:
             relay.write_marker(Path(folder), slurm_job, d.srun_args)
         except OSError as e:  # a full disk: the requeue still brings the run back
-            _say(f"could not write the relaunch marker ({e}): requeueing")
+            log.warning("could not write the relaunch marker (%s): requeueing", e)
             assert d.fallback is not None
             return apply(paths, env, cfg, facts, d.fallback, record, hang)
         _write(record, d.records)
-        _say(d.why)
+        log.warning(d.why)
         return Verdict.RELAUNCH
     _write(record, d.records)
     inside = preempt.requeued_inside(d.reason or facts.reason, facts.fate)
     if d.action == Action.STOP:
         record(journal.STOPPED, reason=d.why)
-        _say(f"not requeueing: {d.why}")
+        log.error("not requeueing: %s", d.why)
         if inside and env.executor == "slurm":  # the requeued job would start again: the budget is spent
             try:
                 slurm.scancel([env.job_id])
             except slurm.SlurmError as e:
-                _say(f"could not cancel the requeued job {env.job_id}: {e}; scancel it by hand")
+                log.error("could not cancel the requeued job %s: %s; scancel it by hand", env.job_id, e)
         return Verdict.STOP
     if d.action == Action.SLURM:
         err = update_next_attempt(env, cfg.cluster, list(d.excluded), d.size, record)
@@ -215,7 +217,7 @@ def apply(
     unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
     record(journal.REQUEUE_FAILED, reason=d.reason, fate=facts.fate, error=err, **unset)
     then = decision.after_refusal(d.reason, facts.signals, facts.fate)  # the live list: a TERM during the retries
-    _say(
+    log.error(
         f"requeue failed: {err}; "
         + (
             "waiting for Slurm to end and requeue the preempted job"
@@ -229,10 +231,6 @@ def apply(
 def _write(record: Callable[..., None], records: tuple[tuple[str, dict[str, Any]], ...]) -> None:
     for name, fields in records:
         record(name, **fields)
-
-
-def _say(line: str) -> None:
-    print(f"[hpc_train] {line}", file=sys.stderr, flush=True)
 
 
 def update_next_attempt(
@@ -255,9 +253,9 @@ def update_next_attempt(
         extra = {"let_in": let_in, "why": why} if let_in else {}
         record(journal.EXCLUDE_NODES, nodes=value, ok=not err, **extra, **({"error": err} if err else {}))
         if let_in:
-            print(f"[hpc_train] {why}", file=sys.stderr, flush=True)
+            log.warning(why)
         if err:
-            print(f"[hpc_train] could not leave out {value}: {err}", file=sys.stderr, flush=True)
+            log.warning(f"could not leave out {value}: {err}")
     return err
 
 

@@ -41,8 +41,11 @@ def main(folder: str) -> None:
 
     from submitit.core import job_environment, utils
 
+    from hpc_train import ranklog
     from hpc_train.paths import untrusted
 
+    # Slurm's task number, or the local executor's, until job.py knows the rank (ranklog.py)
+    ranklog.configure(os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID") or "?")
     os.environ["SUBMITIT_FOLDER"] = folder
     paths = job_environment.JobEnvironment().paths
     for _ in range(60):  # submitit renames the pickle into place right after sbatch returns
@@ -80,19 +83,23 @@ def _write_result(where: object, result: tuple[str, object]) -> None:
     """submitit's result pickle (through write_atomic, not its fixed-name `.save_tmp`, which open() follows if
     planted). A result that does not pickle (a lock, a generator in the function's return) or a write that fails
     is said in one line: the run's own records (summary.json, the finish event) are written already."""
+    import logging
+
     import cloudpickle
 
     from hpc_train.paths import write_atomic
 
+    log = logging.getLogger("hpc_train.start")
+
     try:
         data = cloudpickle.dumps(result)
     except Exception as e:
-        print(f"hpc_train: the function's result does not pickle ({type(e).__name__}: {e}); none kept", file=sys.stderr)
+        log.warning(f"the function's result does not pickle ({type(e).__name__}: {e}); none kept")
         data = cloudpickle.dumps((result[0], None))
     try:
         write_atomic(where, data)  # type: ignore[arg-type]
     except OSError as e:
-        print(f"hpc_train: could not write the result to {where}: {e}", file=sys.stderr)
+        log.warning(f"could not write the result to {where}: {e}")
 
 
 if __name__ == "__main__":

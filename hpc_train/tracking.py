@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,8 @@ from typing import Any
 
 from hpc_train import journal
 from hpc_train.paths import write_atomic
+
+log = logging.getLogger(__name__)
 
 # {"run_id", "mlflow_run_id", "wandb_logged_through"}: the same runs on every requeue
 TRACKING_JSON = "tracking.json"
@@ -120,11 +122,8 @@ class Tracker:
             setattr(self, backend, None)
             error = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             name = {"tb": "tensorboard"}.get(backend, backend)
-            print(
-                f"[hpc_train] tracking: {name} failed during {during} ({error}); off for this attempt, "
-                f"metrics.jsonl has every row",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                f"tracking: {name} failed during {during} ({error}); off for this attempt, metrics.jsonl has every row"
             )
             if self.event is not None:
                 self.event(journal.TRACKING_FAILED, self.step, backend=name, during=during, error=error)

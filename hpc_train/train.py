@@ -15,6 +15,7 @@ RNG are functions of the saved state.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import socket
 import time
@@ -34,6 +35,9 @@ from hpc_train.config import RunConfig, TrainConfig
 from hpc_train.metrics import peak_tflops
 from hpc_train.model import GPT
 from hpc_train.paths import append_line
+from hpc_train.ranklog import PROGRESS
+
+progress = logging.getLogger(PROGRESS)  # the step line: rank 0's console row (ranklog.py)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -245,7 +249,7 @@ def warn_batch_changed(at: Attempt, step: int, configured: int, global_seqs: int
         grad_accum_steps=grad_accum,
     )
     at.say(
-        f"[hpc_train] warning: global batch {configured} sequences does not divide over dp={dp} x "
+        f"warning: global batch {configured} sequences does not divide over dp={dp} x "
         f"{at.cfg.train.batch_seqs_per_rank}; this attempt steps {global_seqs} sequences ({grad_accum} micro-batches)"
     )
 
@@ -268,7 +272,7 @@ def check_data(at: Attempt, step: int, sampler: data.Sampler, change: str) -> No
     was, now = sampler.saved_fingerprint, sampler.fingerprint
     at.event(journal.DATA_CHANGED, step, change=change, was=list(was or ()), now=list(now))
     at.say(
-        f"[hpc_train] warning: {what} changed since checkpoint step {step} ({change}); from step {step} on "
+        f"warning: {what} changed since checkpoint step {step} ({change}); from step {step} on "
         f"the run reads other windows than the uninterrupted run would (data.allow_changed)"
     )
 
@@ -404,10 +408,10 @@ class Log:
             self.exporter.tick()
         mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
         val_text = "" if val_loss is None else f"  val {val_loss:.4f}"
-        at.say(
-            f"step {step:6d}/{steps}  loss {mean_loss:.4f}  lr {row['lr']:.2e}  gnorm "
-            f"{row['grad_norm']:.3f}{val_text}  {step_time_s * 1e3:8.1f} ms/step  {tokens_per_s:10,.0f} "
-            f"tok/s  data {row['data_wait_fraction']:.1%}  mem {row['peak_memory_mb']:,.0f} MB  mfu {mfu_text}"
+        # 100 columns at most for runs under 10^5 steps (issue 29); the data wait and memory are in metrics.jsonl
+        progress.info(
+            f"step {step}/{steps}  loss {mean_loss:.4f}{val_text}  lr {row['lr']:.2e}  gnorm {row['grad_norm']:.3f}  "
+            f"{step_time_s * 1e3:.1f} ms/step  {tokens_per_s:,.0f} tok/s  mfu {mfu_text}"
         )
 
     def close(self, finished: bool = False) -> None:
@@ -493,7 +497,7 @@ def name_stragglers(
                 journal.STRAGGLER, step, **fields, windows=cfg.windows, every_steps=cfg.every_steps, factor=cfg.factor
             )
             at.say(
-                f"[hpc_train] straggler: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step of its own "
+                f"straggler: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step of its own "
                 f"(compute {compute_s * 1e3:.1f}, data {data_s * 1e3:.1f}) "
                 f"vs the other ranks' median {median * 1e3:.1f} "
                 f"ms, {cfg.windows} windows of {cfg.every_steps} steps in a row; the others wait for it in collectives"
@@ -501,7 +505,7 @@ def name_stragglers(
         else:
             at.event(journal.STRAGGLER_CLEARED, step, **fields)
             at.say(
-                f"[hpc_train] straggler cleared: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step "
+                f"straggler cleared: rank {rank} on {node}: {(compute_s + data_s) * 1e3:.1f} ms/step "
                 f"vs the others' median {median * 1e3:.1f} ms"
             )
 
@@ -541,7 +545,7 @@ def main(at: Attempt) -> dict[str, Any] | None:
     if batch["global_batch_seqs"] != global_seqs:
         warn_batch_changed(at, state.step, global_seqs, batch["global_batch_seqs"], p.dp_size, grad_accum)
     at.say(
-        f"[hpc_train] job {at.env.job_id} attempt {at.env.restart_count}: {at.env.world_size} ranks on "
+        f"job {at.env.job_id} attempt {at.env.restart_count}: {at.env.world_size} ranks on "
         f"{at.env.num_nodes} node(s), mesh dp={p.dp_size} x tp={tc.tp}, {tc.parallelism}, {at.device.type}"
         f"{' bf16' if p.bf16 else ''}, starting at step {state.step}/{tc.steps}"
     )

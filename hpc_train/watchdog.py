@@ -4,6 +4,7 @@ and no signal arrives), renews rank 0's lease, and decides at a SIGTERM whose ba
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import sys
 import threading
@@ -15,6 +16,8 @@ from hpc_train import failure, lease, preempt, requeue, slurm
 from hpc_train.paths import RunPaths
 from hpc_train.reasons import Fate
 from hpc_train.task import Pulse, Task
+
+log = logging.getLogger(__name__)
 
 
 def start(limit_s: float, paths: RunPaths, env: Any, task: Task) -> None:
@@ -34,15 +37,11 @@ def start(limit_s: float, paths: RunPaths, env: Any, task: Task) -> None:
                 renewed = time.monotonic()
             if not asked and blocked_at_term(task.pulse) and (asked := batch_host_lost(now)) == "lost":
                 why = "the batch script's node was lost: Slurm ended the job while this rank waited in a collective"
-                print(f"[hpc_train] rank {now.rank}: {why}; deciding now", file=sys.stderr, flush=True)
+                log.warning(f"{why}; deciding now")
                 failure.log_fail(paths, now, task, why)
                 failure.leave_by(task, *failure.after_failure(paths, now, task, RuntimeError(why)), now)
         env = task.placed or env0
-        print(
-            f"[hpc_train] rank {env.rank}: no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning(f"no step finished in train.watchdog_s={limit_s:.0f} s: hang; stacks follow")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         failure.log_fail(paths, env, task, f"hang: no step finished in train.watchdog_s={limit_s:.0f} s")
         failure.leave_by(task, *failure.after_failure(paths, env, task, hang=True), env)

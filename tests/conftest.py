@@ -44,12 +44,32 @@ def _stop_handlers_per_test() -> Any:
     went into that one Pulse, and every later Attempt of the worker saw a stop pending (step_end True), in whatever
     order xdist dealt the tests (4 test_checkpoint failures on one worker of a .ci/run)."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    import logging
+
+    logging.getLogger("hpc_train").setLevel(logging.INFO)  # INFO records too for caplog (said), as a job has them
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
+    # and the `hpc_train` loggers as they were: a test that ran job code in-process (ranklog.configure) left them
+    # not propagating, so a later test's caplog saw none of their records
+    from hpc_train import ranklog
+
+    for name in (ranklog.LOGGER, ranklog.PROGRESS):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if getattr(h, "hpc_train", False)]:
+            logger.removeHandler(handler)
+        logger.propagate, logger.level = True, logging.NOTSET
 
 
 HPC_TRAIN = str(Path(sys.executable).parent / "hpc-train")
+
+
+def said(caplog: Any) -> str:
+    """What hpc_train logged in this process since the last call, one message a line, then forgotten: job-side code
+    run in-process speaks through `logging` (ranklog.py), which pytest's caplog holds, not stdout or stderr."""
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("hpc_train"))
+    caplog.clear()
+    return text
 
 
 # How pyproject's `-n 4 --dist loadgroup` spreads the suite. A test on the cluster mostly waits (33 min of wall time

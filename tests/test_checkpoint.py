@@ -559,24 +559,24 @@ def test_checkpoint_io_feeds_the_hang_watchdog_only_while_bytes_move(tmp_path: P
 
 
 def test_a_scripts_stop_is_judged_as_the_trainers(our_handlers: Any, monkeypatch: Any) -> None:
-    """A user's script (script.py) and the built-in trainer take one judgement of a stop (preempt.time_left).
+    """A user's script (supervisor.py) and the built-in trainer take one judgement of a stop (protocol.time_left).
     Before (adversarial review), script.py still called stop_reason with the signature it had before Slurm's
     EndTime was read: every time-limit warning of a script was judged a preemption (30 s left, not 120;
     charged to the unlimited preemption budget), so a script that never progressed requeued for ever."""
     import signal
     import types
 
-    from hpc_train import script
+    from hpc_train import protocol
     from hpc_train.config import RunConfig
 
     c = RunConfig().cluster
     monkeypatch.setenv("HPC_TRAIN_ALLOCATED_AT", str(time.time() - (c.timeout_min * 60 - c.signal_lead_s)))
     env = types.SimpleNamespace(executor="local", job_id="1", rank=0)
     os.kill(os.getpid(), signal.SIGUSR2)
-    left, reason = script._time_left_s(env, RunConfig(), time.time(), our_handlers)
+    left, reason = protocol.time_left(env, c, our_handlers, time.time())
     assert reason == "time_limit" and c.signal_lead_s - 5 < left <= c.signal_lead_s
     os.kill(os.getpid(), signal.SIGTERM)  # one rank's SIGTERM: a preemption, its grace time
-    left, reason = script._time_left_s(env, RunConfig(), time.time(), our_handlers)
+    left, reason = protocol.time_left(env, c, our_handlers, time.time())
     assert reason == "preempt" and left <= c.preempt_grace_s
 
 

@@ -492,3 +492,34 @@ def test_the_program_skips_the_collections_at_exit_and_a_caller_keeps_them(tmp_p
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.endswith(f"frozen {frozen} {paused}\n"), proc.stdout[-200:]
+
+
+def test_an_error_wraps_to_the_terminal_and_stays_one_line_in_a_pipe(tmp_path: Path) -> None:
+    """Issue 29 D3: a sentence that names the value and the fix ran to 379 columns in an 80-column terminal. On a
+    terminal it wraps at its width, words and paths whole; into a pipe it stays one line (what a script greps)."""
+    import os
+    import pty
+    import re
+    import subprocess
+
+    args = [HPC_TRAIN, "submit", "train.stepz=3"]  # a key that is not a config key: a line of 379 columns
+    piped = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
+    assert piped.returncode == 2 and max(len(line) for line in piped.stderr.splitlines()) > 300, piped.stderr
+    master, slave = pty.openpty()
+    env = {**os.environ, "COLUMNS": "60"}
+    proc = subprocess.run(args, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=tmp_path)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child's side is closed and everything is read
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    lines = out.decode().replace("\r\n", "\n").rstrip("\n").split("\n")
+    assert proc.returncode == 2 and len(lines) > 3, lines
+    assert all(len(line) <= 60 for line in lines if " " in line.strip()), lines  # a word longer than 60 stays whole
+    assert re.sub(r"\s+", " ", " ".join(lines)) == re.sub(r"\s+", " ", piped.stderr.strip())  # the same words

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
+from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, said, submit, wait_finished, wait_until
 
 from hpc_train import (
     deadlines,
@@ -599,7 +599,7 @@ def test_in_process_restart_runs_the_step_on_the_spares_whose_tasks_stand_by(
 
 
 def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """rejoin.plan_rejoin: a rank is alive once it wrote its heartbeat count, dead once its life lock is free (or after
     REJOIN_SETTLE_S); each dead node needs all its ranks dead and a standby node; else (a node blamed that is not
@@ -652,19 +652,19 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     ok, got, _ = plan(2, 1, [0, 1], [], {"2": "node3"})  # an exception, no death: everyone rejoins, no standby
     assert ok and got["standby"] == {} and got["nodes"] == ["node1", "node2"]
     ok, got, _ = plan(4, 2, [0, 1, 2], [], {"4": "node3", "5": "node3"})  # rank 3 dead, rank 2 beside it alive
-    assert not ok and "ranks on node2 survived beside the dead" in capsys.readouterr().err
+    assert not ok and "ranks on node2 survived beside the dead" in said(caplog)
     ok, got, _ = plan(4, 2, [0, 1], [], {"4": "node3", "5": "node3"})  # node2 lost whole: its 2 ranks by the 2 standbys
     assert ok and got["standby"] == {"4": 2, "5": 3} and got["nodes"] == ["node1", "node3"]
     ok, _, _ = plan(2, 1, [0], [], {})
-    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in said(caplog)
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, stale=["2"])
-    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in capsys.readouterr().err
+    assert not ok and "1 node(s) lost, 0 warm standby node(s) left" in said(caplog)
     ok, got, _ = plan(2, 1, [0], [], {"2": "node3", "3": "node4"}, stale=["2"])  # the live one is taken
     assert ok and got["standby"] == {"3": 1} and got["nodes"] == ["node1", "node4"]
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, events=[])
-    assert not ok and "failed before its first step" in capsys.readouterr().err
+    assert not ok and "failed before its first step" in said(caplog)
     ok, _, _ = plan(2, 1, [0], [], {"2": "node3"}, sick={"node1": "Xid 79"})  # blamed, its rank alive
-    assert not ok and "a node was blamed (node1)" in capsys.readouterr().err
+    assert not ok and "a node was blamed (node1)" in said(caplog)
     # blamed and dead whole (a node failure Slurm took out of the job, requeue.lost_nodes): replaced, and left out
     ok, got, recorded = plan(2, 1, [0], [], {"2": "node3"}, sick={"node2": "node2 left the job's allocation"})
     assert ok and got["nodes"] == ["node1", "node3"] and recorded[-1]["left_out"] == ["node2"]
@@ -673,11 +673,11 @@ def test_the_rejoin_plan_replaces_only_whole_dead_nodes_by_standbys(
     assert ok and got["survivors"] == [0, 1] and got["standby"] == {}
     # every rank hung level (no node blamed): the watchdog's rank leaves its process, so nobody may rejoin
     ok, _, _ = plan(2, 1, [0, 1], [], {"2": "node3"}, hang=True)
-    assert not ok and "a hang (train.watchdog_s)" in capsys.readouterr().err
+    assert not ok and "a hang (train.watchdog_s)" in said(caplog)
 
 
 def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_came(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """_step_left: with no verdict on record, a standby still leaves once every training rank of the step's current
     attempt is gone (their life locks free), or srun forwarded a stop signal; not while one holds its lock, nor
@@ -711,7 +711,7 @@ def test_a_standby_leaves_once_its_step_has_no_training_rank_or_a_stop_signal_ca
     with pytest.raises(SystemExit):  # the wait itself leaves (exit 0), its registration removed
         rejoin.standby_wait(paths, env, pulse)
     assert not list(paths.standbys("7").iterdir())
-    assert "standby leaves: all 2 training ranks of attempt 0 are gone" in capsys.readouterr().out
+    assert "standby leaves: all 2 training ranks of attempt 0 are gone" in said(caplog)
     (tmp_path / "no-config").mkdir()
     failing = Task(Pulse(step_reached=3))
     assert failure.after_failure(RunPaths(tmp_path / "no-config"), env, failing) == ("stop", 0.0)  # no config.yaml
@@ -788,7 +788,7 @@ def test_a_plan_without_its_verdict_on_record_is_not_joined(tmp_path: Path, monk
 
 
 def test_a_rejoin_plan_another_user_could_have_written_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """read_rejoin_plan: a plan names the hosts every rank joins (whose bytes the new group unpickles): one in a
     folder others can write, or a symlink, is not read, and the refusal names the fix; a torn one is none."""
@@ -802,13 +802,13 @@ def test_a_rejoin_plan_another_user_could_have_written_is_refused(
     assert rejoin.read_rejoin_plan(paths, "7") == {"from": 0, "attempt": 1}
     run.chmod(0o770)
     assert rejoin.read_rejoin_plan(paths, "7") is None
-    assert f"not rejoining by {paths.rejoin_plan('7')}: {run} is writable by group" in capsys.readouterr().err
+    assert f"not rejoining by {paths.rejoin_plan('7')}: {run} is writable by group" in said(caplog)
     run.chmod(0o700)
     (tmp_path / "planted").write_text('{"from": 0, "attempt": 1}\n')
     paths.rejoin_plan("7").unlink()
     paths.rejoin_plan("7").symlink_to(tmp_path / "planted")
     assert rejoin.read_rejoin_plan(paths, "7") is None
-    assert "is a symlink; remove it" in capsys.readouterr().err
+    assert "is a symlink; remove it" in said(caplog)
     paths.rejoin_plan("7").unlink()
     for text in ('{"from": 0, "attempt": 1', '{"from": 0, "attempt": "1"}', "[1]"):  # torn, not a plan
         paths.rejoin_plan("7").write_text(text)
@@ -1122,7 +1122,7 @@ def test_a_killed_rank_is_replaced_in_process_by_the_warm_standby(
     status = run([HPC_TRAIN, "status", str(run_dir)], env=slurm_env).stdout
     assert "1 in-job restart(s) (1 in process)" in status, status
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
-    assert f"[hpc_train] restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
+    assert f"] warning: restarting in process ({first['rank_nodes'][dead[0]]} by the standby on {spare})" in log
     report = run([HPC_TRAIN, "report", str(run_dir), "--wide"], env=slurm_env).stdout
     # down: the table wraps the row's end ("(in process; ..." on the next line), as in the shrink test
     end = f" (left out: {lost}; 0 spare(s) left)" if victim == "down" else f" (in process; {lost} -> {spare})"
@@ -1259,7 +1259,7 @@ def test_with_no_spare_left_the_step_goes_on_smaller_inside_the_allocation(
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
     out = ", ".join(sorted(sick))
     assert (
-        f"[hpc_train] restarting inside the allocation without {out} (0 spare(s) left, going on with 1 of "
+        f"] warning: restarting inside the allocation without {out} (0 spare(s) left, going on with 1 of "
         f"cluster.nodes=2): srun {restarts[-1]['srun_args']}\n" in log
     ), log
 
@@ -1656,7 +1656,7 @@ def test_no_relaunch_marker_without_our_spares_batch_script(tmp_path: Path, monk
 
 @pytest.mark.slurm
 def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_inside_the_allocation(
-    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Issue 20 on the dev cluster: cluster.nodes=3 + 1 spare is the whole 4-node `debug` partition. A real
     allocation of it (a sleeping batch job) and the deciding rank's requeue_or_stop for a node's hardware error:
@@ -1709,9 +1709,9 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         assert verdict == "requeue" and journal.IN_JOB_RESTART not in [e["event"] for e in events], events
         # the requeue counts the partition: no node beyond the job's own 4 to leave this one out of
         assert [e["event"] for e in events][:1] == [journal.NODE_NOT_EXCLUDED], events
-        said = capsys.readouterr().err
+        text = said(caplog)
         assert (
-            "not restarting inside the allocation: " in said and " s left before the time limit, under the 90 s" in said
+            "not restarting inside the allocation: " in text and " s left before the time limit, under the 90 s" in text
         )
     finally:
         run(["scancel", job_id], env=slurm_env)
@@ -1719,7 +1719,7 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
 
 @pytest.mark.slurm
 def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fits(
-    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Review of issue 20 on the dev cluster: cluster.nodes=2 + 1 spare on the 4-node `debug` partition, two
     nodes left out by in-job restarts (they count the allocation), then a time-limit requeue of the real job.
@@ -1756,9 +1756,8 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
         (exc,) = [e for e in read_events(run_dir) if e["event"] == journal.EXCLUDE_NODES]
         assert (exc["nodes"], exc["let_in"], exc["ok"]) == (new, [old], True), exc
         assert list(journal.excluded_nodes(read_events(run_dir))) == [new]
-        assert f"[hpc_train] ExcNodeList lets {old} back in (left out longest ago): the job needs 3 nodes" in (
-            capsys.readouterr().err
-        )
+        said = [r.getMessage() for r in caplog.records if r.name == "hpc_train.requeue"]
+        assert f"ExcNodeList lets {old} back in (left out longest ago): the job needs 3 nodes" in " ".join(said), said
         shown = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
         assert f" ExcNodeList={new} " in shown, shown
         wait_until(lambda: state() == "RUNNING", 90, "the requeued job running again")

@@ -22,7 +22,9 @@ LAYERS: list[tuple[str, ...]] = [
         "task",
         "relay",
         "reasons",
-    ),  # facts and names, torch-free; the stop path's words (Reason, Fate, Action); the exit; a rank process's own state; the batch step's supervisor
+        "ranklog",
+    ),  # facts and names, torch-free; the stop path's words (Reason, Fate, Action); the job side's logging;
+    # the exit; a rank process's own state; the batch step's supervisor
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
     ("metrics", "preempt", "provenance", "data", "deadlines"),  # deadlines: the stop and failure paths' table
     # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;
@@ -30,9 +32,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
     # the root config, composed from the dataclasses beside their code; the verdicts; the requeue decision (pure)
     ("config", "verdict", "decision"),
-    ("model", "checkpoint", "profiling"),  # the job side from here; profiling: profile.*, which Attempt steps
+    # the job side from here; profiling: profile.*, which Attempt steps; protocol: one attempt protocol (start,
+    # time left, signal, finish) for a training function and a script alike
+    ("model", "checkpoint", "profiling", "protocol"),
     ("memory_tier",),  # checkpoint.memory_every_steps: copies of TrainState in node-local tmpfs and a buddy's
-    ("attempt",),
+    ("attempt", "supervisor"),  # supervisor: a script's child per rank, through the same protocol
     # the job side's protocols, each in its own module (job.py's docstring lists them)
     ("lease", "rendezvous"),
     ("rejoin",),
@@ -50,6 +54,7 @@ LAYERS: list[tuple[str, ...]] = [
 JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start", "task", "deadlines"}
 JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "decision", "requeue", "failure", "watchdog"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
+JOB_SIDE |= {"protocol", "supervisor", "ranklog"}
 
 
 def imports_of(path: Path) -> set[str]:

@@ -333,7 +333,7 @@ def test_a_live_lease_owner_is_never_displaced(seed: int) -> None:
 
 
 def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A holder of the run's lock that died on NFSv3 keeps it until its node reboots. run_job reads the
     attempt number under it before the hang watchdog runs: it must go on without the lock after
@@ -373,8 +373,8 @@ def test_a_job_starts_within_the_bound_while_another_process_holds_the_run_lock(
         took = time.monotonic() - t0
         assert os.waitpid(holder, os.WNOHANG) == (0, 0)  # the holder still holds it
         assert 0.5 <= took < 5, took
-        warnings = [line for line in capfd.readouterr().err.splitlines() if "lock" in line]
-        assert len(warnings) == 1 and "RUN_LOCK_WAIT_S" not in warnings[0], warnings
+        warnings = [r for r in caplog.records if r.levelname == "WARNING" and "lock" in r.getMessage()]
+        assert len(warnings) == 1 and "RUN_LOCK_WAIT_S" not in warnings[0].getMessage(), warnings
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -302,12 +302,14 @@ def test_the_attempt_header_is_written_once_per_file(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = "from hpc_train.job import _log_files; print(len(_log_files()))"
+    code = "from hpc_train.ranklog import header; header(3, 1)"
+    line = "==== hpc_train attempt 3 rank 1 ====\n"
     with open(tmp_path / "one", "w") as one:
         subprocess.run([sys.executable, "-c", code], stdout=one, stderr=one, check=True)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         subprocess.run([sys.executable, "-c", code], stdout=out, stderr=err, check=True)
-    assert (tmp_path / "one").read_text() == "1\n" and (tmp_path / "out").read_text() == "2\n"
+    assert (tmp_path / "one").read_text() == line
+    assert (tmp_path / "out").read_text() == (tmp_path / "err").read_text() == line
 
 
 def test_chaos_preempt_on_a_local_run_says_the_local_way(tmp_path: Path) -> None:

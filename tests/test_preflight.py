@@ -439,7 +439,7 @@ def test_a_cpu_node_is_never_sick_for_having_no_gpu() -> None:
     """Issue 29: a CUDA build of torch on a CPU node says "no CUDA-capable device is detected": on a node without
     NVIDIA's driver that is the code's or the config's, and no healthy node is left out; on a GPU node it still
     blames the node (its GPU fell off), and every other marker counts on both."""
-    from hpc_train.script import judge
+    from hpc_train.supervisor import judge
 
     text = "RuntimeError: CUDA error: no CUDA-capable device is detected"
     assert preempt.hardware_error(text, gpu_node=True) == "no CUDA-capable device is detected"

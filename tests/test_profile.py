@@ -58,7 +58,7 @@ def test_the_window_is_in_global_steps_whatever_the_attempt_runs(tmp_path: Path)
     said = run_steps(make(tmp_path, start_step=4, active_steps=3, warmup_steps=1), 1, 10)
     assert files(tmp_path) == ["attempt_0.steps_4-6.rank_00000.pt.trace.json"]
     assert profiled_steps(tmp_path / "profile" / files(tmp_path)[0]) == [4, 5, 6]
-    assert said[0].startswith("[hpc_train] profiling steps 4-6 on every rank: traces in")
+    assert said[0].startswith("profiling steps 4-6 on every rank: traces in")
     # Attempt 1 resumed at step 4, inside the window: it records 5-6, beside (not over) attempt 0's.
     run_steps(make(tmp_path, 1, start_step=4, active_steps=3), 5, 10)
     assert profiled_steps(tmp_path / "profile" / "attempt_1.steps_5-6.rank_00000.pt.trace.json") == [5, 6]
@@ -74,7 +74,7 @@ def test_a_stop_inside_the_window_drops_the_recording_and_stops_the_profiler(tmp
     prof = make(tmp_path, start_step=4, active_steps=3)
     said = run_steps(prof, 1, 10, stop_at=5)
     assert files(tmp_path) == [] and prof.torch is None
-    assert said[-1].startswith("[hpc_train] profile: a stop inside steps 3-6 (warm-up included): this attempt's")
+    assert said[-1].startswith("profile: a stop inside steps 3-6 (warm-up included): this attempt's")
     assert not torch.autograd._profiler_enabled()
     run_steps(make(tmp_path, start_step=4, active_steps=3), 1, 10)  # a profiler left running would refuse this one
     assert files(tmp_path) == ["attempt_0.steps_4-6.rank_00000.pt.trace.json"]
@@ -84,7 +84,7 @@ def test_off_costs_nothing_and_memory_on_cpu_is_one_line(tmp_path: Path) -> None
     prof = make(tmp_path)  # the defaults: active_steps=0
     assert run_steps(prof, 1, 20) == [] and not (tmp_path / "profile").exists()
     said = run_steps(make(tmp_path, start_step=2, active_steps=1, memory=True), 1, 3)
-    assert said[0] == "[hpc_train] profile.memory=true: no CUDA here, so no memory snapshot; the CPU trace is written"
+    assert said[0] == "profile.memory=true: no CUDA here, so no memory snapshot; the CPU trace is written"
     assert files(tmp_path) == ["attempt_0.steps_2-2.rank_00000.pt.trace.json"]
 
 
@@ -149,7 +149,7 @@ def test_a_stop_inside_the_window_saves_requeues_and_the_resumed_attempt_records
     args = ["train.steps=30", "train.min_step_time_s=0.3", "profile.start_step=5", "profile.active_steps=20"]
     run_dir, job_id = submit([f"out_dir={tmp_path}", *args, "--no-wait"])
     log = run_dir / "submitit" / f"{job_id}_0_log.out"
-    wait_until(lambda: log.exists() and "[hpc_train] profiling steps" in log.read_text(), 120, "the profiler")
+    wait_until(lambda: log.exists() and "profiling steps" in log.read_text(), 120, "the profiler")
     os.kill(int(job_id), signal.SIGTERM)  # submitit's local controller forwards it to every rank
     wait_until(lambda: (run_dir / "summary.json").exists(), 240, "the resumed run's summary")
     events = read_events(run_dir)
@@ -160,7 +160,7 @@ def test_a_stop_inside_the_window_saves_requeues_and_the_resumed_attempt_records
     assert profiled_steps(run_dir / "profile" / files(run_dir)[0]) == list(range(first, 25))
     text = log.read_text()
     assert (
-        "[hpc_train] profile: a stop inside steps 4-24 (warm-up included): this attempt's recording is dropped "
+        "profile: a stop inside steps 4-24 (warm-up included): this attempt's recording is dropped "
         "(the stop save comes first)"  # step_end stopped it, not job.py after the function returned
     ) in text
-    assert f"[hpc_train] profiling steps {first}-24 on every rank (this attempt resumed at step {stop}" in text
+    assert f"profiling steps {first}-24 on every rank (this attempt resumed at step {stop}" in text

@@ -166,7 +166,7 @@ def test_a_ddp_script_runs_to_its_end_on_the_local_executor(tmp_path: Path) -> N
 def test_a_command_that_cannot_run_is_one_sentence_and_a_shells_exit_code(tmp_path: Path) -> None:
     """A mistyped program after `--`: before (adversarial review), every rank printed a bare FileNotFoundError
     traceback naming no program; then it exited 1, a crash the failure budget retried (3 attempts, 100 s)."""
-    from hpc_train.script import _SHIM
+    from hpc_train.supervisor import _SHIM
 
     not_executable = tmp_path / "train.py"
     not_executable.write_text("print('hi')\n")
@@ -179,7 +179,7 @@ def test_a_command_that_cannot_run_is_one_sentence_and_a_shells_exit_code(tmp_pa
 
 
 def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
-    from hpc_train.script import judge
+    from hpc_train.supervisor import judge
 
     def rank(r: int, code: int, killed: bool = False, tail: str = "") -> dict:
         shim = "[hpc_train] cannot run 'x': No such file or directory" if code in (126, 127) and not tail else ""
@@ -265,7 +265,7 @@ def test_no_retry_causes_only_count_before_any_progress() -> None:
     """judge: the same import error after a checkpoint or a metrics row (rank 0's `progress`) is a failure with
     its budget (a node's broken install an hour in); a usage line counts only with argparse's exit code 2; a
     rank we ended is never the cause."""
-    from hpc_train.script import cause, judge
+    from hpc_train.supervisor import cause, judge
 
     tail = "Traceback (most recent call last):\nModuleNotFoundError: No module named 'x'\n"
 
@@ -300,7 +300,7 @@ def test_no_retry_causes_only_count_before_any_progress() -> None:
     ],
 )
 def test_only_the_last_word_of_a_failure_and_never_the_file_system_stops_a_run(tail: str, code: int, want: str) -> None:
-    from hpc_train.script import cause
+    from hpc_train.supervisor import cause
 
     got = cause(tail, code)
     assert (want in got) if want else got == "", got
@@ -309,7 +309,7 @@ def test_only_the_last_word_of_a_failure_and_never_the_file_system_stops_a_run(t
 def test_a_hardware_error_before_any_progress_blames_the_node_whatever_else_was_printed() -> None:
     """Review: a handled `import wandb` traceback, then an ECC error, stopped the run as unrunnable (wandb's
     import named as the cause) and the sick node was never left out."""
-    from hpc_train.script import judge
+    from hpc_train.supervisor import judge
 
     tail = (
         "ModuleNotFoundError: No module named 'wandb'\nRuntimeError: CUDA error: uncorrectable ECC error encountered\n"
@@ -329,11 +329,11 @@ def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
     import threading
     import time
 
-    from hpc_train import script
+    from hpc_train import supervisor
 
     r, w = os.pipe()
-    out, output = io.BytesIO(), script.Output(heard_at=0.0)
-    reader = threading.Thread(target=script._echo, args=(os.fdopen(r, "rb"), out, output), daemon=True)
+    out, output = io.BytesIO(), supervisor.Output(heard_at=0.0)
+    reader = threading.Thread(target=supervisor._echo, args=(os.fdopen(r, "rb"), out, output), daemon=True)
     reader.start()
     os.write(w, b" 10%|#   | 1/10\r 20%|##  | 2/10\r")
     until = time.monotonic() + 5
@@ -345,7 +345,7 @@ def test_output_without_a_newline_is_forwarded_and_beats_at_once() -> None:
     os.close(w)
     reader.join(5)
     assert out.getvalue().endswith(b"x" * 10_000 + b"done\n") and len(out.getvalue()) == 10_037
-    assert bytes(output.tail) == (b"x" * 10_000 + b"done\n")[-script.TAIL_BYTES :]
+    assert bytes(output.tail) == (b"x" * 10_000 + b"done\n")[-supervisor.TAIL_BYTES :]
 
 
 def test_only_a_complete_checkpoint_counts_for_resume_args(tmp_path: Path) -> None:
@@ -378,7 +378,7 @@ def test_only_a_complete_checkpoint_counts_for_resume_args(tmp_path: Path) -> No
 def _supervise_two_ranks(
     run_dir: Path, child: str, offsets: tuple[float, float] = (0.0, 0.0), checkpoint: str = ""
 ) -> list[dict]:
-    """script.supervise on two gloo ranks of this machine (tests/scripts/supervise_rank.py), running `python -c
+    """supervisor.supervise on two gloo ranks of this machine (tests/scripts/supervise_rank.py), running `python -c
     child` as each rank's child; each rank's {"max_quiet_s", "outcome"}."""
     import socket
 
@@ -415,7 +415,7 @@ def _supervise_two_ranks(
 def test_a_skewed_clock_neither_hides_nor_fakes_the_heartbeat(
     tmp_path: Path, offset_s: float, rank0_prints: bool, quiet: bool
 ) -> None:
-    """Two ranks of script.supervise, rank 0 on a "node" whose wall clock is off by 1000 s. Before (review):
+    """Two ranks of supervisor.supervise, rank 0 on a "node" whose wall clock is off by 1000 s. Before (review):
     the ranks all-reduced the wall time of their newest output and compared it with their own clock, so a
     clock behind hid rank 0's output from rank 1 (a live job judged hung after train.watchdog_s) and a clock
     ahead beat every rank's watchdog for 1000 s (a hang never caught)."""
@@ -442,7 +442,7 @@ def test_several_ranks_a_node_get_omp_num_threads_1_unless_it_is_set(monkeypatch
     from types import SimpleNamespace
 
     from hpc_train.paths import RunPaths
-    from hpc_train.script import child_env
+    from hpc_train.supervisor import child_env
 
     def omp(local_world_size: int) -> str | None:
         env = SimpleNamespace(
@@ -463,7 +463,7 @@ def test_several_ranks_a_node_get_omp_num_threads_1_unless_it_is_set(monkeypatch
 
 
 def test_the_scripts_grace_keeps_the_requeue_reserve() -> None:
-    from hpc_train.script import grace_s
+    from hpc_train.supervisor import grace_s
 
     assert grace_s(90.0, "time_limit", 35.0) == 55.0  # cluster=dev: 90 s lead, 35 s for scontrol
     assert grace_s(90.0, "time_limit", 50.0) == 40.0  # elastic: the queue snapshot too
@@ -610,7 +610,7 @@ def test_a_scripts_slurm_rank_variables_are_our_placement(monkeypatch: pytest.Mo
     from types import SimpleNamespace
 
     from hpc_train.paths import RunPaths
-    from hpc_train.script import child_env
+    from hpc_train.supervisor import child_env
 
     env = SimpleNamespace(
         rank=2, local_rank=0, world_size=8, local_world_size=2, node_rank=1, restart_count=0, job_id="7"
@@ -635,7 +635,7 @@ def test_a_stop_signal_slurm_delivered_to_the_child_is_not_sent_again(
     before on the local executor, for a signal that came before the child (relayed into the step), for another
     signal than the child's, and where slurm.conf says proctrack/pgid or nothing."""
     from hpc_train import slurm
-    from hpc_train.script import already_delivered
+    from hpc_train.supervisor import already_delivered
     from hpc_train.task import Pulse
 
     pulse = Pulse(["SIGTERM"], [100.0])  # a TERM this rank received at 100.0 (time.monotonic())

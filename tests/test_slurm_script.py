@@ -117,3 +117,63 @@ def test_a_crashing_script_stops_at_its_failure_budget(slurm_env: dict[str, str]
     stopped = next(e for e in events if e["event"] == "stopped")
     assert "failure budget spent: 1 failure requeues in a row" in stopped["reason"]
     assert not (run_dir / "summary.json").exists()
+
+
+def test_a_script_that_requeues_itself_at_the_time_limit_spends_its_budget(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 29 D2: with script.stop_signal=USR1 Lightning's auto_requeue runs `scontrol requeue` from inside the job
+    at the time-limit warning, and we recorded Slurm's own requeue, no budget spent: such a script requeued for
+    ever. Now it is `requeue` by=inside_job, counted under requeue.max_time_limit_requeues (1 here): the first
+    requeue resumes the script; the second spends the budget, the run stops and the job its script requeued is
+    cancelled, so it never starts again."""
+    import math
+
+    from hpc_train.slurm import parse_key_values, time_limit_min
+
+    script = str(Path(__file__).resolve().parent / "scripts" / "self_requeue.py")
+    run_dir, job_id = submit(
+        [
+            "cluster=dev",
+            "cluster.tasks_per_node=1",
+            "cluster.partition=debug",
+            "script.stop_signal=USR1",
+            "script.checkpoint=script_checkpoints/ckpt.json",
+            "requeue.max_time_limit_requeues=1",
+            f"out_dir={tmp_path}",
+            "name=selfrq",
+            "--",
+            sys.executable,
+            script,
+            "{ckpt_dir}",
+        ],
+        env=slurm_env,
+    )
+
+    def warn_near_the_end(attempt: int) -> None:
+        """The attempt's children run; its EndTime 2-3 min away (within signal_lead_s + the slack: the time-limit
+        warning, not an early USR2 of a preemption); then Slurm's warning, as `hpc-train chaos time-limit`."""
+        wait_until(lambda: any(e["restart"] >= attempt for e in starts(run_dir)), 120, f"attempt {attempt}")
+        job = parse_key_values(run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout)
+        limit = math.ceil(time_limit_min(job["RunTime"]) + 2)
+        assert run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"], env=slurm_env).returncode == 0
+        assert run([HPC_TRAIN, "chaos", str(run_dir), "time-limit"], env=slurm_env).returncode == 0
+
+    try:
+        warn_near_the_end(0)
+        wait_until(lambda: any(e["event"] == "requeue" for e in read_events(run_dir)), 120, "the first decision")
+        warn_near_the_end(1)
+        wait_until(lambda: any(e["event"] == "stopped" for e in read_events(run_dir)), 120, "the second decision")
+        wait_until(lambda: sacct_state(job_id, slurm_env) == "CANCELLED", 60, "the requeued job cancelled")
+    finally:
+        run(["scancel", job_id], env=slurm_env)
+    events = read_events(run_dir)
+    signals = [e for e in events if e["event"] == "signal"]
+    assert [(e["reason"], e["sent"]) for e in signals] == [("time_limit", "USR1")] * 2, signals
+    (requeue,) = [e for e in events if e["event"] == "requeue"]
+    assert requeue["by"] == "inside_job" and requeue["reason"] == "time_limit", requeue
+    stopped = next(e for e in events if e["event"] == "stopped")
+    assert stopped["reason"].startswith("time_limit budget spent: 1 requeues") and "cancelled" in stopped["reason"]
+    assert starts(run_dir)[-1]["resumed_from"].endswith("ckpt.json")  # the first requeue resumed the script
+    time.sleep(15)  # past cred_expire (10 s): a requeued job not cancelled would have started again
+    assert len(starts(run_dir)) == 2 and sacct_state(job_id, slurm_env) == "CANCELLED"

@@ -138,7 +138,7 @@ def test_eval_leaves_training_unchanged_is_a_stop_boundary_and_resumes_exactly(t
     assert status[0]["val_loss"] == vals[30]
     log = next((cut / "submitit").glob("*_0_log.out")).read_text()
     last = rows[-1]
-    assert f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  gnorm {last['grad_norm']:.3f}  val {vals[30]:.4f}  " in log
+    assert f"loss {last['loss']:.4f}  val {vals[30]:.4f}  lr {last['lr']:.2e}  gnorm {last['grad_norm']:.3f}  " in log
     dcp_to_torch_save(cut / "checkpoints" / "step_000030", tmp_path / "plain.pt")
     group = torch.load(tmp_path / "plain.pt", weights_only=True)["optim"]["param_groups"][0]
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.99), 1e-6, 0.05)

@@ -21,7 +21,7 @@ time.time = lambda: wall() + offset  # this "node's" clock; monotonic clocks are
 
 import torch.distributed as dist  # noqa: E402
 
-from hpc_train import preempt, script  # noqa: E402
+from hpc_train import preempt, supervisor  # noqa: E402
 from hpc_train.paths import RunPaths  # noqa: E402
 from hpc_train.task import Task  # noqa: E402
 
@@ -51,7 +51,7 @@ def sample() -> None:
 dist.barrier()
 task = Task(preempt.install_handlers())
 threading.Thread(target=sample, daemon=True).start()
-out = script.supervise(env, cfg, RunPaths(run_dir), config, time.time(), 10.0, task)
+out = supervisor.supervise(env, cfg, RunPaths(run_dir), config, time.time(), 10.0, task)
 done.set()
 print(json.dumps({"max_quiet_s": round(worst[0], 2), "outcome": out["outcome"]}), flush=True)
 dist.destroy_process_group()
