@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what hpc_train needs, idempotently (a second run takes seconds), on Debian 12 as root:
-#   ./bootstrap.sh           python3-venv if missing, .venv, torch (pinned CPU-capable wheel), hpc_train[dev,wandb,mlflow]
+#   ./bootstrap.sh           python3-venv if missing, .venv, torch (pinned CPU-capable wheel), hpc_train[dev,wandb,mlflow,frameworks]
 #   ./bootstrap.sh --slurm   the same, plus Debian's slurm-wlm, munge, slurmdbd, mariadb-server and g++
 #                            for the test cluster of tests/cluster.py
 set -euo pipefail
@@ -24,5 +24,5 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned `torch>=2.4` would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,wandb,mlflow]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,wandb,mlflow,frameworks]'
 echo "bootstrap: ready ($(.venv/bin/python -c 'import torch, submitit, hydra; print("torch", torch.__version__, "submitit", submitit.__version__, "hydra", hydra.__version__)'))"
