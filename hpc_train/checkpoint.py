@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from hpc_train import __version__, journal
+from hpc_train import __version__, journal, pipeline
 from hpc_train.config import CheckpointConfig
 from hpc_train.paths import (
     FORMAT,
@@ -771,7 +771,9 @@ class Saver:
         tokens, data position and RNG stay fresh: it is a new run. Any world size: DCP reshards on load.
         Raises Unrecoverable (no requeue can fix it) when the folder does not verify or the shapes differ.
         Returns (what the start event records, seconds verifying, seconds loading)."""
-        folder, with_optim = Path(self.cfg.init_from), self.cfg.init_from_optimizer
+        # a run directory: a stage this run was queued after (submit --after), its final checkpoint now
+        folder = pipeline.final_checkpoint(Path(self.cfg.init_from)) or Path(self.cfg.init_from)
+        with_optim = self.cfg.init_from_optimizer
         rank, world = dist.get_rank(), dist.get_world_size()
         t0 = time.monotonic()
         # Rank 0 reads, every rank gets its answer: a folder deleted meanwhile fails all ranks together,

@@ -19,6 +19,7 @@ hpc-train submit -m ... --sweep-dir runs/demo-3           # complete a half-subm
 hpc-train submit --dry-run -m cluster=dev train.seed=range(8)          # print scripts, queue nothing
 hpc-train submit --cfg job model.d_model=128              # print the composed config
 hpc-train submit cluster=dev -- python train.py --lr 3e-4 # your own script on every rank (docs/scripts.md)
+hpc-train submit cluster=dev --after runs/demo-1 -- python eval.py --ckpt {after.ckpt}   # a pipeline's next stage
 hpc-train results runs/demo-3 --sort train.lr             # a sweep's trials: overrides, state, loss
 hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
 hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
@@ -134,10 +135,13 @@ def _submit(args: argparse.Namespace) -> int:
             check_environment(to_run_config(cfg))
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
-        from hpc_train import plan
+        from hpc_train import pipeline, plan
         from hpc_train.metrics import lead_warning
 
-        p = plan.plan(args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source, dry_run=args.dry_run)
+        after = pipeline.parse(args.after)  # each --after RUN[:ok|any], comma-separated too
+        p = plan.plan(
+            args.overrides, args.multirun, args.sweep_dir, args.max_parallel, source, dry_run=args.dry_run, after=after
+        )
         print(f"hpc-train submit: config {source.dir / source.name}.yaml", file=sys.stderr)  # ./conf, -cp or shipped
         slurm_run = p.runs[0].cluster.executor == "slurm"
         if not slurm_run:  # trials run here, one after another, for hours: collect as usual (see main)
@@ -172,9 +176,11 @@ def _submit(args: argparse.Namespace) -> int:
         return 2
     if args.multirun:
         _print_table(p)
-        print(f"sweep directory {p.target}")
+        print(f"sweep directory {p.target}" + (f"\nits trials run {p.waits_for}" if p.waits_for else ""))
         return 0
     print(f"submitted job {p.trials[0].job_id}; run directory {p.target}")
+    if p.waits_for:
+        print(f"it runs {p.waits_for}")
     if type(jobs[0]).__name__ != "LocalJob" or args.no_wait:
         return 0
     return _wait_local(jobs[0], Path(p.target))
@@ -338,8 +344,10 @@ def _logs(args: argparse.Namespace) -> int:
 def _cancel(args: argparse.Namespace) -> int:
     from hpc_train import runs
 
-    ids = runs.cancel(_runs(args.path))
+    ids, dependents = runs.cancel(_runs(args.path))
     print(f"cancelled {len(ids)} job(s): {' '.join(ids)}")
+    for line in dependents:  # queued after a cancelled run (submit --after)
+        print(line)
     return 0
 
 
@@ -552,6 +560,14 @@ def _add_run_commands(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print each array's batch script and each trial's config")
     p.add_argument("--sweep-dir", type=Path, help="an existing sweep directory: submit only its missing trials")
     p.add_argument("--max-parallel", type=int, help="at most this many tasks of an array run at once (%%N)")
+    p.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="RUN[:ok|any]",
+        help="queue after this run or sweep (repeated, or comma-separated): :ok (default) once it finished, :any "
+        "once it ended; {after.ckpt} in a script, checkpoint.init_from=RUN: its final checkpoint (docs/submitting.md)",
+    )
     # Hydra's three flags, with Hydra's meaning (hydra/_internal/utils.py): -cp replaces the primary config
     # directory, -cn picks its file, -cd adds a directory searched after it.
     p.add_argument(
@@ -704,7 +720,11 @@ def main(argv: list[str] | None = None) -> int:
     script_cmd = None
     if words[:1] == ["submit"] and "--" in words:  # everything after -- is the command every rank runs
         script_cmd, words = words[words.index("--") + 1 :], words[: words.index("--")]
-    args = parser.parse_args(words)
+    args, extra = parser.parse_known_args(words)
+    if extra and (args.command != "submit" or any(w.startswith("-") for w in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # a submit's overrides after an option (`a=1 --after R b=2`): argparse takes only the first run of them
+        args.overrides += extra
     if script_cmd is not None:
         from hpc_train.script import override
 

@@ -63,6 +63,10 @@ STRAGGLER_CLEARED = "straggler_cleared"
 TRACKING_FAILED = "tracking_failed"
 PROMETHEUS = "prometheus"
 PROMETHEUS_FAILED = "prometheus_failed"
+# a pipeline (pipeline.py): a run queued after others (`submit --after`), told what became of them; a run
+# cancelled because one stopped for good gets a `stopped` with upstream, root and by="pipeline"
+RELEASED = "released"  # queued :any after a run that stopped for good: no longer held for it: reason, upstream, root
+REPOINTED = "repointed"  # still queued when its stage was resumed: now waits for that new job: upstream, dependency
 # people (the login side)
 RESUME = "resume"  # `hpc-train resume`: the attempt it starts, budgets, previous_job_id
 CANCEL = "cancel"  # `hpc-train cancel`

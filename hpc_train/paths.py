@@ -13,6 +13,7 @@ node (submit, status, report) and the job read and write the same names through 
         placement.json    the rank order the planner chose
         drills/           fault drills armed by `hpc-train chaos` (kill-rank-during-save, slow-storage)
         profile/          profile.*: attempt_A.steps_F-L.rank_R.pt.trace.json per rank (+ .memory.pickle on GPU)
+        after.json        the stages it was queued after (submit --after); dependents.jsonl: the runs queued after it
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ class RunPaths:
     @property
     def drills(self) -> Path:
         return self.run_dir / "drills"
+
+    @property
+    def after(self) -> Path:
+        """The stages this run (or sweep) was queued after (`submit --after`), frozen at submit (pipeline.py)."""
+        return self.run_dir / "after.json"
+
+    @property
+    def dependents(self) -> Path:
+        """The runs queued after this one and their job ids, a line per queueing (pipeline.register)."""
+        return self.run_dir / "dependents.jsonl"
 
     @property
     def lock(self) -> Path:

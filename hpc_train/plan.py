@@ -16,6 +16,7 @@ from typing import Any
 
 from hpc_train.config import ConfigSource, RunConfig, check_environment, compose_trials, expand_sweep
 from hpc_train.paths import dir_mode
+from hpc_train.pipeline import PLACEHOLDER, After
 from hpc_train.sbatch import ClusterConfig, check_syntax, render, validate_live
 from hpc_train.script import check as check_script
 from hpc_train.script import runnable
@@ -52,6 +53,9 @@ class Plan:
     scripts: list[str] = field(default_factory=list)  # rendered batch script per array (Slurm only)
     unvalidated: str = ""  # a dry run with no controller answering: why the live checks were skipped
     unchecked: list[str] = field(default_factory=list)  # live checks that could not run (slurmdbd down)
+    after: list[After] = field(default_factory=list)  # `--after`: the stages every trial is queued after
+    dependency: str = ""  # sbatch's --dependency on their current jobs (pipeline.dependency); "" none
+    waits_for: str = ""  # the same in words, for the user (stages.waits_for)
     # What _save_manifest last wrote (each record and its JSON line), so a save re-serializes only what changed
     written: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -86,16 +90,20 @@ def job_name(target: Path) -> str:
 SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers")
 
 
-def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
+def init_from_checkpoint(path: str, config: dict[str, Any], stages: frozenset[Path] = frozenset()) -> Path:
     """checkpoint.init_from=PATH -> the committed step folder it names: PATH itself, or the newest committed
     one under a run directory or its checkpoints/. Raises ValueError when there is none, or when the source
     run's config.yaml has another model shape than `config` (both the built-in trainer). The job verifies
-    the files' checksums before loading (reading them all here would take as long as a resume)."""
-    import yaml
-
+    the files' checksums before loading (reading them all here would take as long as a resume). A run of
+    `stages` (the runs --after names) stays its run directory, checkpoint or not: the job starts after it, from
+    the newest checkpoint it has then (pipeline.final_checkpoint), its final one once it finished."""
     from hpc_train.paths import MARKER, STEP_DIR, read_marker, step_folders, untrusted
 
     p = Path(path).expanduser().resolve()
+    stage = p.parent if p.name == "checkpoints" else p
+    if stage in stages:
+        _same_shape(path, stage / "config.yaml", config)
+        return stage
     if STEP_DIR.fullmatch(p.name):
         if read_marker(p) is None:
             raise ValueError(
@@ -120,7 +128,15 @@ def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
             f"checkpoint.init_from={path}: {why}. Its .metadata is a pickle, and loading it runs its author's "
             f"code as you: if you trust them, copy it (cp -r {folder} <a folder of yours>) and give the copy"
         )
-    source_config = folder.parent.parent / "config.yaml"
+    _same_shape(path, folder.parent.parent / "config.yaml", config)
+    return folder
+
+
+def _same_shape(path: str, source_config: Path, config: dict[str, Any]) -> None:
+    """ValueError when the source run's config.yaml builds another model shape than `config` (both the built-in
+    trainer), with the overrides that fix it."""
+    import yaml
+
     theirs = yaml.safe_load(source_config.read_text()) if source_config.is_file() else None
     if theirs and not (theirs.get("fn") or {}).get("_target_") and not config["fn"].get("_target_"):
         model = theirs.get("model") or {}
@@ -132,7 +148,6 @@ def init_from_checkpoint(path: str, config: dict[str, Any]) -> Path:
                 f"{' '.join(f'model.{k}={model[k]}' for k in differ)}, or drop checkpoint.init_from to "
                 f"train from scratch"
             )
-    return folder
 
 
 def group_arrays(runs: list[RunConfig], max_array_size: int) -> list[Array]:
@@ -155,6 +170,53 @@ def previous_runs(p: Plan) -> list[Path]:
     return [max(earlier, key=lambda d: d.stat().st_mtime)] if earlier else []
 
 
+def _freeze_paths(configs: list[dict[str, Any]], stages: frozenset[Path]) -> None:
+    """A requeued attempt may start in another directory: data.path frozen absolute; checkpoint.init_from frozen as
+    one step folder, so every attempt starts from the same (a run of `stages`: its run directory)."""
+    for c in configs:
+        if c["data"].get("path"):
+            c["data"]["path"] = str(Path(c["data"]["path"]).resolve())
+        if c["checkpoint"].get("init_from"):
+            c["checkpoint"]["init_from"] = str(init_from_checkpoint(c["checkpoint"]["init_from"], c, stages))
+
+
+def _stages(
+    after: list[After], configs: list[dict[str, Any]], runs: list[RunConfig]
+) -> tuple[str, str, frozenset[Path]]:
+    """`--after`: (sbatch's --dependency on the stages' current jobs, the same in words, their run directories),
+    before anything is written. ValueError for a local run, a stage that can never finish (pipeline.dependency),
+    {after.ckpt} without --after or after a sweep (whose checkpoint?), a second dependency in sbatch_extra."""
+    from hpc_train import stages
+
+    s = [c["script"] for c in configs]
+    if not after and any(PLACEHOLDER in w for x in s for w in (*x["cmd"], *x["resume_args"], x["checkpoint"])):
+        raise ValueError(
+            f"{PLACEHOLDER} is the final checkpoint of the run this one is queued after; name that run with --after, "
+            f"e.g. hpc-train submit --after runs/pretrain-1 ... -- python eval.py --ckpt {PLACEHOLDER}"
+        )
+    if not after:
+        return "", "", frozenset()
+    if runs[0].cluster.executor != "slurm":
+        raise ValueError(
+            "--after needs Slurm (cluster=dev, or your cluster): the local executor runs one job here and cannot "
+            "queue one after another; run local stages one after another instead (hpc-train submit waits for a "
+            "local run; then submit the next, with checkpoint.init_from=RUN for its weights)"
+        )
+    extra = {k.replace("_", "-") for r in runs for k in r.cluster.sbatch_extra}
+    if extra & {"dependency", "kill-on-invalid-dep"}:
+        raise ValueError(
+            "cluster.sbatch_extra.dependency and --after both set a dependency; name the runs to wait for with "
+            "--after RUN[:ok|any] (it follows them across resumes), and drop the sbatch_extra one"
+        )
+    dependency, found = stages.dependency(after)
+    if any(PLACEHOLDER in str(c["script"]) for c in configs) and len(stages.runs_of(after[0])) != 1:
+        raise ValueError(
+            f"{PLACEHOLDER} is the final checkpoint of the first --after, but {after[0].run} is a sweep: whose? "
+            f"name one of its trials first, e.g. --after {after[0].run}/0000"
+        )
+    return dependency, stages.waits_for(found), frozenset(Path(u.run_dir) for u in found)
+
+
 def _check_commands(runs: list[RunConfig]) -> None:
     """Each distinct script.cmd of the trials once: its program resolves, an interpreter's script file exists."""
     for cmd in {tuple(r.script.cmd) for r in runs if r.script.cmd}:
@@ -170,8 +232,10 @@ def plan(
     source: ConfigSource = ConfigSource(),
     validate: bool = True,
     dry_run: bool = False,
+    after: list[After] | None = None,
 ) -> Plan:
-    """Everything up to, not including, writing and submitting. Raises ValueError on any bad input."""
+    """Everything up to, not including, writing and submitting. Raises ValueError on any bad input. `after`: the
+    stages every trial is queued after (`--after`, pipeline.parse)."""
     from hpc_train import slurm
 
     trial_overrides = expand_sweep(overrides, multirun)
@@ -187,21 +251,18 @@ def plan(
         r.model.vocab_size = c["model"]["vocab_size"] = asked[question]
     _check_commands([r for _, r in composed])
     configs, runs = [c for c, _ in composed], [r for _, r in composed]
-    for c in configs:  # a requeued attempt may start in another directory: freeze the data path absolute
-        if c["data"].get("path"):
-            c["data"]["path"] = str(Path(c["data"]["path"]).resolve())
-        if c["checkpoint"].get("init_from"):  # frozen as one step folder: every attempt starts from the same
-            c["checkpoint"]["init_from"] = str(init_from_checkpoint(c["checkpoint"]["init_from"], c))
     first: ClusterConfig = runs[0].cluster
     if first.slurm_conf:
         slurm.slurm_env(first.slurm_conf)
+    dependency, waits_for, stages = _stages(after or [], configs, runs)
+    _freeze_paths(configs, stages)
     if first.executor == "slurm" and any(r.cluster.executor != "slurm" for r in runs):
         raise ValueError("a sweep must use one executor; sweep cluster= over Slurm clusters only")
     target = sweep_dir.resolve() if sweep_dir else next_dir(Path(runs[0].out_dir), runs[0].name)
     trials = [Trial(i, o, str(target / f"{i:04d}") if multirun else str(target)) for i, o in enumerate(trial_overrides)]
     for trial, c in zip(trials, configs):  # every placeholder names a key, before anything is written
         check_script(c, trial.run_dir)
-    result = Plan(target, trials, configs, runs)
+    result = Plan(target, trials, configs, runs, after=after or [], dependency=dependency, waits_for=waits_for)
     if first.executor == "local":
         result.arrays = [Array(trials=[i]) for i in range(len(runs))]  # local trials run one at a time
         return result
@@ -225,7 +286,7 @@ def plan(
     for array in result.arrays:
         size = len(array.trials) if multirun else None
         result.scripts.append(
-            render(runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel)
+            render(runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel, dependency)
         )
     if result.unvalidated:
         validate = False

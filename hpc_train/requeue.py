@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from hpc_train import deadlines, decision, journal, preempt, rejoin, relay, slurm, verdict
+from hpc_train import deadlines, decision, journal, pipeline, preempt, rejoin, relay, slurm, verdict
 from hpc_train.decision import Decision, Facts, Inside, Queue
 from hpc_train.env import parse_nodelist
 from hpc_train.paths import RunPaths
@@ -189,6 +189,7 @@ def apply(
     inside = preempt.requeued_inside(d.reason or facts.reason, facts.fate)
     if d.action == Action.STOP:
         record(journal.STOPPED, reason=d.why)
+        pipeline.settle_dependents(paths.run_dir, d.why)  # the runs queued after it (submit --after): told, cancelled
         log.error("not requeueing: %s", d.why)
         if inside and env.executor == "slurm":  # the requeued job would start again: the budget is spent
             try:

@@ -22,7 +22,7 @@ from hpc_train.paths import RunPaths, dir_mode, locked
 from hpc_train.plan import MANIFEST, job_name
 from hpc_train.reasons import Reason
 from hpc_train.sbatch import check_syntax, make_executor, render, validate_live
-from hpc_train.slurm import ACTIVE_STATES
+from hpc_train.slurm import ACTIVE_STATES, SlurmError
 from hpc_train.submit import (
     _interrupts_held,
     _owner_writes_only,
@@ -47,7 +47,7 @@ def _sweep_lock(lock_file: Path, busy: str) -> Iterator[None]:
 
 
 def resume(
-    path: Path, budgets: dict[str, int], reason: str = "", allow_data_changed: bool = False
+    path: Path, budgets: dict[str, int], reason: str = "", allow_data_changed: bool = False, dependents: bool = True
 ) -> tuple[Any, list[str]]:
     """`hpc-train resume RUN`: queue a stopped, cancelled or failed run again under its own identity (run
     directory, frozen config.yaml, events.jsonl), to go on from its newest committed checkpoint. Refuses a
@@ -55,7 +55,9 @@ def resume(
     and apply over the frozen config, which stays as submitted. Once sbatch succeeded, writes the `resume`
     event (the attempt it starts, who, why) and the new job id where status finds it (submission.json, or
     the sweep's sweep.json). allow_data_changed: recorded in that event too; the job then resumes on data
-    other than its checkpoint's (journal.data_change_allowed). Returns (the submitit job, sentences for the user)."""
+    other than its checkpoint's (journal.data_change_allowed). A run queued after others (`submit --after`) waits
+    for their jobs of now; with `dependents`, the runs queued after this one follow it (_dependents_again).
+    Returns (the submitit job, sentences for the user)."""
     from hpc_train.runs import find_runs
 
     runs = find_runs(path)
@@ -87,7 +89,40 @@ def resume(
         if (target / MANIFEST).exists()
         else contextlib.nullcontext(),
     ):
-        return _resume(find_runs(run.run_dir)[0], budgets, reason, allow_data_changed)
+        job, lines = _resume(find_runs(run.run_dir)[0], budgets, reason, allow_data_changed)
+    return job, lines + (_dependents_again(run.run_dir) if dependents else [])
+
+
+def _dependents_again(stage: Path) -> list[str]:
+    """After `stage` was queued again: the runs still waiting for its old job wait for the new one
+    (stages.after_resume), and those that ended unstarted because it stopped are resumed, each once every stage it
+    runs after may finish again (a run after two cancelled stages comes back with the second), then the runs queued
+    after them the same way. A sentence each."""
+    from hpc_train import pipeline, stages
+
+    lines, todo = stages.after_resume(stage)
+    refused: dict[Path, str] = {}
+    progress = True
+    while todo and progress:
+        progress = False
+        for dep in list(todo):
+            if not stages.to_queue_again(dep):  # queued meanwhile (a stage resumed in this loop took it along)
+                todo.remove(dep)
+                continue
+            try:
+                job, _ = resume(
+                    dep, {}, f"{pipeline.label(stage)}, a stage it runs after, was resumed", dependents=False
+                )
+            except (ValueError, SlurmError) as e:
+                refused[dep] = str(e)
+                continue
+            todo.remove(dep)
+            progress = True
+            lines.append(f"{pipeline.label(dep)}, which never started, is queued again as job {job.job_id}")
+            more_lines, more = stages.after_resume(dep)
+            lines += more_lines
+            todo += [d for d in more if d not in todo]
+    return lines + [f"{pipeline.label(d)} is not queued again: {refused.get(d, '')}" for d in todo]
 
 
 def _script_resumes_from(cfg: Any, run_dir: Path, events: list[dict[str, Any]]) -> str:
@@ -113,7 +148,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
     import getpass
     import socket
 
-    from hpc_train import runs, slurm
+    from hpc_train import pipeline, runs, slurm, stages
     from hpc_train.config import check_environment, load_frozen
     from hpc_train.job import run_job
     from hpc_train.paths import read_marker, step_folders
@@ -129,6 +164,8 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
     check_environment(cfg)  # it still runs from here: data path, fn._target_
     slurm.slurm_env(cfg.cluster.slurm_conf)
     state = _refuse_if_active(run)
+    afters = pipeline.read_after(run.run_dir)  # queued after other runs: their jobs of now (ValueError: one stopped)
+    dependency, found = stages.dependency(afters) if afters else ("", [])
     events = journal.read(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
     why = journal.stop_reason(events, run.job_id, state)
     lines = [f"{run.label} stopped because {why}", *_budget_lines(cfg, events, budgets)]
@@ -138,14 +175,14 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
     target = run.log_dir.parent
     private = bool(cfg.cluster.env)
     if cfg.cluster.executor == "slurm":
-        script = render(cfg.cluster, job_name(target), target / "submitit", None, None)
+        script = render(cfg.cluster, job_name(target), target / "submitit", None, None, dependency)
         check_syntax(script)
         grace: list[str] = []
         validate_live(cfg.cluster, script, 1, None, warnings=grace)
         lines += [f"warning: {w}" for w in grace]
     attempt = journal.next_attempt(events)
     submitit_dir = _submitit_dir(target / "submitit", private, dir_mode(cfg.share_with_group))
-    executor = make_executor(cfg.cluster, submitit_dir, job_name(target))
+    executor = make_executor(cfg.cluster, submitit_dir, job_name(target), dependency=dependency)
     tried: list[int] = []
 
     def queue() -> Any:
@@ -178,8 +215,9 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
         )
         process = runs.process_identity(int(job_id)) if cfg.cluster.executor == "local" else None
         record_job(target, run.run_dir, job_id, process, private, executor=cfg.cluster.executor, resumed_at=time.time())
+    lines += [f"warning: {w}" for w in pipeline.register(afters, {str(run.run_dir): job_id})] if afters else []
     lines.append(f"resumed as job {job_id} (attempt {attempt}); run directory {run.run_dir}")
-    return job, lines
+    return job, lines + ([f"it runs {stages.waits_for(found)}"] if found else [])
 
 
 def _refuse_if_active(run: Any) -> str:
@@ -284,7 +322,11 @@ def _resumes_from(run: Any, cfg: Any, events: list[dict[str, Any]], committed: l
             f"starts; an older one if it does not verify)"
         )
     if init := cfg.checkpoint.init_from:
-        if read_marker(Path(init)) is None:
+        from hpc_train.pipeline import final_checkpoint, read_after
+
+        if final_checkpoint(Path(init)) is None and init in {a.run for a in read_after(run.run_dir)}:
+            return f"no committed checkpoint of its own: starting from {init}'s newest when the job starts"
+        if read_marker(final_checkpoint(Path(init)) or Path(init)) is None:
             raise ValueError(
                 f"{run.label} has no committed checkpoint of its own and its checkpoint.init_from="
                 f"{cfg.checkpoint.init_from} is no longer committed (deleted?); submit a new run instead"

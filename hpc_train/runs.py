@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal, slurm
+from hpc_train import journal, pipeline, slurm
 
 # Beside a run's config.yaml, one at least (code.json: submit freezes it with the config; a sweep's trial has no
 # submission.json or submitit/ of its own, nor an events.jsonl until a rank wrote one)
@@ -126,19 +126,19 @@ def local_pid(run: Run) -> int | None:
     return int(run.job_id) if all(now.get(k) == v for k, v in run.process.items()) else None  # older: no host
 
 
-def cancel(runs: list[Run]) -> list[str]:
+def cancel(runs: list[Run]) -> tuple[list[str], list[str]]:
     """scancel exactly these runs' Slurm jobs; SIGTERM to each local run's controller while it is still the
-    process submit recorded (a local run that ended is left alone). Returns the job ids cancelled."""
+    process submit recorded (a local run that ended is left alone). The runs queued after one that did not finish
+    are told first, and those queued :ok cancelled too (pipeline.settle_dependents: before Slurm's own cancel of
+    them, which says nothing). Returns (the job ids cancelled, a sentence per run queued after them)."""
     mine = [r for r in runs if r.job_id and (r.executor == "slurm" or local_pid(r))]
+    unfinished = []
     for r in mine:  # first: the ranks look for it when they stop, and it precedes what they log
-        journal.log(
-            r.run_dir,
-            journal.CANCEL,
-            -1,
-            r.job_id,
-            journal.current_attempt(journal.read(r.run_dir)),
-            by="hpc-train cancel",
-        )
+        events = journal.read(r.run_dir)
+        journal.log(r.run_dir, journal.CANCEL, -1, r.job_id, journal.current_attempt(events), by="hpc-train cancel")
+        unfinished += [] if journal.finished(events) else [r.run_dir]
+    # then the runs queued after them, but those cancelled here too (their `cancel` says why)
+    said = [s for run_dir in unfinished for s in pipeline.settle_dependents(run_dir, "cancelled by hpc-train cancel")]
     slurm_ids = sorted({r.job_id for r in mine if r.executor == "slurm"})
     if slurm_ids:
         slurm.scancel(slurm_ids)
@@ -149,4 +149,4 @@ def cancel(runs: list[Run]) -> list[str]:
         if pid:
             with contextlib.suppress(ProcessLookupError):  # it exited a moment ago
                 os.kill(pid, signal.SIGTERM)
-    return [r.job_id for r in mine]
+    return [r.job_id for r in mine], said

@@ -542,8 +542,11 @@ def relay_lines(python: str = sys.executable) -> list[str]:
     return text.rstrip("\n").split("\n")
 
 
-def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int | None = None) -> dict[str, Any]:
-    """submitit parameters for this cluster config (pure)."""
+def executor_parameters(
+    cluster: ClusterConfig, job_name: str, max_parallel: int | None = None, dependency: str = ""
+) -> dict[str, Any]:
+    """submitit parameters for this cluster config (pure); `dependency`: sbatch's --dependency (pipeline.dependency),
+    the stages' current jobs."""
     if cluster.executor == "local":
         # gpus_per_node always: submitit's local executor sets CUDA_VISIBLE_DEVICES to the first that many
         # GPUs, and to "" (none: a CPU run) without it.
@@ -612,6 +615,8 @@ def executor_parameters(cluster: ClusterConfig, job_name: str, max_parallel: int
         params["additional_parameters"]["reservation"] = cluster.reservation
     for key, value in cluster.sbatch_extra.items():  # submitit shell-quotes each value; True: a bare flag
         params["additional_parameters"][key.replace("_", "-")] = value if value else True
+    if dependency:  # a stage that fails unseen (an admin's scancel) cancels this job, never DependencyNeverSatisfied
+        params["additional_parameters"].update({"dependency": dependency, "kill-on-invalid-dep": "yes"})
     return params
 
 
@@ -629,12 +634,17 @@ def entry_command(python: str, folder: Path) -> str:
 
 
 def render(
-    cluster: ClusterConfig, job_name: str, folder: Path, array_size: int | None = None, max_parallel: int | None = None
+    cluster: ClusterConfig,
+    job_name: str,
+    folder: Path,
+    array_size: int | None = None,
+    max_parallel: int | None = None,
+    dependency: str = "",
 ) -> str:
     """The batch script exactly as submitit submits it (pure, but for reading the template files)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    params = executor_parameters(cluster, job_name, max_parallel)
+    params = executor_parameters(cluster, job_name, max_parallel, dependency)
     command = entry_command(python_command(cluster), folder)
     return _make_sbatch_string(command=command, folder=folder, map_count=array_size, **params)
 
@@ -853,7 +863,9 @@ def _gpu_count(gres: str) -> int:
     return sum(int(m.group(1)) for m in re.finditer(r"gpu(?::[\w-]+)?:(\d+)", gres))
 
 
-def make_executor(cluster: ClusterConfig, folder: Path, job_name: str, max_parallel: int | None = None) -> Any:
+def make_executor(
+    cluster: ClusterConfig, folder: Path, job_name: str, max_parallel: int | None = None, dependency: str = ""
+) -> Any:
     import submitit  # lazy: 0.1 s, and only `submit` needs it
 
     class Local(submitit.LocalExecutor):
@@ -871,5 +883,5 @@ def make_executor(cluster: ClusterConfig, folder: Path, job_name: str, max_paral
         executor: Any = Local(folder=folder)
     else:
         executor = Slurm(folder=folder, max_num_timeout=1000, python=python_command(cluster))
-    executor.update_parameters(**executor_parameters(cluster, job_name, max_parallel))
+    executor.update_parameters(**executor_parameters(cluster, job_name, max_parallel, dependency))
     return executor

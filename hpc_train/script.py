@@ -85,7 +85,9 @@ def fill(text: str, config: dict[str, Any], run_dir: str | Path, where: str = "s
     """`text` with every {dotted.key} replaced by the config's value, {run_dir} and {ckpt_dir} by the run's
     folders (pure), each value passed through `escape` (glob.escape for a glob). Raises ValueError naming a
     placeholder that names no config key, and the fix."""
-    own = {"run_dir": str(run_dir), "ckpt_dir": str(ckpt_dir(run_dir))}
+    from hpc_train.pipeline import placeholders  # {after.ckpt}: the checkpoint of a stage (submit --after)
+
+    own = {"run_dir": str(run_dir), "ckpt_dir": str(ckpt_dir(run_dir)), **placeholders(text, run_dir)}
 
     def one(m: re.Match[str]) -> str:
         if m.group(0) in ("{{", "}}"):

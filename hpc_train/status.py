@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal, slurm
+from hpc_train import journal, slurm, stages
 from hpc_train.metrics import lead_warning_of, read_metrics
 from hpc_train.runs import Run, denied, find_runs, local_pid
 
@@ -150,6 +150,9 @@ def status_rows(runs: list[Run]) -> list[dict[str, Any]]:
         rows.append(_row(r, facts, events, metrics, state))
         if state_error and r.executor == "slurm":  # shown once below the table, in full
             rows[-1].update(state="unknown", state_error=state_error)
+    chains = stages.chain(runs)  # the runs queued after others (submit --after): their stages as they stand
+    for r, row in zip(runs, rows):
+        row["after"] = chains.get(r.run_dir, [])
     return rows
 
 
@@ -400,6 +403,12 @@ def _print_notes(out: Any, rows: list[dict[str, Any]], wide: bool = False) -> No
                 markup=False,
                 highlight=False,
             )
+    said = set()
+    for r in rows:  # a sweep's trials share their stages: one line
+        line = f"{r['run'].rpartition('/')[0] or r['run']}: {stages.chain_text(r['after'])}" if r.get("after") else ""
+        if line and line not in said:
+            said.add(line)
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
     for r in rows:
         if r.get("resumed") and r["resumed"][1]:
             attempt, where = r["resumed"]

@@ -16,6 +16,7 @@ A run directory holds everything a (re)started attempt needs and everything it l
     metrics.jsonl    loss, lr and step time per log interval
     summary.json     final_step, final_loss, params_sha256 (written at the end)
     init_from/       checkpoint.init_from's step folder, hardlinked at submit (source.json: the original)
+    after.json       the stages it is queued after (--after; a sweep's in the sweep dir), frozen (pipeline.py)
     .lock            held by `hpc-train resume` until the new job id is recorded (sweep.json.lock: a sweep's)
 """
 
@@ -33,8 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hpc_train import journal, status
-from hpc_train.paths import RunPaths, locked, make_dir, untrusted, write_atomic
+from hpc_train import journal, pipeline, status
+from hpc_train.paths import STEP_DIR, RunPaths, locked, make_dir, untrusted, write_atomic
 from hpc_train.plan import MANIFEST, Array, Plan, Trial, job_name, next_dir
 from hpc_train.sbatch import make_executor
 
@@ -205,7 +206,8 @@ def pin_init_from(target: Path, configs: list[dict[str, Any]], mode: int = 0o700
 
     for c in configs:
         source = c["checkpoint"].get("init_from")
-        if not source or Path(source).is_relative_to(target):
+        # a run directory: a stage of --after, whose final checkpoint the job finds when it starts (plan.py)
+        if not source or Path(source).is_relative_to(target) or not STEP_DIR.fullmatch(Path(source).name):
             continue
         pinned = target / "init_from" / hashlib.sha1(source.encode()).hexdigest()[:6] / Path(source).name
         if not pinned.exists():  # a resubmitted sweep pinned it already
@@ -533,8 +535,9 @@ def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
     first, run_dir = p.runs[0], p.target
     pin_init_from(run_dir, p.configs, p.dir_mode)
     _freeze(run_dir, p.configs[0], p.private, p.dir_mode, _code_identity(run_dir, p.private))
+    pipeline.freeze_after(run_dir, p.after, p.private)
     submitit_dir = _submitit_dir(run_dir / "submitit", p.private, p.dir_mode)
-    executor = make_executor(first.cluster, submitit_dir, job_name(run_dir))
+    executor = make_executor(first.cluster, submitit_dir, job_name(run_dir), dependency=p.dependency)
     with _interrupts_held(), _owner_writes_only():
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
@@ -554,7 +557,16 @@ def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
             submitted_at=time.time(),
             overrides=overrides,
         )
+    _tell_stages(p, [0])
     return p, [job]
+
+
+def _tell_stages(p: Plan, queued: list[int]) -> None:
+    """The stages of --after learn the trials just queued after them (pipeline.register), to cancel or release them
+    if they stop for good."""
+    queued_now = {p.trials[i].run_dir: str(p.trials[i].job_id) for i in queued if p.trials[i].job_id}
+    for warning in pipeline.register(p.after, queued_now) if p.after and queued_now else []:
+        print(f"hpc-train submit: warning: {warning}", file=sys.stderr)
 
 
 def _submit_sweep(
@@ -570,6 +582,7 @@ def _submit_sweep(
         if saved is not None:
             p.arrays = saved
     code = _code_identity(p.target, p.private)
+    pipeline.freeze_after(p.target, p.after, p.private)  # one file for every trial (pipeline.after_file)
     pin_init_from(p.target, p.configs, p.dir_mode)
     like = None
     for t in p.trials:
@@ -584,17 +597,18 @@ def _submit_sweep(
             array.submitting = False
             continue
         cluster = p.runs[todo[0]].cluster
-        executor = make_executor(
-            cluster, _submitit_dir(p.target / "submitit", p.private, p.dir_mode), job_name(p.target), max_parallel
-        )
+        folder = _submitit_dir(p.target / "submitit", p.private, p.dir_mode)
+        executor = make_executor(cluster, folder, job_name(p.target), max_parallel, p.dependency)
         lost = array.submitting and cluster.executor == "slurm"  # queued, but its id never reached the manifest
         if lost and _adopt_lost_array(p, array, executor):
             _save_manifest(p, overrides)
+            _tell_stages(p, array.trials)
             continue
         array.submitting = True
         _save_manifest(p, overrides, changed=[])
         run = _run_local_trial if cluster.executor == "local" else _queue_array
         new = run(p, array, todo, executor, overrides)
+        _tell_stages(p, todo)
         if not new:  # adopted: the job ids are recorded already
             continue
         jobs += new

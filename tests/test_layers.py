@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     # the exit; a rank process's own state; the batch step's supervisor
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
     ("metrics", "preempt", "provenance", "data", "deadlines"),  # deadlines: the stop and failure paths' table
-    # script: ScriptConfig (config.py holds it) and the job's child per rank, torch imported when it runs;
+    ("pipeline",),  # a run queued after others: after.json, dependents.jsonl, the dependency rule, a stop's settling
+    # script: ScriptConfig (config.py holds it), its placeholders and the checks at submit;
     # script_helper: what a user's script imports (torch-free)
     ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
     # the root config, composed from the dataclasses beside their code; the verdicts; the requeue decision (pure)
@@ -46,15 +47,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("job", "train"),
     ("start",),
     ("runs",),  # the login side from here: which runs a path names
+    ("stages",),  # the stages of a pipeline as they stand (runs, journal, Slurm): dependency, status's chain, resume
     ("status", "logs", "report", "drills", "plan"),  # commands that write no run: on runs that exist, a dry run
     ("submit",),
     ("resume",),
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start", "task", "deadlines"}
-JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "decision", "requeue", "failure", "watchdog"}
-LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli"}
 JOB_SIDE |= {"protocol", "supervisor", "ranklog"}
+JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "decision", "requeue", "failure", "watchdog"}
+LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli", "stages"}
 
 
 def imports_of(path: Path) -> set[str]:

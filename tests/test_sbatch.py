@@ -76,7 +76,19 @@ def test_rendered_script_matches_golden(
     name: str, overrides: list[str], array_size: int | None, max_parallel: int | None
 ) -> None:
     run = to_run_config(compose(overrides))
-    script = render(run.cluster, "golden-1", Path("/runs/golden-1/submitit"), array_size, max_parallel)
+    matches_golden(name, render(run.cluster, "golden-1", Path("/runs/golden-1/submitit"), array_size, max_parallel))
+
+
+def test_a_run_queued_after_others_renders_its_dependency() -> None:
+    """`submit --after`: sbatch's --dependency on the stages' current jobs, and --kill-on-invalid-dep=yes so that a
+    stage ended where no code of ours sees it never leaves this job pending as DependencyNeverSatisfied."""
+    run = to_run_config(compose(["cluster=dev"]))
+    path = Path("/runs/golden-1/submitit")
+    matches_golden("dev_after", render(run.cluster, "golden-1", path, dependency="afterok:12:13_4,afterany:14"))
+    assert "--dependency" not in render(run.cluster, "golden-1", path)
+
+
+def matches_golden(name: str, script: str) -> None:
     script = script.replace(sys.executable, "/venv/bin/python")  # the golden file is machine-independent
     script = script.replace(str(Path(hpc_train.__file__).resolve().parent), "/venv/hpc_train")  # start.py
     path = GOLDEN / f"{name}.sbatch"
