@@ -442,10 +442,11 @@ class Attempt:
         if state is not None:
             self.saver.final(state)
         step = state.step if state is not None else max(self.saver.verified, default=0)
+        # On record first: a memory copy stuck below (up to 130 s) must not let SIGKILL find the run unfinished
+        self.finished = protocol.finish(self.env, self.paths, step, **summary)
         if self.memory:  # no relaunch will read it; the copy in flight first (every rank is here)
             if not self.wait_for_memory(deadlines.FINISH_MEMORY_WAIT_S):  # a copy stuck on a gone peer: disk has it
                 log.warning("the memory copy in flight did not end within %.0f s", deadlines.FINISH_MEMORY_WAIT_S)
                 self.memory.abandon()
             self.memory.clean(join_s=10.0)  # its thread ends before the process does
-        self.finished = protocol.finish(self.env, self.paths, step, **summary)
         return self.finished

@@ -765,28 +765,44 @@ class Saver:
         self.saved_world_size = int(marker["world_size"])
         return "", False
 
+    def init_source(self) -> Path:
+        """checkpoint.init_from as one step folder, the same for every attempt of this run: a step folder as given
+        (pinned at submit); a run directory, a stage this run was queued after (submit --after), its final
+        checkpoint (pipeline.final_checkpoint), or the one an earlier attempt of this run started from while that
+        still has its marker: the stage, resumed meanwhile, may have committed newer ones."""
+        given = Path(self.cfg.init_from)
+        for e in reversed(journal.named(journal.read(self.root.parent), journal.START)):
+            earlier = e.get("init_from")
+            if (
+                isinstance(earlier, dict)
+                and isinstance(earlier.get("path"), str)
+                and read_marker(Path(earlier["path"]))
+            ):
+                return Path(earlier["path"])
+        return pipeline.final_checkpoint(given) or given
+
     def init_from(self, state: TrainState) -> tuple[dict[str, Any], float, float]:
         """Collective: a new run's weights (and optimizer state, with checkpoint.init_from_optimizer) from
         another run's committed checkpoint, verified as a resume verifies (every rank hashes a share). Step,
         tokens, data position and RNG stay fresh: it is a new run. Any world size: DCP reshards on load.
         Raises Unrecoverable (no requeue can fix it) when the folder does not verify or the shapes differ.
         Returns (what the start event records, seconds verifying, seconds loading)."""
-        # a run directory: a stage this run was queued after (submit --after), its final checkpoint now
-        folder = pipeline.final_checkpoint(Path(self.cfg.init_from)) or Path(self.cfg.init_from)
         with_optim = self.cfg.init_from_optimizer
         rank, world = dist.get_rank(), dist.get_world_size()
         t0 = time.monotonic()
-        # Rank 0 reads, every rank gets its answer: a folder deleted meanwhile fails all ranks together,
-        # none waiting in the all_gather below for one that raised (as resume lists for every rank).
+        # Rank 0 chooses and reads, every rank gets its answer: a folder deleted meanwhile fails all ranks
+        # together, none waiting in the all_gather below for one that raised (as resume lists for every rank),
+        # and no two ranks start from two checkpoints of a stage that committed another meanwhile.
         # Pinned at submit under this run's (or its sweep's) directory: judged up to there.
         run_dir = self.root.parent
-        top = next((d for d in (run_dir, run_dir.parent) if folder.is_relative_to(d)), folder)
         found: list[Any] = [None]
         if rank == 0:
+            folder = self.init_source()
+            top = next((d for d in (run_dir, run_dir.parent) if folder.is_relative_to(d)), folder)
             marker = read_marker(folder)
-            found[0] = (marker, untrusted_checkpoint(folder, list(marker["files"]), top) if marker else "")
+            found[0] = (str(folder), marker, untrusted_checkpoint(folder, list(marker["files"]), top) if marker else "")
         dist.broadcast_object_list(found, src=0)
-        marker, distrust = found[0]
+        folder, marker, distrust = Path(found[0][0]), found[0][1], found[0][2]
         if marker is None:
             raise Unrecoverable(
                 f"checkpoint.init_from={folder}: no readable {MARKER} manifest there (deleted by its "

@@ -21,6 +21,7 @@ hpc-train submit --cfg job model.d_model=128              # print the composed c
 hpc-train submit cluster=dev -- python train.py --lr 3e-4 # your own script on every rank (docs/scripts.md)
 hpc-train submit cluster=dev --after runs/demo-1 -- python eval.py --ckpt {after.ckpt}   # a pipeline's next stage
 hpc-train results runs/demo-3 --sort train.lr             # a sweep's trials: overrides, state, loss
+hpc-train nodes                                           # nodes with a bad record, left out by submit
 hpc-train prepare-data notes/ --out data/notes            # text files -> byte-token shards
 hpc-train prepare-data notes/ --out data/bpe --tokenizer bpe:8192   # ... or a BPE trained on them
 hpc-train prepare-data notes/ --out data/n2 --val-fraction 0.05   # ... the last 5% held out for eval
@@ -31,9 +32,11 @@ USER_ERRORS = ("hydra", "omegaconf")
 
 
 def _is_user_error(e: Exception) -> bool:
+    from hpc_train.preempt import Unrecoverable  # {after.ckpt} of a stage that ended without one, at a resubmit
     from hpc_train.slurm import SlurmError
 
-    return isinstance(e, (ValueError, SlurmError, PermissionError)) or type(e).__module__.split(".")[0] in USER_ERRORS
+    known = (ValueError, SlurmError, PermissionError, Unrecoverable)
+    return isinstance(e, known) or type(e).__module__.split(".")[0] in USER_ERRORS
 
 
 def _print_dry_run(p: object) -> None:
@@ -154,6 +157,8 @@ def _submit(args: argparse.Namespace) -> int:
         warnings.add(slurm_run and lead_warning(plan.previous_runs(p), p.runs[0].cluster.signal_lead_s) or "")
         for warning in sorted(w for w in warnings if w):
             print(f"hpc-train submit: warning: {warning}", file=sys.stderr)
+        if p.avoided:  # cluster.avoid_bad_nodes: in the script's --exclude and the frozen cluster.exclude
+            print(f"hpc-train submit: {p.avoided}", file=sys.stderr)
         if args.dry_run:
             _print_dry_run(p)
             return 0
@@ -466,6 +471,36 @@ def _stragglers_table(slow: list[dict[str, Any]]) -> Any:
     return named
 
 
+def _nodes(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from hpc_train import reputation
+    from hpc_train.status import console
+
+    root = Path(args.path)
+    if args.path == "runs" and not root.exists():
+        print("[]" if args.json else "no runs here yet (no ./runs): hpc-train nodes PATH reads the runs under PATH")
+        return 0
+    if not root.is_dir():
+        raise ValueError(
+            f"{args.path} is not a folder; give the folder of your runs (out_dir), e.g. hpc-train nodes runs"
+        )
+    now = time.time()
+    record = reputation.harvest(root, now)
+    rows = reputation.rows(record, now, root)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if rows:
+        console().print(reputation.table(rows))
+    else:
+        print(f"no node has a verdict in the runs under {args.path}")
+    for line in [*reputation.reasons(rows), *reputation.notes(record, root)]:
+        print(line)
+    return 0
+
+
 def _results(args: argparse.Namespace) -> int:
     from hpc_train import status
 
@@ -662,6 +697,12 @@ def _add_reading_commands(sub: Any) -> None:
     p.add_argument("--png", help="where to write the picture (default: RUN/report.png)")
     p.add_argument("--wide", action="store_true", help="every column (start-up by phase), 220 wide")
     p.set_defaults(func=_report)
+    p = sub.add_parser(
+        "nodes", help="the nodes with a bad verdict in the runs under PATH: score, and whether submit leaves them out"
+    )
+    p.add_argument("path", nargs="?", default="runs", help="a folder of runs, a sweep or a run (default: runs)")
+    p.add_argument("--json", action="store_true", help="every row as JSON, for scripts")
+    p.set_defaults(func=_nodes)
     p = sub.add_parser("results", help="a sweep's trials side by side: overrides, state, loss, goodput; sorted")
     p.add_argument("sweep_dir", help="the sweep directory `submit -m` printed, e.g. runs/mix-1")
     p.add_argument(

@@ -42,6 +42,11 @@ VERDICT_WAIT_S = (
     30.0 + 2 * slurm.worst_s(*slurm.FATE) + 3.0 + 4 * slurm.worst_s(10.0, 1) + 2 * slurm.worst_s(*slurm.REQUEUE) + 10.0
 )
 
+# A script's child still running when Slurm's SIGTERM comes during a stop (the job is ending: a requeue the script
+# made itself, as Lightning's auto_requeue does and then trains on, a scancel, the limit) gets this long, then
+# SIGKILL: the decision after it must land within KillWait (30 s by default, 10 s on the dev cluster).
+AFTER_TERM_S = 5.0
+
 # The most a stop waits for the memory copy in flight before it leaves (a copy of a `1b` state takes ~10 s); the
 # finish waits longer, since nothing kills it: a copy stuck on a gone peer is abandoned, the disk has the step.
 STOP_MEMORY_WAIT_S = 60.0

@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpc_train import deadlines, journal, preempt, rejoin, requeue, verdict
+from hpc_train import deadlines, journal, preempt, ranklog, rejoin, requeue, verdict
 from hpc_train.paths import RunPaths
 from hpc_train.reasons import Reason
 from hpc_train.task import Task
@@ -25,6 +25,7 @@ def failed(paths: RunPaths, env: Any, task: Task, e: BaseException) -> tuple[str
     # Past the rendezvous, the placed rank: the watchdog writes its heartbeat count under it, and the
     # deciding rank maps counts to nodes in placement order (Slurm's task id collided with another rank's).
     env = task.placed or env
+    ranklog.enable()  # the function may have silenced our loggers (dictConfig): the decision must speak
     log_fail(paths, env, task, f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
     return after_failure(paths, env, task, e)
 
@@ -182,6 +183,7 @@ def _stop(paths: RunPaths, env: Any, task: Task, why: str) -> tuple[str, float]:
     except OSError:
         pass
     log.error(f"not requeueing: {why}")
+    requeue.settle(paths, why)
     return Verdict.STOP, 0.0
 
 

@@ -58,6 +58,7 @@ from hpc_train import (
     relay,
     rendezvous,
     requeue,
+    slurm,
     verdict,
     watchdog,
 )
@@ -212,10 +213,23 @@ def _before_rendezvous(paths: RunPaths, env: Any, cfg: Any) -> None:
                 paths.run_dir, journal.CODE_CHANGED, -1, env.job_id, env.restart_count, rank=env.rank, detail=changed
             )
             log.warning(changed)
-    if env.executor == "local" and journal.local_fate(journal.read(paths.run_dir)) == Fate.CANCELLED:
+    events = journal.read(paths.run_dir)
+    if env.executor == "local" and journal.local_fate(events) == Fate.CANCELLED:
         if env.rank == 0:  # `hpc-train cancel` came between two attempts
             why = "cancelled before this attempt started"
             journal.log(paths.run_dir, journal.STOPPED, -1, env.job_id, env.restart_count, reason=why)
+        sys.exit(1)
+    if env.executor == "slurm" and (stop := journal.stopped(events)) is not None:
+        # Stopped for good, yet its job started again: a requeue the stop's scancel lost to (a script's own
+        # `scontrol requeue`, Slurm's at a preemption's end), or a pipeline's cancel of a job that started anyway
+        log.error(
+            "this run stopped for good (%s); not training again: hpc-train resume %s", stop.get("reason"), paths.run_dir
+        )
+        if env.rank == 0:
+            try:
+                slurm.scancel([env.job_id])
+            except slurm.SlurmError as e:
+                log.error("could not cancel job %s: %s; scancel it by hand", env.job_id, e)
         sys.exit(1)
     if preempt.injected("raise_at_start"):
         raise RuntimeError("injected fault: raise_at_start (HPC_TRAIN_FAULT)")
@@ -246,6 +260,7 @@ def _run_script(paths: RunPaths, env: Any, task: Task, cfg: Any, process_start: 
         if env.rank == 0:
             journal.log(paths.run_dir, journal.STOPPED, out["step"], env.job_id, env.restart_count, reason=out["why"])
             log.error(f"not requeueing: {out['why']}")
+            requeue.settle(paths, out["why"])
         dist.barrier()  # the verdict is on record before any rank exits (srun's KillOnBadExit)
         dist.destroy_process_group()
         verdict.leave(task, Verdict.STOP, 0.0)
@@ -291,6 +306,7 @@ def _run_function(
             traceback.print_exc()
             log.info(f"{type(e).__name__}: {e}; rejoining in this process")
             plan, env = rejoin.rejoin_plan_or_leave(paths, env.job_id, task), task.placed or env
+    ranklog.enable()  # the function may have silenced our loggers (dictConfig): the decision and finish speak
     at.returned()  # at its own stop check: a stop at the step reached
     if at.stopped and at.finished is None:
         at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check

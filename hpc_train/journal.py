@@ -463,6 +463,18 @@ def stragglers_now(events: list[Event]) -> dict[int, Event]:
     return out
 
 
+def uncleared_stragglers(events: list[Event]) -> list[Event]:
+    """Every `straggler` event its attempt never cleared (`straggler_cleared` of the same rank and attempt): the
+    verdicts that outlive a run (reputation.py)."""
+    slow: dict[tuple[int, Any], Event] = {}
+    for e in named(events, STRAGGLER, STRAGGLER_CLEARED):
+        if e["event"] == STRAGGLER:
+            slow[(e["restart"], e.get("rank"))] = e
+        else:
+            slow.pop((e["restart"], e.get("rank")), None)
+    return list(slow.values())
+
+
 def straggler_episodes(events: list[Event]) -> list[dict[str, Any]]:
     """Each `straggler` event with the step its `straggler_cleared` came at (None: still slow, or the
     attempt ended first): what `report` lists."""

@@ -22,17 +22,19 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from hpc_train import journal, slurm
+from hpc_train import journal, preempt, slurm
 from hpc_train.paths import STEP_DIR, RunPaths, append_line, read_marker, step_folders, write_atomic
 
 log = logging.getLogger(__name__)
 
 KINDS = ("ok", "any")  # sbatch's afterok (once it finished) and afterany (once it ended, however)
 PLACEHOLDER = "{after.ckpt}"  # in a script's command: the first stage's final checkpoint, found at the job's start
-# The stop path's Slurm calls (squeue, scancel) when a stage stops with runs queued after it: one try of 5 s each,
-# 10 s at most inside what a time limit leaves (deadlines.REQUEUE_RESERVE_S); a run that misses them is still
-# cancelled by Slurm (--kill-on-invalid-dep), without the sentence in its journal.
+# The stop path's one Slurm call when a stage stops with runs queued after it (settle_dependents without
+# ask_slurm): one scancel of all of them, one try of 5 s inside what a time limit leaves (deadlines.REQUEUE_RESERVE_S);
+# a run it misses is still cancelled by Slurm (--kill-on-invalid-dep), its journal told already. `hpc-train cancel`
+# asks squeue the same way, one query a level of the cascade.
 STOP_POLICY = (5.0, 0)
 
 
@@ -99,7 +101,8 @@ def read_after(run_dir: Path) -> list[After]:
 
 def freeze_after(target: Path, afters: list[After], private: bool) -> None:
     """after.json in the run or sweep directory, written once, as config.yaml: a resubmitted sweep (--sweep-dir)
-    with other stages is refused rather than queued after other runs than its first trials."""
+    with other stages, or with some where it had none, is refused rather than queued after other runs than its
+    first trials."""
     path = RunPaths(target).after
     if path.exists():
         frozen = read_after(target)
@@ -107,6 +110,11 @@ def freeze_after(target: Path, afters: list[After], private: bool) -> None:
             was = ",".join(f"{a.run}:{a.kind}" for a in frozen) or "none"
             raise ValueError(f"{target} was submitted --after {was}; resubmit it with the same --after")
         return
+    if afters and (target / "sweep.json").exists():  # its trials queued so far wait for nothing
+        raise ValueError(
+            f"--sweep-dir {target} was submitted without --after: its trials queued then wait for no stage; "
+            f"resubmit it without --after, or queue a new sweep after {afters[0].run} (drop --sweep-dir)"
+        )
     if afters:
         write_atomic(path, json.dumps([{"run": a.run, "kind": a.kind} for a in afters], indent=1) + "\n", private)
 
@@ -178,14 +186,22 @@ def dependents(run_dir: Path) -> dict[str, tuple[str, str]]:
                 record = json.loads(line)
             except ValueError:  # a torn last line: its writer died mid-write
                 continue
-            if isinstance(record, dict) and isinstance(record.get("runs"), dict):
+            if isinstance(record, dict) and isinstance(record.get("runs"), dict) and record.get("kind", "ok") in KINDS:
                 records.append(record)
     out: dict[str, tuple[str, str]] = {}
-    for record in sorted(records, key=lambda r: r.get("time", 0)):
+    for record in sorted(records, key=_when):
         for dep, job_id in record["runs"].items():
+            if "\0" in dep or not isinstance(job_id, (str, int)) or not str(job_id):  # edited by hand: unusable
+                continue
             out.pop(dep, None)
-            out[dep] = (str(job_id), str(record.get("kind", "ok")))
+            out[dep] = (str(job_id), record.get("kind", "ok"))
     return out
+
+
+def _when(record: dict[str, Any]) -> float:
+    """A registration's time, 0 for one edited into something else (a string, null): oldest."""
+    t = record.get("time")
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
 
 
 def waiting(events: list[journal.Event], state: str) -> bool:
@@ -198,57 +214,82 @@ def waiting(events: list[journal.Event], state: str) -> bool:
     )
 
 
-def settle_dependents(run_dir: Path, why: str, root: Path | None = None) -> list[str]:
-    """`run_dir` stopped for good (`why`): each run queued after it that still waits is told in its events.jsonl
-    and, for :ok, cancelled (then the runs queued after that one, the same way); a run queued :any only gets
-    the sentence (`released`): Slurm no longer holds it for this one. Returns the sentences (logged too). Never
-    raises: it runs on the stop path of the job (requeue.apply) and in `hpc-train cancel`; a call Slurm does not
-    answer leaves the cancel to Slurm's --kill-on-invalid-dep."""
-    deps = dependents(run_dir)
-    if not deps:
-        return []
-    root = root or run_dir
+def settle_dependents(run_dir: Path | list[Path], why: str, ask_slurm: bool = True) -> list[str]:
+    """`run_dir` (or each of several, settled together: `hpc-train cancel` of a sweep's trials) stopped for good
+    (`why`): each run queued after it that still waits is told in its events.jsonl and, for :ok, cancelled (then the
+    runs queued after that one, the same way); a run queued :any only gets the sentence (`released`): Slurm no longer
+    holds it for this one. Returns the sentences (logged too). ask_slurm (`hpc-train cancel`): Slurm's states of
+    each level's dependents, one query a level (a dependent Slurm ran already is left alone); without (the job's
+    stop path, requeue.apply): no query, a dependent with no `start` since it was last queued counts as waiting, and
+    the whole call is one scancel of at most 5 s plus the journals' writes. Never raises: a call Slurm does not
+    answer, a damaged record, leaves the cancel to Slurm's --kill-on-invalid-dep."""
+    said: list[str] = []
+    cancel: list[str] = []
     try:
-        states = slurm.job_states([j for j, _ in deps.values()], retries=STOP_POLICY[1], timeout_s=STOP_POLICY[0])
-    except Exception as e:  # SlurmError, or an answer we could not parse: the journals still say why
-        log.warning("pipeline: no job states for the runs queued after %s (%s)", run_dir, e)
-        states = {}
-    cause = "stopped for good" if root == run_dir else f"was cancelled as {label(root)} stopped for good"
-    said, cancel = [], []
-    for dep, (job_id, kind) in deps.items():
-        dep_dir = Path(dep)
-        try:
-            events = journal.read(dep_dir)
-            if not dep_dir.is_dir() or not waiting(events, states.get(job_id, "")):
-                continue
-            fields = {"upstream": str(run_dir), "root": str(root), "by": "pipeline"}
-            attempt = journal.current_attempt(events)
-            if kind == "any":
-                told = journal.named(journal.since_resume(events), journal.RELEASED)
-                if any(e.get("upstream") == str(run_dir) for e in told):  # the job's stop, then a cancel
-                    continue
-                text = f"{label(run_dir)}, which it runs after (:any), {cause}: {why}; this run does not wait for it"
-                journal.log(dep_dir, journal.RELEASED, -1, job_id, attempt, reason=text, **fields)
-            else:
-                text = (
-                    f"cancelled before it started: {label(run_dir)}, which it runs after, {cause}: {why}; "
-                    f"`hpc-train resume {root}` queues it again, and this run after it"
-                )
-                journal.log(dep_dir, journal.STOPPED, -1, job_id, attempt, reason=text, **fields)
-                cancel.append((dep_dir, job_id))
-        except OSError as e:  # another user's run, a folder deleted: Slurm cancels it without our word
-            log.warning("pipeline: could not tell %s that %s stopped (%s)", dep, run_dir, e)
-            continue
-        said.append(f"{label(dep_dir)} (job {job_id}): {text}")
-        log.info("pipeline: %s", said[-1])
+        level = [(d, d) for d in ([run_dir] if isinstance(run_dir, Path) else run_dir)]
+        while level:  # a level's :ok dependents, cancelled, are the next level's stages (the root stays)
+            level = _settle_level(level, why, ask_slurm, said, cancel)
+    except Exception as e:
+        log.warning("pipeline: the runs queued after %s were not all told it stopped (%s)", run_dir, e)
     if cancel:
-        try:
-            slurm.call(["scancel", *[j for _, j in cancel]], timeout_s=STOP_POLICY[0], retries=1, ignore_term=True)
-        except slurm.SlurmError as e:  # a job that ended meanwhile is an error too; Slurm cancels the others
+        try:  # the stop path's one Slurm call: 5 s, no retry (STOP_POLICY); `hpc-train cancel` retries once
+            retries = 1 if ask_slurm else STOP_POLICY[1]
+            slurm.call(["scancel", *cancel], timeout_s=STOP_POLICY[0], retries=retries, ignore_term=True)
+        except Exception as e:  # a job that ended meanwhile is an error too; Slurm cancels the others
             log.warning("pipeline: scancel of the runs queued after %s: %s", run_dir, e)
-    for dep_dir, _ in cancel:
-        said += settle_dependents(dep_dir, why, root)
     return said
+
+
+def _settle_level(
+    level: list[tuple[Path, Path]], why: str, ask_slurm: bool, said: list[str], cancel: list[str]
+) -> list[tuple[Path, Path]]:
+    """One level of settle_dependents: the dependents of each (stage, root) told; returns the :ok ones told (each
+    with its root), whose job ids are added to `cancel` and sentences to `said`."""
+    pairs = [(stage, root, dep, job, kind) for stage, root in level for dep, (job, kind) in dependents(stage).items()]
+    states: dict[str, str] = {}
+    if ask_slurm and pairs:
+        try:
+            states = slurm.job_states([p[3] for p in pairs], retries=STOP_POLICY[1], timeout_s=STOP_POLICY[0])
+        except Exception as e:  # SlurmError, or an answer we could not parse: the journals still say why
+            log.warning("pipeline: no job states for the runs queued after %s (%s)", level[0][0], e)
+    told = []
+    for stage, root, dep, job_id, kind in pairs:
+        try:
+            text = _tell(stage, root, Path(dep), job_id, kind, why, states.get(job_id, ""))
+        except Exception as e:  # another user's run, a folder deleted, a damaged path: Slurm cancels it unsaid
+            log.warning("pipeline: could not tell %s that %s stopped (%s)", dep, stage, e)
+            continue
+        if text:
+            said.append(f"{label(Path(dep))} (job {job_id}): {text}")
+            log.info("pipeline: %s", said[-1])
+            if kind == "ok":
+                cancel.append(job_id)
+                told.append((Path(dep), root))
+    return told
+
+
+def _tell(stage: Path, root: Path, dep_dir: Path, job_id: str, kind: str, why: str, state: str) -> str:
+    """One dependent of `stage` told that it stopped for good (`root`'s stop): its sentence, "" when it does not
+    wait (started, told or cancelled already, gone)."""
+    events = journal.read(dep_dir)
+    if not dep_dir.is_dir() or not waiting(events, state):
+        return ""
+    cause = "stopped for good" if root == stage else f"was cancelled as {label(root)} stopped for good"
+    fields = {"upstream": str(stage), "root": str(root), "by": "pipeline"}
+    attempt = journal.current_attempt(events)
+    if kind == "any":
+        told = journal.named(journal.since_resume(events), journal.RELEASED)
+        if any(e.get("upstream") == str(stage) for e in told):  # the job's stop, then a cancel
+            return ""
+        text = f"{label(stage)}, which it runs after (:any), {cause}: {why}; this run does not wait for it"
+        journal.log(dep_dir, journal.RELEASED, -1, job_id, attempt, reason=text, **fields)
+        return text
+    text = (
+        f"cancelled before it started: {label(stage)}, which it runs after, {cause}: {why}; "
+        f"`hpc-train resume {root}` queues it again, and this run after it"
+    )
+    journal.log(dep_dir, journal.STOPPED, -1, job_id, attempt, reason=text, **fields)
+    return text
 
 
 # ---- what a run starts from ---------------------------------------------------------------------------
@@ -273,21 +314,53 @@ def final_checkpoint(path: Path) -> Path | None:
 
 def placeholders(text: str, run_dir: str | Path) -> dict[str, str]:
     """{after.ckpt} for script.fill, when `text` names it (fill runs for every word of a command): the final
-    checkpoint of the run's first stage, found as the job starts. Left as written for a run with no after.json
-    (at submit, where plan insists on --after) and while the stage runs on; ValueError once it ended without one."""
+    checkpoint of the run's first stage, found as the job starts (an earlier attempt's, while it is there). Left as
+    written for a run with no after.json (at submit, where plan insists on --after) and while the stage's job is
+    queued or running (the job refuses to start the script so: supervisor._launch); preempt.Unrecoverable
+    (no requeue gives the script a checkpoint) once the stage ended without one: finished or stopped, or its job gone
+    from Slurm without a word in its journal (an admin's scancel)."""
     if PLACEHOLDER not in text:
         return {}
     afters = read_after(Path(run_dir))
     if not afters:
         return {"after.ckpt": PLACEHOLDER}
+    # What an earlier attempt of this run started from, while it is there: every attempt the same, whatever the
+    # stage (resumed meanwhile) committed since (the supervisor's start event records it)
+    for e in reversed(journal.named(journal.read(Path(run_dir)), journal.START)):
+        if isinstance(e.get("after_ckpt"), str) and Path(e["after_ckpt"]).exists():
+            return {"after.ckpt": e["after_ckpt"]}
     stage = Path(afters[0].run)
     found = final_checkpoint(stage)
     if found is not None:
         return {"after.ckpt": str(found)}
     events = journal.read(stage)
     if journal.finished(events) or journal.stopped(events):
-        raise ValueError(
-            f"{PLACEHOLDER}: {stage} ended without a checkpoint (no committed step folder, no checkpoint file its "
-            f"script recorded with script.checkpoint or script_helper.committed()); nothing to start from"
-        )
-    return {"after.ckpt": PLACEHOLDER}
+        how = "ended"
+    else:
+        job_id = _job_of(stage, events)
+        # at the job's start, while the other ranks wait: 2 tries of 10 s, not job_states' 4 of 30; unanswered, the
+        # SlurmError is a failure like any other, and the requeue asks again
+        state = slurm.job_states([job_id], retries=1, timeout_s=10).get(job_id, "") if job_id else ""
+        if state in slurm.ACTIVE_STATES:
+            return {"after.ckpt": PLACEHOLDER}
+        job = f"job {job_id}: {state or 'gone from Slurm'}" if job_id else "no job on record"
+        how = f"ended ({job}, no finish or stop in its events.jsonl)"
+    raise preempt.Unrecoverable(
+        f"{PLACEHOLDER}: {stage} {how} without a checkpoint (no committed step folder, no checkpoint file its "
+        f"script recorded with script.checkpoint or script_helper.committed()); nothing to start from, so this run "
+        f"stops: once the stage has one, hpc-train resume {run_dir}"
+    )
+
+
+def _job_of(stage: Path, events: list[journal.Event]) -> str:
+    """A stage's current job: its journal's last, else the one its submit recorded (submission.json, a trial's in
+    its sweep's sweep.json); "" when none is known."""
+    if events:
+        return str(events[-1].get("job_id", ""))
+    try:
+        if (stage.parent / "sweep.json").exists():
+            trials = json.loads((stage.parent / "sweep.json").read_text())["trials"]
+            return next((str(t["job_id"] or "") for t in trials if t["run_dir"] == str(stage)), "")
+        return str(json.loads(RunPaths(stage).submission.read_text()).get("job_id", ""))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class Plan:
     after: list[After] = field(default_factory=list)  # `--after`: the stages every trial is queued after
     dependency: str = ""  # sbatch's --dependency on their current jobs (pipeline.dependency); "" none
     waits_for: str = ""  # the same in words, for the user (stages.waits_for)
+    avoided: str = ""  # the nodes left out for their record (cluster.avoid_bad_nodes), in one sentence; "" none
     # What _save_manifest last wrote (each record and its JSON line), so a save re-serializes only what changed
     written: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -208,12 +210,13 @@ def _stages(
             "cluster.sbatch_extra.dependency and --after both set a dependency; name the runs to wait for with "
             "--after RUN[:ok|any] (it follows them across resumes), and drop the sbatch_extra one"
         )
-    dependency, found = stages.dependency(after)
-    if any(PLACEHOLDER in str(c["script"]) for c in configs) and len(stages.runs_of(after[0])) != 1:
+    # a sweep of one trial too: the job looks for the checkpoint in the path --after names, and a sweep holds none
+    if any(PLACEHOLDER in str(c["script"]) for c in configs) and (Path(after[0].run) / MANIFEST).exists():
         raise ValueError(
             f"{PLACEHOLDER} is the final checkpoint of the first --after, but {after[0].run} is a sweep: whose? "
             f"name one of its trials first, e.g. --after {after[0].run}/0000"
         )
+    dependency, found = stages.dependency(after)
     return dependency, stages.waits_for(found), frozenset(Path(u.run_dir) for u in found)
 
 
@@ -222,6 +225,36 @@ def _check_commands(runs: list[RunConfig]) -> None:
     for cmd in {tuple(r.script.cmd) for r in runs if r.script.cmd}:
         if why := runnable(list(cmd), Path.cwd()):
             raise ValueError(why)
+
+
+def _avoid_bad_nodes(p: Plan, validate: bool) -> str:
+    """cluster.avoid_bad_nodes: the nodes with a bad record in the runs of out_dir (reputation.py) added to each
+    trial's cluster.exclude, frozen with it (a requeue's ExcNodeList and a resume keep them out), as far as the
+    partition can spare them; the sentence that says so ("" none). Slurm is asked only when a node has a verdict:
+    the partitions and nodes validate_live reads, asked again for it."""
+    from hpc_train import reputation, slurm
+
+    wanted = [i for i, r in enumerate(p.runs) if r.cluster.avoid_bad_nodes]
+    now = time.time()
+    record = reputation.harvest(Path(p.runs[0].out_dir), now) if wanted else reputation.Record()
+    if not record.verdicts:
+        return ""
+    if p.unvalidated:
+        p.unchecked.append(f"nodes with a bad record (hpc-train nodes {p.runs[0].out_dir}) not left out")
+        return ""
+    parts, nodes = slurm.partitions(), slurm.nodes()
+    if validate:  # taken from prefetch above
+        slurm.prefetch(["scontrol", "show", "partition", "-o"], ["scontrol", "show", "node", "-o"])
+    said: dict[tuple[Any, ...], tuple[str | None, str]] = {}
+    for i in wanted:
+        c = p.runs[i].cluster
+        # what reputation.avoid reads; not vars(c) in JSON: ~30 us a trial, seconds for a 100,000-point sweep
+        key = (c.partition, c.nodes, c.spare_nodes, c.exclude, c.nodelist, c.reservation, c.constraint)
+        key += (c.gpus_per_node, c.tasks_per_node, c.cpus_per_task)
+        if key not in said:
+            said[key] = reputation.avoid(c, record, parts, nodes, now)
+        c.exclude = p.configs[i]["cluster"]["exclude"] = said[key][0]
+    return " | ".join(dict.fromkeys(s for _, s in said.values() if s))
 
 
 def plan(
@@ -273,6 +306,7 @@ def plan(
     # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
     if not result.unvalidated:
         slurm.prefetch(*facts)
+    result.avoided = _avoid_bad_nodes(result, validate)
     max_array = (
         1
         if not multirun

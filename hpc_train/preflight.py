@@ -418,7 +418,7 @@ def check(env: Any, cfg: PreflightConfig, paths: RunPaths, time_gpu: bool = True
             wall_s=round(time.perf_counter() - t0, 3),
         )
         for line in [*(f"node {n} failed the preflight: {why}" for n, why in sick.items()), *warnings]:
-            log.info(f"preflight: {line}")
+            log.warning(f"preflight: {line}")
     if stop:
         raise Unrecoverable(f"preflight: {stop}")
     return sick

@@ -40,6 +40,7 @@ def _current(name: str) -> Any:
 def configure(rank: int | str, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
     """(Re)install this task's handlers with `rank` in their prefix: at the task's start (Slurm's task number, or
     "?"), again once placement has named its rank (rendezvous.join, a rejoin). Idempotent: the earlier pair goes."""
+    enable()
     logger, progress = logging.getLogger(LOGGER), logging.getLogger(PROGRESS)
     for lg in (logger, progress):
         for handler in [h for h in lg.handlers if getattr(h, "hpc_train", False)]:
@@ -57,6 +58,15 @@ def configure(rank: int | str, stdout: TextIO | None = None, stderr: TextIO | No
         lg.addHandler(handler)
         lg.setLevel(logging.INFO)
         lg.propagate = False  # a user's root handlers would print every line a second time
+
+
+def enable() -> None:
+    """Every `hpc_train` logger on again: a user's function that calls logging.config.dictConfig (its default
+    disable_existing_loggers=True) silences every logger that exists by then, ours too, and the stop's or the
+    finish's lines would vanish. Called after the function returns or raises, and by configure."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if (name == LOGGER or name.startswith(LOGGER + ".")) and isinstance(logger, logging.Logger):
+            logger.disabled = False
 
 
 def header(attempt: int, rank: int) -> None:

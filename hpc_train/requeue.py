@@ -189,13 +189,10 @@ def apply(
     inside = preempt.requeued_inside(d.reason or facts.reason, facts.fate)
     if d.action == Action.STOP:
         record(journal.STOPPED, reason=d.why)
-        pipeline.settle_dependents(paths.run_dir, d.why)  # the runs queued after it (submit --after): told, cancelled
         log.error("not requeueing: %s", d.why)
-        if inside and env.executor == "slurm":  # the requeued job would start again: the budget is spent
-            try:
-                slurm.scancel([env.job_id])
-            except slurm.SlurmError as e:
-                log.error("could not cancel the requeued job %s: %s; scancel it by hand", env.job_id, e)
+        if inside and env.executor == "slurm":  # first: the job the script requeued starts again unless cancelled
+            cancel_own_job(env.job_id)
+        settle(paths, d.why)
         return Verdict.STOP
     if d.action == Action.SLURM:
         err = update_next_attempt(env, cfg.cluster, list(d.excluded), d.size, record)
@@ -213,11 +210,20 @@ def apply(
         error = {"nodes_update_error": err} if err and d.size else {}
         record(journal.REQUEUE, reason=d.reason, by="hpc_train", fate=facts.fate, **d.snapshot, **error)
         return Verdict.REQUEUE
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if env.executor == "slurm" and slurm.job_fate(env.job_id, restarts, slurm.STOP_FATE) == Fate.REQUEUED:
+        # refused because the job was requeued meanwhile (the script's own `scontrol requeue`, an operator's):
+        # it comes back all the same, and counts as the decision said (preempt.requeued_inside)
+        by = "inside_job" if preempt.requeued_inside(d.reason, Fate.REQUEUED) else "slurm"
+        record(journal.REQUEUE, reason=d.reason, by=by, note=f"requeued meanwhile; ours was refused: {err}")
+        return Verdict.REQUEUE
     # No requeue, so no pending job to set ExcNodeList on: the node's next preflight finds it and sets it then.
     excluded = sorted(d.excluded)
     unset = {"exclude_nodes": f"not set ({','.join(excluded)}): the job was not requeued"} if excluded else {}
     record(journal.REQUEUE_FAILED, reason=d.reason, fate=facts.fate, error=err, **unset)
     then = decision.after_refusal(d.reason, facts.signals, facts.fate)  # the live list: a TERM during the retries
+    if then == "stop":
+        settle(paths, f"its requeue failed: {err}")
     log.error(
         f"requeue failed: {err}; "
         + (
@@ -227,6 +233,25 @@ def apply(
         )
     )
     return Verdict(then)
+
+
+def cancel_own_job(job_id: str) -> None:
+    """scancel this job (one try of 5 s, shielded from the stop signals): a stop for good whose job Slurm has
+    requeued meanwhile. Inside KillWait (30 s by default, 10 s on the dev cluster), so first and short."""
+    try:
+        slurm.call(["scancel", job_id], timeout_s=5.0, retries=0, ignore_term=True)
+    except slurm.SlurmError as e:
+        log.error("could not cancel job %s, which was requeued: %s; scancel it by hand", job_id, e)
+
+
+def settle(paths: RunPaths, why: str) -> None:
+    """This run stopped for good (`why`): the runs queued after it (submit --after) are told, the :ok ones cancelled
+    (pipeline.settle_dependents, asking Slurm no states: the stop path's few seconds). Never raises: a failure here
+    leaves their cancel to Slurm's --kill-on-invalid-dep."""
+    try:
+        pipeline.settle_dependents(paths.run_dir, why, ask_slurm=False)
+    except Exception as e:
+        log.warning("the runs queued after %s were not told it stopped: %s", paths.run_dir, e)
 
 
 def _write(record: Callable[..., None], records: tuple[tuple[str, dict[str, Any]], ...]) -> None:

@@ -106,14 +106,14 @@ def _dependents_again(stage: Path) -> list[str]:
     while todo and progress:
         progress = False
         for dep in list(todo):
-            if not stages.to_queue_again(dep):  # queued meanwhile (a stage resumed in this loop took it along)
-                todo.remove(dep)
-                continue
-            try:
+            try:  # the stage is queued already: a dependent's error is its sentence, never the command's exit 2
+                if not stages.to_queue_again(dep):  # queued meanwhile (a stage resumed in this loop took it along)
+                    todo.remove(dep)
+                    continue
                 job, _ = resume(
                     dep, {}, f"{pipeline.label(stage)}, a stage it runs after, was resumed", dependents=False
                 )
-            except (ValueError, SlurmError) as e:
+            except (ValueError, SlurmError, OSError) as e:  # OSError: another user's run (PermissionError)
                 refused[dep] = str(e)
                 continue
             todo.remove(dep)
@@ -165,7 +165,7 @@ def _resume(run: Any, budgets: dict[str, int], reason: str, allow_data_changed: 
     slurm.slurm_env(cfg.cluster.slurm_conf)
     state = _refuse_if_active(run)
     afters = pipeline.read_after(run.run_dir)  # queued after other runs: their jobs of now (ValueError: one stopped)
-    dependency, found = stages.dependency(afters) if afters else ("", [])
+    dependency, found = stages.dependency(afters, run.run_dir) if afters else ("", [])
     events = journal.read(run.run_dir)  # again: the ranks of a job that was COMPLETING just wrote why they stopped
     why = journal.stop_reason(events, run.job_id, state)
     lines = [f"{run.label} stopped because {why}", *_budget_lines(cfg, events, budgets)]

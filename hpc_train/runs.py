@@ -128,17 +128,16 @@ def local_pid(run: Run) -> int | None:
 
 def cancel(runs: list[Run]) -> tuple[list[str], list[str]]:
     """scancel exactly these runs' Slurm jobs; SIGTERM to each local run's controller while it is still the
-    process submit recorded (a local run that ended is left alone). The runs queued after one that did not finish
-    are told first, and those queued :ok cancelled too (pipeline.settle_dependents: before Slurm's own cancel of
-    them, which says nothing). Returns (the job ids cancelled, a sentence per run queued after them)."""
+    process submit recorded (a local run that ended is left alone). Then the runs queued after one that did not
+    finish are told, and those queued :ok cancelled too (pipeline.settle_dependents, one Slurm query for all:
+    pipeline.waiting takes Slurm's own cancel of them, which says nothing); not when the scancel failed, which
+    leaves these runs as they were. Returns (the job ids cancelled, a sentence per run queued after them)."""
     mine = [r for r in runs if r.job_id and (r.executor == "slurm" or local_pid(r))]
     unfinished = []
     for r in mine:  # first: the ranks look for it when they stop, and it precedes what they log
         events = journal.read(r.run_dir)
         journal.log(r.run_dir, journal.CANCEL, -1, r.job_id, journal.current_attempt(events), by="hpc-train cancel")
         unfinished += [] if journal.finished(events) else [r.run_dir]
-    # then the runs queued after them, but those cancelled here too (their `cancel` says why)
-    said = [s for run_dir in unfinished for s in pipeline.settle_dependents(run_dir, "cancelled by hpc-train cancel")]
     slurm_ids = sorted({r.job_id for r in mine if r.executor == "slurm"})
     if slurm_ids:
         slurm.scancel(slurm_ids)
@@ -149,4 +148,6 @@ def cancel(runs: list[Run]) -> tuple[list[str], list[str]]:
         if pid:
             with contextlib.suppress(ProcessLookupError):  # it exited a moment ago
                 os.kill(pid, signal.SIGTERM)
+    # then the runs queued after them, but those cancelled here too (their `cancel` says why)
+    said = pipeline.settle_dependents(unfinished, "cancelled by hpc-train cancel") if unfinished else []
     return [r.job_id for r in mine], said

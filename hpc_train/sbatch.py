@@ -80,6 +80,10 @@ class ClusterConfig:
     mail_user: str | None = None  # default: the submitting user
     nodelist: str | None = None  # only these nodes, e.g. "node[1-2]"
     exclude: str | None = None  # never these nodes
+    # At submit, leave out the partition's nodes with a recent bad record in the runs of out_dir (failed preflights,
+    # hardware errors, hangs, losses, stragglers: reputation.py), as far as the partition can spare them; added
+    # after exclude in the frozen config, so requeues and resumes keep them out. false: every node, whatever its record.
+    avoid_bad_nodes: bool = True
     # Any other sbatch long option, without "--": {"mem-bind": "local"}; "" renders a bare flag
     # (--contiguous). Names are checked against sbatch 22.05's; values are shell-quoted by submitit.
     sbatch_extra: dict[str, str] = field(default_factory=dict)

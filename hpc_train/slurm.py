@@ -446,10 +446,22 @@ def job_states(job_ids: list[str], retries: int = 3, strict: bool = False, timeo
     missing = [j for j in ids if j not in out]
     if missing:
         sacct = ["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobID,State"]
-        out.update(parse_sacct_states(call(sacct, timeout_s, retries), missing))
+        found = parse_sacct_states(call(sacct, timeout_s, retries), missing)
+        out.update(found if unanswered else {j: unqueued(s) for j, s in found.items()})
     if unanswered and any(j not in out for j in ids):
         raise unanswered
     return out
+
+
+# Accounting's word for a job the controller no longer holds, where it says the job waits: stale. Requeued and
+# cancelled within a second (22.05), accounting keeps the old run's REQUEUED and never records the cancel of the
+# pending one (reproduced on the dev cluster: `scontrol requeue J; scancel J`); nothing else ends a pending job.
+NEVER_STARTED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+
+
+def unqueued(state: str) -> str:
+    """sacct's state of a job squeue answered for and no longer holds (pure): a waiting one was cancelled."""
+    return "CANCELLED" if state in NEVER_STARTED else state
 
 
 def parse_sacct_states(text: str, job_ids: list[str]) -> dict[str, str]:

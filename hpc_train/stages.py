@@ -16,9 +16,10 @@ from hpc_train.pipeline import After, Upstream
 from hpc_train.runs import Run, find_runs
 
 
-def runs_of(after: After) -> list[Run]:
+def runs_of(after: After, queued: Path | None = None) -> list[Run]:
     """The runs an --after path names: a run directory, a sweep's trial, or a sweep (every trial). ValueError for
-    anything else (a folder of runs, a path that holds none), with the fix."""
+    anything else (a folder of runs, a path that holds none), with the fix; `queued`: the run whose after.json
+    names it (resume), to say so for a stage deleted since, with the way out."""
     path = Path(after.run)
     try:
         runs = find_runs(path) if path.is_dir() else []
@@ -30,6 +31,12 @@ def runs_of(after: After) -> list[Run]:
             f"--after {after.run}: a folder of {len(held)} runs, not one; name the run or the sweep to wait for, "
             f"e.g. --after {held[0].run_dir}"
         )
+    if not runs and queued:
+        frozen = pipeline.after_file(queued)
+        raise ValueError(
+            f"{pipeline.label(queued)}: a stage it was queued after, {after.run}, is gone (no run there now); to "
+            f"resume it without waiting for its stages: rm {frozen}, then hpc-train resume {queued}"
+        )
     if not runs:
         raise ValueError(
             f"--after {after.run}: not a run or a sweep (no config.yaml of a submit, no sweep.json there); give a "
@@ -40,14 +47,18 @@ def runs_of(after: After) -> list[Run]:
     return runs
 
 
-def facts(pairs: list[tuple[After, Run]], states: dict[str, str] | None) -> list[Upstream]:
-    """Each run as pipeline.dependency needs it, from its journal and Slurm's `states` (slurm.job_states; None when
-    Slurm did not answer: then only the journal tells). A run will not come back by itself once its journal says
-    it stopped (since its last resume), or once its job ended without its finish (an admin's scancel, a node
-    lost for good)."""
+def facts(
+    pairs: list[tuple[After, Run]],
+    states: dict[str, str] | None,
+    journals: dict[Path, list[journal.Event]] | None = None,
+) -> list[Upstream]:
+    """Each run as pipeline.dependency needs it, from its journal (`journals`, when read already) and Slurm's
+    `states` (slurm.job_states; None when Slurm did not answer: then only the journal tells). A run will not come
+    back by itself once its journal says it stopped (since its last resume), or once its job ended without its
+    finish (an admin's scancel, a node lost for good)."""
     out = []
     for after, r in pairs:
-        events = journal.read(r.run_dir)
+        events = journal.read(r.run_dir) if journals is None else journals[r.run_dir]
         finished = journal.finished(events) is not None
         state = (states or {}).get(r.job_id, "")
         ended = states is not None and bool(r.job_id) and state not in slurm.ACTIVE_STATES
@@ -58,17 +69,27 @@ def facts(pairs: list[tuple[After, Run]], states: dict[str, str] | None) -> list
     return out
 
 
-def upstreams(afters: list[After]) -> list[Upstream]:
-    """Every run of these stages as it stands now: one Slurm query for all of their jobs."""
-    pairs = [(a, r) for a in afters for r in runs_of(a)]
-    ids = [r.job_id for _, r in pairs if r.executor == "slurm" and r.job_id]
-    return facts(pairs, slurm.job_states(ids) if ids else {})
+def upstreams(afters: list[After], queued: Path | None = None) -> list[Upstream]:
+    """Every run of these stages as it stands now: one Slurm query for all of their jobs (`queued`: runs_of's)."""
+    pairs = [(a, r) for a in afters for r in runs_of(a, queued)]
+    journals = {r.run_dir: journal.read(r.run_dir) for _, r in pairs}
+    return facts(pairs, _states([r for _, r in pairs], journals), journals)
 
 
-def dependency(afters: list[After]) -> tuple[str, list[Upstream]]:
+def _states(runs: list[Run], journals: dict[Path, list[journal.Event]], retries: int = 3) -> dict[str, str]:
+    """Slurm's states of these runs' jobs, asked only of those whose journal does not say already how they ended
+    (finished, or stopped since the last resume): Slurm forgets a job 5 minutes after it ended (MinJobAge), and
+    without slurmdbd sacct then fails for it, though the stage finished days ago. SlurmError when Slurm does not
+    answer for the others."""
+    ended = {r.run_dir for r in runs if journal.finished(journals[r.run_dir]) or journal.stopped(journals[r.run_dir])}
+    ids = [r.job_id for r in runs if r.executor == "slurm" and r.job_id and r.run_dir not in ended]
+    return slurm.job_states(ids, retries=retries) if ids else {}
+
+
+def dependency(afters: list[After], queued: Path | None = None) -> tuple[str, list[Upstream]]:
     """(sbatch's --dependency for a run queued after these stages now, their runs): ValueError when one can never
-    satisfy it (pipeline.dependency)."""
-    found = upstreams(afters)
+    satisfy it (pipeline.dependency). `queued`: the run queued again (resume), whose after.json names them."""
+    found = upstreams(afters, queued)
     return pipeline.dependency(found), found
 
 
@@ -103,13 +124,14 @@ def chain(runs: list[Run]) -> dict[Path, list[dict[str, Any]]]:
             stages[after] = runs_of(after)
         except ValueError:  # deleted since: said in its row
             stages[after] = []
-    ids = [r.job_id for found in stages.values() for r in found if r.executor == "slurm" and r.job_id]
+    every = {r.run_dir: r for found in stages.values() for r in found}
+    journals = {run_dir: journal.read(run_dir) for run_dir in every}
     states: dict[str, str] | None
     try:
-        states = slurm.job_states(ids, retries=1) if ids else {}
+        states = _states(list(every.values()), journals, retries=1)
     except slurm.SlurmError:  # status says once that Slurm did not answer; the chain says "unknown"
         states = None
-    shown = {a: facts([(a, r) for r in found], states) for a, found in stages.items()}
+    shown = {a: facts([(a, r) for r in found], states, journals) for a, found in stages.items()}
     return {run_dir: [_stage(a, shown[a], states or {}) for a in afters] for run_dir, afters in wanted.items()}
 
 
@@ -160,13 +182,16 @@ def after_resume(run_dir: Path) -> tuple[list[str], list[Path]]:
     lines, again = [], []
     for dep, (job_id, _) in deps.items():
         dep_dir, state = Path(dep), states.get(job_id, "")
-        events = journal.read(dep_dir) if Path(dep).is_dir() else []
-        if not events and not dep_dir.is_dir():
-            continue
-        if state == "PENDING" and pipeline.waiting(events, state):
-            lines.append(_repoint(dep_dir, job_id, run_dir, events))
-        elif state not in slurm.ACTIVE_STATES and needs_queueing(dep_dir, events):
-            again.append(dep_dir)
+        try:
+            events = journal.read(dep_dir) if dep_dir.is_dir() else []
+            if not events and not dep_dir.is_dir():
+                continue
+            if state == "PENDING" and pipeline.waiting(events, state):
+                lines.append(_repoint(dep_dir, job_id, run_dir, events))
+            elif state not in slurm.ACTIVE_STATES and needs_queueing(dep_dir, events):
+                again.append(dep_dir)
+        except (OSError, ValueError) as e:  # another user's run (PermissionError), a damaged path
+            lines.append(f"{pipeline.label(dep_dir)} (job {job_id}) was not looked at: {e}")
     return lines, again
 
 
@@ -191,8 +216,8 @@ def _repoint(dep_dir: Path, job_id: str, stage: Path, events: list[journal.Event
     """A pending dependent's dependency computed again from its stages now (the resumed stage's new job)."""
     who = f"{pipeline.label(dep_dir)} (job {job_id})"
     try:
-        value, _ = dependency(pipeline.read_after(dep_dir))
-    except ValueError as e:
+        value, _ = dependency(pipeline.read_after(dep_dir), dep_dir)
+    except (ValueError, slurm.SlurmError) as e:
         return f"{who} still waits for {pipeline.label(stage)}'s old job: {e}"
     err = slurm.update_job(job_id, {"Dependency": value})
     if err:

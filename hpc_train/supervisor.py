@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_train import journal, preempt, protocol, slurm
+from hpc_train import deadlines, journal, pipeline, preempt, protocol, slurm
 from hpc_train.paths import RunPaths, make_dir
 from hpc_train.reasons import Reason
 from hpc_train.script import checkpoint_path, ckpt_dir, command, end_child, found_checkpoint
@@ -222,9 +222,24 @@ def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launche
         # HPC_TRAIN_MASTER_ADDR names our rendezvous host; the script's rank 0 is the placed first node
         addr = os.environ.get("HPC_TRAIN_MASTER_ADDR") if env.nodes[0] == env.master_addr else None
         facts[0] = {"addr": addr or env.nodes[0], "port": _free_port(), "found": found}
+        # the command filled once: {after.ckpt} (a stage's final checkpoint, pipeline.placeholders) the same on
+        # every rank, whatever the stage commits meanwhile; a fill that fails fails every rank, none left waiting
+        try:
+            facts[0]["cmd"] = command(config, paths.run_dir, resuming=bool(found))
+            if any(pipeline.PLACEHOLDER in w for w in config["script"]["cmd"] + config["script"]["resume_args"]):
+                facts[0]["after_ckpt"] = pipeline.placeholders(pipeline.PLACEHOLDER, paths.run_dir)["after.ckpt"]
+                if facts[0]["after_ckpt"] == pipeline.PLACEHOLDER:  # started before its stage ended: a failure
+                    raise RuntimeError(
+                        f"{pipeline.PLACEHOLDER}: the stage this run was queued after is still queued or running "
+                        f"and has no checkpoint yet (its dependency lost?); not starting the script without it"
+                    )
+        except Exception as e:
+            facts[0]["error"] = (isinstance(e, preempt.Unrecoverable), f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(facts, src=0)  # one answer: a checkpoint written meanwhile resumes no rank alone
-    found = facts[0]["found"]
-    cmd = command(config, paths.run_dir, resuming=bool(found))
+    if "error" in facts[0]:
+        unrecoverable, why = facts[0]["error"]
+        raise (preempt.Unrecoverable if unrecoverable else RuntimeError)(why)
+    found, cmd = facts[0]["found"], facts[0]["cmd"]
     ignore = ",".join(x for x in ("USR2", "TERM") if x != s.stop_signal)
     proc = subprocess.Popen(
         [sys.executable, "-S", "-c", _SHIM, ignore, s.stop_signal, *cmd],
@@ -251,6 +266,7 @@ def _launch(env: Any, cfg: Any, paths: RunPaths, config: dict[str, Any], launche
         resumed_from=found or None,
         cmd=cmd,
         master=f"{facts[0]['addr']}:{facts[0]['port']}",
+        **({"after_ckpt": facts[0]["after_ckpt"]} if facts[0].get("after_ckpt") else {}),
     )
     if env.rank == 0:
         log.info("every rank runs: %s", " ".join(cmd))
@@ -272,6 +288,7 @@ def _watch(
     s, pulse = cfg.script, task.pulse
     stopped_at, kill_at, reason, kill_deadline = None, float("inf"), Reason.PREEMPT, float("inf")
     killed = False  # this rank ended its child: a peer's failure, or the stop's grace ran out
+    signals_at_stop = 0  # how many stop signals this rank had when the stop came: a SIGTERM after them ends the job
     # Rank 0 watches metrics.jsonl (script_helper.log) by its mtime changing, timed on its own clock: the
     # mtime is the file server's clock, which may be minutes off ours.
     metrics_mtime, metrics_at = _mtime(paths.metrics) if env.rank == 0 else 0.0, 0.0
@@ -281,14 +298,17 @@ def _watch(
         if env.rank == 0 and (m := _mtime(paths.metrics)) != metrics_mtime:
             metrics_mtime, metrics_at = m, time.monotonic()
         # [any stop signal, any child failed, not every child exited, -(seconds since this rank's newest
-        # output)]: an age measured on the node that saw the output, so a node whose wall clock is off
-        # neither hides its output from the others nor renews their heartbeat for as long as it is ahead
+        # output), Slurm's SIGTERM after the stop came]: an age measured on the node that saw the output, so a node
+        # whose wall clock is off neither hides its output from the others nor renews their heartbeat for as long
+        # as it is ahead
+        ending = stopped_at is not None and "SIGTERM" in pulse.received[signals_at_stop:]
         t = torch.tensor(
             [
                 1.0 if pulse.received else 0.0,
                 1.0 if code not in (None, 0) else 0.0,
                 1.0 if code is None else 0.0,
                 -(time.monotonic() - max(child.output.heard_at, metrics_at)),
+                1.0 if ending else 0.0,
             ],
             dtype=torch.float64,
         )
@@ -298,6 +318,7 @@ def _watch(
         if t[0] and stopped_at is None:
             left, reason = protocol.time_left(env, cfg.cluster, pulse, launched_at)
             stopped_at, kill_deadline = time.monotonic(), time.monotonic() + left
+            signals_at_stop = len(pulse.received)
             kill_at = stopped_at + grace_s(left, reason, reserve_s)
             delivered = already_delivered(env.executor, s.stop_signal, child.started_at, pulse)
             if code is None and not delivered:
@@ -313,6 +334,8 @@ def _watch(
                 resent=not delivered,
                 kill_after_s=round(kill_at - stopped_at, 2),
             )
+        if t[4] and time.monotonic() + deadlines.AFTER_TERM_S < kill_at:  # the job ends: decide within KillWait
+            kill_at = time.monotonic() + deadlines.AFTER_TERM_S
         if stopped_at is None and t[1]:  # a child failed: the others would block on it in a collective
             killed = child.proc.poll() is None
             end_child(child.proc)

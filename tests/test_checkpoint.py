@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -959,3 +960,50 @@ def test_optimizer_state_no_step_made_before_the_save_resumes_as_uninterrupted(t
     cut = run(make_attempt(tmp_path / "cut"), 6)
     assert cut.step == 6
     assert all(torch.equal(a, b) for a, b in zip(cut.model.state_dict().values(), ref.model.state_dict().values()))
+
+
+def test_the_finish_is_on_record_before_the_memory_copy_is_waited_for(tmp_path: Path, our_handlers: Any) -> None:
+    """Review: Attempt.finish waited for the memory copy in flight (up to 120 s + 10 s) before summary.json and the
+    finish event; a copy stuck on a slow buddy at a time limit's last step let SIGKILL find the run unfinished (its
+    afterok dependents cancelled). The finish is on record before the wait begins."""
+    import types
+
+    from hpc_train import journal
+
+    at, state = make_attempt(tmp_path), make_state()
+    seen: list[bool] = []
+
+    def wait(timeout_s: float) -> bool:  # the copy in flight, as MemoryTier's: what is on record by now
+        seen.append((tmp_path / "summary.json").exists() and journal.finished(journal.read(tmp_path)) is not None)
+        return True
+
+    at.memory = types.SimpleNamespace(
+        idle=types.SimpleNamespace(is_set=lambda: bool(seen)),
+        wait=wait,
+        abandon=lambda: None,
+        clean=lambda join_s: None,
+    )
+    at.finish(state)
+    assert seen == [True]
+
+
+def test_init_from_a_stage_starts_every_attempt_from_the_same_checkpoint(tmp_path: Path) -> None:
+    """Review: checkpoint.init_from=RUN (a stage the run is queued after, submit --after) was resolved by every rank
+    at every attempt: a stage resumed meanwhile had committed a newer checkpoint (ranks could differ; a requeued
+    attempt before its first save took another start than the first). Rank 0 chooses once: the stage's final
+    checkpoint, or the one an earlier attempt of this run started from while it still has its marker."""
+    from hpc_train import journal
+
+    stage, run = tmp_path / "pre-1", tmp_path / "ft-1"
+    stage_saver, state = make_saver(stage, [], keep_last=5), make_state()
+    for step in (10, 20):
+        save_at(stage_saver, state, step, "final")
+    run.mkdir()
+    ft = make_saver(run, [], init_from=str(stage))
+    assert ft.init_source() == stage / "checkpoints" / "step_000020"  # the stage's final one
+    source, _, _ = ft.init_from(make_state(1))
+    journal.log(run, journal.START, 0, "9", 0, init_from=source)  # what Attempt.resume records
+    save_at(stage_saver, state, 30, "final")  # the stage resumed and went on meanwhile
+    assert ft.init_source() == stage / "checkpoints" / "step_000020"  # the first attempt's, still there
+    shutil.rmtree(stage / "checkpoints" / "step_000020")
+    assert ft.init_source() == stage / "checkpoints" / "step_000030"  # gone: the stage's final one now

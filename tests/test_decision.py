@@ -282,9 +282,13 @@ def test_a_requeue_made_inside_the_job_at_the_time_limit_is_recorded_as_such_and
     at every warning ran for ever. Slurm never requeues a job for its time limit, so such a requeue is the job's
     own: recorded by="inside_job", counted under requeue.max_time_limit_requeues, and once that is spent the run
     stops and the requeued job is cancelled (scancel faked here; test_slurm_script runs the real one)."""
+    from hpc_train import pipeline
+
     monkeypatch.setattr(slurm, "job_fate", lambda job_id, restarts, policy: "requeued")
     cancelled: list[list[str]] = []
-    monkeypatch.setattr(slurm, "scancel", lambda ids, *a, **k: cancelled.append(list(ids)))
+    order: list[str] = []
+    monkeypatch.setattr(slurm, "call", lambda args, **k: cancelled.append(args[1:]) or order.append(args[0]) or "")
+    monkeypatch.setattr(pipeline, "settle_dependents", lambda *a, **k: order.append("settle") or [])
     env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("n1",))
     paths = RunPaths(tmp_path)
     cfg = composed(("cluster=dev", "cluster.nodes=1", "requeue.max_time_limit_requeues=1"))
@@ -300,3 +304,22 @@ def test_a_requeue_made_inside_the_job_at_the_time_limit_is_recorded_as_such_and
     assert decided("time_limit") == "stop" and cancelled == [["7"]]  # max_time_limit_requeues=1 spent
     stopped = journal.last(journal.read(tmp_path), journal.STOPPED)
     assert stopped is not None and "time_limit budget spent" in stopped["reason"]
+    # Review: the cancel came last, after the dependents' settling (21 s a level): KillWait had ended by then
+    assert order == ["scancel", "settle"], order
+
+
+def test_a_requeue_refused_because_the_job_was_requeued_meanwhile_is_that_requeue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the fate read at the decision said running (or scontrol did not answer in 10 s) while the script
+    requeued its job itself; our scontrol requeue was then refused, recorded as requeue_failed, and a time-limit
+    stop stopped the run though the job comes back. Read again after the refusal, the requeue is on record."""
+    fates = iter(["unknown", "requeued"])
+    monkeypatch.setattr(slurm, "job_fate", lambda job_id, restarts, policy: next(fates))
+    monkeypatch.setattr(slurm, "requeue", lambda job_id, policy: "Requested operation is presently disabled")
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0, nodes=("n1",))
+    cfg = composed(("cluster=dev", "cluster.nodes=1"))
+    assert requeue.requeue_or_stop(RunPaths(tmp_path), env, cfg, "time_limit", 5, signals=["SIGUSR2"]) == "requeue"
+    events = journal.read(tmp_path)
+    (requeued,) = journal.named(events, journal.REQUEUE)
+    assert requeued["by"] == "inside_job" and not journal.named(events, journal.REQUEUE_FAILED), events

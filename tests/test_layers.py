@@ -23,16 +23,18 @@ LAYERS: list[tuple[str, ...]] = [
         "relay",
         "reasons",
         "ranklog",
+        "planning",
     ),  # facts and names, torch-free; the stop path's words (Reason, Fate, Action); the job side's logging;
-    # the exit; a rank process's own state; the batch step's supervisor
+    # the goodput model (planning); the exit; a rank process's own state; the batch step's supervisor
     ("journal", "slurm"),  # the run's records; the one caller of Slurm's clients
     ("metrics", "preempt", "provenance", "data", "deadlines"),  # deadlines: the stop and failure paths' table
     ("pipeline",),  # a run queued after others: after.json, dependents.jsonl, the dependency rule, a stop's settling
     # script: ScriptConfig (config.py holds it), its placeholders and the checks at submit;
     # script_helper: what a user's script imports (torch-free)
     ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
-    # the root config, composed from the dataclasses beside their code; the verdicts; the requeue decision (pure)
-    ("config", "verdict", "decision"),
+    # the root config, composed from the dataclasses beside their code; the verdicts; the requeue decision (pure);
+    # reputation: the nodes' verdicts across a project's runs and what a submit leaves out for them
+    ("config", "verdict", "decision", "reputation"),
     # the job side from here; profiling: profile.*, which Attempt steps; protocol: one attempt protocol (start,
     # time left, signal, finish) for a training function and a script alike
     ("model", "checkpoint", "profiling", "protocol"),

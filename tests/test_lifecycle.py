@@ -466,3 +466,27 @@ def test_a_term_during_a_refused_requeue_makes_it_a_wait_for_slurms(
         ).signals
         is received
     )
+
+
+def test_a_job_that_starts_after_its_run_stopped_for_good_leaves_and_cancels_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: a stop for good whose job was requeued meanwhile (a script's own scontrol requeue that the stop's
+    scancel lost to, Slurm's requeue at a preemption's end, a pipeline's cancel that failed) trained again at the
+    next start, the stop on record. It leaves at once, its job cancelled; after `hpc-train resume` it trains."""
+    from types import SimpleNamespace
+
+    from hpc_train import job, journal, slurm
+    from hpc_train.paths import RunPaths
+
+    cancelled: list[list[str]] = []
+    monkeypatch.setattr(slurm, "scancel", lambda ids, *a, **k: cancelled.append(list(ids)))
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=1, rank=0, local_rank=1, nodes=("n1",))
+    journal.log(tmp_path, journal.STOPPED, 5, "7", 0, reason="time_limit budget spent")
+    with pytest.raises(SystemExit) as left:
+        job._before_rendezvous(RunPaths(tmp_path), env, None)
+    assert left.value.code == 1 and cancelled == [["7"]]
+    journal.log(tmp_path, journal.RESUME, -1, "8", 1)
+    monkeypatch.setattr(job.preempt, "injected", lambda name: name == "raise_at_start")  # past the guard: trains
+    with pytest.raises(RuntimeError, match="raise_at_start"):
+        job._before_rendezvous(RunPaths(tmp_path), env, None)

@@ -5,12 +5,16 @@ after it; {after.ckpt} and checkpoint.init_from=STAGE. tests/test_slurm_pipeline
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import HPC_TRAIN, run
+from conftest import HPC_TRAIN, fake_clients, run, said
 
 from hpc_train import journal, pipeline, stages
 from hpc_train.paths import MARKER
@@ -190,6 +194,116 @@ def test_settling_without_an_answer_from_slurm_still_tells_each_dependent(
     assert pipeline.settle_dependents(tmp_path / "nothing-after-it", "x") == []
 
 
+# Every client records its command line, then hangs as a controller that does not answer would
+HANGING = {name: f'echo "{name} $*" >> "$STATE/calls"; exec sleep 30' for name in ("squeue", "sacct", "scancel")}
+
+
+def a_cascade(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    """pre-1 <- ev-1 (:ok) <- ft-1 (:ok), and pre-1 <- any-1 (:any), each registered as submit does."""
+    up, ev, ft, anyone = (
+        make_run(tmp_path, f"{n}-1", str(j)) for n, j in (("pre", 10), ("ev", 11), ("ft", 12), ("any", 13))
+    )
+    pipeline.register([After(str(up), "ok")], {str(ev): "11"})
+    pipeline.register([After(str(up), "any")], {str(anyone): "13"})
+    pipeline.register([After(str(ev), "ok")], {str(ft): "12"})
+    return up, ev, ft, anyone
+
+
+def test_the_stop_path_asks_slurm_nothing_and_cancels_the_cascade_in_one_scancel_of_5_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ask_slurm=False (requeue.apply's stop, inside what the time limit leaves): no squeue or sacct, the cascade told
+    from the journals alone, then one scancel of every :ok run, given up after 5 s (before: a query and a scancel a
+    level, 21 s a level measured, each of them retried)."""
+    bin_dir, state = fake_clients(tmp_path, HANGING)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    up, ev, ft, anyone = a_cascade(tmp_path)
+    began = time.monotonic()
+    said = pipeline.settle_dependents(up, "failure budget spent", ask_slurm=False)
+    assert time.monotonic() - began < 8  # the scancel's 5 s and the journals
+    assert (state / "calls").read_text() == "scancel 11 12\n"
+    assert [s.split(":")[0] for s in said] == ["ev-1 (job 11)", "any-1 (job 13)", "ft-1 (job 12)"]
+    assert journal.stopped(journal.read(ft))["root"] == str(up)
+    assert [e["upstream"] for e in journal.named(journal.read(anyone), journal.RELEASED)] == [str(up)]
+
+
+def test_damaged_dependents_records_are_skipped_and_settling_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A dependents.jsonl edited by hand (a time that is a string, a path with a NUL byte, runs that are a list, an
+    unknown kind): the records it cannot use are skipped, `hpc-train cancel` tells the others (before: a traceback
+    from the sort). Whatever else fails while settling is a warning, never the stop path's exception."""
+    bin_dir, state = fake_clients(tmp_path, FORGOTTEN)
+    up, ev, ft, any1 = a_cascade(tmp_path)
+    with open(up / "dependents.jsonl", "a") as f:
+        for record in (
+            {"time": "yesterday", "kind": "ok", "runs": {str(ev): "21"}},
+            {"time": 1, "runs": {f"{tmp_path}/x\0y": "5"}},
+            {"time": 2, "runs": [str(ft)]},
+            {"time": 3, "kind": "maybe", "runs": {str(ft): "6"}},
+            {"time": None, "runs": {str(ft): ["7"]}},
+        ):
+            f.write(json.dumps(record) + "\n")
+    assert pipeline.dependents(up) == {str(ev): ("11", "ok"), str(tmp_path / "any-1"): ("13", "any")}
+    proc = run([HPC_TRAIN, "cancel", str(up)], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[:2] == [
+        "cancelled 1 job(s): 10",
+        f"ev-1 (job 11): {journal.stopped(journal.read(ev))['reason']}",
+    ]
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    said(caplog)
+    monkeypatch.setattr(journal, "read", broken)  # for each dependent
+    assert pipeline.settle_dependents(up, "x", ask_slurm=False) == []
+    assert said(caplog).splitlines() == [f"pipeline: could not tell {d} that {up} stopped (a bug)" for d in (ev, any1)]
+    monkeypatch.setattr(pipeline, "dependents", broken)  # for all of them
+    assert pipeline.settle_dependents(up, "x") == []
+    assert said(caplog) == f"pipeline: the runs queued after {up} were not all told it stopped (a bug)"
+
+
+# squeue has forgotten every job (it ended over 5 minutes ago), accounting answers for none; scancel says why it
+# cannot when $STATE/refuse exists (another user's job), and every call is recorded
+FORGOTTEN = {
+    "squeue": 'echo "squeue $*" >> "$STATE/calls"; echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1',
+    "sacct": 'echo "sacct $*" >> "$STATE/calls"',
+    "scancel": """echo "scancel $*" >> "$STATE/calls"
+if [ -e "$STATE/refuse" ]; then echo "scancel: error: Kill job error on job id $1: Access/permission denied" >&2; exit 1; fi""",
+}
+
+
+def test_cancel_scancels_the_stage_first_then_settles_its_runs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runs.cancel: a scancel of the stage that fails leaves the runs queued after it as they were (before: told and
+    cancelled, the stage running on); a sweep's trials cancelled together settle the runs queued after the sweep
+    with one squeue (before: one a trial)."""
+    from hpc_train import runs, slurm
+
+    bin_dir, state = fake_clients(tmp_path, FORGOTTEN)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    up, ev, _, _ = a_cascade(tmp_path)
+    (state / "refuse").touch()
+    with pytest.raises(slurm.SlurmError, match="Access/permission denied"):
+        runs.cancel(stages.runs_of(After(str(up))))
+    assert journal.read(ev) == [] and (state / "calls").read_text() == "scancel 10\n"
+
+    (state / "refuse").unlink()
+    (state / "calls").unlink()
+    sweep = tmp_path / "s-1"
+    trials = [make_run(sweep, f"{i:04d}", f"40_{i}") for i in range(3)]
+    (sweep / "sweep.json").write_text("{}")
+    dep = make_run(tmp_path, "after-sweep-1", "41")
+    pipeline.register([After(str(sweep), "ok")], {str(dep): "41"})
+    cancelled, said = runs.cancel([Run(t, f"s-1/{t.name}", f"40_{t.name[-1]}", "slurm", sweep) for t in trials])
+    assert cancelled == ["40_0", "40_1", "40_2"] and [s.split(":")[0] for s in said] == ["after-sweep-1 (job 41)"]
+    calls = (state / "calls").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["scancel", "squeue", "sacct", "scancel"], calls
+    assert calls[0] == "scancel 40_0 40_1 40_2" and calls[-1] == "scancel 41"
+
+
 def committed_step(run_dir: Path, step: int) -> Path:
     folder = run_dir / "checkpoints" / f"step_{step:06d}"
     folder.mkdir(parents=True)
@@ -198,11 +312,28 @@ def committed_step(run_dir: Path, step: int) -> Path:
     return folder
 
 
-def test_after_ckpt_is_the_first_stages_final_checkpoint_found_when_the_job_starts(tmp_path: Path) -> None:
-    """Left as written at submit (no after.json yet) and while the stage runs; then its newest committed step folder
-    (a script stage: the newest file it recorded); a stage that ended without one is a sentence."""
+# squeue holds job 1 running and has forgotten every other; accounting says job 3 was cancelled (an admin's scancel)
+STAGE_JOBS = {
+    "squeue": """case "$*" in
+  *"-j 1 "*) echo "1|RUNNING";;
+  *) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;;
+esac""",
+    "sacct": "printf '3|CANCELLED by 0\\n'",
+}
+
+
+def test_after_ckpt_is_the_first_stages_final_checkpoint_found_when_the_job_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left as written at submit (no after.json yet) and while the stage's job is queued or running; then its newest
+    committed step folder (a script stage: the newest file it recorded). A stage that ended without one, finished,
+    stopped or gone from Slurm without a word, stops the run (Unrecoverable): no requeue gives it a checkpoint, and
+    the script never gets the placeholder as written."""
+    from hpc_train.preempt import Unrecoverable
     from hpc_train.script import command
 
+    bin_dir, _ = fake_clients(tmp_path, STAGE_JOBS)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     up, script_up, dep = make_run(tmp_path, "pre-1", "1"), make_run(tmp_path, "scr-1", "2"), tmp_path / "ev-1"
     config = {"script": {"cmd": ["python", "eval.py", "--ckpt", "{after.ckpt}"], "resume_args": []}}
     assert command(config, dep, resuming=False)[-1] == "{after.ckpt}"
@@ -218,11 +349,22 @@ def test_after_ckpt_is_the_first_stages_final_checkpoint_found_when_the_job_star
     other.mkdir()
     pipeline.freeze_after(other, [After(str(script_up))], private=False)
     journal.log(script_up, journal.FINISH, 5, "2", 0)
-    with pytest.raises(ValueError, match=r"ended without a checkpoint \(no committed step folder"):
+    with pytest.raises(Unrecoverable, match=r"scr-1 ended without a checkpoint \(no committed step folder.*this run "):
         command(config, other, resuming=False)
     (script_up / "ckpt.pt").write_bytes(b"x")
     journal.log(script_up, journal.SCRIPT_CHECKPOINT, 5, "2", 0, path=str(script_up / "ckpt.pt"), mtime=1.0)
     assert command(config, other, resuming=False)[-1] == str(script_up / "ckpt.pt")
+    killed, third = make_run(tmp_path, "killed-1", "3"), tmp_path / "ev-3"
+    third.mkdir()
+    pipeline.freeze_after(third, [After(str(killed), "any")], private=False)
+    with pytest.raises(Unrecoverable) as e:
+        command(config, third, resuming=False)
+    assert str(e.value) == (
+        f"{{after.ckpt}}: {killed} ended (job 3: CANCELLED, no finish or stop in its events.jsonl) without a checkpoint "
+        f"(no committed step folder, no checkpoint file its script recorded with script.checkpoint or "
+        f"script_helper.committed()); nothing to start from, so this run stops: once the stage has one, hpc-train "
+        f"resume {third}"
+    )
 
 
 def test_init_from_a_stage_stays_its_run_directory_and_is_not_pinned(tmp_path: Path) -> None:
@@ -258,3 +400,171 @@ def test_status_says_the_chain_in_one_line(tmp_path: Path) -> None:
     ]
     assert stages.chain_text(shown) == "after pre-1:ok (COMPLETED), ev-1:any (RUNNING, job 2)"
     assert [r.run_dir for r in runs if pipeline.read_after(r.run_dir)] == [dep]
+
+
+def test_every_stop_for_good_tells_the_runs_queued_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: only requeue.apply's STOP settled a stage's dependents; a cause no requeue mends (failure._stop: an
+    Unrecoverable, a config that fails, an import error before progress) and an unrunnable script stopped the stage
+    with its :ok dependents left to Slurm's silent cancel. Each now settles them, never raising."""
+    from types import SimpleNamespace
+
+    from hpc_train import failure, journal, pipeline, requeue
+    from hpc_train.paths import RunPaths
+    from hpc_train.task import Pulse, Task
+
+    settled: list[tuple[str, str]] = []
+    monkeypatch.setattr(pipeline, "settle_dependents", lambda run_dir, why, **k: settled.append((run_dir, why)) or [])
+    env = SimpleNamespace(executor="slurm", job_id="7", restart_count=0)
+    verdict, _ = failure._stop(RunPaths(tmp_path), env, Task(Pulse()), "ImportError: no module named x")
+    assert verdict == "stop" and settled == [(tmp_path, "ImportError: no module named x")]
+    assert journal.stopped(journal.read(tmp_path)) is not None
+
+    def broken(*a: object, **k: object) -> list[str]:
+        raise ValueError("embedded null byte")  # a damaged dependents.jsonl
+
+    monkeypatch.setattr(pipeline, "settle_dependents", broken)
+    requeue.settle(RunPaths(tmp_path), "budget spent")  # logged, never raised on the stop path
+
+
+def test_after_ckpt_after_a_sweep_of_one_trial_is_refused_at_submit(tmp_path: Path) -> None:
+    """The job looks for {after.ckpt} in the path --after names, and a sweep directory holds no checkpoint: refused
+    for a sweep of one trial too (before: let through, its job then found none)."""
+    sweep = tmp_path / "s-1"
+    trial = make_run(sweep, "0000", "")
+    (sweep / "sweep.json").write_text(json.dumps({"trials": [{"run_dir": str(trial), "job_id": ""}]}))
+    cmd = [HPC_TRAIN, "submit", "cluster=dev", f"out_dir={tmp_path / 'out'}", "--after", str(sweep)]
+    proc = run([*cmd, "--", "python", "-c", "pass", "{after.ckpt}"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"hpc-train submit: error: {{after.ckpt}} is the final checkpoint of the first --after, but {sweep} is a "
+        f"sweep: whose? name one of its trials first, e.g. --after {sweep}/0000\n"
+    )
+
+
+def test_a_sweep_first_queued_without_after_is_not_given_one_at_a_resubmit(tmp_path: Path) -> None:
+    """--sweep-dir DIR --after X where DIR's trials were queued without --after: refused (before: after.json written,
+    and the trials queued earlier looked as if they waited for X)."""
+    sweep, up = tmp_path / "s-1", make_run(tmp_path, "pre-1", "1")
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text("{}")
+    with pytest.raises(ValueError) as e:
+        pipeline.freeze_after(sweep, [After(str(up))], private=False)
+    assert str(e.value) == (
+        f"--sweep-dir {sweep} was submitted without --after: its trials queued then wait for no stage; resubmit it "
+        f"without --after, or queue a new sweep after {up} (drop --sweep-dir)"
+    )
+    assert not (sweep / "after.json").exists()
+    pipeline.freeze_after(sweep, [], private=False)  # without --after, as first submitted: fine
+
+
+# Slurm without slurmdbd: squeue has forgotten the jobs that ended (MinJobAge) and holds job 2 running; sacct fails
+NO_ACCOUNTING = {
+    "squeue": """case "$*" in
+  *"-j 2 "*) echo "2|RUNNING";;
+  *) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;;
+esac""",
+    "sacct": 'echo "sacct: error: Slurm accounting storage is disabled" >&2; exit 1',
+}
+
+
+def test_a_stage_whose_journal_says_how_it_ended_is_not_asked_about(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--after a stage that finished (or stopped) long ago, on a cluster without slurmdbd: Slurm is asked only about
+    the stages still running, so neither the dependency nor status's chain fails on sacct (before: SlurmError)."""
+    bin_dir, _ = fake_clients(tmp_path, NO_ACCOUNTING)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    done = make_run(tmp_path, "pre-1", "1", (journal.FINISH, {"step": 60}))
+    stop = make_run(tmp_path, "bad-1", "3", (journal.STOPPED, {"reason": "failure budget spent"}))
+    live = make_run(tmp_path, "ev-1", "2")
+    afters = [After(str(done)), After(str(stop), "any"), After(str(live))]
+    assert stages.dependency(afters)[0] == "afterok:2"
+    dep = make_run(tmp_path, "ft-1", "4")
+    pipeline.freeze_after(dep, afters, private=False)
+    chain = stages.chain([Run(dep, "ft-1", "4", "slurm", dep / "submitit")])
+    assert stages.chain_text(chain[dep]) == "after pre-1:ok (COMPLETED), bad-1:any (stopped), ev-1:ok (RUNNING, job 2)"
+
+
+def slurm_run(root: Path, name: str, job_id: str) -> Path:
+    """A Slurm run as submit leaves it, with the whole frozen config (what resume loads)."""
+    import yaml
+
+    from hpc_train.config import compose_trials
+
+    run_dir = make_run(root, name, job_id)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(compose_trials([["cluster=slurm"]])[0][0]))
+    return run_dir
+
+
+# The stage's job 100 and its dependent's job 200 ended (accounting has them), resume's sbatch queues job 556, which
+# squeue then holds pending
+RESUMED = {
+    "squeue": """case "$*" in
+  *"-j 556 "*) echo "556|PENDING";;
+  *) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;;
+esac""",
+    "sacct": "printf '100|CANCELLED by 1000\\n200|CANCELLED by 0\\n'",
+    "sbatch": 'echo "Submitted batch job 556"',
+}
+
+
+def test_resume_of_a_stage_says_each_dependent_it_could_not_queue_again_and_queues_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hpc-train resume STAGE: once the stage is queued again, a dependent that cannot be looked at (here a sweep's
+    trial whose sweep.json is damaged: ValueError) is a sentence, and the next one is still queued again (before: the
+    error escaped, exit 2 after the stage was queued, its "resumed as job" line never printed)."""
+    from hpc_train import resume
+
+    bin_dir, _ = fake_clients(tmp_path, RESUMED)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(resume, "validate_live", lambda *a, **k: None)
+    stage = slurm_run(tmp_path, "sl-1", "100")
+    journal.log(stage, journal.STOPPED, 5, "100", 0, reason="failure budget spent")
+    trial = make_run(tmp_path / "s-1", "0000", "300")
+    (tmp_path / "s-1" / "sweep.json").write_text('{"trials": [')  # torn
+    dep = slurm_run(tmp_path, "ev-1", "200")
+    for d, job_id in ((trial, "300"), (dep, "200")):
+        pipeline.freeze_after(d, [After(str(stage))], private=False)
+        pipeline.register([After(str(stage))], {str(d): job_id})
+    _, lines = resume.resume(stage, {})
+    assert f"resumed as job 556 (attempt 1); run directory {stage}" in lines
+    assert "ev-1, which never started, is queued again as job 556" in lines
+    assert lines[-1].startswith("s-1/0000 is not queued again: Expecting value"), lines
+
+
+def test_resume_of_a_run_whose_stage_was_deleted_says_so_and_the_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage of after.json deleted since: `hpc-train resume` names it as a stage the run was queued after, and how to
+    resume without it (before: `--after PATH: not a run or a sweep`, an --after the user never typed)."""
+    import shutil
+
+    bin_dir, _ = fake_clients(tmp_path, RESUMED)
+    up = make_run(tmp_path, "pre-1", "100")
+    dep = slurm_run(tmp_path, "ev-1", "200")
+    pipeline.freeze_after(dep, [After(str(up))], private=False)
+    shutil.rmtree(up)
+    proc = run([HPC_TRAIN, "resume", str(dep)], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode == 2 and proc.stderr == (
+        f"hpc-train resume: error: ev-1: a stage it was queued after, {up}, is gone (no run there now); to resume it "
+        f"without waiting for its stages: rm {dep / 'after.json'}, then hpc-train resume {dep}\n"
+    )
+
+
+def test_after_ckpt_is_the_same_for_every_attempt_of_the_run(tmp_path: Path) -> None:
+    """Review: {after.ckpt} was resolved again at every attempt (and on every rank): a stage resumed meanwhile had
+    committed a newer checkpoint, and a requeued evaluation judged another one than its first attempt. The first
+    attempt's, recorded in its start event (after_ckpt), is kept while it exists."""
+    from hpc_train.script import command
+
+    up, dep = make_run(tmp_path, "pre-1", "1"), tmp_path / "ev-1"
+    dep.mkdir()
+    pipeline.freeze_after(dep, [After(str(up))], private=False)
+    config = {"script": {"cmd": ["python", "eval.py", "--ckpt", "{after.ckpt}"], "resume_args": []}}
+    first = committed_step(up, 20)
+    assert command(config, dep, resuming=False)[-1] == str(first)
+    journal.log(dep, journal.START, 0, "5", 0, target="script", after_ckpt=str(first))  # as the supervisor records
+    newer = committed_step(up, 60)  # the stage, resumed, went on
+    assert command(config, dep, resuming=True)[-1] == str(first)
+    shutil.rmtree(first)  # gone (the stage's retention): the stage's final one now
+    assert command(config, dep, resuming=True)[-1] == str(newer)

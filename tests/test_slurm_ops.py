@@ -161,3 +161,31 @@ def test_a_sweep_cancelled_while_pending_reads_cancelled_not_pending(slurm_env: 
     wait_until(lambda: states() == ["PENDING", "CANCELLED", "PENDING"], 30, "trial 1 cancelled")
     ops(["cancel", str(sweep)], slurm_env)
     wait_until(lambda: states() == ["CANCELLED"] * 3, 30, "every trial cancelled")
+
+
+def test_a_job_requeued_and_cancelled_at_once_reads_cancelled_not_requeued(
+    slurm_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The team storm's unsettled trial: `hpc-train cancel` a moment after a requeue. Slurm 22.05's accounting then
+    keeps the old run's REQUEUED and never records the pending job's cancel, while squeue no longer lists it: resume
+    was refused for ever ("still REQUEUED"). A waiting state of a job the controller no longer holds is stale."""
+    from hpc_train import slurm
+
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])  # job_states below runs in this process
+    proc = run(
+        ["sbatch", "--parsable", "--array=0-1", "--requeue", "-p", "debug", "-o", "/dev/null", "--wrap", "sleep 120"],
+        env=slurm_env,
+    )
+    array = proc.stdout.strip()
+    task = f"{array}_0"
+    try:
+        sacct = ["sacct", "-X", "-n", "-P", "-j", task, "-o", "State"]
+        wait_until(lambda: "RUNNING" in run(sacct, env=slurm_env).stdout, 60, "running, in accounting too")
+        assert run(["scontrol", "requeue", task], env=slurm_env).returncode == 0
+        assert run(["scancel", task], env=slurm_env).returncode == 0
+        wait_until(lambda: not run(["squeue", "-h", "-j", task], env=slurm_env).stdout.strip(), 60, "gone from squeue")
+        accounted = run(sacct, env=slurm_env).stdout.split()
+        states = slurm.job_states([task], strict=True)
+    finally:
+        run(["scancel", array], env=slurm_env)
+    assert states == {task: "CANCELLED"}, (states, accounted)  # accounted: ['REQUEUED'], seen

@@ -1,6 +1,7 @@
 """A script that requeues its own job at its stop signal, as Lightning's auto_requeue does (its SLURMEnvironment:
-SIGUSR1 -> save, then rank 0 runs `scontrol requeue $SLURM_JOB_ID`), for tests/test_slurm_script.py. Torch-free:
-one step every 0.1 s, its step in OUT/ckpt.json, written at the stop.
+SIGUSR1 -> save, then rank 0 runs `scontrol requeue $SLURM_JOB_ID`, and the handler returns: training goes on
+until Slurm kills the job), for tests/test_slurm_script.py. Torch-free: one step every 0.1 s, its step in
+OUT/ckpt.json, written at the stop. The SIGTERM of the requeue is ignored (the supervisor starts its child so).
 
     python self_requeue.py OUT
 """
@@ -28,3 +29,5 @@ if os.environ["RANK"] == "0":
     os.replace(path + ".tmp", path)
     subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
     print(f"saved step {step} and requeued job {os.environ['SLURM_JOB_ID']}", flush=True)
+while True:  # as Lightning after its requeue: the loop goes on until the job is killed
+    time.sleep(0.1)
