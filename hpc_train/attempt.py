@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpc_train import deadlines, journal, preempt, protocol
+from hpc_train import deadlines, intervals, journal, preempt, protocol
 from hpc_train.checkpoint import Saver, TrainState, Writer
-from hpc_train.config import RunConfig
+from hpc_train.config import AUTO, RunConfig
 from hpc_train.env import RankEnv
 from hpc_train.memory_tier import MemoryTier
 from hpc_train.paths import RunPaths
@@ -194,8 +194,17 @@ class Attempt:
     _rebucket_s: list[float] = field(default_factory=list)  # the throwaway forward and backward, once taken
     _signalled: bool = False
     _last_step: int | None = None  # step_end's last_step: a return at or past it is a finish, signal or not
+    # checkpoint.every_steps / memory_every_steps as this attempt saves (intervals.py chooses an "auto" one at the
+    # resume and after each commit while a save's cost is unmeasured)
+    every_steps: int = 0
+    _provisional: bool = False
+    _step_times_s: list[float] = field(default_factory=list)  # step_end to step_end, saves excluded: the step time
+    _left_step_end: float | None = None
+    _copies: list[tuple[float, float]] = field(default_factory=list)  # each memory copy's (blocked, background) s
+    _verified_n: int = 0
 
     def __post_init__(self) -> None:
+        self.every_steps = self.every_steps or self.cfg.checkpoint.steps("every_steps")
         self.profile = Profile(
             self.cfg.profile,
             self.paths,
@@ -349,6 +358,8 @@ class Attempt:
             **start_fields,
         )
         self.saver.retain()  # before any save: the stop path left it to this attempt, and torn folders go
+        if AUTO in (self.cfg.checkpoint.every_steps, self.cfg.checkpoint.memory_every_steps):
+            self._choose_intervals(state.step)
         if resumed:  # DDP's buckets as the uninterrupted run had them at this step
             for ddp in ddps_to_rebucket(state.model):
                 rebucket_at_first_forward(ddp, self._rebucket_s, self.say)
@@ -375,6 +386,8 @@ class Attempt:
         finishes the run instead."""
         self.pulse.beat(state.step)  # the hang watchdog (watchdog.py) restarts its clock
         self._last_step = last_step
+        if self._left_step_end is not None:  # the step alone: this call's saves come after the clock reads
+            self._step_times_s = [*self._step_times_s[-49:], time.monotonic() - self._left_step_end]
         if self._resumed_at is not None:  # resume -> first step done: the restart's last phase
             rebucket = {"ddp_rebucket_s": round(sum(self._rebucket_s), 4)} if self._rebucket_s else {}
             took = round(time.monotonic() - self._resumed_at, 4)  # total_steps: what status shows as the run's total
@@ -409,11 +422,55 @@ class Attempt:
                 return True
         if self.saver.pending is not None and not unwritten:
             self.saver.commit_pending()
-        if state.step % self.cfg.checkpoint.every_steps == 0 and state.step < last_step:
+        if state.step % self.every_steps == 0 and state.step < last_step:
             self.saver.periodic(state)
         if self.memory and self.memory.due(state.step) and state.step < last_step:
-            self.memory.save(state)
+            blocked = self.memory.save(state)
+            self._copies = [*self._copies[-9:], (blocked, self.memory.copy_s)]
+        if self._provisional and len(self.saver.verified) > self._verified_n:  # a save measured: choose again
+            self._choose_intervals(state.step)
+        self._left_step_end = time.monotonic()
         return False
+
+    def _choose_intervals(self, step: int) -> None:
+        """Collective: checkpoint.every_steps / memory_every_steps=auto chosen on rank 0 (intervals.choose, from this
+        run's journal, its step and save times, and the site's rates submit froze) and given to every rank; the
+        choice on record (`interval`) with its inputs. A failure to choose keeps the intervals as they are."""
+        mine = [self.every_steps, self.memory.every_steps if self.memory else 0, int(self._provisional), 0]
+        if self.env.rank == 0:
+            try:
+                events = journal.read(self.paths.run_dir)
+                rates = intervals.read_rates(self.paths.history, self.paths.run_dir)
+                spares = bool(self.cfg.cluster.spare_nodes or self.cfg.cluster.in_process_restart)
+                m = intervals.measured(events, self._step_times_s, self._copies)
+                choice = intervals.choose(self.cfg.checkpoint, m, rates, self.env.num_nodes, spares)
+                mine = [choice.every_steps, choice.memory_every_steps, int(choice.provisional), 1]
+            except Exception as e:  # a damaged history.json, a journal line: the run trains on as it was
+                log.warning(
+                    "checkpoint intervals not chosen (%s: %s); keeping every %d steps",
+                    type(e).__name__,
+                    e,
+                    self.every_steps,
+                )
+        got = torch.tensor(mine, dtype=torch.int64)
+        dist.broadcast(got, src=0)
+        every, memory_every, provisional, chosen = (int(x) for x in got)
+        self.every_steps, self._provisional = every, bool(provisional)
+        self._verified_n = len(self.saver.verified)
+        if self.memory and memory_every:
+            self.memory.every_steps = memory_every
+        if self.env.rank == 0 and chosen:
+            self.event(
+                journal.INTERVAL,
+                step,
+                every_steps=every,
+                memory_every_steps=memory_every if self.memory else 0,
+                provisional=bool(provisional),
+                why=choice.why,
+                inputs=choice.inputs,
+            )
+            if not provisional:
+                self.say(f"checkpoint intervals (auto): {choice.why}")
 
     def wait_for_memory(self, timeout_s: float) -> bool:
         """The memory copy in flight, waited for up to timeout_s in 1 s slices that tell the hang watchdog this

@@ -161,7 +161,11 @@ def _submit(args: argparse.Namespace) -> int:
             print(f"hpc-train submit: {p.avoided}", file=sys.stderr)
         if args.dry_run:
             _print_dry_run(p)
+            for line in p.forecast:  # the expected goodput, and what would change it most (docs/goodput.md)
+                print(f"# {line}")
             return 0
+        if p.forecast:  # one line; --dry-run gives the alternatives
+            print(f"hpc-train submit: {p.forecast[0]}", file=sys.stderr)
         from hpc_train import submit
 
         local_sweep = args.multirun and p.runs[0].cluster.executor == "local"
@@ -374,8 +378,11 @@ def _report(args: argparse.Namespace) -> int:
         console = status_console(args.wide)
         console.print(_goodput_table(run.label, parts))
         console.print(_attempts_table(atts, report.cluster_nodes(run.run_dir), args.wide))
-        if slow := journal.straggler_episodes(journal.read(run.run_dir)):
+        events = journal.read(run.run_dir)
+        if slow := journal.straggler_episodes(events):
             console.print(_stragglers_table(slow))
+        if (chosen := journal.last(events, journal.INTERVAL)) is not None:  # checkpoint.every_steps=auto
+            print(f"checkpoint interval (auto, at step {chosen['step']}): {chosen.get('why', '')}")
         for line in report.profile_lines(run.run_dir):  # profile.*: the traces, and how to open them
             print(line)
         print(f"picture: {made}" if made.endswith(".png") else made)

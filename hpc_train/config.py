@@ -205,9 +205,17 @@ class TrainConfig:  # train.py
             )
 
 
+AUTO = "auto"  # checkpoint.every_steps / memory_every_steps: the interval that pays best (intervals.py)
+# An auto interval's saves until one is measured: the first disk save at step 20 (the fixed default), the first
+# copy in memory at step 5; from then on planning.py chooses from what they cost (docs/goodput.md)
+FIRST_AUTO_STEPS = {"every_steps": 20, "memory_every_steps": 5}
+
+
 @dataclass
 class CheckpointConfig:  # checkpoint.py
-    every_steps: int = 20  # periodic save; a stop signal also saves at the next step boundary
+    # periodic save; a stop signal also saves at the next step boundary. "auto": the interval that maximises the
+    # expected goodput from this run's save cost and the site's rate of unannounced faults (docs/goodput.md)
+    every_steps: int | str = 20
     keep_last: int = 2  # periodic checkpoints kept below the newest verified one; older stop saves go
     keep_every_steps: int = 0  # also keep every checkpoint whose step is a multiple of this; 0 = none
     # Periodic saves write in the background: the loop waits only while state is copied to host memory.
@@ -223,16 +231,29 @@ class CheckpointConfig:  # checkpoint.py
     # another node, which an in-job restart (cluster.spare_nodes) loads when newer than the disk checkpoint.
     # 0 = off. Holds up to 4 copies of a rank's state per rank in memory_dir (own + buddy, newest complete + next
     # while it is written). Needs cluster.spare_nodes on Slurm: only a relaunch inside the allocation reads it.
-    memory_every_steps: int = 0
+    memory_every_steps: int | str = 0  # "auto": as every_steps=auto, for the faults this tier survives
     memory_dir: str = "/dev/shm"  # node-local and in RAM: outlives the training step, not the node
 
+    def steps(self, name: str) -> int:
+        """every_steps or memory_every_steps as the loop starts: the number given, or for "auto" the first interval
+        before any save is measured (FIRST_AUTO_STEPS; intervals.py chooses once one is)."""
+        value = getattr(self, name)
+        return FIRST_AUTO_STEPS[name] if value == AUTO else int(value)
+
     def __post_init__(self) -> None:
-        if self.memory_every_steps < 0 or not self.memory_dir.startswith("/"):
+        for name in ("every_steps", "memory_every_steps"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value != AUTO:
+                raise ValueError(
+                    f"checkpoint.{name}={value!r} is neither a number of steps nor auto; e.g. checkpoint.{name}=50, "
+                    f"or checkpoint.{name}=auto (the interval that pays best: docs/goodput.md)"
+                )
+        if self.steps("memory_every_steps") < 0 or not self.memory_dir.startswith("/"):
             raise ValueError(
                 f"checkpoint.memory_every_steps={self.memory_every_steps} must be >= 0 (0: no copies in memory) "
                 f"and checkpoint.memory_dir={self.memory_dir!r} an absolute path (a node-local tmpfs, e.g. /dev/shm)"
             )
-        if self.every_steps < 1 or self.keep_last < 1 or self.keep_every_steps < 0:
+        if self.steps("every_steps") < 1 or self.keep_last < 1 or self.keep_every_steps < 0:
             raise ValueError(
                 f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
                 f"{self.keep_last} must be >= 1, checkpoint.keep_every_steps="
@@ -688,7 +709,10 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
     if origin in _UNIONS:
         if value is None and type(None) in args:
             return None
-        return _check_type(value, next(a for a in args if a is not type(None)), key)
+        kinds = [a for a in args if a is not type(None)]
+        if any(type(value) is a for a in kinds if a in _SCALARS):  # int | str: "auto" or a number of steps
+            return value
+        return _check_type(value, kinds[0], key)
     if origin is list and isinstance(value, list):
         return [_check_type(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict and isinstance(value, dict):

@@ -46,6 +46,9 @@ CHECKPOINT_SKIPPED = "checkpoint_skipped"
 CHECKPOINT_DELETED = "checkpoint_deleted"
 CHECKPOINT_ABANDONED = "checkpoint_abandoned"
 STOP_SAVE_SKIPPED = "stop_save_skipped"
+# checkpoint.every_steps / memory_every_steps=auto chosen (intervals.py): every_steps, memory_every_steps, provisional
+# (a save's cost still unmeasured), why (the sentence), inputs (the tiers and rates it rests on)
+INTERVAL = "interval"
 # the one requeue decision (the deciding rank)
 FAIL = "fail"  # the failing rank: error, traceback
 REQUEUE = "requeue"

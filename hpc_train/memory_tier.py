@@ -229,7 +229,7 @@ class MemoryTier:
         rank, world, per_node = env.rank, env.world_size, env.local_world_size
         two = world > per_node  # ranks are node-contiguous (placement): + per_node is the next node
         tier = cls(
-            cfg.memory_every_steps,
+            cfg.steps("memory_every_steps"),
             folder,
             base,
             rank,

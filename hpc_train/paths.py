@@ -78,6 +78,10 @@ class RunPaths:
         return self.run_dir / "summary.json"
 
     @property
+    def history(self) -> Path:  # the site's fault rates as submit read them (intervals.py: checkpoint intervals)
+        return self.run_dir / "history.json"
+
+    @property
     def placement(self) -> Path:
         return self.run_dir / "placement.json"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,8 @@ class Plan:
     dependency: str = ""  # sbatch's --dependency on their current jobs (pipeline.dependency); "" none
     waits_for: str = ""  # the same in words, for the user (stages.waits_for)
     avoided: str = ""  # the nodes left out for their record (cluster.avoid_bad_nodes), in one sentence; "" none
+    rates: Any = None  # history.Rates of the site for checkpoint.every_steps=auto (history.json); None: not asked
+    forecast: list[str] = field(default_factory=list)  # the expected goodput, and the alternatives (intervals.py)
     # What _save_manifest last wrote (each record and its JSON line), so a save re-serializes only what changed
     written: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -227,6 +230,22 @@ def _check_commands(runs: list[RunConfig]) -> None:
             raise ValueError(why)
 
 
+def _site_rates(p: Plan) -> tuple[Any, list[str]]:
+    """The site's fault rates (history.site_rates: one sacct of 10 s at most, the project's journals) for the first
+    trial's partition and size, and its forecast (intervals.forecast_lines: the expected goodput with its intervals
+    and the alternatives that change it most, from what the project's earlier runs measured)."""
+    from hpc_train import history, intervals
+
+    first = p.runs[0]
+    c = first.cluster
+    runs_dir = Path(first.out_dir)
+    rates = history.site_rates(c.partition or os.environ.get("SLURM_JOB_PARTITION", ""), c.nodes, runs_dir=runs_dir)
+    try:
+        return rates, intervals.forecast_lines(first.checkpoint, c, rates, intervals.project_measured(runs_dir))
+    except (ValueError, OSError) as e:  # a model the planner refuses (a memory copy rarer than the disk save)
+        return rates, [f"forecast: none ({e})"]
+
+
 def _avoid_bad_nodes(p: Plan, validate: bool) -> str:
     """cluster.avoid_bad_nodes: the nodes with a bad record in the runs of out_dir (reputation.py) added to each
     trial's cluster.exclude, frozen with it (a requeue's ExcNodeList and a resume keep them out), as far as the
@@ -307,6 +326,8 @@ def plan(
     if not result.unvalidated:
         slurm.prefetch(*facts)
     result.avoided = _avoid_bad_nodes(result, validate)
+    if not result.unvalidated:
+        result.rates, result.forecast = _site_rates(result)
     max_array = (
         1
         if not multirun

@@ -158,6 +158,15 @@ def _freeze(
     return path
 
 
+def _freeze_rates(target: Path, p: Plan) -> None:
+    """history.json: the site's rates as this submit read them, for checkpoint.every_steps=auto (the job asks no
+    sacct); a resubmit keeps the first."""
+    if p.rates is not None and not RunPaths(target).history.exists():
+        from hpc_train import intervals
+
+        intervals.write_rates(RunPaths(target).history, p.rates, p.private)
+
+
 def _freeze_trial(t: Trial, config: dict[str, Any], p: Plan, code: str, like: Path | None) -> Path | None:
     """_freeze of a sweep's trial, and its brief (status.brief) from the config it holds now: a resubmit keeps
     a frozen trial's (conf/ may have changed since), a folder made again gets its new config's."""
@@ -538,6 +547,7 @@ def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
     pipeline.freeze_after(run_dir, p.after, p.private)
     submitit_dir = _submitit_dir(run_dir / "submitit", p.private, p.dir_mode)
     executor = make_executor(first.cluster, submitit_dir, job_name(run_dir), dependency=p.dependency)
+    _freeze_rates(run_dir, p)
     with _interrupts_held(), _owner_writes_only():
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
@@ -585,6 +595,7 @@ def _submit_sweep(
     pipeline.freeze_after(p.target, p.after, p.private)  # one file for every trial (pipeline.after_file)
     pin_init_from(p.target, p.configs, p.dir_mode)
     like = None
+    _freeze_rates(p.target, p)  # one file for every trial too (intervals.read_rates)
     for t in p.trials:
         like = _freeze_trial(t, p.configs[t.index], p, code, like)
     _save_manifest(p, overrides)

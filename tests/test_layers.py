@@ -35,6 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     # the root config, composed from the dataclasses beside their code; the verdicts; the requeue decision (pure);
     # reputation: the nodes' verdicts across a project's runs and what a submit leaves out for them
     ("config", "verdict", "decision", "reputation"),
+    ("history",),  # the site's fault rates from sacct and the project's journals (reputation finds them), torch-free
+    ("intervals",),  # checkpoint.every_steps=auto: this run's measurements and the site's rates into planning's
     # the job side from here; profiling: profile.*, which Attempt steps; protocol: one attempt protocol (start,
     # time left, signal, finish) for a training function and a script alike
     ("model", "checkpoint", "profiling", "protocol"),

@@ -1,0 +1,223 @@
+"""checkpoint.every_steps=auto and checkpoint.memory_every_steps=auto: what this run measured (a save's cost, the step
+time, the start-up) and the site's fault rates (history.py, frozen at submit in history.json, with this run's own
+journal) into the goodput model's intervals (planning.py). Pure but for the readers at the bottom; torch-free. The
+Attempt chooses at its start and again after its first measured save, and records each choice as an `interval`
+event with its inputs (docs/goodput.md).
+
+    hpc-train submit cluster=mysite checkpoint.every_steps=auto
+    hpc-train submit cluster=mysite cluster.spare_nodes=1 checkpoint.every_steps=auto checkpoint.memory_every_steps=auto
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train import history, journal, planning
+from hpc_train.config import AUTO, CheckpointConfig
+
+RECENT = 5  # a running estimate: the median of the newest saves (a first save pays for warming caches)
+# Until this run measured a start-up (journal.startup_s): launch -> first step on the dev cluster was 13-18 s, a
+# requeue's start-up on a real site with a large model more; 60 s is on the safe side of both (a longer restart
+# never moves the optimum, planning's docstring: it only lowers the forecast)
+DEFAULT_STARTUP_S = 60.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What this run's records say, each None until measured: seconds a step (median), a disk save's blocking and
+    background seconds and a memory copy's (running estimates), and the slowest launch to first step."""
+
+    step_s: float | None = None
+    disk: tuple[float, float] | None = None  # (save_s: the loop blocked, write_s: the background write after it)
+    memory: tuple[float, float] | None = None
+    startup_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The intervals in steps for this attempt (a number the user gave is kept as given), the sentence that says
+    why, whether a measurement is still missing (then chosen again after the next save), and the inputs."""
+
+    every_steps: int
+    memory_every_steps: int
+    why: str
+    provisional: bool
+    inputs: dict[str, Any]
+
+
+def measured(events: list[journal.Event], step_times_s: list[float], copies: list[tuple[float, float]]) -> Measured:
+    """Measured from the run's journal and what the Attempt timed itself (pure): the step time between two
+    step_end calls (any training function's, the built-in trainer's too), each memory copy's (blocked, background)
+    seconds. A periodic disk save's blocking part is stall_s + waited_s (the snapshot, and the wait at its commit),
+    its background part save_s - stall_s (checkpoint.py's checkpoint_committed)."""
+    saves = [
+        (e["stall_s"] + e.get("waited_s", 0.0), max(0.0, e["save_s"] - e["stall_s"]))
+        for e in journal.named(events, journal.CHECKPOINT_COMMITTED)
+        if e.get("reason") == "periodic" and _positive(e.get("save_s")) and isinstance(e.get("stall_s"), (int, float))
+    ][-RECENT:]
+    steps = [t for t in step_times_s if _positive(t)]
+    startup = journal.startup_s(events)
+    return Measured(
+        statistics.median(steps) if steps else None,
+        _median_pair(saves),
+        _median_pair([c for c in copies if _positive(c[1])][-RECENT:]),
+        startup or None,
+    )
+
+
+def choose(ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, spares: bool) -> Choice:
+    """The intervals for a run of `nodes` nodes (pure). Unannounced faults only (planning.py): a memory copy
+    survives a rank's crash and a node's loss while its buddy lives and a spare relaunches the step inside the
+    allocation (`spares`), all but the batch host's node (1 of `nodes`); the disk tier the rest. Until a save of a
+    tier is measured that tier keeps config.FIRST_AUTO_STEPS (provisional)."""
+    startup = m.startup_s or DEFAULT_STARTUP_S
+    per_node = {k: rates.per_node_h(k) for k in history.UNANNOUNCED}
+    node_faults, crashes = nodes * per_node["node_failures"], nodes * per_node["failures"]
+    with_memory = ck.memory_every_steps not in (0, "0") and spares
+    covered = (crashes + node_faults * (1 - 1 / nodes)) if with_memory else 0.0
+    disk_faults = crashes + node_faults - covered
+    disk_restart = (rates.queue_wait_s or 0.0) + startup
+    auto_disk, auto_memory = ck.every_steps == AUTO, ck.memory_every_steps == AUTO
+    provisional = m.step_s is None or (auto_disk and m.disk is None) or (auto_memory and m.memory is None)
+    every, memory_every = ck.steps("every_steps"), ck.steps("memory_every_steps")
+    inputs: dict[str, Any] = {"rates": rates.describe(nodes), "step_s": m.step_s, "startup_s": startup}
+    if provisional or m.step_s is None:
+        why = "a first save to measure (checkpoint.every_steps=auto): then chosen from its cost"
+        return Choice(every, memory_every, why, True, inputs)
+    save_s, write_s = m.disk if m.disk is not None else (0.0, 0.0)
+    disk = planning.Tier(save_s, write_s, disk_faults, disk_restart)
+    memory = None
+    if with_memory:
+        msave, mwrite = m.memory if m.memory is not None else (0.0, 0.0)
+        memory = planning.Tier(msave, mwrite, covered, startup)
+    fixed_disk = None if auto_disk else every * m.step_s
+    fixed_memory = None if (auto_memory or memory is None) else memory_every * m.step_s
+    disk_s, memory_s = planning.best_intervals(
+        disk, m.step_s, memory, disk_interval_s=fixed_disk, memory_interval_s=fixed_memory
+    )
+    if auto_disk:
+        every = planning.steps(disk_s, m.step_s, disk)
+    if auto_memory and memory is not None:
+        memory_every = min(every, planning.steps(memory_s, m.step_s, memory))
+    parts = [planning.why(disk, m.step_s, every)]
+    if memory is not None:
+        parts.append("memory " + planning.why(memory, m.step_s, memory_every))
+    inputs |= {"disk": dataclasses.asdict(disk), "memory": dataclasses.asdict(memory) if memory else None}
+    return Choice(every, memory_every, "; ".join(parts), False, inputs)
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
+    if not pairs:
+        return None
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
+# ---- the site's rates as submit froze them --------------------------------------------------------------------
+
+
+def write_rates(path: Path, rates: history.Rates, private: bool) -> None:
+    """history.json in a run directory: the site's rates as submit read them (the job asks no sacct)."""
+    from hpc_train.paths import write_atomic
+
+    write_atomic(path, json.dumps(dataclasses.asdict(rates), indent=1) + "\n", private)
+
+
+def read_rates(path: Path, run_dir: Path) -> history.Rates:
+    """The frozen site rates merged with this run's own journal (history.from_journals); the defaults where submit
+    froze none (a run queued before, or the local executor)."""
+    if not path.exists() and (run_dir.parent / "sweep.json").exists():  # a trial's: its sweep's (submit writes one)
+        path = run_dir.parent / path.name
+    try:
+        data = json.loads(path.read_text())
+        site = history.Rates(**{**data, "queue_waits_s": tuple(data.get("queue_waits_s", ()))})
+    except (OSError, ValueError, TypeError):
+        site = history.DEFAULTS
+    own = history.from_journals([run_dir])
+    return history.merge(site, own) if own.node_hours else site
+
+
+# ---- the forecast at submit -------------------------------------------------------------------------------------
+
+# What a forecast assumes of a run none of the project's earlier runs measured (each said in the line): a step of
+# 1 s, a disk save blocking 2 s then 10 s in the background, a memory copy blocking 0.2 s then 2 s
+ASSUMED = Measured(step_s=1.0, disk=(2.0, 10.0), memory=(0.2, 2.0), startup_s=DEFAULT_STARTUP_S)
+
+
+def project_measured(runs_dir: Path) -> Measured:
+    """What the project's newest earlier run that saved measured (its journal and metrics.jsonl: step time, a
+    periodic save's cost, a memory copy's), ASSUMED's values where none did."""
+    from hpc_train.metrics import read_metrics
+    from hpc_train.reputation import journal_files
+
+    for events_file in sorted(journal_files(runs_dir), key=lambda p: p.stat().st_mtime, reverse=True)[:20]:
+        events = journal.read(events_file.parent)
+        if not journal.named(events, journal.CHECKPOINT_COMMITTED):
+            continue
+        rows = read_metrics(events_file.parent)
+        copies = [
+            (r.get("memory_blocked_s", 0.0), r["memory_copy_s"]) for r in rows if _positive(r.get("memory_copy_s"))
+        ]
+        m = measured(events, [r.get("step_time_s", 0.0) for r in rows], copies)
+        disk = m.disk or ASSUMED.disk
+        # a copy in RAM unmeasured: a tenth of the disk save's (the dev cluster's 1b state: ~10 s vs ~100 s)
+        memory = m.memory or (disk[0] / 10, disk[1] / 10)
+        return Measured(m.step_s or ASSUMED.step_s, disk, memory, m.startup_s or ASSUMED.startup_s)
+    return ASSUMED
+
+
+def expected(ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, spares: bool) -> planning.Forecast:
+    """The expected goodput of a run with these intervals (choose's, from `m` complete), its announced stops (each
+    a stop save and a restart) and unannounced faults (planning.forecast)."""
+    c = choose(ck, m, rates, nodes, spares)
+    step_s = m.step_s or ASSUMED.step_s
+    disk = planning.Tier(**c.inputs["disk"])
+    memory = planning.Tier(**c.inputs["memory"]) if c.inputs.get("memory") else None
+    memory_s = min(c.memory_every_steps, c.every_steps) * step_s if memory is not None else 0.0
+    return planning.forecast(
+        disk,
+        c.every_steps * step_s,
+        memory,
+        memory_s,
+        announced_per_h=rates.announced_per_h(nodes),
+        announced_restart_s=disk.restart_s,
+    )
+
+
+def forecast_lines(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: Measured) -> list[str]:
+    """What submit says of a Slurm run before it is queued: its expected goodput at its size on its partition,
+    then the alternatives that would change it most (hot spares with the memory tier, auto intervals, half the
+    nodes), each with the overrides that make it. A spare's idle node counts against it: goodput of the
+    allocation's node-hours."""
+    nodes, spares = cluster.nodes, bool(cluster.spare_nodes or cluster.in_process_restart)
+    held = nodes / (nodes + cluster.spare_nodes)
+    base = expected(ck, m, rates, nodes, spares)
+    where = f"on {cluster.partition or 'the default partition'} at {nodes} node(s)"
+    lines = [f"forecast: {base} {where}", f"  the site: {rates.describe(nodes)}"]
+    if m.step_s == ASSUMED.step_s and m.disk == ASSUMED.disk:
+        lines.append("  no run here measured a save yet: 1 s a step, a 2 s save + 10 s written assumed")
+    options: list[tuple[float, str]] = []
+    if not spares and nodes > 1:
+        auto = dataclasses.replace(ck, memory_every_steps=AUTO)
+        g = expected(auto, m, rates, nodes, True).goodput * nodes / (nodes + 1)
+        options.append((g, "cluster.spare_nodes=1 checkpoint.memory_every_steps=auto"))
+    if ck.every_steps != AUTO:
+        options.append(
+            (
+                expected(dataclasses.replace(ck, every_steps=AUTO), m, rates, nodes, spares).goodput * held,
+                "checkpoint.every_steps=auto",
+            )
+        )
+    if nodes > 1:
+        options.append((expected(ck, m, rates, nodes // 2, spares).goodput * held, f"cluster.nodes={nodes // 2}"))
+    for g, how in sorted(options, key=lambda o: -abs(o[0] - base.goodput * held))[:2]:
+        lines.append(f"  with {how}: expected goodput {g:.1%} (now {base.goodput * held:.1%})")
+    return lines

@@ -1,0 +1,126 @@
+"""checkpoint.every_steps=auto (intervals.py): what a run measured and the site's rates into the goodput model's
+intervals. Seeded random facts hold the choice's invariants; one Attempt on one gloo rank chooses at its resume,
+saves once at the first interval, and chooses again from that save's cost."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_train import history, intervals, journal
+from hpc_train.config import CheckpointConfig
+
+
+def rates(faults: int, node_hours: float = 20_000.0) -> history.Rates:
+    return history.Rates(node_failures=faults, failures=faults // 4, node_hours=node_hours, jobs=50, source="sacct")
+
+
+def commit(step: int, stall_s: float, save_s: float) -> dict:
+    fields = {"reason": "periodic", "stall_s": stall_s, "save_s": save_s, "waited_s": 0.0}
+    return {"time": 1000.0 + step, "event": journal.CHECKPOINT_COMMITTED, "step": step, "restart": 0, **fields}
+
+
+def test_nothing_measured_keeps_the_first_interval_and_says_so() -> None:
+    ck = CheckpointConfig(every_steps="auto", memory_every_steps="auto")
+    choice = intervals.choose(ck, intervals.Measured(), rates(5), nodes=4, spares=True)
+    assert (choice.every_steps, choice.memory_every_steps, choice.provisional) == (20, 5, True)
+    fixed = intervals.choose(CheckpointConfig(every_steps=7), intervals.Measured(0.5, (1.0, 0.0)), rates(5), 4, False)
+    assert fixed.every_steps == 7  # a number the user gave is kept
+
+
+def test_measured_reads_periodic_commits_and_the_attempts_own_times() -> None:
+    events = [commit(20, 0.5, 3.5), commit(40, 0.7, 2.7), {**commit(41, 9.0, 9.0), "reason": "stop"}]
+    m = intervals.measured(events, [0.2, 0.3, 0.25, 0.0], [(0.1, 0.0), (0.2, 1.5)])
+    assert m.step_s == 0.25 and m.disk == (0.6, 2.5) and m.memory == (0.2, 1.5)  # medians; a stop save not a sample
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_choice_holds_its_invariants_on_random_facts(seed: int) -> None:
+    """More unannounced faults never lengthen the interval; a costlier save never shortens it; a memory copy is
+    never rarer than the disk save; every interval is at least one step and the write."""
+    rng = random.Random(seed)
+    step_s = rng.choice([0.01, 0.2, 1.0, 5.0])
+    save, write = rng.uniform(0.05, 60), rng.choice([0.0, rng.uniform(0.1, 120)])
+    m = intervals.Measured(step_s, (save, write), (save / 10, write / 10), rng.uniform(5, 300))
+    ck = CheckpointConfig(every_steps="auto", memory_every_steps=rng.choice([0, "auto"]))
+    nodes, spares = rng.choice([1, 2, 8, 64]), rng.random() < 0.5
+    few, many = rates(rng.randint(0, 3)), rates(rng.randint(20, 400))
+    a, b = (intervals.choose(ck, m, r, nodes, spares) for r in (few, many))
+    assert not a.provisional and b.every_steps <= a.every_steps, (a, b)
+    costlier = intervals.choose(ck, dataclasses.replace(m, disk=(save * 4, write)), many, nodes, spares)
+    assert costlier.every_steps >= b.every_steps
+    for c in (a, b, costlier):
+        assert c.every_steps >= max(1, int(write / step_s))
+        assert c.memory_every_steps <= c.every_steps or ck.memory_every_steps == 0
+        assert "every" in c.why and c.inputs["rates"]
+
+
+def test_a_fault_heavy_history_saves_more_often_than_a_clean_one() -> None:
+    """The issue's figure: the same run, the same save cost, two sites' histories."""
+    ck, m = CheckpointConfig(every_steps="auto"), intervals.Measured(1.0, (2.0, 0.0), None, 60.0)
+    heavy, clean = (intervals.choose(ck, m, rates(n), nodes=4, spares=False) for n in (400, 2))
+    assert heavy.every_steps < clean.every_steps / 5, (heavy, clean)
+    assert heavy.why.startswith(f"every {heavy.every_steps} steps: save 2")
+
+
+def test_an_attempt_chooses_at_its_resume_and_again_after_its_first_save(tmp_path: Path) -> None:
+    """One gloo rank: every_steps=auto saves first at step 20 (provisional, on record), then chooses from that
+    save's cost, the step time it measured and the rates submit froze (history.json), on record again."""
+    import torch.distributed as dist
+
+    from hpc_train.attempt import Attempt
+    from hpc_train.checkpoint import TrainState
+    from hpc_train.config import RunConfig
+    from hpc_train.env import RankEnv
+    from hpc_train.paths import RunPaths
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = RunConfig()
+        cfg.checkpoint = CheckpointConfig(every_steps="auto", async_save=False)
+        intervals.write_rates(RunPaths(tmp_path).history, rates(400, 100.0), private=True)  # 5 faults an hour
+        env = RankEnv("local", 0, 0, 1, 1, 0, 1, ("127.0.0.1",), "127.0.0.1", 0, "1", 0)
+        at = Attempt.build(env, cfg, RunPaths(tmp_path), time.time(), {})
+        import torch
+
+        model = torch.nn.Linear(4, 4)
+        state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        at.resume(state)
+        assert at.every_steps == 20
+        while state.step < 60:
+            state.step += 1
+            time.sleep(0.01)
+            at.step_end(state, 200)
+        chosen = journal.named(journal.read(tmp_path), journal.INTERVAL)
+        assert [c["provisional"] for c in chosen] == [True, False], chosen
+        assert chosen[1]["step"] == 20 and chosen[1]["every_steps"] == at.every_steps
+        assert chosen[1]["inputs"]["disk"]["faults_per_h"] > 4 and at.every_steps != 20
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_forecast_says_the_goodput_where_it_comes_from_and_what_would_change_it_most() -> None:
+    """Issue 30 D3: before submit, the expected goodput of this run at its size on its partition with its intervals,
+    the site's history it rests on, and the one or two alternatives that would change it most (a spare node's idle
+    hours counted against it), each with the overrides that make it."""
+    from hpc_train.config import compose, to_run_config
+
+    cfg = to_run_config(compose(["cluster=dev", "cluster.nodes=4", "checkpoint.every_steps=20"]))
+    m = intervals.Measured(1.0, (2.0, 10.0), (0.2, 1.0), 60.0)
+    heavy = intervals.forecast_lines(cfg.checkpoint, cfg.cluster, rates(400, 200.0), m)
+    assert heavy[0].startswith("forecast: expected goodput ") and heavy[0].endswith("on debug at 4 node(s)")
+    assert heavy[1].startswith("  the site: 1 unannounced fault per ")
+    alternatives = [line for line in heavy if line.startswith("  with ")]
+    now = float(heavy[0].split("expected goodput ")[1].split("%")[0])
+
+    def change(line: str) -> float:
+        return abs(float(line.split("expected goodput ")[1].split("%")[0]) - now)
+
+    # the two that change it most of three (hot spares with the memory tier, auto intervals, half the nodes)
+    auto = intervals.expected(dataclasses.replace(cfg.checkpoint, every_steps="auto"), m, rates(400, 200.0), 4, False)
+    assert len(alternatives) == 2 and min(map(change, alternatives)) >= abs(auto.goodput * 100 - now) - 0.05
+    assert auto.goodput * 100 >= now - 0.05  # the auto interval never does worse than the one given
