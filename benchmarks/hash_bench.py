@@ -44,6 +44,7 @@ def worker(rank: int, world: int, layers: int, root: str, port: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hpc_train import checkpoint as ck
+    from hpc_train import checkpoint_files as ck_files
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -70,11 +71,11 @@ def worker(rank: int, world: int, layers: int, root: str, port: int) -> None:
 
         def rank0_hashes_everything() -> None:
             if rank == 0:
-                ck.manifest_of(sorted(p for p in folder.iterdir() if p.is_file()))
+                ck_files.manifest_of(sorted(p for p in folder.iterdir() if p.is_file()))
 
         add("old commit (rank 0 hashes all)", timed(rank0_hashes_everything))
-        manifest = ck.manifest_of(sorted(p for p in folder.iterdir() if p.is_file())) if rank == 0 else {}
-        add("old verify (rank 0 alone)", timed(lambda: rank == 0 and ck.verify(folder, manifest)))
+        manifest = ck_files.manifest_of(sorted(p for p in folder.iterdir() if p.is_file())) if rank == 0 else {}
+        add("old verify (rank 0 alone)", timed(lambda: rank == 0 and ck_files.verify(folder, manifest)))
         state.step = 10 + attempt
         pending: list = []
         add(
@@ -95,7 +96,7 @@ def worker(rank: int, world: int, layers: int, root: str, port: int) -> None:
         share = ck.shares({n: f["bytes"] for n, f in marker["files"].items()}, world)[rank]
         add(
             "verify now (every rank a share)",
-            timed(lambda: ck.verify(ck.step_dir(root_p, state.step), {n: marker["files"][n] for n in share})),
+            timed(lambda: ck_files.verify(ck.step_dir(root_p, state.step), {n: marker["files"][n] for n in share})),
         )
         for f in (folder, ck.step_dir(root_p, 10 + attempt), ck.step_dir(root_p, 20 + attempt)):
             dist.barrier()

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpc_train.checkpoint import HostBuffers, TrainState, drop_optimizer_state
+from hpc_train.checkpoint import TrainState, drop_optimizer_state
+from hpc_train.checkpoint_write import HostBuffers
 from hpc_train.config import CheckpointConfig
 from hpc_train.env import RankEnv
 from hpc_train.paths import MARKER, make_dir, step_folders, untrusted, write_atomic

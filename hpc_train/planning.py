@@ -310,6 +310,16 @@ def _last(ok: Callable[[int], bool], lo: int, guess: int) -> int:
     return k
 
 
+def _events(disk: Tier, memory: Tier | None, announced_per_h: float, horizon_s: float, seed: int) -> list[tuple]:
+    """Every tier's unannounced faults and the announced stops of one seeded run, in time order: (time, kind)."""
+    rng = random.Random(seed)
+    events = [(f, "disk") for f in _fault_times(disk.faults_per_h, horizon_s, rng)]
+    if memory is not None:
+        events += [(f, "memory") for f in _fault_times(memory.faults_per_h, horizon_s, rng)]
+    events += [(f, "stop") for f in _fault_times(announced_per_h, horizon_s, rng)]
+    return sorted(events)
+
+
 def simulate(
     disk: Tier,
     disk_every: int,
@@ -340,12 +350,7 @@ def simulate(
     # lone tier can be that short, so the wait is the same each time
     wait = [max(0.0, t.write_s - e * step_s) for t, e in tiers]
     rate = step_s + sum((t.save_s + w) / e for (t, e), w in zip(tiers, wait))  # wall seconds per step, on average
-    rng = random.Random(seed)
-    events = [(f, "disk") for f in _fault_times(disk.faults_per_h, horizon, rng)]
-    if memory is not None:
-        events += [(f, "memory") for f in _fault_times(memory.faults_per_h, horizon, rng)]
-    events += [(f, "stop") for f in _fault_times(announced_per_h, horizon, rng)]
-    events.sort()
+    events = _events(disk, memory, announced_per_h, horizon, seed)
     t0, p0 = 0.0, 0  # the running phase began at wall time t0 from step p0
     last = [0, 0]  # the newest committed step on disk, in memory
 

@@ -168,7 +168,7 @@ def needed_disk_gb(paths: RunPaths, min_free_disk_gb: float) -> float:
 
 def torn_gb(paths: RunPaths) -> float:
     """What the step folders without COMMITTED take on disk: earlier attempts' torn saves (a stop save on a
-    full disk), which this attempt's resume deletes before its first save (checkpoint.retention_plan), so
+    full disk), which this attempt's resume deletes before its first save (checkpoint_files.retention_plan), so
     their space counts as free here (it held the run's folder short for good)."""
     blocks = 0
     for folder in step_folders(paths.checkpoints).values():

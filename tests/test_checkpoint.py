@@ -18,7 +18,8 @@ import torch.distributed as dist
 from conftest import HPC_TRAIN, read_events, run
 
 from hpc_train import deadlines
-from hpc_train.checkpoint import MARKER, Saver, TrainState, Writer, _sha256, apply_retention, step_dir, step_folders
+from hpc_train.checkpoint import MARKER, Saver, TrainState, Writer, apply_retention, step_dir, step_folders
+from hpc_train.checkpoint_files import _sha256
 from hpc_train.config import CheckpointConfig
 
 
@@ -543,18 +544,18 @@ def test_checkpoint_io_feeds_the_hang_watchdog_only_while_bytes_move(tmp_path: P
     was judged a hang. Inside checkpoint I/O the watchdog's clock restarts while this process moves bytes
     (the slow-storage drill trickles them), with no heartbeat tick (a hang's blame compares ticks); a write
     stuck in the kernel moves none and is left to the watchdog."""
-    from hpc_train import checkpoint
+    from hpc_train import checkpoint_files, checkpoint_write
     from hpc_train.task import Pulse
 
     data = tmp_path / "rank_00000.pt"
     data.write_bytes(b"x" * 8192)
     long_ago = time.monotonic() - 1000
     pulse = Pulse(last_beat=long_ago, ticks=7)
-    with checkpoint._fed_while_bytes_move(pulse.alive):
-        checkpoint._trickle(2.5, data)
+    with checkpoint_files._fed_while_bytes_move(pulse.alive):
+        checkpoint_write._trickle(2.5, data)
     assert pulse.last_beat > long_ago + 990 and pulse.ticks == 7
     pulse.last_beat = long_ago
-    with checkpoint._fed_while_bytes_move(pulse.alive):
+    with checkpoint_files._fed_while_bytes_move(pulse.alive):
         time.sleep(2.5)  # nothing moves
     assert pulse.last_beat == long_ago
 

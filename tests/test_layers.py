@@ -39,7 +39,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("intervals",),  # checkpoint.every_steps=auto: this run's measurements and the site's rates into planning's
     # the job side from here; profiling: profile.*, which Attempt steps; protocol: one attempt protocol (start,
     # time left, signal, finish) for a training function and a script alike
-    ("model", "checkpoint", "profiling", "protocol"),
+    ("model", "checkpoint_files"),
+    ("checkpoint_write",),  # a save's writing, the one in flight, its commit
+    ("checkpoint", "profiling", "protocol"),
     ("memory_tier",),  # checkpoint.memory_every_steps: copies of TrainState in node-local tmpfs and a buddy's
     ("attempt", "supervisor"),  # supervisor: a script's child per rank, through the same protocol
     # the job side's protocols, each in its own module (job.py's docstring lists them)
@@ -58,7 +60,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start", "task", "deadlines"}
-JOB_SIDE |= {"protocol", "supervisor", "ranklog"}
+JOB_SIDE |= {"protocol", "supervisor", "ranklog", "checkpoint_files", "checkpoint_write"}
 JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "decision", "requeue", "failure", "watchdog"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli", "stages"}
 

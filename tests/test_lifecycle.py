@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpc_train import deadlines, journal, preempt, requeue
-from hpc_train.checkpoint import retention_plan, shares
+from hpc_train.checkpoint_files import retention_plan, shares
 from hpc_train.config import CheckpointConfig, RequeueConfig
 from hpc_train.slurm import parse_fate
 

@@ -408,7 +408,7 @@ def test_hung_ranks_are_a_minority_behind_the_others(counts: dict, world: int, b
 def test_a_torn_step_folder_counts_as_free_space(tmp_path, monkeypatch) -> None:
     """Issue 18, defect 6b: a stop save torn by a full disk (no COMMITTED) held its space, and the next
     preflight stopped the run for the lack of it (`hpc-train resume` met the same folder). The attempt's
-    resume deletes it before any save (checkpoint.retention_plan), so it counts as free: 0.9 GB free + a
+    resume deletes it before any save (checkpoint_files.retention_plan), so it counts as free: 0.9 GB free + a
     150 MB torn folder >= the 1 GB needed. The `preflight` event says how much was torn."""
     import json
     import shutil
