@@ -369,7 +369,8 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from hpc_train import journal, report
+    from hpc_train import intervals, journal, report
+    from hpc_train.paths import RunPaths
     from hpc_train.status import console as status_console
 
     for run in _runs(args.run):
@@ -383,6 +384,9 @@ def _report(args: argparse.Namespace) -> int:
             console.print(_stragglers_table(slow))
         if (chosen := journal.last(events, journal.INTERVAL)) is not None:  # checkpoint.every_steps=auto
             print(f"checkpoint interval (auto, at step {chosen['step']}): {chosen.get('why', '')}")
+        said = intervals.forecast_said(RunPaths(run.run_dir).history, run.run_dir)
+        if said:  # what submit expected, beside what the run did (the table's title)
+            print(f"at submit, {said[0]}; this run: goodput {report.share(parts['goodput'])} so far")
         for line in report.profile_lines(run.run_dir):  # profile.*: the traces, and how to open them
             print(line)
         print(f"picture: {made}" if made.endswith(".png") else made)

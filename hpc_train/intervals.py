@@ -124,25 +124,41 @@ def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float] | None
 # ---- the site's rates as submit froze them --------------------------------------------------------------------
 
 
-def write_rates(path: Path, rates: history.Rates, private: bool) -> None:
-    """history.json in a run directory: the site's rates as submit read them (the job asks no sacct)."""
+def write_rates(path: Path, rates: history.Rates, private: bool, forecast: list[str] | None = None) -> None:
+    """history.json in a run directory: the site's rates as submit read them (the job asks no sacct), and the
+    forecast submit said (report puts it beside what the run did)."""
     from hpc_train.paths import write_atomic
 
-    write_atomic(path, json.dumps(dataclasses.asdict(rates), indent=1) + "\n", private)
+    record = {"rates": dataclasses.asdict(rates), "forecast": forecast or []}
+    write_atomic(path, json.dumps(record, indent=1) + "\n", private)
+
+
+def _frozen(path: Path, run_dir: Path) -> dict[str, Any]:
+    if not path.exists() and (run_dir.parent / "sweep.json").exists():  # a trial's: its sweep's (submit writes one)
+        path = run_dir.parent / path.name
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def read_rates(path: Path, run_dir: Path) -> history.Rates:
     """The frozen site rates merged with this run's own journal (history.from_journals); the defaults where submit
     froze none (a run queued before, or the local executor)."""
-    if not path.exists() and (run_dir.parent / "sweep.json").exists():  # a trial's: its sweep's (submit writes one)
-        path = run_dir.parent / path.name
     try:
-        data = json.loads(path.read_text())
+        data = _frozen(path, run_dir)["rates"]
         site = history.Rates(**{**data, "queue_waits_s": tuple(data.get("queue_waits_s", ()))})
-    except (OSError, ValueError, TypeError):
+    except (KeyError, TypeError):
         site = history.DEFAULTS
     own = history.from_journals([run_dir])
     return history.merge(site, own) if own.node_hours else site
+
+
+def forecast_said(path: Path, run_dir: Path) -> list[str]:
+    """What submit forecast for this run (history.json), [] when it said nothing (a local run, one queued before)."""
+    lines = _frozen(path, run_dir).get("forecast")
+    return [line for line in lines if isinstance(line, str)] if isinstance(lines, list) else []
 
 
 # ---- the forecast at submit -------------------------------------------------------------------------------------

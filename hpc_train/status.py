@@ -214,6 +214,8 @@ def _row(
         # the latest attempt that started: where it resumed from ("memory (step S)", "step_000040", None)
         "resumed": next(((a["restart"], a["resumed_from"]) for a in reversed(atts) if a["start"]), None),
         **dict(zip(("stragglers", "last_straggler"), stragglers(events))),
+        # checkpoint.every_steps=auto: the interval chosen last, and why (intervals.py); None: a fixed one
+        "interval": (chosen := journal.last(events, journal.INTERVAL)) and chosen.get("why"),
     }
 
 
@@ -409,6 +411,9 @@ def _print_notes(out: Any, rows: list[dict[str, Any]], wide: bool = False) -> No
         if line and line not in said:
             said.add(line)
             out.print(line, markup=False, highlight=False, soft_wrap=True)
+    for r in rows:
+        if r.get("interval"):
+            out.print(f"{r['run']}: checkpoint interval (auto): {r['interval']}", markup=False, highlight=False)
     for r in rows:
         if r.get("resumed") and r["resumed"][1]:
             attempt, where = r["resumed"]

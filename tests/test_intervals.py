@@ -124,3 +124,40 @@ def test_the_forecast_says_the_goodput_where_it_comes_from_and_what_would_change
     auto = intervals.expected(dataclasses.replace(cfg.checkpoint, every_steps="auto"), m, rates(400, 200.0), 4, False)
     assert len(alternatives) == 2 and min(map(change, alternatives)) >= abs(auto.goodput * 100 - now) - 0.05
     assert auto.goodput * 100 >= now - 0.05  # the auto interval never does worse than the one given
+
+
+def test_report_and_status_say_the_interval_and_the_forecast_beside_the_outcome(tmp_path: Path) -> None:
+    """Issue 30 D1, D3: status and report say the auto interval and why; report puts what submit forecast (frozen in
+    history.json) beside the goodput the run had."""
+    import json
+    import subprocess
+    import sys
+
+    from hpc_train.paths import RunPaths
+
+    run_dir = tmp_path / "auto-1"
+    run_dir.mkdir()
+    from omegaconf import OmegaConf
+
+    from hpc_train.config import compose
+    from hpc_train.submit import frozen_yaml
+
+    config = OmegaConf.to_container(compose(["checkpoint.every_steps=auto"]), resolve=True)
+    (run_dir / "config.yaml").write_text(frozen_yaml(config))  # as submit froze it
+    (run_dir / "submission.json").write_text(json.dumps({"executor": "local", "job_id": "77"}))
+    why = "every 376 steps: save 2.1 s, 1 unannounced fault per 9.4 h, restart 120 s"
+    events = [
+        {"time": 100.0, "event": "start", "step": 0, "job_id": "77", "restart": 0, "launched_at": 90.0},
+        {"time": 101.0, "event": "first_step", "step": 1, "job_id": "77", "restart": 0, "step_time_s": 0.5},
+        {"time": 130.0, "event": "interval", "step": 20, "job_id": "77", "restart": 0, "why": why, "every_steps": 376},
+        {"time": 200.0, "event": "finish", "step": 400, "job_id": "77", "restart": 0},
+    ]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    said = ["forecast: expected goodput 97.7% (saves 0.6%, lost work 0.6%, restarts 1.2%) on low at 4 node(s)"]
+    intervals.write_rates(RunPaths(run_dir).history, rates(3), private=True, forecast=said)
+    hpc_train = str(Path(sys.executable).parent / "hpc-train")
+    report = subprocess.run([hpc_train, "report", str(run_dir)], capture_output=True, text=True, check=True).stdout
+    assert f"checkpoint interval (auto, at step 20): {why}" in report
+    assert f"at submit, {said[0]}; this run: goodput " in report
+    status = subprocess.run([hpc_train, "status", str(run_dir)], capture_output=True, text=True, check=True).stdout
+    assert "auto-1: checkpoint interval (auto): every 376 steps" in status
