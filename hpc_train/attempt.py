@@ -441,9 +441,13 @@ class Attempt:
             try:
                 events = journal.read(self.paths.run_dir)
                 rates = intervals.read_rates(self.paths.history, self.paths.run_dir)
+                # the memory tier covers a fault only where it is on and a spare relaunches the step
                 spares = bool(self.cfg.cluster.spare_nodes or self.cfg.cluster.in_process_restart)
+                spares = spares and self.memory is not None and not self.memory.off
                 m = intervals.measured(events, self._step_times_s, self._copies)
-                choice = intervals.choose(self.cfg.checkpoint, m, rates, self.env.num_nodes, spares)
+                c = self.cfg.cluster  # what a stop leaves for its save: the grace, or the lead less the reserve
+                budget = min(c.preempt_grace_s, c.signal_lead_s - self.reserve_s)
+                choice = intervals.choose(self.cfg.checkpoint, m, rates, self.env.num_nodes, spares, budget)
                 mine = [choice.every_steps, choice.memory_every_steps, int(choice.provisional), 1]
             except Exception as e:  # a damaged history.json, a journal line: the run trains on as it was
                 log.warning(

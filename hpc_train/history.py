@@ -201,7 +201,17 @@ def parse_accounting(text: str) -> list[Record]:
     return out
 
 
-def sacct_jobs(records: Iterable[Record]) -> dict[str, Rates]:
+# A job that failed within this much of its start is a start-up failure (a wrong path, a config error, an import),
+# the same at every try, not a site's random fault: ten 45 s debug crashes made auto save every few steps for hours
+MIN_FAULT_ELAPSED_S = 300.0
+
+
+def _kind(r: Record, min_fault_s: float) -> str | None:
+    kind = SACCT_KINDS.get(r.state)
+    return None if kind == "failures" and r.elapsed_s < min_fault_s else kind
+
+
+def sacct_jobs(records: Iterable[Record], min_fault_s: float = MIN_FAULT_ELAPSED_S) -> dict[str, Rates]:
     """Each job id's Rates from its records (pure): a stop per record by SACCT_KINDS, node-hours NNodes x Elapsed,
     the queue wait from a requeued record's end to the next record's start."""
     by_job: dict[str, list[Record]] = {}
@@ -215,14 +225,15 @@ def sacct_jobs(records: Iterable[Record]) -> dict[str, Rates]:
             for a, b in zip(runs, runs[1:])
             if a.state in REQUEUED_STATES and a.end is not None and b.start is not None and b.start >= a.end
         )
-        parts = [_count(SACCT_KINDS.get(r.state), node_hours=r.nodes * r.elapsed_s / 3600) for r in runs]
+        parts = [_count(_kind(r, min_fault_s), node_hours=r.nodes * r.elapsed_s / 3600) for r in runs]
         out[job] = replace(merge(*parts), jobs=1, queue_waits_s=waits, partition=runs[-1].partition)
     return out
 
 
-def from_sacct(text: str, *, window_days: float = 0.0) -> Rates:
+def from_sacct(text: str, *, window_days: float = 0.0, min_fault_s: float = MIN_FAULT_ELAPSED_S) -> Rates:
     """The Rates of slurm.accounting's text (pure)."""
-    return replace(merge(*sacct_jobs(parse_accounting(text)).values()), source="sacct", window_days=window_days)
+    jobs = sacct_jobs(parse_accounting(text), min_fault_s)
+    return replace(merge(*jobs.values()), source="sacct", window_days=window_days)
 
 
 # ---- journals -------------------------------------------------------------------------------------------------
@@ -241,8 +252,8 @@ def attempt_kind(events: list[journal.Event]) -> str | None:
     if journal.named(events, journal.CANCEL) or (stopped and str(stopped.get("reason", "")).startswith("cancelled")):
         return None
     signal = journal.last(events, journal.SIGNAL)
-    if signal is None and journal.named(events, journal.FAIL):
-        return "failures"
+    if signal is None and journal.named(events, journal.FAIL):  # before its first step: its start-up's, not a fault
+        return "failures" if journal.named(events, journal.FIRST_STEP) else None
     if signal is not None:
         return {"preempt": "preemptions", "time_limit": "time_limits"}.get(str(signal.get("reason")), "requeues")
     return "requeues" if journal.named(events, journal.REQUEUE) else None
@@ -367,6 +378,7 @@ def site_rates(
     all_users: bool = False,
     min_jobs: int = MIN_JOBS,
     min_node_hours: float = MIN_NODE_HOURS,
+    min_fault_s: float = MIN_FAULT_ELAPSED_S,
 ) -> Rates:
     """This site's rates for a run of `nodes` nodes on `partition`: sacct once (one try of 10 s; no answer: the
     journals alone, said in `note`) for the jobs of window_days on it of nodes / 2 to nodes x 2 nodes (this user's,
@@ -375,13 +387,16 @@ def site_rates(
     since, sizes = time.time() - window_days * 86400, (max(1, nodes // 2), nodes * 2)
     journals: dict[str, Rates] = {}
     for run_dir in journal_runs(Path(runs_dir), partition):
-        journals.update(journal_jobs(journal.read(run_dir), since, sizes))
+        try:
+            journals.update(journal_jobs(journal.read(run_dir), since, sizes))
+        except (TypeError, ValueError, KeyError, AttributeError):  # a journal edited into another shape: not counted
+            continue
     note, text = "", ""
     try:
         text = slurm.accounting(since, partition=partition, nodes=sizes, account=account, all_users=all_users)
     except slurm.SlurmError as e:
         note = f"sacct did not answer, journals only ({str(e).splitlines()[0]})"
-    accounting = sacct_jobs(parse_accounting(text))
+    accounting = sacct_jobs(parse_accounting(text), min_fault_s)
     source = "both" if accounting and journals else "journals" if journals or note else "sacct"
     measured = replace(
         merge(*reconcile(accounting, journals)), window_days=window_days, partition=partition, source=source, note=note

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,9 +57,12 @@ def measured(events: list[journal.Event], step_times_s: list[float], copies: lis
     seconds. A periodic disk save's blocking part is stall_s + waited_s (the snapshot, and the wait at its commit),
     its background part save_s - stall_s (checkpoint.py's checkpoint_committed)."""
     saves = [
-        (e["stall_s"] + e.get("waited_s", 0.0), max(0.0, e["save_s"] - e["stall_s"]))
+        (
+            e["stall_s"] + (e.get("waited_s") if _positive(e.get("waited_s")) else 0.0),
+            max(0.0, e["save_s"] - e["stall_s"]),
+        )
         for e in journal.named(events, journal.CHECKPOINT_COMMITTED)
-        if e.get("reason") == "periodic" and _positive(e.get("save_s")) and isinstance(e.get("stall_s"), (int, float))
+        if e.get("reason") == "periodic" and _positive(e.get("save_s")) and _seconds(e.get("stall_s"))
     ][-RECENT:]
     steps = [t for t in step_times_s if _positive(t)]
     startup = journal.startup_s(events)
@@ -70,11 +74,20 @@ def measured(events: list[journal.Event], step_times_s: list[float], copies: lis
     )
 
 
-def choose(ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, spares: bool) -> Choice:
+def choose(
+    ck: CheckpointConfig,
+    m: Measured,
+    rates: history.Rates,
+    nodes: int,
+    spares: bool,
+    stop_budget_s: float = math.inf,
+) -> Choice:
     """The intervals for a run of `nodes` nodes (pure). Unannounced faults only (planning.py): a memory copy
     survives a rank's crash and a node's loss while its buddy lives and a spare relaunches the step inside the
-    allocation (`spares`), all but the batch host's node (1 of `nodes`); the disk tier the rest. Until a save of a
-    tier is measured that tier keeps config.FIRST_AUTO_STEPS (provisional)."""
+    allocation (`spares`), all but the batch host's node (1 of `nodes`); the disk tier the rest. An announced stop
+    is saved at its signal, unless a save and its write do not fit in what a stop leaves (stop_budget_s: the
+    preemption's grace, the time limit's lead less the requeue's reserve): then it loses work as a fault does, and
+    counts as one. Until a save of a tier is measured that tier keeps config.FIRST_AUTO_STEPS (provisional)."""
     startup = m.startup_s or DEFAULT_STARTUP_S
     per_node = {k: rates.per_node_h(k) for k in history.UNANNOUNCED}
     node_faults, crashes = nodes * per_node["node_failures"], nodes * per_node["failures"]
@@ -83,13 +96,18 @@ def choose(ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, 
     disk_faults = crashes + node_faults - covered
     disk_restart = (rates.queue_wait_s or 0.0) + startup
     auto_disk, auto_memory = ck.every_steps == AUTO, ck.memory_every_steps == AUTO
-    provisional = m.step_s is None or (auto_disk and m.disk is None) or (auto_memory and m.memory is None)
+    provisional = (
+        m.step_s is None or (auto_disk and m.disk is None) or (auto_memory and with_memory and m.memory is None)
+    )
     every, memory_every = ck.steps("every_steps"), ck.steps("memory_every_steps")
     inputs: dict[str, Any] = {"rates": rates.describe(nodes), "step_s": m.step_s, "startup_s": startup}
     if provisional or m.step_s is None:
         why = "a first save to measure (checkpoint.every_steps=auto): then chosen from its cost"
         return Choice(every, memory_every, why, True, inputs)
     save_s, write_s = m.disk if m.disk is not None else (0.0, 0.0)
+    if save_s + write_s > stop_budget_s:  # Saver.stop skips a save it cannot finish: the stop loses the work
+        disk_faults += rates.announced_per_h(nodes)
+        inputs["stops_lose_work"] = f"a save takes {save_s + write_s:.0f} s, a stop leaves {stop_budget_s:.0f} s"
     disk = planning.Tier(save_s, write_s, disk_faults, disk_restart)
     memory = None
     if with_memory:
@@ -109,6 +127,10 @@ def choose(ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, 
         parts.append("memory " + planning.why(memory, m.step_s, memory_every))
     inputs |= {"disk": dataclasses.asdict(disk), "memory": dataclasses.asdict(memory) if memory else None}
     return Choice(every, memory_every, "; ".join(parts), False, inputs)
+
+
+def _seconds(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
 
 
 def _positive(x: Any) -> bool:
@@ -190,10 +212,12 @@ def project_measured(runs_dir: Path) -> Measured:
     return ASSUMED
 
 
-def expected(ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, spares: bool) -> planning.Forecast:
+def expected(
+    ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, spares: bool, stop_budget_s: float = math.inf
+) -> planning.Forecast:
     """The expected goodput of a run with these intervals (choose's, from `m` complete), its announced stops (each
     a stop save and a restart) and unannounced faults (planning.forecast)."""
-    c = choose(ck, m, rates, nodes, spares)
+    c = choose(ck, m, rates, nodes, spares, stop_budget_s)
     step_s = m.step_s or ASSUMED.step_s
     disk = planning.Tier(**c.inputs["disk"])
     memory = planning.Tier(**c.inputs["memory"]) if c.inputs.get("memory") else None
@@ -203,7 +227,8 @@ def expected(ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int
         c.every_steps * step_s,
         memory,
         memory_s,
-        announced_per_h=rates.announced_per_h(nodes),
+        # stops whose save does not fit are in the disk tier's faults already (choose)
+        announced_per_h=0.0 if "stops_lose_work" in c.inputs else rates.announced_per_h(nodes),
         announced_restart_s=disk.restart_s,
     )
 
@@ -214,8 +239,9 @@ def forecast_lines(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: 
     nodes), each with the overrides that make it. A spare's idle node counts against it: goodput of the
     allocation's node-hours."""
     nodes, spares = cluster.nodes, bool(cluster.spare_nodes or cluster.in_process_restart)
+    budget = min(cluster.preempt_grace_s, cluster.signal_lead_s)  # what a stop leaves for its save
     held = nodes / (nodes + cluster.spare_nodes)
-    base = expected(ck, m, rates, nodes, spares)
+    base = expected(ck, m, rates, nodes, spares, budget)
     where = f"on {cluster.partition or 'the default partition'} at {nodes} node(s)"
     lines = [f"forecast: {base} {where}", f"  the site: {rates.describe(nodes)}"]
     if m.step_s == ASSUMED.step_s and m.disk == ASSUMED.disk:
@@ -223,17 +249,19 @@ def forecast_lines(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: 
     options: list[tuple[float, str]] = []
     if not spares and nodes > 1:
         auto = dataclasses.replace(ck, memory_every_steps=AUTO)
-        g = expected(auto, m, rates, nodes, True).goodput * nodes / (nodes + 1)
+        g = expected(auto, m, rates, nodes, True, budget).goodput * nodes / (nodes + 1)
         options.append((g, "cluster.spare_nodes=1 checkpoint.memory_every_steps=auto"))
     if ck.every_steps != AUTO:
         options.append(
             (
-                expected(dataclasses.replace(ck, every_steps=AUTO), m, rates, nodes, spares).goodput * held,
+                expected(dataclasses.replace(ck, every_steps=AUTO), m, rates, nodes, spares, budget).goodput * held,
                 "checkpoint.every_steps=auto",
             )
         )
     if nodes > 1:
-        options.append((expected(ck, m, rates, nodes // 2, spares).goodput * held, f"cluster.nodes={nodes // 2}"))
+        options.append(
+            (expected(ck, m, rates, nodes // 2, spares, budget).goodput * held, f"cluster.nodes={nodes // 2}")
+        )
     for g, how in sorted(options, key=lambda o: -abs(o[0] - base.goodput * held))[:2]:
         lines.append(f"  with {how}: expected goodput {g:.1%} (now {base.goodput * held:.1%})")
     return lines

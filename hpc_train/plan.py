@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,11 +238,11 @@ def _site_rates(p: Plan) -> tuple[Any, list[str]]:
     first = p.runs[0]
     c = first.cluster
     runs_dir = Path(first.out_dir)
-    rates = history.site_rates(c.partition or os.environ.get("SLURM_JOB_PARTITION", ""), c.nodes, runs_dir=runs_dir)
-    try:
+    try:  # advisory: a damaged journal of the project or history never stops a submit
+        rates = history.site_rates(c.partition, c.nodes, runs_dir=runs_dir)
         return rates, intervals.forecast_lines(first.checkpoint, c, rates, intervals.project_measured(runs_dir))
-    except (ValueError, OSError) as e:  # a model the planner refuses (a memory copy rarer than the disk save)
-        return rates, [f"forecast: none ({e})"]
+    except Exception as e:
+        return None, [f"forecast: none ({type(e).__name__}: {e}); checkpoint.every_steps=auto uses the defaults"]
 
 
 def _avoid_bad_nodes(p: Plan, validate: bool) -> str:

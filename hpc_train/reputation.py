@@ -98,14 +98,18 @@ def verdicts(events: list[journal.Event], run: str) -> tuple[list[Verdict], dict
     def add(e: journal.Event, node: Any, kind: str, why: str) -> None:
         if isinstance(node, str) and node:
             out.setdefault(
-                (e["restart"], node, kind == "straggler"), Verdict(node, kind, why, e["time"], run, e["restart"])
+                (e.get("restart", 0), node, kind == "straggler"),
+                Verdict(node, kind, why, e["time"], run, e.get("restart", 0)),
             )
 
     for e in journal.named(events, journal.PREFLIGHT):
         for node, facts in _mapping(e.get("nodes")).items():
             if isinstance(facts, dict) and not facts.get("sick"):
                 passed[node] = max(passed.get(node, 0.0), e["time"])
-        for node, why in _mapping(e.get("sick")).items():
+        sick, seen = _mapping(e.get("sick")), _mapping(e.get("nodes"))
+        if len(sick) > 1 and set(sick) >= set(seen):  # every node sick: the run's own setup (N GPUs for M tasks,
+            continue  # a matmul floor too high), no node to blame, as preflight judges a full disk
+        for node, why in sick.items():
             add(e, node, "preflight", str(why))
     for e in journal.named(events, journal.NODE_EXCLUDED, journal.NODE_NOT_EXCLUDED):
         why = str(e.get("why", ""))
@@ -251,6 +255,11 @@ def leave_out(
     bad = [n for n, s in score.items() if s >= THRESHOLD and n in states and n not in exclude]
     wanted = sorted((n for n in bad if n not in required), key=lambda n: (score[n], n))  # let in: lowest first
     out, back = preempt.fit_exclusions(wanted, states, need, sorted(exclude))
+    # and of every state: a drained node left out too of a job that needs the whole partition is a request Slurm
+    # refuses ("Requested node configuration is not available") or holds pending for good, not a wait for its repair
+    while out and len([n for n in states if n not in exclude]) - len(out) < need:
+        weakest = min(out, key=lambda n: (score[n], n))
+        out, back = [n for n in out if n != weakest], sorted([*back, weakest])
     return out, back, sorted(n for n in bad if n in required)
 
 

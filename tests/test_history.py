@@ -149,7 +149,7 @@ CAPTURE = """\
 
 
 def test_sacct_capture_counts_each_kind_once_and_cancels_as_nothing() -> None:
-    rates = history.from_sacct(CAPTURE, window_days=1)
+    rates = history.from_sacct(CAPTURE, window_days=1, min_fault_s=0)
     counts = {k: getattr(rates, k) for k in KINDS}
     assert counts == {"preemptions": 1, "time_limits": 1, "requeues": 1, "node_failures": 1, "failures": 1}
     assert rates.jobs == 7  # distinct job ids, not records
@@ -182,7 +182,7 @@ def test_a_reused_job_id_is_no_queue_wait() -> None:
 def test_a_job_in_both_is_counted_once_with_sacct_node_failures_and_node_hours() -> None:
     """An hpc_train run whose node went DOWN reads from inside as a SIGTERM (a signal, reason preempt, and Slurm's own
     requeue); sacct says NODE_FAIL. A failure hpc_train requeued is REQUEUED in sacct; its journal says failure."""
-    accounting = history.sacct_jobs(history.parse_accounting(CAPTURE))
+    accounting = history.sacct_jobs(history.parse_accounting(CAPTURE), min_fault_s=0)
     journals = {
         "30008": Rates(preemptions=1, node_hours=0.02, jobs=1, queue_waits_s=(20.0,)),
         "30007": Rates(failures=1, node_hours=0.02, jobs=1),
@@ -258,3 +258,19 @@ def test_site_rates_without_an_answer_from_sacct_reads_the_journals_and_says_so(
     assert thin.describe(2).endswith(f"{thin.thin}; {thin.note}")
     # a run of 2 nodes is no history for one of 8 (sacct is asked for 4 to 16 nodes too)
     assert history.site_rates("low", 8, runs_dir=tmp_path / "runs", min_jobs=1, min_node_hours=0).jobs == 0
+
+
+def test_a_crash_at_start_up_is_not_a_site_fault() -> None:
+    """Review: ten 2-node debug jobs that FAILED 45 s in (a wrong path, an import) made the site's history say one
+    fault per 0.7 min, and auto save every few steps for hours. A failure within MIN_FAULT_ELAPSED_S of its start,
+    or an attempt's `fail` before its first step, is its start-up's, the same at every try: not counted."""
+    rows = [f"{100 + i}|FAILED|low|2|45|2026-12-01T10:00:00|2026-12-01T10:00:05|2026-12-01T10:00:50" for i in range(10)]
+    rows.append("200|FAILED|low|2|3600|2026-12-01T11:00:00|2026-12-01T11:00:05|2026-12-01T12:00:05")
+    rates = history.from_sacct("\n".join(rows) + "\n")
+    assert rates.failures == 1 and rates.jobs == 11, rates
+    early = [
+        {"time": 10.0, "event": "start", "step": 0, "job_id": "7", "restart": 0, "launched_at": 5.0, "nodes": ["a"]},
+        {"time": 11.0, "event": "fail", "step": 0, "job_id": "7", "restart": 0, "error": "ImportError: x"},
+    ]
+    assert history.attempt_kind(early) is None
+    assert history.attempt_kind([*early[:1], {**early[0], "event": "first_step", "step": 1}, early[1]]) == "failures"

@@ -161,3 +161,26 @@ def test_report_and_status_say_the_interval_and_the_forecast_beside_the_outcome(
     assert f"at submit, {said[0]}; this run: goodput " in report
     status = subprocess.run([hpc_train, "status", str(run_dir)], capture_output=True, text=True, check=True).stdout
     assert "auto-1: checkpoint interval (auto): every 376 steps" in status
+
+
+def test_a_memory_tier_that_is_off_never_keeps_the_disk_interval_provisional() -> None:
+    """Review: memory_every_steps=auto with the tier off in this attempt (no memory_dir, one node) never measured a
+    copy, so the disk interval stayed at its first 20 steps and was chosen again (an event) at every commit."""
+    ck = CheckpointConfig(every_steps="auto", memory_every_steps="auto")
+    m = intervals.Measured(1.0, (2.0, 0.0), None, 60.0)
+    off = intervals.choose(ck, m, rates(400, 200.0), nodes=4, spares=False)  # the Attempt: spares and the tier on
+    assert not off.provisional and off.every_steps != 20
+    assert intervals.choose(ck, m, rates(400, 200.0), nodes=4, spares=True).provisional  # on: a copy to measure
+
+
+def test_stops_whose_save_does_not_fit_count_as_faults() -> None:
+    """Review: on a preemptible partition (30 s of grace) a save that blocks 5 s and writes 100 s cannot be made at a
+    stop (Saver.stop skips it), yet auto chose an interval of ~1.8 h from unannounced faults alone: every
+    preemption lost up to that much. Such stops count as faults of the disk tier, and the interval shortens."""
+    ck = CheckpointConfig(every_steps="auto")
+    m = intervals.Measured(1.0, (5.0, 100.0), None, 60.0)
+    preempted = dataclasses.replace(rates(5), preemptions=20_000)  # one preemption per node-hour
+    fits = intervals.choose(ck, m, preempted, nodes=4, spares=False, stop_budget_s=300.0)
+    lost = intervals.choose(ck, m, preempted, nodes=4, spares=False, stop_budget_s=30.0)
+    assert "stops_lose_work" in lost.inputs and "stops_lose_work" not in fits.inputs
+    assert lost.every_steps * 1.0 < 3600 / 4 < fits.every_steps, (lost.every_steps, fits.every_steps)

@@ -154,9 +154,14 @@ def test_random_histories_decay_and_never_leave_out_more_than_the_partition_can_
     assert set(kept) == bad & required and set(out) | set(back) | set(kept) == bad
     if len(usable) >= need:  # the job stays placeable
         assert len(usable - set(out)) >= need
-    assert bad - required - usable <= set(out)  # a drained or down bad node costs nothing: out
-    if back:  # room made by letting the lowest scores back in first
-        assert max(score[n] for n in back) <= min((score[n] for n in out if n in usable), default=float("inf"))
+    everyone = set(states) - exclude  # of every state: Slurm refuses an --exclude that leaves fewer than the job
+    if out:
+        assert len(everyone - set(out)) >= need
+    if len(everyone) - len(bad - required - usable) >= need:  # a drained or down bad node costs nothing: out
+        assert bad - required - usable <= set(out)
+    back_usable = [score[n] for n in back if n in usable]
+    if back_usable:  # room made by letting the lowest scores back in first (a drained one costs none: it stays out)
+        assert max(back_usable) <= min((score[n] for n in out if n in usable), default=float("inf"))
 
 
 def test_avoid_adds_after_the_users_exclude_and_counts_only_nodes_that_can_take_the_job() -> None:
@@ -318,3 +323,20 @@ def test_a_dry_run_without_a_controller_says_the_bad_nodes_were_not_left_out(pro
     assert proc.returncode == 0, proc.stderr
     assert f"# NOT validated: nodes with a bad record (hpc-train nodes {runs}) not left out\n" in proc.stdout
     assert "--exclude" not in proc.stdout and "leaving out" not in proc.stderr
+
+
+def test_review_findings_a_drained_node_a_run_sick_everywhere_and_a_line_without_restart() -> None:
+    """Review: (1) a bad node that is drained was left out of a job needing every node of the partition: Slurm
+    refuses such an --exclude or holds the job for good, where it would have waited for the repair; (2) a preflight
+    that found every node sick (the run's own setup: N GPUs for M tasks) marked them all bad for a day; (3) a
+    preflight line without `restart` gave a KeyError traceback in every submit."""
+    from hpc_train import reputation
+
+    states = {"n1": "idle", "n2": "idle", "n3": "drain", "n4": "idle"}
+    assert reputation.leave_out({"n3": 1.0}, states, 4, [], [])[0] == []
+    assert reputation.leave_out({"n3": 1.0}, states, 3, [], [])[0] == ["n3"]
+    everywhere = {"time": 10.0, "event": "preflight", "step": -1, "restart": 0}
+    everywhere |= {"nodes": {"n1": {}, "n2": {}}, "sick": {"n1": "4 GPUs for 8 tasks", "n2": "4 GPUs for 8 tasks"}}
+    one = {"time": 10.0, "event": "preflight", "step": -1, "nodes": {"n1": {}, "n2": {}}, "sick": {"n2": "Xid 79"}}
+    found, _ = reputation.verdicts([everywhere, one], "runs/x-1")
+    assert [v.node for v in found] == ["n2"]

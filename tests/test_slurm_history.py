@@ -81,7 +81,9 @@ def test_a_history_made_by_real_jobs_is_read_back_by_kind(
         "accounting to hold every run",
     )
     monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
-    rates = history.site_rates("low", 1, runs_dir=tmp_path / "runs", window_days=1, min_jobs=1, min_node_hours=0)
+    rates = history.site_rates(
+        "low", 1, runs_dir=tmp_path / "runs", window_days=1, min_jobs=1, min_node_hours=0, min_fault_s=0
+    )
     print(rates.describe(1))
     counts = {k: getattr(rates, k) for k in history.KINDS}
     assert counts == {"preemptions": 2, "time_limits": 1, "requeues": 1, "node_failures": 1, "failures": 1}, rates
