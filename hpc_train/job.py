@@ -219,7 +219,10 @@ def _before_rendezvous(paths: RunPaths, env: Any, cfg: Any) -> None:
             why = "cancelled before this attempt started"
             journal.log(paths.run_dir, journal.STOPPED, -1, env.job_id, env.restart_count, reason=why)
         sys.exit(1)
-    if env.executor == "slurm" and (stop := journal.stopped(events)) is not None:
+    stop = journal.stopped(events)
+    # an earlier attempt's stop only: a peer of this attempt that failed first (raise_at_start on every rank) has
+    # recorded this attempt's own stop, and its job must end FAILED, not be cancelled
+    if env.executor == "slurm" and stop is not None and int(stop.get("restart", 0)) < env.restart_count:
         # Stopped for good, yet its job started again: a requeue the stop's scancel lost to (a script's own
         # `scontrol requeue`, Slurm's at a preemption's end), or a pipeline's cancel of a job that started anyway
         log.error(

@@ -482,7 +482,14 @@ def test_a_job_that_starts_after_its_run_stopped_for_good_leaves_and_cancels_its
     cancelled: list[list[str]] = []
     monkeypatch.setattr(slurm, "scancel", lambda ids, *a, **k: cancelled.append(list(ids)))
     env = SimpleNamespace(executor="slurm", job_id="7", restart_count=1, rank=0, local_rank=1, nodes=("n1",))
+    journal.log(tmp_path, journal.STOPPED, 5, "7", 1, reason="a peer of this attempt failed first")
+    monkeypatch.setattr(job.preempt, "injected", lambda name: name == "raise_at_start")
+    with pytest.raises(RuntimeError, match="raise_at_start"):  # this attempt's own stop: its failure path's
+        job._before_rendezvous(RunPaths(tmp_path), env, None)
+    monkeypatch.setattr(job.preempt, "injected", lambda name: False)
+    assert not cancelled
     journal.log(tmp_path, journal.STOPPED, 5, "7", 0, reason="time_limit budget spent")
+    env.restart_count = 2
     with pytest.raises(SystemExit) as left:
         job._before_rendezvous(RunPaths(tmp_path), env, None)
     assert left.value.code == 1 and cancelled == [["7"]]
