@@ -275,6 +275,20 @@ def _avoid_bad_nodes(p: Plan, validate: bool) -> str:
     return " | ".join(dict.fromkeys(s for _, s in said.values() if s))
 
 
+def _check_here(composed: list[tuple[dict[str, Any], RunConfig]]) -> None:
+    """This machine: fn._target_ importable, the compiler, data.path's meta.json; asked once per distinct
+    question (a 10,000-point sweep over train.lr asks one), and the vocab size raised to the data's frozen; each
+    distinct command's program."""
+    asked: dict[str, int] = {}
+    for c, r in composed:
+        question = repr((r.train.compile, r.fn._target_, r.metrics, r.data, r.train.eval_every_steps, r.model))
+        if question not in asked:
+            check_environment(r)
+            asked[question] = r.model.vocab_size
+        r.model.vocab_size = c["model"]["vocab_size"] = asked[question]
+    _check_commands([r for _, r in composed])
+
+
 def plan(
     overrides: list[str],
     multirun: bool,
@@ -284,23 +298,16 @@ def plan(
     validate: bool = True,
     dry_run: bool = False,
     after: list[After] | None = None,
+    given: tuple[list[list[str]], list[tuple[dict[str, Any], RunConfig]], list[str]] | None = None,
 ) -> Plan:
     """Everything up to, not including, writing and submitting. Raises ValueError on any bad input. `after`: the
-    stages every trial is queued after (`--after`, pipeline.parse)."""
+    stages every trial is queued after (`--after`, pipeline.parse). `given`: trials the caller composed (their
+    overrides, configs and folder names: a Hydra app's jobs, hydra_launch.py) in place of `overrides`' sweep."""
     from hpc_train import slurm
 
-    trial_overrides = expand_sweep(overrides, multirun)
-    composed = compose_trials(trial_overrides, source)
-    # This machine: fn._target_ importable, the compiler, data.path's meta.json; asked once per distinct
-    # question (a 10,000-point sweep over train.lr asks one), and the vocab size raised to the data's frozen.
-    asked: dict[str, int] = {}
-    for c, r in composed:
-        question = repr((r.train.compile, r.fn._target_, r.metrics, r.data, r.train.eval_every_steps, r.model))
-        if question not in asked:
-            check_environment(r)
-            asked[question] = r.model.vocab_size
-        r.model.vocab_size = c["model"]["vocab_size"] = asked[question]
-    _check_commands([r for _, r in composed])
+    trial_overrides = expand_sweep(overrides, multirun) if given is None else given[0]
+    composed = compose_trials(trial_overrides, source) if given is None else given[1]
+    _check_here(composed)
     configs, runs = [c for c, _ in composed], [r for _, r in composed]
     first: ClusterConfig = runs[0].cluster
     if first.slurm_conf:
@@ -310,7 +317,8 @@ def plan(
     if first.executor == "slurm" and any(r.cluster.executor != "slurm" for r in runs):
         raise ValueError("a sweep must use one executor; sweep cluster= over Slurm clusters only")
     target = sweep_dir.resolve() if sweep_dir else next_dir(Path(runs[0].out_dir), runs[0].name)
-    trials = [Trial(i, o, str(target / f"{i:04d}") if multirun else str(target)) for i, o in enumerate(trial_overrides)]
+    names = [f"{i:04d}" for i in range(len(trial_overrides))] if given is None else given[2]
+    trials = [Trial(i, o, str(target / names[i]) if multirun else str(target)) for i, o in enumerate(trial_overrides)]
     for trial, c in zip(trials, configs):  # every placeholder names a key, before anything is written
         check_script(c, trial.run_dir)
     result = Plan(target, trials, configs, runs, after=after or [], dependency=dependency, waits_for=waits_for)

@@ -506,10 +506,12 @@ def submit(
     sweep_dir: Path | None = None,
     max_parallel: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    claimed: bool = False,
 ) -> tuple[Plan, list[Any]]:
-    """Write and queue what plan() validated. Returns (the plan with job ids, submitit jobs submitted now)."""
+    """Write and queue what plan() validated. Returns (the plan with job ids, submitit jobs submitted now).
+    `claimed`: a single run's p.target is a folder the caller claimed already (claim_dir; hydra_launch.run_alone)."""
     if not multirun:
-        run_dir = p.target = claim_dir(p.target, p.dir_mode)
+        run_dir = p.target = p.target if claimed else claim_dir(p.target, p.dir_mode)
         p.trials[0].run_dir = str(run_dir)
         # From the claim to the recorded job id: a resume meanwhile would find no job and queue a second.
         with locked(RunPaths(run_dir).lock, wait=False, busy=_busy(run_dir)):
@@ -545,9 +547,9 @@ def _submit_run(p: Plan, overrides: list[str]) -> tuple[Plan, list[Any]]:
     pin_init_from(run_dir, p.configs, p.dir_mode)
     _freeze(run_dir, p.configs[0], p.private, p.dir_mode, _code_identity(run_dir, p.private))
     pipeline.freeze_after(run_dir, p.after, p.private)
+    _freeze_rates(run_dir, p)
     submitit_dir = _submitit_dir(run_dir / "submitit", p.private, p.dir_mode)
     executor = make_executor(first.cluster, submitit_dir, job_name(run_dir), dependency=p.dependency)
-    _freeze_rates(run_dir, p)
     with _interrupts_held(), _owner_writes_only():
         with _stdio_to_devnull() if first.cluster.executor == "local" else contextlib.nullcontext():
             job = _sbatch_with_retry(lambda: executor.submit(run_job, str(run_dir)), str(run_dir))
@@ -593,9 +595,9 @@ def _submit_sweep(
             p.arrays = saved
     code = _code_identity(p.target, p.private)
     pipeline.freeze_after(p.target, p.after, p.private)  # one file for every trial (pipeline.after_file)
+    _freeze_rates(p.target, p)  # one file for every trial too (intervals.read_rates)
     pin_init_from(p.target, p.configs, p.dir_mode)
     like = None
-    _freeze_rates(p.target, p)  # one file for every trial too (intervals.read_rates)
     for t in p.trials:
         like = _freeze_trial(t, p.configs[t.index], p, code, like)
     _save_manifest(p, overrides)

@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline",),  # a run queued after others: after.json, dependents.jsonl, the dependency rule, a stop's settling
     # script: ScriptConfig (config.py holds it), its placeholders and the checks at submit;
     # script_helper: what a user's script imports (torch-free)
-    ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper"),
+    # hydra_job: a Hydra app's task run from its frozen config in a script's child (the launcher plugin, docs/hydra.md)
+    ("tracking", "prometheus", "preflight", "sbatch", "script", "script_helper", "hydra_job"),
     # the root config, composed from the dataclasses beside their code; the verdicts; the requeue decision (pure);
     # reputation: the nodes' verdicts across a project's runs and what a submit leaves out for them
     ("config", "verdict", "decision", "reputation"),
@@ -56,13 +57,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("stages",),  # the stages of a pipeline as they stand (runs, journal, Slurm): dependency, status's chain, resume
     ("status", "logs", "report", "drills", "plan"),  # commands that write no run: on runs that exist, a dry run
     ("submit",),
-    ("resume",),
+    ("resume", "hydra_launch"),  # hydra_launch: the Hydra launcher plugin's login side, above submit as cli is
     ("cli",),
 ]
 JOB_SIDE = {"model", "checkpoint", "profiling", "memory_tier", "attempt", "job", "train", "start", "task", "deadlines"}
 JOB_SIDE |= {"protocol", "supervisor", "ranklog", "checkpoint_files", "checkpoint_write"}
 JOB_SIDE |= {"relay", "verdict", "lease", "rendezvous", "rejoin", "decision", "requeue", "failure", "watchdog"}
 LOGIN_SIDE = {"runs", "status", "logs", "report", "drills", "plan", "submit", "resume", "cli", "stages"}
+JOB_SIDE |= {"hydra_job"}  # a Hydra app's child, as a script's: never the login side
+LOGIN_SIDE |= {"hydra_launch"}
 
 
 def imports_of(path: Path) -> set[str]:

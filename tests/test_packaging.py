@@ -23,7 +23,8 @@ def plain_install(tmp_path: Path) -> Path:
     dependencies are this one's; returns TMP/site, to put on PYTHONPATH."""
     src, site = tmp_path / "src", tmp_path / "site"
     src.mkdir()
-    for part in ("pyproject.toml", "README.md", "hpc_train", "conf", "sbatch_templates"):  # built outside the repo:
+    parts = ("pyproject.toml", "README.md", "hpc_train", "conf", "sbatch_templates", "hydra_plugins")
+    for part in parts:  # built outside the repo:
         if (REPO / part).is_dir():  # no build/ left in it, no race with another build
             shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
         else:
@@ -95,6 +96,28 @@ def test_non_editable_install_composes_configs_and_renders_scripts(tmp_path: Pat
     assert "test -r /img.sif" in out.stdout  # the site template shipped
     assert f"-S -u {site.resolve()}/hpc_train/relay.py 90 120 5" in out.stdout  # the relay's, the installed one
     assert f"-u {site.resolve()}/hpc_train/start.py /runs/pkg-1/submitit" in out.stdout
+
+
+def test_the_wheel_ships_the_hydra_launcher_plugin_where_hydra_finds_it(tmp_path: Path) -> None:
+    """hydra_plugins/hpc_train_launcher/ in the wheel, beside hpc_train, and no hydra_plugins/__init__.py (Hydra's
+    namespace, shared with every other plugin: one would hide theirs); Hydra's own discovery finds the Launcher in
+    the plain install, and `hydra/launcher=hpc_train` composes from it (docs/hydra.md)."""
+    site = plain_install(tmp_path)
+    shipped = sorted(p.relative_to(site).as_posix() for p in (site / "hydra_plugins").rglob("*.py"))
+    assert shipped == ["hydra_plugins/hpc_train_launcher/__init__.py", "hydra_plugins/hpc_train_launcher/launcher.py"]
+    probe = (
+        "import hydra_plugins.hpc_train_launcher.launcher as l, sys\n"
+        "from hydra.core.plugins import Plugins\n"
+        "from hydra.plugins.launcher import Launcher\n"
+        "print(l.__file__)\n"
+        "print([c.__name__ for c in Plugins.instance().discover(Launcher)])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    where, found, torch = out.stdout.splitlines()
+    assert where == str(site.resolve() / "hydra_plugins" / "hpc_train_launcher" / "launcher.py")
+    assert "HpcTrainLauncher" in found and torch == "False"  # discovery at every app's start stays torch-free
 
 
 def test_job_imports_the_package_that_validated_it_and_says_when_code_changed(tmp_path: Path) -> None:

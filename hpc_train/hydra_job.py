@@ -1,0 +1,226 @@
+"""A Hydra app's job, frozen at submit and run in every rank's child: each trial's command under the hpc_train
+launcher (hydra_plugins/hpc_train_launcher, docs/hydra.md).
+
+    python app.py -m hydra/launcher=hpc_train lr=1e-3,3e-4           # what the user runs (docs/hydra.md)
+    python .../hpc_train/hydra_job.py SWEEP/hydra_launch.json 0 1 -- lr=0.0003   # what each rank's child runs
+
+At submit (hydra_launch.py) the app's composed config is frozen beside the trials: once per distinct set of
+structural overrides (config-group choices, +key, ~key, an interpolation) as Hydra composed it, a pickle
+(`hydra_base-K.pickle`: a structured config keeps its types, and Hydra's resolver cache keeps ${now:...} at the
+submit's time), with `hydra_launch.json` naming the task function; each trial's overrides are frozen in its
+config.yaml (script.cmd). Here the trial's config is that base with the trial's own `key=value` overrides applied
+by Hydra's own code: nothing is composed from the app's config files again, so every attempt gets the same config.
+Then Hydra's run_job, as Hydra's launchers call it: HydraConfig, the output folder (the trial's run directory,
+pinned), .hydra/*.yaml, the job's logging, callbacks, env_set, hydra.job.chdir, and the task function, unchanged.
+Its stop request is the signal it gets (script.stop_signal: TERM), `script_helper.stop_requested()` or its own
+checkpoint file in its output folder; HPC_TRAIN_RUN_DIR, HPC_TRAIN_CKPT_DIR and HPC_TRAIN_RESTART_COUNT are set
+(supervisor.child_env). Torch-free; rank 0 writes what the task returned to job_return.json.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __spec__ is None:  # run by its path (each trial's script.cmd): the package beside it, as start.py does
+    import importlib.util
+    import os
+
+    _here = os.path.dirname(os.path.realpath(__file__))
+    if sys.path and os.path.realpath(sys.path[0] or ".") == _here:  # its env.py, data.py... would shadow others
+        del sys.path[0]
+    _spec = importlib.util.spec_from_file_location(
+        "hpc_train", os.path.join(_here, "__init__.py"), submodule_search_locations=[_here]
+    )
+    sys.modules["hpc_train"] = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+    _spec.loader.exec_module(sys.modules["hpc_train"])  # type: ignore[union-attr]
+
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import pickle  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from hpc_train.paths import untrusted, write_atomic  # noqa: E402
+
+SPEC = "hydra_launch.json"  # in the sweep directory (a run alone: its run directory)
+RETURN = "job_return.json"  # in the trial's run directory: what the task function returned, or raised
+
+
+def base_file(k: int) -> str:
+    return f"hydra_base-{k}.pickle"
+
+
+def app_ref(fn: Callable[..., Any]) -> dict[str, Any]:
+    """How a node finds the task function again (login side): its module by name, or the file Hydra's app ran as
+    __main__; its name there; whether that name holds @hydra.main's wrapper of it. ValueError when a node could
+    not find it by name (a function defined inside another)."""
+    name, module = fn.__qualname__, fn.__module__
+    if "<locals>" in name:
+        raise ValueError(
+            f"the task function {name} is defined inside another function; every rank imports it by name: define "
+            f"it at the top level of its module"
+        )
+    main, file = module == "__main__", None
+    if main:
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        if spec is not None and spec.name:  # python -m pkg.app: imported by that name on the node
+            module = spec.name
+        elif getattr(sys.modules["__main__"], "__file__", None):
+            module, file = None, os.path.abspath(sys.modules["__main__"].__file__)
+        else:
+            raise ValueError("the Hydra app runs from no file (python -c, a notebook); save it as app.py and run that")
+    found: Any = sys.modules[fn.__module__]
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    wrapped = found is not fn and getattr(found, "__wrapped__", None) is fn  # @hydra.main's decorated_main
+    if found is not fn and not wrapped:
+        raise ValueError(f"{fn.__module__}.{name} is not the task function Hydra runs; name the function itself")
+    return {"module": module, "file": file, "name": name, "wrapped": wrapped, "main": main}
+
+
+def import_app(ref: dict[str, Any]) -> Any:
+    """The app's module, imported as `python app.py` or `python -m pkg.app` would find it (its folder, or the
+    submit folder, first on sys.path), never run as __main__; an app that ran as __main__ is also aliased as
+    __main__, so the pickled config finds the classes it defined there (what multiprocessing's spawn does)."""
+    if ref["file"]:
+        sys.path.insert(0, os.path.dirname(ref["file"]))
+        spec = importlib.util.spec_from_file_location("__mp_main__", ref["file"])
+        if spec is None or spec.loader is None:
+            raise FileNotFoundError(f"{ref['file']}: the Hydra app's file, gone since the submit")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["__mp_main__"] = module
+        spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(ref["module"])
+    if ref["main"]:
+        sys.modules["__main__"] = module
+    return module
+
+
+def task_function(ref: dict[str, Any]) -> Callable[..., Any]:
+    found = import_app(ref)
+    for part in ref["name"].split("."):
+        found = getattr(found, part)
+    return found.__wrapped__ if ref["wrapped"] else found
+
+
+def freeze(folder: Path, ref: dict[str, Any], bases: list[Any], multirun: bool, private: bool) -> Path:
+    """hydra_launch.json and each base's pickle in `folder`, written once: a resubmitted sweep keeps the config
+    its trials were frozen with (the app's conf/ may have changed since). Returns the spec's path. ValueError for a
+    config that does not pickle (a value built by a resolver of the app's own)."""
+    spec = folder / SPEC
+    if spec.exists():
+        return spec
+    for k, base in enumerate(bases):
+        try:
+            data = pickle.dumps(base, pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise ValueError(f"the app's composed config does not pickle ({type(e).__name__}: {e})") from None
+        write_atomic(folder / base_file(k), data, private)
+    write_atomic(spec, json.dumps({"app": ref, "bases": len(bases), "multirun": multirun}, indent=1) + "\n", private)
+    return spec
+
+
+def load_base(folder: Path, k: int) -> Any:
+    """A frozen base, once it is known to be this user's alone (a pickle runs its writer's code)."""
+    path = folder / base_file(k)
+    why = untrusted(path, folder)
+    if why:
+        raise SystemExit(f"hpc_train: refusing to load the app's frozen config: {why}")
+    return pickle.loads(path.read_bytes())
+
+
+def trial_config(cfg: Any, overrides: list[str], num: int | None, job_id: str) -> Any:
+    """`cfg`, a base (changed in place), made this trial's: the overrides it was not composed with applied by Hydra's
+    own code, in their order, then the hydra fields Hydra sets per job (load_configuration, its launchers):
+    overrides.task, job.override_dirname, and for a sweep's job job.num and job.id (Slurm's, as submitit's)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    held = set(cfg.hydra.overrides.task)
+    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.input_line not in held], cfg)
+    job = cfg.hydra.job
+    with open_dict(cfg.hydra):
+        cfg.hydra.overrides.task = list(overrides)
+        job.override_dirname = get_overrides_dirname(
+            overrides=parsed,
+            exclude_keys=list(job.config.override_dirname.exclude_keys),
+            item_sep=job.config.override_dirname.item_sep,
+            kv_sep=job.config.override_dirname.kv_sep,
+        )
+        if num is not None:
+            job.num, job.id = num, job_id
+    return cfg
+
+
+def pin_output(cfg: Any, run_dir: Path, multirun: bool) -> None:
+    """The output folder Hydra's run_job computes is the trial's run directory, whatever ${now:} says today."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg.hydra):
+        if multirun:
+            cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir = str(run_dir.parent), run_dir.name
+        else:
+            cfg.hydra.run.dir = str(run_dir)
+
+
+def run_task(fn: Callable[..., Any], cfg: Any, multirun: bool) -> Any:
+    """Hydra's run_job, as its launchers call it on a node; returns its JobReturn."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.utils import JobRuntime, run_job, setup_globals
+    from hydra.types import HydraContext
+
+    setup_globals()  # the now, hydra and python_version resolvers
+    JobRuntime.instance().set("name", cfg.hydra.job.name)
+    context = HydraContext(config_loader=None, callbacks=Callbacks(cfg))  # type: ignore[arg-type]
+    keys = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir", None)
+    return run_job(task_function=fn, config=cfg, job_dir_key=keys[0], job_subdir_key=keys[1], hydra_context=context)
+
+
+def write_return(run_dir: Path, ret: Any) -> None:
+    """job_return.json: {"status": "COMPLETED", "value": ...} (JSON, or its repr), or {"status": "FAILED", "error"}."""
+    from hydra.core.utils import JobStatus
+
+    if ret.status == JobStatus.COMPLETED:
+        try:
+            record = {"status": "COMPLETED", "value": json.loads(json.dumps(ret._return_value))}
+        except (TypeError, ValueError):  # not JSON (a tensor, an object): its repr
+            record = {"status": "COMPLETED", "repr": repr(ret._return_value)[:2000]}
+    else:
+        record = {"status": "FAILED", "error": f"{type(ret._return_value).__name__}: {ret._return_value}"[:2000]}
+    write_atomic(run_dir / RETURN, json.dumps(record) + "\n")
+
+
+def read_return(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / RETURN).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str]) -> int:
+    spec_path, k, num = Path(argv[0]), int(argv[1]), int(argv[2])
+    overrides = argv[4:] if argv[3:4] == ["--"] else argv[3:]
+    spec = json.loads(spec_path.read_text())
+    if not os.environ.get("HPC_TRAIN_RUN_DIR"):
+        raise SystemExit("hpc_train: hydra_job.py runs inside an hpc_train job (HPC_TRAIN_RUN_DIR is not set)")
+    run_dir = Path(os.environ["HPC_TRAIN_RUN_DIR"])
+    fn = task_function(spec["app"])  # first: the pickle may name classes the app defines
+    multirun, job_id = spec["multirun"], os.environ.get("HPC_TRAIN_JOB_ID", "")
+    cfg = trial_config(load_base(spec_path.parent, k), overrides, num if multirun else None, job_id)
+    pin_output(cfg, run_dir, multirun)
+    ret = run_task(fn, cfg, multirun)
+    if os.environ.get("RANK", "0") == "0":
+        write_return(run_dir, ret)
+    ret.return_value  # noqa: B018  the task's exception, raised here: its traceback, exit 1 (as Hydra's run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

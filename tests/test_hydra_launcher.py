@@ -1,0 +1,320 @@
+"""The Hydra launcher plugin without Slurm (docs/hydra.md): discovered once hpc_train is installed, its config group,
+its keys checked with a sentence, an app's config error refused before anything is queued (Hydra's own words, the
+key named), the jobs composed as Hydra composes them (once per distinct structural override set), and real apps
+run through hpc_train's local executor: a sweep in Hydra's layout and a run without -m."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import HPC_TRAIN, read_events, run
+
+REPO = Path(__file__).resolve().parent.parent
+ANCHOR = REPO / "benchmarks" / "hydra_anchor" / "app.py"  # the app users sweep with submitit_slurm today
+TYPED = REPO / "tests" / "scripts" / "hydra_typed"  # a structured config defined in __main__, a config group
+
+
+def app(script: Path, *args: str, cwd: Path, timeout_s: float = 120, extra: tuple[str, ...] = ()) -> Any:
+    env = {**os.environ, "HPC_BENCH_OUT": str(cwd)}  # the anchor's hydra.sweep.dir reads it
+    return run([sys.executable, *extra, str(script), *args], env=env, cwd=cwd, timeout_s=timeout_s)
+
+
+def test_the_plugin_is_discovered_with_its_config_group(tmp_path: Path) -> None:
+    """Hydra's own discovery finds the Launcher (hydra_plugins namespace); `hydra/launcher=hpc_train` selects a node
+    that takes the anchor's submitit-style keys as they are, and brings the callback that queues a run without -m."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+
+    found = [f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(Launcher)]
+    assert "hydra_plugins.hpc_train_launcher.launcher.HpcTrainLauncher" in found, found
+    assert "hpc_train.yaml" in ConfigStore.instance().list("hydra/launcher")
+    proc = app(ANCHOR, "hydra/launcher=hpc_train", "--cfg", "hydra", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "_target_: hydra_plugins.hpc_train_launcher.launcher.HpcTrainLauncher" in proc.stdout
+    assert "partition: debug" in proc.stdout and "timeout_min: 10" in proc.stdout  # the anchor's own values
+    assert "_target_: hydra_plugins.hpc_train_launcher.launcher.QueueRun" in proc.stdout
+
+
+def test_the_node_holds_every_cluster_option_at_its_default() -> None:
+    """NODE is literal (Hydra imports every plugin at every app's start): it must stay hpc_train's own defaults, but
+    for a sweep's two (Slurm, one task a node as submitit's launcher)."""
+    from hpc_train.config import RequeueConfig
+    from hpc_train.hydra_launch import CLUSTER, OWN
+    from hpc_train.preflight import PreflightConfig
+    from hpc_train.sbatch import ClusterConfig
+
+    defaults = asdict(ClusterConfig())
+    assert list(CLUSTER) == list(defaults) == [f.name for f in fields(ClusterConfig)]
+    assert {k: v for k, v in CLUSTER.items() if defaults[k] != v} == {"executor": "slurm", "tasks_per_node": 1}
+    assert OWN["requeue"] == asdict(RequeueConfig()) and OWN["preflight"] == asdict(PreflightConfig())
+
+
+def test_launcher_values_are_refused_in_the_launchers_words() -> None:
+    from hpc_train.hydra_launch import LaunchError, run_config
+
+    with pytest.raises(LaunchError, match=r"hydra\.launcher\.nodes=0 must be >= 1"):
+        run_config({"nodes": 0}, "app")
+    with pytest.raises(
+        LaunchError, match=r"hydra\.launcher\.nodes='two' is a str, but hydra\.launcher\.nodes takes int"
+    ):
+        run_config({"nodes": "two"}, "app")
+    with pytest.raises(LaunchError, match=r"hydra\.launcher\.stop_signal='KILL' is not one of"):
+        run_config({"stop_signal": "KILL"}, "app")
+    cfg, run_ = run_config({"nodes": 2, "requeue": {"max_failures": 0}, "checkpoint": "ckpt.pt"}, "my app")
+    assert cfg["cluster"]["nodes"] == 2 and cfg["requeue"]["max_failures"] == 0 and cfg["name"] == "my-app"
+    assert cfg["script"]["checkpoint"] == "ckpt.pt" and run_.cluster.executor == "slurm"
+
+
+def test_an_unknown_key_is_refused_with_a_sentence_before_anything_is_written(tmp_path: Path) -> None:
+    sweep = tmp_path / "sw"
+    proc = app(
+        ANCHOR, "-m", "hydra/launcher=hpc_train", "+hydra.launcher.nodez=2", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    assert proc.returncode == 1
+    assert "hpc_train launcher: Key 'hydra.launcher.nodez' is not an option of the hpc_train launcher" in proc.stderr
+    assert "valid keys under hydra.launcher: executor, partition, nodes," in proc.stderr
+    assert "did you mean hydra.launcher.nodes?" in proc.stderr and "Traceback" not in proc.stderr
+    proc = app(ANCHOR, "-m", "hydra/launcher=hpc_train", "+hydra.launcher.array_parallelism=4", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert (
+        "hydra.launcher.array_parallelism is the submitit launcher's option; with hpc_train write "
+        "hydra.launcher.max_parallel" in proc.stderr
+    )
+    proc = app(ANCHOR, "-m", "hydra/launcher=hpc_train", "hydra.launcher.nodez=2", cwd=tmp_path)  # Hydra's own
+    assert proc.returncode == 1 and "Could not override 'hydra.launcher.nodez'" in proc.stderr
+    assert not sweep.exists()  # refused at the launcher's setup: the sweep never began
+
+
+@pytest.mark.parametrize(
+    "sweep,said",
+    [
+        (
+            "optim.lr=0.1,abc",
+            r"Error merging override optim.lr=abc\nValue 'abc' of type 'str' could not be converted to Float\n    full_key: optim.lr",
+        ),
+        ("optim.lrr=0.1,0.2", r"Could not override 'optim.lrr'.*full_key: optim.lrr"),
+        ("db=mysql,oracle", r"In 'config': Could not find 'db/oracle'"),
+    ],
+)
+def test_a_config_error_of_the_app_is_refused_before_anything_is_queued(tmp_path: Path, sweep: str, said: str) -> None:
+    """Refused while the sweeper checks its batch, in Hydra's own words (a failing job is composed by Hydra itself):
+    no trial folder, no manifest, nothing frozen; Slurm is never asked (there is none here)."""
+    target = tmp_path / "sw"
+    proc = app(TYPED / "app.py", "-m", "hydra/launcher=hpc_train", sweep, f"hydra.sweep.dir={target}", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert re.search(said, proc.stderr, re.S), proc.stderr
+    assert sorted(p.name for p in target.iterdir()) == ["multirun.yaml"]  # Hydra's own, written before its check
+
+
+def _typed_loader() -> tuple[Any, Any]:
+    """Hydra's loader for the typed app and its master config, as Hydra makes them for `-m` (the app's module
+    imported for its ConfigStore schema)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.types import RunMode
+
+    spec = importlib.util.spec_from_file_location("hydra_typed_app", TYPED / "app.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hydra_typed_app"] = module  # where pickle finds its classes
+    spec.loader.exec_module(module)
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(TYPED / "conf")))
+    return loader, loader.load_configuration("config", [], RunMode.MULTIRUN)
+
+
+def test_jobs_compose_as_hydra_composes_them() -> None:
+    """Each job's config as hydra_job.py builds it (a base composed once per distinct structural override set, its
+    `key=value` overrides applied on top) equals Hydra's own compose of that job, hydra node included."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from omegaconf import OmegaConf, open_dict
+
+    from hpc_train.hydra_job import trial_config
+    from hpc_train.hydra_launch import Memo, _copy
+
+    loader, master = _typed_loader()
+    memo = Memo(loader, master)
+    jobs = [
+        ["optim.lr=0.5"],
+        ["db=postgres", "optim.lr=0.25"],
+        ["seed=7", "optim.momentum=0.5"],
+        ["+extra=1", "seed=2"],
+        ["optim.lr=1e-3", "db=postgres", "seed=5"],
+        ["tag='a b'", "seed=4"],
+        ["seed=8", "+x=1", "x=2"],  # x named by a structural override of the same job: composed whole
+        ["optim.lr=-2.5e-3", "tag=plain_word"],
+    ]
+    for num, job in enumerate(jobs):
+        k, _ = memo.check(job)
+        ours = trial_config(_copy(memo.bases[k]), job, num, "7")
+        hydras = ConfigLoaderImpl.load_sweep_config(loader, master, job)
+        with open_dict(hydras.hydra.job):
+            hydras.hydra.job.num, hydras.hydra.job.id = num, "7"
+        assert OmegaConf.to_container(ours, resolve=False) == OmegaConf.to_container(hydras, resolve=False), job
+        assert OmegaConf.get_type(ours.optim).__name__ == "Optim"  # the structured config kept its types
+    assert list(memo.index) == [(), ("db=postgres",), ("+extra=1",), ("tag='a b'",), ("seed=8", "+x=1", "x=2")]
+
+
+def test_resume_overrides_are_checked_against_every_base() -> None:
+    from hpc_train.hydra_launch import LaunchError, check_resume
+
+    loader, master = _typed_loader()
+    bases = [loader.load_sweep_config(master, []), loader.load_sweep_config(master, ["db=postgres"])]
+    check_resume(["+resume=true", "seed=9"], bases)
+    assert bases[0].seed == 0  # copies were changed, never the frozen bases
+    with pytest.raises(LaunchError, match=r"resume_overrides=\['resum=true'\]: Could not override 'resum'"):
+        check_resume(["resum=true"], bases)
+
+
+def test_the_sweepers_check_of_a_batch_composes_once() -> None:
+    """Hydra's Sweeper.validate_batch_is_legal through the launcher's loader: 1,000 jobs over one key are one
+    compose (Hydra alone: 1,000, 54 s here); a job with an error is composed by Hydra, which says it."""
+    from hydra.errors import ConfigCompositionException
+    from hydra.plugins.sweeper import Sweeper
+    from hydra.types import HydraContext
+
+    from hpc_train.hydra_launch import Memo
+
+    loader, master = _typed_loader()
+    composed: list[list[str]] = []
+    real = loader.load_sweep_config
+
+    def counted(master_config: Any, sweep_overrides: list[str]) -> Any:
+        composed.append(list(sweep_overrides))
+        return real(master_config, sweep_overrides)
+
+    loader.load_sweep_config = counted
+    sweeper = type("S", (), {})()
+    sweeper.hydra_context, sweeper.config = HydraContext(config_loader=Memo(loader, master), callbacks=None), master
+    Sweeper.validate_batch_is_legal(sweeper, [[f"optim.lr={i}e-4", "seed=1"] for i in range(1000)])
+    assert composed == [[]]
+    with pytest.raises(ConfigCompositionException, match="optim.lr=oops"):
+        Sweeper.validate_batch_is_legal(sweeper, [["optim.lr=0.1"], ["optim.lr=oops"]])
+    assert composed[-1] == ["optim.lr=oops"]  # Hydra's own compose of the failing job, for its words
+    # anyone else asking gets Hydra's compose of the job, as before
+    assert sweeper.hydra_context.config_loader.load_sweep_config(master, ["seed=3"]).seed == 3
+    assert composed[-1] == ["seed=3"]
+
+
+def test_a_local_sweep_runs_each_job_through_hpc_train_in_hydras_layout(tmp_path: Path) -> None:
+    """4 jobs (a config group and a typed key swept) through hpc_train's local executor: Hydra's multirun folder
+    (multirun.yaml, one folder per job number with .hydra/), each trial an hpc_train run there, the task given its
+    composed config with its types, ${now:} at the sweep's time, its own output folder; results reads the sweep. The
+    command's own process never imports torch."""
+    proc = app(
+        TYPED / "app.py",
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        "optim.lr=0.1,0.2",
+        "db=mysql,postgres",
+        "seed=3",
+        cwd=tmp_path,
+        timeout_s=240,
+        extra=("-X", "importtime"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert not re.search(r"\| +torch$", proc.stderr, re.M), "the login side imported torch"
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    assert "hpc_train: 4 trial(s) ran here" in proc.stdout and f"hpc-train status {sweep}" in proc.stdout
+    assert (sweep / "multirun.yaml").is_file() and (sweep / "sweep.json").is_file()
+    manifest = json.loads((sweep / "sweep.json").read_text())
+    assert [t["run_dir"] for t in manifest["trials"]] == [str(sweep / str(i)) for i in range(4)]
+    for i, (lr, db) in enumerate([(0.1, "mysql"), (0.1, "postgres"), (0.2, "mysql"), (0.2, "postgres")]):
+        trial = sweep / str(i)
+        assert {p.name for p in (trial / ".hydra").iterdir()} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+        assert (trial / ".hydra" / "overrides.yaml").read_text() == f"- optim.lr={lr}\n- db={db}\n- seed=3\n"
+        assert [e["event"] for e in read_events(trial) if e["event"] in ("start", "finish")] == ["start", "finish"]
+        value = json.loads((trial / "job_return.json").read_text())["value"]
+        assert value == {
+            "type": "Config",
+            "lr": lr,
+            "seed": 3,
+            "db": db,
+            "tag": "seed-3",
+            "started": sweep.name,  # Hydra's sweep folder is named by ${now:%H-%M-%S} too: the same moment
+            "output_dir": str(trial),
+            "num": i,
+            "override_dirname": f"db={db},optim.lr={lr},seed=3",
+        }
+    results = run([HPC_TRAIN, "results", str(sweep), "--json"])
+    rows = json.loads(results.stdout)
+    assert [(r["overrides"]["optim.lr"], r["overrides"]["db"], r["state"]) for r in rows] == [
+        ("0.1", "mysql", "COMPLETED"),
+        ("0.1", "postgres", "COMPLETED"),
+        ("0.2", "mysql", "COMPLETED"),
+        ("0.2", "postgres", "COMPLETED"),
+    ]
+
+
+def test_a_run_without_m_is_one_run_in_hydras_run_dir(tmp_path: Path) -> None:
+    """No -m: Hydra would run the task in its own process; the launcher's callback queues it instead (here: runs it
+    through hpc_train's local executor and waits) in hydra.run.dir, as a run alone, and the process ends there."""
+    target = tmp_path / "outputs" / "one"
+    proc = app(
+        ANCHOR,
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        "lr=3",
+        f"hydra.run.dir={target}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert f"hpc_train: finished {target}; it returned 3.0" in proc.stdout
+    assert (target / "submission.json").is_file() and not (target / "sweep.json").exists()
+    assert (target / ".hydra" / "overrides.yaml").read_text().splitlines()[-1] == "- lr=3"
+    assert "lr: 3" in (target / ".hydra" / "config.yaml").read_text()
+    status = json.loads(run([HPC_TRAIN, "status", str(target), "--json"]).stdout)
+    assert [(r["run"], r["state"], r["finished"]) for r in status] == [("one", "COMPLETED", True)]
+
+
+def test_a_task_that_raises_fails_its_trial_and_hydra_says_so(tmp_path: Path) -> None:
+    """The task's exception ends its trial (no retry here: requeue.max_failures=0); the local executor's launch
+    returns it as Hydra's FAILED JobReturn, which Hydra raises with the job's overrides."""
+    proc = app(
+        TYPED / "app.py",
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        "hydra.launcher.requeue.max_failures=0",
+        "seed=-1",
+        f"hydra.sweep.dir={tmp_path / 'sw'}",
+        cwd=tmp_path,
+        timeout_s=180,
+    )
+    assert proc.returncode == 1
+    assert "Error executing job with overrides: ['seed=-1']" in proc.stderr
+    assert "did not finish" in proc.stderr or "seed must be >= 0" in proc.stderr, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "sw" / "0" / "job_return.json").read_text())["status"] == "FAILED"
+    events = read_events(tmp_path / "sw" / "0")
+    assert any(e["event"] == "fail" and "seed must be >= 0" in e["error"] + e.get("output", "") for e in events)
+
+
+def test_resume_overrides_are_added_once_the_checkpoint_exists(tmp_path: Path) -> None:
+    """hydra.launcher.checkpoint names the app's file (here one that exists from the start): the attempt's start
+    names it, and hydra.launcher.resume_overrides join the job's overrides, Hydra's .hydra/ records included."""
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_text("a checkpoint\n")
+    sweep = tmp_path / "sw"
+    proc = app(
+        ANCHOR,
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        f"hydra.launcher.checkpoint={ckpt}",
+        "hydra.launcher.resume_overrides=['+resumed=true']",
+        "lr=1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert (sweep / "0" / ".hydra" / "config.yaml").read_text() == "lr: 1\nresumed: true\n"
+    assert (sweep / "0" / ".hydra" / "overrides.yaml").read_text() == "- lr=1\n- +resumed=true\n"
+    assert next(e for e in read_events(sweep / "0") if e["event"] == "start")["resumed_from"] == str(ckpt)
