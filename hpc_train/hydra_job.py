@@ -93,6 +93,9 @@ def import_app(ref: dict[str, Any]) -> Any:
         module = importlib.util.module_from_spec(spec)
         sys.modules["__mp_main__"] = module
         spec.loader.exec_module(module)
+        # again: importing multiprocessing (torch does) points __mp_main__ back at this file, and the app's own
+        # classes then no longer pickle (torch.save of its config); no __spec__, so that spawn runs it by its path
+        sys.modules["__mp_main__"], module.__spec__ = module, None
     else:
         sys.path.insert(0, os.getcwd())
         module = importlib.import_module(ref["module"])
@@ -113,7 +116,10 @@ def freeze(folder: Path, ref: dict[str, Any], bases: list[Any], multirun: bool, 
     its trials were frozen with (the app's conf/ may have changed since). Returns the spec's path. ValueError for a
     config that does not pickle (a value built by a resolver of the app's own)."""
     spec = folder / SPEC
-    if spec.exists():
+    if spec.exists():  # a resubmit: what it froze, once it is this user's alone (it names the code every rank runs)
+        why = untrusted(spec, folder) or next((untrusted(folder / base_file(k), folder) for k in range(len(bases))), "")
+        if why:
+            raise ValueError(f"refusing the sweep's frozen files: {why}")
         return spec
     for k, base in enumerate(bases):
         try:
@@ -207,6 +213,9 @@ def read_return(run_dir: Path) -> dict[str, Any] | None:
 def main(argv: list[str]) -> int:
     spec_path, k, num = Path(argv[0]), int(argv[1]), int(argv[2])
     overrides = argv[4:] if argv[3:4] == ["--"] else argv[3:]
+    why = untrusted(spec_path, spec_path.parent)  # before anything it names is imported: it runs as this user
+    if why:
+        raise SystemExit(f"hpc_train: refusing to run the app the sweep's spec names: {why}")
     spec = json.loads(spec_path.read_text())
     if not os.environ.get("HPC_TRAIN_RUN_DIR"):
         raise SystemExit("hpc_train: hydra_job.py runs inside an hpc_train job (HPC_TRAIN_RUN_DIR is not set)")

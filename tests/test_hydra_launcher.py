@@ -318,3 +318,42 @@ def test_resume_overrides_are_added_once_the_checkpoint_exists(tmp_path: Path) -
     assert (sweep / "0" / ".hydra" / "config.yaml").read_text() == "lr: 1\nresumed: true\n"
     assert (sweep / "0" / ".hydra" / "overrides.yaml").read_text() == "- lr=1\n- +resumed=true\n"
     assert next(e for e in read_events(sweep / "0") if e["event"] == "start")["resumed_from"] == str(ckpt)
+
+
+def test_review_the_spec_is_trusted_only_when_ours_and_the_apps_classes_pickle_once_it_imports_multiprocessing(
+    tmp_path: Path,
+) -> None:
+    """Review: (1) hydra_launch.json names the file every rank imports and runs, yet only the base pickle was checked:
+    a group member who could write the sweep folder could point it at their code; (2) an app that imports torch
+    (multiprocessing) had __mp_main__ pointed back at hydra_job, and its own classes no longer pickled there
+    (torch.save of its config failed at the stop save)."""
+    import os
+    import subprocess
+    import sys
+
+    from hpc_train import hydra_job
+
+    folder = tmp_path / "sweep"
+    folder.mkdir(mode=0o700)
+    marker = tmp_path / "ran"
+    app = tmp_path / "evil.py"
+    app.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    ref = {"module": "evil", "file": str(app), "name": "main", "wrapped": False, "main": True}
+    spec = hydra_job.freeze(folder, ref, [{"a": 1}], multirun=True, private=True)
+    spec.chmod(0o664)  # as a group member's copy would be
+    env = {**os.environ, "HPC_TRAIN_RUN_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, hydra_job.__file__, str(spec), "0", "0", "--"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode != 0 and "refusing to run the app" in proc.stderr and not marker.exists(), proc.stderr
+    typed = tmp_path / "typed_app.py"
+    typed.write_text(
+        "import multiprocessing\nfrom dataclasses import dataclass\n\n@dataclass\nclass Config:\n    lr: float = 0.1\n"
+    )
+    code = (
+        "import pickle, sys; from hpc_train import hydra_job; "
+        f"m = hydra_job.import_app({{'module': 'typed_app', 'file': {str(typed)!r}, 'name': 'x', 'wrapped': False, "
+        "'main': True}); print(pickle.loads(pickle.dumps(m.Config())).lr)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "0.1", out.stderr
