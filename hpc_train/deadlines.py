@@ -52,6 +52,13 @@ AFTER_TERM_S = 5.0
 STOP_MEMORY_WAIT_S = 60.0
 FINISH_MEMORY_WAIT_S = 120.0
 
+
+def stop_memory_wait_s(kill_deadline: float, now: float, keep_s: float) -> float:
+    """How long a stop may wait for the memory copy in flight: STOP_MEMORY_WAIT_S, and never into the last
+    `keep_s` before Slurm's SIGKILL (`kill_deadline` and `now` on time.monotonic(); inf: no signal's deadline)."""
+    return max(0.0, min(kill_deadline - now - keep_s, STOP_MEMORY_WAIT_S))
+
+
 # The relay writes its beat every RELAY_BEAT_S while the step runs: RELAY_SILENT_S is six missed beats (a loaded
 # batch host, a slow shared file system), far under the SlurmdTimeout (300 s by default) after which Slurm itself
 # takes a silent node out of the job. A beat that looks old is read again RELAY_RECHECK_S later: unchanged, the

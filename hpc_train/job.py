@@ -313,6 +313,8 @@ def _run_function(
     at.returned()  # at its own stop check: a stop at the step reached
     if at.stopped and at.finished is None:
         at.profile.close(False, "the requeue decision")  # a function that returned at its own stop check
+        if at.memory:  # no stop save: the copy in flight is the newest step there is, kept if done in time
+            at.wait_for_memory(deadlines.stop_memory_wait_s(at.kill_deadline, time.monotonic(), reserve))
         requeue.decide_together(paths, env, task, cfg, at.stop_reason, at.stop_step, at.kill_deadline, memory=at.memory)
     summary = at.finished or at.finish(None, **(result if isinstance(result, dict) else {"result": result}))
     folder, slurm_job = os.environ.get("SUBMITIT_FOLDER"), os.environ.get("SLURM_JOB_ID")

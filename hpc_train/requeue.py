@@ -370,7 +370,7 @@ def decide_together(
     # destroy_process_group would wait on the copy thread's group: that copy first, until 5 s before the kill;
     # still running then, no teardown (verdict.leave's os._exit ends the process either way)
     if memory is not None:  # a stop without a signal's deadline (none is known) waits deadlines.STOP_MEMORY_WAIT_S
-        memory.wait(max(0.0, min(kill_deadline - time.monotonic() - 5, deadlines.STOP_MEMORY_WAIT_S)))
+        memory.wait(deadlines.stop_memory_wait_s(kill_deadline, time.monotonic(), 5.0))
     if memory is None or memory.idle.is_set():
         dist.destroy_process_group()
     again = chosen == Verdict.RELAUNCH or (chosen == Verdict.REQUEUE and env.executor == "local")

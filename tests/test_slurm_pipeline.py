@@ -83,8 +83,13 @@ def test_a_failed_stage_cancels_the_run_after_it_with_the_reason_and_its_resume_
 ) -> None:
     out = f"out_dir={tmp_path}"
     fault = ["requeue.max_failures=0", "+cluster.env.HPC_TRAIN_FAULT=raise_at_start"]  # attempt 0 only
-    bad, bad_job = submit([*SMALL, out, "name=bad", "train.steps=10", *fault], env=slurm_env)
+    # held until the run after it is queued: it fails within seconds of its start, and a submit --after a stage
+    # that already stopped for good is refused (test_pipeline), not queued to be cancelled
+    bad, bad_job = submit(
+        [*SMALL, out, "name=bad", "train.steps=10", *fault, "+cluster.sbatch_extra.hold=''"], env=slurm_env
+    )
     nxt, nxt_job = submit([*SMALL, out, "name=next", "train.steps=5", "--after", str(bad)], env=slurm_env)
+    assert run(["scontrol", "release", bad_job], env=slurm_env).returncode == 0
     wait_until(lambda: any(e["event"] == "stopped" for e in read_events(nxt)), 180, "the run after it told")
     stopped = next(e for e in read_events(nxt) if e["event"] == "stopped")
     reason = (
@@ -106,6 +111,7 @@ def test_a_failed_stage_cancels_the_run_after_it_with_the_reason_and_its_resume_
     bad_new = next(line for line in proc.stdout.splitlines() if line.startswith("resumed as job")).split()[3]
     again = next(line for line in proc.stdout.splitlines() if line.startswith("next-1, which never started"))
     nxt_new = again.split()[-1]
+    assert run(["scontrol", "release", bad_new], env=slurm_env).returncode == 0  # its frozen sbatch_extra holds it
     wait_finished(nxt, nxt_new, slurm_env, timeout_s=240)
     assert sacct_state(bad_new, slurm_env) == "COMPLETED"
     times = sacct_times([bad_new, nxt_new], slurm_env)
