@@ -184,6 +184,22 @@ def _freeze_paths(configs: list[dict[str, Any]], stages: frozenset[Path]) -> Non
             c["checkpoint"]["init_from"] = str(init_from_checkpoint(c["checkpoint"]["init_from"], c, stages))
 
 
+def _validate(
+    cluster: ClusterConfig, script: str, size: int, max_parallel: int | None, after: list[After] | None
+) -> list[str]:
+    """validate_live; a refusal while queued after stages is first judged against their state now: a stage that
+    stopped for good since `_stages` read it (its job just ended) makes Slurm's will-run test refuse with
+    "Requested operation is presently disabled" (kill-on-invalid-dep), which names neither the stage nor the fix."""
+    from hpc_train import stages
+
+    try:
+        return validate_live(cluster, script, size, max_parallel)
+    except ValueError:
+        if after:
+            stages.dependency(after)  # raises the stage's own sentence (pipeline.dependency) when one stopped
+        raise
+
+
 def _stages(
     after: list[After], configs: list[dict[str, Any]], runs: list[RunConfig]
 ) -> tuple[str, str, frozenset[Path]]:
@@ -360,7 +376,7 @@ def plan(
             shape = (json.dumps(vars(cluster), sort_keys=True), script)  # as group_arrays keys a shape
             if shape not in checked:  # bash -n and 4 Slurm calls, ~30 ms: once per distinct request
                 check_syntax(script)
-                checked[shape] = validate_live(cluster, script, len(array.trials), max_parallel) if validate else []
+                checked[shape] = _validate(cluster, script, len(array.trials), max_parallel, after) if validate else []
             result.unchecked += checked[shape]
     finally:
         slurm.drop_prefetched()  # what a failed check left unread: never a later call's stale answer

@@ -568,3 +568,26 @@ def test_after_ckpt_is_the_same_for_every_attempt_of_the_run(tmp_path: Path) -> 
     assert command(config, dep, resuming=True)[-1] == str(first)
     shutil.rmtree(first)  # gone (the stage's retention): the stage's final one now
     assert command(config, dep, resuming=True)[-1] == str(newer)
+
+
+@pytest.mark.parametrize("stopped", ["", "failure budget spent"])
+def test_a_will_run_refusal_after_a_stage_that_stopped_meanwhile_names_the_stage(
+    monkeypatch: pytest.MonkeyPatch, stopped: str
+) -> None:
+    """A stage whose job ends between the dependency and sbatch --test-only: Slurm's will-run test refuses with
+    "Requested operation is presently disabled" (its dependency can never be satisfied). The stage's state asked
+    again says which run and the fix; a refusal with every stage still waitable keeps Slurm's words."""
+    from hpc_train import plan
+
+    refused = "sbatch --test-only refused the request for partition low: allocation failure: Requested operation"
+
+    def validate_live(*args: Any) -> list[str]:
+        raise ValueError(refused)
+
+    up = Upstream("bad-1", "/runs/bad-1", "ok", "slurm", "77", False, stopped)
+    monkeypatch.setattr(plan, "validate_live", validate_live)
+    monkeypatch.setattr(stages, "upstreams", lambda afters, queued=None: [up])
+    with pytest.raises(ValueError) as e:
+        plan._validate(None, "#!/bin/bash", 1, None, [After("/runs/bad-1")])  # type: ignore[arg-type]
+    expected = "--after bad-1: it stopped for good (failure budget spent)" if stopped else refused
+    assert str(e.value).startswith(expected)
