@@ -385,8 +385,10 @@ def _report(args: argparse.Namespace) -> int:
         if (chosen := journal.last(events, journal.INTERVAL)) is not None:  # checkpoint.every_steps=auto
             print(f"checkpoint interval (auto, at step {chosen['step']}): {chosen.get('why', '')}")
         said = intervals.forecast_said(RunPaths(run.run_dir).history, run.run_dir)
-        if said:  # what submit expected, beside what the run did (the table's title)
-            print(f"at submit, {said[0]}; this run: goodput {report.share(parts['goodput'])} so far")
+        if said:  # what submit expected, a share of wall time (queue waits in it), beside the same for the run
+            wall = parts["allocated"] + parts.get("queue_wait", 0.0)
+            done = report.share(parts["committed"] / wall if wall > 0 else 0.0)
+            print(f"at submit, {said[0]}; this run: goodput {done} of its wall time so far (queue waits in it)")
         for line in report.profile_lines(run.run_dir):  # profile.*: the traces, and how to open them
             print(line)
         print(f"picture: {made}" if made.endswith(".png") else made)

@@ -233,6 +233,11 @@ class CheckpointConfig:  # checkpoint.py
     # while it is written). Needs cluster.spare_nodes on Slurm: only a relaunch inside the allocation reads it.
     memory_every_steps: int | str = 0  # "auto": as every_steps=auto, for the faults this tier survives
     memory_dir: str = "/dev/shm"  # node-local and in RAM: outlives the training step, not the node
+    # The site's history behind "auto" and the forecast (history.py): sacct and the project's journals over this many
+    # days; with fewer jobs than history_min_jobs in it the defaults are used (1 unannounced fault per 5,000
+    # node-hours). A small site or a new partition may trust fewer jobs; 10: a rate is not a handful of jobs' luck
+    history_window_days: float = 30.0
+    history_min_jobs: int = 10
 
     def steps(self, name: str) -> int:
         """every_steps or memory_every_steps as the loop starts: the number given, or for "auto" the first interval
@@ -258,6 +263,13 @@ class CheckpointConfig:  # checkpoint.py
                 f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
                 f"{self.keep_last} must be >= 1, checkpoint.keep_every_steps="
                 f"{self.keep_every_steps} >= 0"
+            )
+        days, jobs = self.history_window_days, self.history_min_jobs
+        if not (days > 0 and math.isfinite(days)) or jobs < 1:
+            raise ValueError(
+                f"checkpoint.history_window_days={days} must be > 0 and checkpoint.history_min_jobs={jobs} >= 1 (the "
+                f"days of the site's history read, the jobs it needs to be trusted); e.g. "
+                f"checkpoint.history_window_days=30 checkpoint.history_min_jobs=10"
             )
         if self.init_from_optimizer and not self.init_from:
             raise ValueError(

@@ -368,6 +368,16 @@ def thin(rates: Rates, min_jobs: int = MIN_JOBS, min_node_hours: float = MIN_NOD
     return ""
 
 
+def sizes_like(nodes: int) -> tuple[int, int]:
+    """The node counts of the jobs that speak for a run of `nodes` nodes: nodes / 2 to nodes x 2."""
+    return max(1, nodes // 2), nodes * 2
+
+
+def accounting_args(partition: str, nodes: int, window_days: float, now_s: float) -> list[str]:
+    """The sacct site_rates(partition, nodes, window_days=..., now_s=...) asks, for slurm.prefetch."""
+    return slurm.accounting_args(now_s - window_days * 86400, partition=partition, nodes=sizes_like(nodes))
+
+
 def site_rates(
     partition: str,
     nodes: int,
@@ -379,12 +389,13 @@ def site_rates(
     min_jobs: int = MIN_JOBS,
     min_node_hours: float = MIN_NODE_HOURS,
     min_fault_s: float = MIN_FAULT_ELAPSED_S,
+    now_s: float | None = None,
 ) -> Rates:
     """This site's rates for a run of `nodes` nodes on `partition`: sacct once (one try of 10 s; no answer: the
-    journals alone, said in `note`) for the jobs of window_days on it of nodes / 2 to nodes x 2 nodes (this user's,
-    or `account`'s with all_users), and the journals of runs_dir's runs (the project's out_dir) queued on it
-    (journal_runs), reconciled; DEFAULTS with the `thin` sentence when too thin to trust (thin)."""
-    since, sizes = time.time() - window_days * 86400, (max(1, nodes // 2), nodes * 2)
+    journals alone, said in `note`) for the jobs of window_days before now_s (default: now) on it of nodes / 2 to
+    nodes x 2 nodes (this user's, or `account`'s with all_users), and the journals of runs_dir's runs (the project's
+    out_dir) queued on it (journal_runs), reconciled; DEFAULTS with the `thin` sentence when too thin to trust."""
+    since, sizes = (now_s or time.time()) - window_days * 86400, sizes_like(nodes)
     journals: dict[str, Rates] = {}
     for run_dir in journal_runs(Path(runs_dir), partition):
         try:

@@ -66,12 +66,25 @@ def measured(events: list[journal.Event], step_times_s: list[float], copies: lis
     ][-RECENT:]
     steps = [t for t in step_times_s if _positive(t)]
     startup = journal.startup_s(events)
+    step_s, copy = _chosen_from(events)
     return Measured(
-        statistics.median(steps) if steps else None,
+        statistics.median(steps) if steps else step_s,
         _median_pair(saves),
-        _median_pair([c for c in copies if _positive(c[1])][-RECENT:]),
+        _median_pair([c for c in copies if _positive(c[1])][-RECENT:]) or copy,
         startup or None,
     )
+
+
+def _chosen_from(events: list[journal.Event]) -> tuple[float | None, tuple[float, float] | None]:
+    """The step time and memory copy the run's last measured choice rested on (its `interval` event's inputs), for an
+    attempt that has timed neither yet (a resume): it then saves at the chosen interval from its first step, not
+    at the first 20 steps again; (None, None) before any."""
+    chosen = [e.get("inputs") for e in journal.named(events, journal.INTERVAL) if e.get("provisional") is False]
+    inputs = chosen[-1] if chosen and isinstance(chosen[-1], dict) else {}
+    memory = inputs.get("memory") if isinstance(inputs.get("memory"), dict) else {}
+    copy = (memory.get("save_s"), memory.get("write_s"))
+    step_s = inputs.get("step_s")
+    return (step_s if _positive(step_s) else None), (copy if _seconds(copy[0]) and _positive(copy[1]) else None)
 
 
 def choose(
@@ -146,12 +159,19 @@ def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float] | None
 # ---- the site's rates as submit froze them --------------------------------------------------------------------
 
 
-def write_rates(path: Path, rates: history.Rates, private: bool, forecast: list[str] | None = None) -> None:
+def write_rates(
+    path: Path,
+    rates: history.Rates,
+    private: bool,
+    forecast: list[str] | None = None,
+    expected: dict[str, float] | None = None,
+) -> None:
     """history.json in a run directory: the site's rates as submit read them (the job asks no sacct), and the
-    forecast submit said (report puts it beside what the run did)."""
+    forecast submit said, in words and as numbers (planning.Forecast's fractions: report puts it beside what the
+    run did)."""
     from hpc_train.paths import write_atomic
 
-    record = {"rates": dataclasses.asdict(rates), "forecast": forecast or []}
+    record = {"rates": dataclasses.asdict(rates), "forecast": forecast or [], "expected": expected or {}}
     write_atomic(path, json.dumps(record, indent=1) + "\n", private)
 
 
@@ -181,6 +201,14 @@ def forecast_said(path: Path, run_dir: Path) -> list[str]:
     """What submit forecast for this run (history.json), [] when it said nothing (a local run, one queued before)."""
     lines = _frozen(path, run_dir).get("forecast")
     return [line for line in lines if isinstance(line, str)] if isinstance(lines, list) else []
+
+
+def forecast_expected(path: Path, run_dir: Path) -> planning.Forecast | None:
+    """The numbers of submit's forecast for this run (history.json's `expected`); None where it froze none."""
+    try:
+        return planning.Forecast(**_frozen(path, run_dir)["expected"])
+    except (KeyError, TypeError):
+        return None
 
 
 # ---- the forecast at submit -------------------------------------------------------------------------------------
@@ -233,6 +261,14 @@ def expected(
     )
 
 
+def at_submit(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: Measured) -> planning.Forecast:
+    """The expected goodput of a Slurm run as submit forecasts it: its size, spares, and the save a stop leaves room
+    for (the preemption's grace or the time limit's lead)."""
+    spares = bool(cluster.spare_nodes or cluster.in_process_restart)
+    budget = min(cluster.preempt_grace_s, cluster.signal_lead_s)
+    return expected(ck, m, rates, cluster.nodes, spares, budget)
+
+
 def forecast_lines(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: Measured) -> list[str]:
     """What submit says of a Slurm run before it is queued: its expected goodput at its size on its partition,
     then the alternatives that would change it most (hot spares with the memory tier, auto intervals, half the
@@ -241,7 +277,7 @@ def forecast_lines(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: 
     nodes, spares = cluster.nodes, bool(cluster.spare_nodes or cluster.in_process_restart)
     budget = min(cluster.preempt_grace_s, cluster.signal_lead_s)  # what a stop leaves for its save
     held = nodes / (nodes + cluster.spare_nodes)
-    base = expected(ck, m, rates, nodes, spares, budget)
+    base = at_submit(ck, cluster, rates, m)
     where = f"on {cluster.partition or 'the default partition'} at {nodes} node(s)"
     lines = [f"forecast: {base} {where}", f"  the site: {rates.describe(nodes)}"]
     if m.step_s == ASSUMED.step_s and m.disk == ASSUMED.disk:

@@ -60,6 +60,7 @@ class Plan:
     avoided: str = ""  # the nodes left out for their record (cluster.avoid_bad_nodes), in one sentence; "" none
     rates: Any = None  # history.Rates of the site for checkpoint.every_steps=auto (history.json); None: not asked
     forecast: list[str] = field(default_factory=list)  # the expected goodput, and the alternatives (intervals.py)
+    expected: dict[str, float] = field(default_factory=dict)  # the forecast's numbers (planning.Forecast), {} none
     # What _save_manifest last wrote (each record and its JSON line), so a save re-serializes only what changed
     written: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -245,20 +246,33 @@ def _check_commands(runs: list[RunConfig]) -> None:
             raise ValueError(why)
 
 
-def _site_rates(p: Plan) -> tuple[Any, list[str]]:
+def _accounting_call(p: Plan, now_s: float) -> list[str]:
+    """The sacct _site_rates asks (history.site_rates at now_s), to start beside the other Slurm calls: its answer
+    (up to 10 s on a busy slurmdbd) then overlaps theirs and the render."""
+    from hpc_train import history
+
+    c, ck = p.runs[0].cluster, p.runs[0].checkpoint
+    return history.accounting_args(c.partition, c.nodes, ck.history_window_days, now_s)
+
+
+def _site_rates(p: Plan, now_s: float) -> tuple[Any, list[str], dict[str, float]]:
     """The site's fault rates (history.site_rates: one sacct of 10 s at most, the project's journals) for the first
-    trial's partition and size, and its forecast (intervals.forecast_lines: the expected goodput with its intervals
-    and the alternatives that change it most, from what the project's earlier runs measured)."""
+    trial's partition and size at now_s, and its forecast (intervals.forecast_lines: the expected goodput with its
+    intervals and the alternatives that change it most, from what the project's earlier runs measured), and its
+    numbers."""
     from hpc_train import history, intervals
 
-    first = p.runs[0]
-    c = first.cluster
-    runs_dir = Path(first.out_dir)
+    c, ck, runs_dir = p.runs[0].cluster, p.runs[0].checkpoint, Path(p.runs[0].out_dir)
     try:  # advisory: a damaged journal of the project or history never stops a submit
-        rates = history.site_rates(c.partition, c.nodes, runs_dir=runs_dir)
-        return rates, intervals.forecast_lines(first.checkpoint, c, rates, intervals.project_measured(runs_dir))
+        window, min_jobs = ck.history_window_days, ck.history_min_jobs
+        rates = history.site_rates(
+            c.partition, c.nodes, runs_dir=runs_dir, window_days=window, min_jobs=min_jobs, now_s=now_s
+        )
+        m = intervals.project_measured(runs_dir)
+        expected = dict(vars(intervals.at_submit(ck, c, rates, m)))  # a frozen dataclass's fields
+        return rates, intervals.forecast_lines(ck, c, rates, m), expected
     except Exception as e:
-        return None, [f"forecast: none ({type(e).__name__}: {e}); checkpoint.every_steps=auto uses the defaults"]
+        return None, [f"forecast: none ({type(e).__name__}: {e}); checkpoint.every_steps=auto uses the defaults"], {}
 
 
 def _avoid_bad_nodes(p: Plan, validate: bool) -> str:
@@ -346,11 +360,12 @@ def plan(
     if dry_run:  # answer in seconds without a controller (each client call would retry for ~40 s): one ping
         result.unvalidated = slurm.unreachable()
     # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
+    now = time.time()  # the sacct of the site's history, asked now and read by _site_rates: the same arguments
     if not result.unvalidated:
-        slurm.prefetch(*facts)
+        slurm.prefetch(*facts, _accounting_call(result, now))
     result.avoided = _avoid_bad_nodes(result, validate)
     if not result.unvalidated:
-        result.rates, result.forecast = _site_rates(result)
+        result.rates, result.forecast, result.expected = _site_rates(result, now)
     max_array = (
         1
         if not multirun

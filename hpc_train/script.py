@@ -169,6 +169,13 @@ def check(config: dict[str, Any], run_dir: str | Path) -> None:
         return
     command(config, run_dir, resuming=True)
     checkpoint_path(config, run_dir)
+    ck = config.get("checkpoint") or {}
+    auto = [k for k in ("every_steps", "memory_every_steps") if ck.get(k) == "auto"]
+    if auto:  # hpc_train saves nothing of a script's: its interval is the script's own
+        raise ValueError(
+            f"checkpoint.{auto[0]}=auto chooses when hpc_train's trainer saves, and a script saves when it decides; "
+            f"drop it (the submit's forecast line still says what this run can expect: docs/goodput.md)"
+        )
 
 
 # An interpreter whose first word that is not an option is the file it runs (python's -m and -c name none).

@@ -477,6 +477,29 @@ def parse_sacct_states(text: str, job_ids: list[str]) -> dict[str, str]:
 ACCOUNTING_FIELDS = "JobID,State,Partition,NNodes,ElapsedRaw,Submit,Start,End"
 
 
+def accounting_args(
+    since_s: float,
+    *,
+    partition: str = "",
+    nodes: tuple[int, int] | None = None,
+    account: str = "",
+    all_users: bool = False,
+) -> list[str]:
+    """`sacct -X -P -n --duplicates` of the jobs since `since_s` (Unix s) until now: one record per run of a job, a
+    requeued one included (--duplicates: without it 22.05 prints only a job's last run), fields ACCOUNTING_FIELDS;
+    on `partition`, of min-max `nodes`, in `account`; this user's jobs unless all_users (-a: another user's show only
+    where slurmdbd's PrivateData allows). The same arguments for the same facts: prefetch matches them."""
+    import getpass
+
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since_s))  # sacct reads the local time
+    args = ["sacct", "-X", "-P", "-n", "--duplicates", "-S", start, "-E", "now", "-o", ACCOUNTING_FIELDS]
+    args += ["-a"] if all_users else ["-u", getpass.getuser()]
+    args += [f"--partition={partition}"] if partition else []
+    args += [f"--accounts={account}"] if account else []
+    args += [f"--nnodes={nodes[0]}-{nodes[1]}"] if nodes else []
+    return args
+
+
 def accounting(
     since_s: float,
     *,
@@ -486,18 +509,9 @@ def accounting(
     all_users: bool = False,
     timeout_s: float = 10,
 ) -> str:
-    """`sacct -X -P -n --duplicates` of the jobs since `since_s` (Unix s) until now: one record per run of a job, a
-    requeued one included (--duplicates: without it 22.05 prints only a job's last run), fields ACCOUNTING_FIELDS;
-    on `partition`, of min-max `nodes`, in `account`; this user's jobs unless all_users (-a: another user's show only
-    where slurmdbd's PrivateData allows). One try (history.site_rates: no answer means journals only, not a wait)."""
-    import getpass
-
-    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since_s))  # sacct reads the local time
-    args = ["sacct", "-X", "-P", "-n", "--duplicates", "-S", start, "-E", "now", "-o", ACCOUNTING_FIELDS]
-    args += ["-a"] if all_users else ["-u", getpass.getuser()]
-    args += [f"--partition={partition}"] if partition else []
-    args += [f"--accounts={account}"] if account else []
-    args += [f"--nnodes={nodes[0]}-{nodes[1]}"] if nodes else []
+    """accounting_args' sacct, one try (history.site_rates: no answer means journals only, not a wait); a submit
+    started it ahead (prefetch), beside its other Slurm calls."""
+    args = accounting_args(since_s, partition=partition, nodes=nodes, account=account, all_users=all_users)
     return call(args, timeout_s=timeout_s, retries=0)
 
 

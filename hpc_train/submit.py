@@ -164,7 +164,7 @@ def _freeze_rates(target: Path, p: Plan) -> None:
     if p.rates is not None and not RunPaths(target).history.exists():
         from hpc_train import intervals
 
-        intervals.write_rates(RunPaths(target).history, p.rates, p.private, p.forecast)
+        intervals.write_rates(RunPaths(target).history, p.rates, p.private, p.forecast, p.expected)
 
 
 def _freeze_trial(t: Trial, config: dict[str, Any], p: Plan, code: str, like: Path | None) -> Path | None:

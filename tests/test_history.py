@@ -274,3 +274,24 @@ def test_a_crash_at_start_up_is_not_a_site_fault() -> None:
     ]
     assert history.attempt_kind(early) is None
     assert history.attempt_kind([*early[:1], {**early[0], "event": "first_step", "step": 1}, early[1]]) == "failures"
+
+
+def test_the_sacct_a_submit_prefetches_is_the_one_site_rates_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A Slurm submit starts the history's sacct beside its other Slurm calls (plan._accounting_call): site_rates at
+    the same moment takes that answer, and sacct runs once."""
+    from conftest import fake_clients
+
+    from hpc_train import slurm
+
+    record = "77|NODE_FAIL|low|1|60|2026-01-01T00:00:00|2026-01-01T00:00:00|2026-01-01T00:01:00"
+    bin_dir, state = fake_clients(tmp_path, {"sacct": f'echo run >> $STATE/runs; echo "{record}"'})
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    now = time.time() - 5  # not this second: a site_rates that asked for another moment would run sacct again
+    slurm.prefetch(history.accounting_args("low", 1, 30, now))
+    try:
+        rates = history.site_rates("low", 1, runs_dir=tmp_path / "runs", min_jobs=1, min_node_hours=0, now_s=now)
+    finally:
+        slurm.drop_prefetched()
+    assert (rates.node_failures, rates.jobs, rates.source) == (1, 1, "sacct")
+    assert (state / "runs").read_text().split() == ["run"]

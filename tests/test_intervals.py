@@ -38,6 +38,21 @@ def test_measured_reads_periodic_commits_and_the_attempts_own_times() -> None:
     assert m.step_s == 0.25 and m.disk == (0.6, 2.5) and m.memory == (0.2, 1.5)  # medians; a stop save not a sample
 
 
+def test_a_resume_takes_the_step_time_and_copy_the_last_choice_rested_on() -> None:
+    """An attempt that timed no step yet chooses from the last measured choice's inputs (not 20 steps again); its
+    own step times, once it has them, win; a provisional choice's inputs are no measure."""
+    memory = {"save_s": 0.1, "write_s": 1.0, "faults_per_h": 1.0, "restart_s": 7.0}
+    before = {"time": 1030.0, "event": journal.INTERVAL, "step": 20, "restart": 0, "provisional": False}
+    before["inputs"] = {"step_s": 0.5, "memory": memory}
+    events = [commit(20, 0.5, 3.5), before, {**before, "provisional": True, "inputs": {"step_s": 9.0}}]
+    m = intervals.measured(events, [], [])
+    assert (m.step_s, m.disk, m.memory) == (0.5, (0.5, 3.0), (0.1, 1.0))
+    assert intervals.measured(events, [0.2], [(0.3, 2.0)]).step_s == 0.2
+    ck = CheckpointConfig(every_steps="auto", memory_every_steps="auto")
+    assert not intervals.choose(ck, m, rates(5), nodes=4, spares=True).provisional
+    assert intervals.measured([commit(20, 0.5, 3.5)], [], []).step_s is None
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_the_choice_holds_its_invariants_on_random_facts(seed: int) -> None:
     """More unannounced faults never lengthen the interval; a costlier save never shortens it; a memory copy is
@@ -99,6 +114,12 @@ def test_an_attempt_chooses_at_its_resume_and_again_after_its_first_save(tmp_pat
         assert [c["provisional"] for c in chosen] == [True, False], chosen
         assert chosen[1]["step"] == 20 and chosen[1]["every_steps"] == at.every_steps
         assert chosen[1]["inputs"]["disk"]["faults_per_h"] > 4 and at.every_steps != 20
+        # the next attempt (a resume) starts at that interval: what the first measured, not 20 steps again
+        again = Attempt.build(env, cfg, RunPaths(tmp_path), time.time(), {})
+        again.resume(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+        resumed = journal.named(journal.read(tmp_path), journal.INTERVAL)[-1]
+        assert resumed["provisional"] is False and again.every_steps == resumed["every_steps"] != 20, resumed
+        assert resumed["inputs"]["step_s"] == chosen[-1]["inputs"]["step_s"]
     finally:
         dist.destroy_process_group()
 
@@ -150,7 +171,9 @@ def test_report_and_status_say_the_interval_and_the_forecast_beside_the_outcome(
         {"time": 100.0, "event": "start", "step": 0, "job_id": "77", "restart": 0, "launched_at": 90.0},
         {"time": 101.0, "event": "first_step", "step": 1, "job_id": "77", "restart": 0, "step_time_s": 0.5},
         {"time": 130.0, "event": "interval", "step": 20, "job_id": "77", "restart": 0, "why": why, "every_steps": 376},
-        {"time": 200.0, "event": "finish", "step": 400, "job_id": "77", "restart": 0},
+        {"time": 150.0, "event": "requeue", "step": 300, "job_id": "77", "restart": 0, "reason": "preempt"},
+        {"time": 170.0, "event": "start", "step": 300, "job_id": "77", "restart": 1, "launched_at": 165.0},
+        {"time": 200.0, "event": "finish", "step": 400, "job_id": "77", "restart": 1},
     ]
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     said = ["forecast: expected goodput 97.7% (saves 0.6%, lost work 0.6%, restarts 1.2%) on low at 4 node(s)"]
@@ -158,7 +181,11 @@ def test_report_and_status_say_the_interval_and_the_forecast_beside_the_outcome(
     hpc_train = str(Path(sys.executable).parent / "hpc-train")
     report = subprocess.run([hpc_train, "report", str(run_dir)], capture_output=True, text=True, check=True).stdout
     assert f"checkpoint interval (auto, at step 20): {why}" in report
-    assert f"at submit, {said[0]}; this run: goodput " in report
+    # the run's goodput of its wall time, as the forecast is: committed / (allocated + queue wait)
+    parts = journal.goodput(journal.read(run_dir), [])
+    assert parts["queue_wait"] > 0
+    wall = f"{parts['committed'] / (parts['allocated'] + parts['queue_wait']):.1%}"
+    assert f"at submit, {said[0]}; this run: goodput {wall} of its wall time" in report
     status = subprocess.run([hpc_train, "status", str(run_dir)], capture_output=True, text=True, check=True).stdout
     assert "auto-1: checkpoint interval (auto): every 376 steps" in status
 
@@ -184,3 +211,17 @@ def test_stops_whose_save_does_not_fit_count_as_faults() -> None:
     lost = intervals.choose(ck, m, preempted, nodes=4, spares=False, stop_budget_s=30.0)
     assert "stops_lose_work" in lost.inputs and "stops_lose_work" not in fits.inputs
     assert lost.every_steps * 1.0 < 3600 / 4 < fits.every_steps, (lost.every_steps, fits.every_steps)
+
+
+@pytest.mark.parametrize("key", ["every_steps", "memory_every_steps"])
+def test_auto_for_a_script_is_refused_with_the_key_named(key: str) -> None:
+    """A script saves when it decides: auto would change nothing of it, and a user who set it would believe it did."""
+    from hpc_train import script
+
+    config = {
+        "script": {"cmd": ["python", "-c", "pass"], "resume_args": [], "checkpoint": ""},
+        "checkpoint": {key: "auto"},
+    }
+    with pytest.raises(ValueError, match=f"checkpoint.{key}=auto"):
+        script.check(config, "/tmp/run")
+    script.check({**config, "checkpoint": {key: 50}}, "/tmp/run")  # a number is the script's business too: kept
