@@ -6,15 +6,16 @@ launcher (hydra_plugins/hpc_train_launcher, docs/hydra.md).
 
 At submit (hydra_launch.py) the app's composed config is frozen beside the trials: once per distinct set of
 structural overrides (config-group choices, +key, ~key, an interpolation) as Hydra composed it, a pickle
-(`hydra_base-K.pickle`: a structured config keeps its types, and Hydra's resolver cache keeps ${now:...} at the
-submit's time), with `hydra_launch.json` naming the task function; each trial's overrides are frozen in its
+(`hydra_base-K.pickle`: a structured config keeps its types), with `hydra_launch.json` naming the task function and
+the submit's moment (every ${now:FMT} here gives it); each trial's overrides are frozen in its
 config.yaml (script.cmd). Here the trial's config is that base with the trial's own `key=value` overrides applied
 by Hydra's own code: nothing is composed from the app's config files again, so every attempt gets the same config.
 Then Hydra's run_job, as Hydra's launchers call it: HydraConfig, the output folder (the trial's run directory,
 pinned), .hydra/*.yaml, the job's logging, callbacks, env_set, hydra.job.chdir, and the task function, unchanged.
 Its stop request is the signal it gets (script.stop_signal: TERM), `script_helper.stop_requested()` or its own
 checkpoint file in its output folder; HPC_TRAIN_RUN_DIR, HPC_TRAIN_CKPT_DIR and HPC_TRAIN_RESTART_COUNT are set
-(supervisor.child_env). Torch-free; rank 0 writes what the task returned to job_return.json.
+(supervisor.child_env). Torch-free; rank 0 writes what the task returned to job_return.json (STOPPED for an
+attempt hpc_train stopped: not the job's result).
 """
 
 from __future__ import annotations
@@ -34,16 +35,21 @@ if __spec__ is None:  # run by its path (each trial's script.cmd): the package b
     sys.modules["hpc_train"] = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
     _spec.loader.exec_module(sys.modules["hpc_train"])  # type: ignore[union-attr]
 
+import functools  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import pickle  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from hpc_train.paths import untrusted, write_atomic  # noqa: E402
+from hpc_train import journal  # noqa: E402
+from hpc_train.paths import make_dir, untrusted, write_atomic  # noqa: E402
 
 SPEC = "hydra_launch.json"  # in the sweep directory (a run alone: its run directory)
 RETURN = "job_return.json"  # in the trial's run directory: what the task function returned, or raised
@@ -111,10 +117,11 @@ def task_function(ref: dict[str, Any]) -> Callable[..., Any]:
     return found.__wrapped__ if ref["wrapped"] else found
 
 
-def freeze(folder: Path, ref: dict[str, Any], bases: list[Any], multirun: bool, private: bool) -> Path:
+def freeze(folder: Path, ref: dict[str, Any], bases: list[Any], multirun: bool, private: bool, now: str = "") -> Path:
     """hydra_launch.json and each base's pickle in `folder`, written once: a resubmitted sweep keeps the config
-    its trials were frozen with (the app's conf/ may have changed since). Returns the spec's path. ValueError for a
-    config that does not pickle (a value built by a resolver of the app's own)."""
+    its trials were frozen with (the app's conf/ may have changed since). `now`: the submit's moment (freeze_now).
+    Returns the spec's path. ValueError for a config that does not pickle (a value built by a resolver of the app's
+    own)."""
     spec = folder / SPEC
     if spec.exists():  # a resubmit: what it froze, once it is this user's alone (it names the code every rank runs)
         why = untrusted(spec, folder) or next((untrusted(folder / base_file(k), folder) for k in range(len(bases))), "")
@@ -127,8 +134,20 @@ def freeze(folder: Path, ref: dict[str, Any], bases: list[Any], multirun: bool, 
         except Exception as e:
             raise ValueError(f"the app's composed config does not pickle ({type(e).__name__}: {e})") from None
         write_atomic(folder / base_file(k), data, private)
-    write_atomic(spec, json.dumps({"app": ref, "bases": len(bases), "multirun": multirun}, indent=1) + "\n", private)
+    record = {"app": ref, "bases": len(bases), "multirun": multirun, "now": now}
+    write_atomic(spec, json.dumps(record, indent=1) + "\n", private)
     return spec
+
+
+def freeze_now(moment: datetime) -> str:
+    """Hydra's ${now:FMT} made one moment, whatever the format: the submit's (login side, before anything is
+    resolved) and again on the node from the spec, so no attempt resolves a format Hydra had not cached at the
+    submit (its sweep folder's two) to its own, later time. A naive local time, as Hydra's datetime.now(): the
+    node gives every field as the submit did. Returns it as the spec keeps it."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("now", moment.strftime, use_cache=True, replace=True)
+    return moment.isoformat()
 
 
 def load_base(folder: Path, k: int) -> Any:
@@ -140,20 +159,35 @@ def load_base(folder: Path, k: int) -> Any:
     return pickle.loads(path.read_bytes())
 
 
-def trial_config(cfg: Any, overrides: list[str], num: int | None, job_id: str) -> Any:
+def parse(lines: list[str]) -> list[Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides(list(lines))
+
+
+def apply_overrides(cfg: Any, parsed: list[Any]) -> None:
+    """Hydra's own step for each parsed override on a composed config (changed in place), in their order; Hydra
+    raises for one it would refuse (its words)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl  # no public API applies overrides to a config
+
+    ConfigLoaderImpl._apply_overrides_to_config(parsed, cfg)
+
+
+def trial_config(cfg: Any, overrides: list[str], num: int | None, job_id: str, extra: list[str] | None = None) -> Any:
     """`cfg`, a base (changed in place), made this trial's: the overrides it was not composed with applied by Hydra's
     own code, in their order, then the hydra fields Hydra sets per job (load_configuration, its launchers):
-    overrides.task, job.override_dirname, and for a sweep's job job.num and job.id (Slurm's, as submitit's)."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    overrides.task, job.override_dirname, and for a sweep's job job.num and job.id (Slurm's, as submitit's).
+    `extra`: the resume overrides (hydra.launcher.resume_overrides), applied last and listed in overrides.task as
+    Hydra lists them, but kept out of job.override_dirname: the job, its name and its folder, stay the submit's."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
     from omegaconf import open_dict
 
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    held = set(cfg.hydra.overrides.task)
-    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.input_line not in held], cfg)
+    parsed, held = parse(overrides), set(cfg.hydra.overrides.task)
+    apply_overrides(cfg, [o for o in parsed if o.input_line not in held])
+    apply_overrides(cfg, parse(extra or []))
     job = cfg.hydra.job
     with open_dict(cfg.hydra):
-        cfg.hydra.overrides.task = list(overrides)
+        cfg.hydra.overrides.task = [*overrides, *(extra or [])]
         job.override_dirname = get_overrides_dirname(
             overrides=parsed,
             exclude_keys=list(job.config.override_dirname.exclude_keys),
@@ -178,28 +212,100 @@ def pin_output(cfg: Any, run_dir: Path, multirun: bool) -> None:
 
 def run_task(fn: Callable[..., Any], cfg: Any, multirun: bool) -> Any:
     """Hydra's run_job, as its launchers call it on a node; returns its JobReturn."""
-    from hydra._internal.callbacks import Callbacks
-    from hydra.core.utils import JobRuntime, run_job, setup_globals
+    from hydra._internal.callbacks import Callbacks  # run_job takes them in a HydraContext, as Hydra builds it
+    from hydra.core.utils import JobRuntime, run_job
     from hydra.types import HydraContext
 
-    setup_globals()  # the now, hydra and python_version resolvers
     JobRuntime.instance().set("name", cfg.hydra.job.name)
     context = HydraContext(config_loader=None, callbacks=Callbacks(cfg))  # type: ignore[arg-type]
     keys = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir", None)
     return run_job(task_function=fn, config=cfg, job_dir_key=keys[0], job_subdir_key=keys[1], hydra_context=context)
 
 
+def hide_records(cfg: Any, run_dir: Path) -> None:
+    """Hydra's .hydra/ folder owner-only when hydra.launcher.env holds values: its hydra.yaml has them, and
+    hpc_train's rule for cluster.env is that every file holding one is its owner's alone (docs/submitting.md,
+    secrets), share_with_group or not."""
+    sub = cfg.hydra.output_subdir
+    if sub is None or not cfg.hydra.launcher.get("env"):
+        return
+    folder = run_dir / str(sub)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(folder, 0o700, exist_ok=True)
+    os.chmod(folder, 0o700)  # one an older attempt made as Hydra makes it (0755)
+
+
+class AttemptStopped(Exception):
+    """The task returned because hpc_train stopped its attempt (a preemption, a time limit, a cancel): what it
+    returned is not the job's result, and Hydra's callbacks must not see it as COMPLETED."""
+
+
+def stop_pipe() -> int:
+    """The read end of a pipe Python writes each signal's number to as it comes (signal.set_wakeup_fd), whatever
+    handler the app installs for it (most install their own for TERM); -1 where none can be set."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        return -1
+    return r
+
+
+def stopped(run_dir: Path, restart: int, pipe: int, stop_signal: str) -> bool:
+    """Whether the job asked this attempt to stop: its rank 0 records the stop (the journal's signal event) as it
+    signals the task, and a task that returns at once may be back first, so a stop signal seen here waits up to
+    2 s for that record; one the job did not send (the app's own kill) is no stop."""
+    seen = False
+    if pipe >= 0:
+        try:
+            seen = bytes([signal.Signals[f"SIG{stop_signal}"].value]) in os.read(pipe, 65536)
+        except (BlockingIOError, KeyError):
+            pass
+    deadline = time.monotonic() + (2.0 if seen else 0.0)
+    while not any(e["restart"] == restart for e in journal.named(journal.read(run_dir), journal.SIGNAL)):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def judged(fn: Callable[..., Any], run_dir: Path) -> Callable[..., Any]:
+    """The task function as run_job calls it, its return judged: one that came after hpc_train stopped the attempt
+    raises AttemptStopped, so Hydra's JobReturn (callbacks' on_job_end) is not COMPLETED for it."""
+    restart = int(os.environ.get("HPC_TRAIN_RESTART_COUNT", "0"))
+    stop_signal = os.environ.get("HPC_TRAIN_STOP_SIGNAL", "TERM")
+    pipe = stop_pipe()
+
+    @functools.wraps(fn)
+    def task(cfg: Any) -> Any:
+        value = fn(cfg)
+        if stopped(run_dir, restart, pipe, stop_signal):
+            raise AttemptStopped(
+                f"attempt {restart} was stopped by hpc_train (SIG{stop_signal}) and its task returned "
+                f"{repr(value)[:200]} early; the next attempt resumes the job"
+            )
+        return value
+
+    return task
+
+
 def write_return(run_dir: Path, ret: Any) -> None:
-    """job_return.json: {"status": "COMPLETED", "value": ...} (JSON, or its repr), or {"status": "FAILED", "error"}."""
+    """job_return.json: {"status": "COMPLETED", "value": ...} (JSON, or its repr), {"status": "FAILED", "error"}, or
+    {"status": "STOPPED", "restart"} for an attempt hpc_train stopped (the next one writes the job's result)."""
     from hydra.core.utils import JobStatus
 
+    value = ret._return_value  # JobReturn.return_value raises a failure's exception
     if ret.status == JobStatus.COMPLETED:
         try:
-            record = {"status": "COMPLETED", "value": json.loads(json.dumps(ret._return_value))}
+            record = {"status": "COMPLETED", "value": json.loads(json.dumps(value))}
         except (TypeError, ValueError):  # not JSON (a tensor, an object): its repr
-            record = {"status": "COMPLETED", "repr": repr(ret._return_value)[:2000]}
+            record = {"status": "COMPLETED", "repr": repr(value)[:2000]}
+    elif isinstance(value, AttemptStopped):
+        record = {"status": "STOPPED", "restart": int(os.environ.get("HPC_TRAIN_RESTART_COUNT", "0"))}
     else:
-        record = {"status": "FAILED", "error": f"{type(ret._return_value).__name__}: {ret._return_value}"[:2000]}
+        record = {"status": "FAILED", "error": f"{type(value).__name__}: {value}"[:2000]}
     write_atomic(run_dir / RETURN, json.dumps(record) + "\n")
 
 
@@ -210,9 +316,21 @@ def read_return(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def split_args(words: list[str]) -> tuple[list[str], list[str]]:
+    """(the trial's overrides, the resume overrides) of `-- OVERRIDES -- RESUME...` (script.cmd ends with the
+    second `--`, resume_args come after it); a command queued without it holds overrides only."""
+    words = words[1:] if words[:1] == ["--"] else words
+    if "--" not in words:  # no Hydra override is `--`
+        return words, []
+    i = words.index("--")
+    return words[:i], words[i + 1 :]
+
+
 def main(argv: list[str]) -> int:
+    from hydra.core.utils import setup_globals
+
     spec_path, k, num = Path(argv[0]), int(argv[1]), int(argv[2])
-    overrides = argv[4:] if argv[3:4] == ["--"] else argv[3:]
+    overrides, extra = split_args(argv[3:])
     why = untrusted(spec_path, spec_path.parent)  # before anything it names is imported: it runs as this user
     if why:
         raise SystemExit(f"hpc_train: refusing to run the app the sweep's spec names: {why}")
@@ -220,13 +338,19 @@ def main(argv: list[str]) -> int:
     if not os.environ.get("HPC_TRAIN_RUN_DIR"):
         raise SystemExit("hpc_train: hydra_job.py runs inside an hpc_train job (HPC_TRAIN_RUN_DIR is not set)")
     run_dir = Path(os.environ["HPC_TRAIN_RUN_DIR"])
+    setup_globals()  # the now, hydra and python_version resolvers, as Hydra's main registers them
+    if spec.get("now"):
+        freeze_now(datetime.fromisoformat(spec["now"]))
     fn = task_function(spec["app"])  # first: the pickle may name classes the app defines
     multirun, job_id = spec["multirun"], os.environ.get("HPC_TRAIN_JOB_ID", "")
-    cfg = trial_config(load_base(spec_path.parent, k), overrides, num if multirun else None, job_id)
+    cfg = trial_config(load_base(spec_path.parent, k), overrides, num if multirun else None, job_id, extra)
     pin_output(cfg, run_dir, multirun)
-    ret = run_task(fn, cfg, multirun)
+    hide_records(cfg, run_dir)
+    ret = run_task(judged(fn, run_dir), cfg, multirun)
     if os.environ.get("RANK", "0") == "0":
         write_return(run_dir, ret)
+    if isinstance(ret._return_value, AttemptStopped):
+        return 0  # the app's own way out of a stop: the job decides the requeue
     ret.return_value  # noqa: B018  the task's exception, raised here: its traceback, exit 1 (as Hydra's run)
     return 0
 

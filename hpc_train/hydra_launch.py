@@ -14,12 +14,16 @@ function, run by hydra_job.py from the config frozen here. Nothing is queued unt
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import pickle
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +141,54 @@ def _is_user_error(e: Exception) -> bool:
     from hpc_train.slurm import SlurmError
 
     return isinstance(e, (ValueError, SlurmError, PermissionError))
+
+
+@contextlib.contextmanager
+def _said(config: Any) -> Iterator[None]:
+    """An OmegaConf error resolving the app's config here (an unset ${oc.env:NAME}, a key that is not there) as one
+    sentence: the key, its value as written, the fix; before anything is queued."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except OmegaConfBaseException as e:
+        key = str(getattr(e, "full_key", "") or "")
+        parent, _, last = key.rpartition(".")
+        raw: Any = "?"
+        with contextlib.suppress(Exception):
+            raw = OmegaConf.to_container(OmegaConf.select(config, parent) if parent else config, resolve=False)[last]
+        cause = re.sub(r"^\w+ raised while resolving interpolation: ", "", str(e).splitlines()[0]).strip("'\"")
+        env = re.search(r"\$\{oc\.env:([^,}]+)\}", str(raw))
+        fix = (
+            f"set it, or give a default: ${{oc.env:{env.group(1)},VALUE}}"
+            if env
+            else f"give {key} a value that resolves at the submit"
+        )
+        raise LaunchError(f"hpc_train launcher: {key}={raw}: {cause}; {fix}") from None
+
+
+_MOMENT: list[str] = []
+
+
+def submit_moment() -> str:
+    """The submit's one moment for ${now:}, chosen the first time this process asks (hydra_job.freeze_now): from the
+    QueueRun callback's first hook, before Hydra resolves anything of the launch."""
+    from hpc_train import hydra_job
+
+    if not _MOMENT:
+        _MOMENT.append(hydra_job.freeze_now(datetime.now()))
+    return _MOMENT[0]
+
+
+def check_keys(config: Any) -> None:
+    """hydra.launcher's keys resolve (an unset ${oc.env:NAME} does not): Hydra instantiates the launcher with them
+    resolved, before any of its code runs, and would print OmegaConf's traceback; from the callbacks' first hook."""
+    from omegaconf import OmegaConf
+
+    submit_moment()
+    with _said(config):
+        OmegaConf.to_container(config.hydra.launcher, resolve=True)
 
 
 def run_config(params: dict[str, Any], name: str) -> tuple[dict[str, Any], Any]:
@@ -284,13 +336,12 @@ def check_resume(extra: list[str], bases: list[Any]) -> None:
     them at a resume: one that cannot be is refused before anything is queued, not at a trial's first resume."""
     if not extra:
         return
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hpc_train.hydra_job import apply_overrides, parse
 
     try:
-        parsed = OverridesParser.create().parse_overrides(list(extra))
+        parsed = parse(extra)
         for base in bases:
-            ConfigLoaderImpl._apply_overrides_to_config(parsed, _copy(base))
+            apply_overrides(_copy(base), parsed)
     except Exception as e:
         cause = f"; {e.__cause__}" if e.__cause__ else ""
         raise LaunchError(f"hpc_train launcher: hydra.launcher.resume_overrides={extra}: {e}{cause}") from None
@@ -305,21 +356,27 @@ class Launch:
 
         from hpc_train import hydra_job
 
+        self.now = submit_moment()
         self.config = config
-        params = OmegaConf.to_container(config.hydra.launcher, resolve=True)
+        with _said(config):
+            params = OmegaConf.to_container(config.hydra.launcher, resolve=True)
+            name = str(config.hydra.job.name)
         assert isinstance(params, dict)
         params.pop("_target_", None)
-        self.cfg, self.run = run_config(params, str(config.hydra.job.name))
+        self.cfg, self.run = run_config(params, name)
         self.wait, self.max_parallel = bool(params.get("wait")), params.get("max_parallel")
         try:
             self.app = hydra_job.app_ref(task_function)
         except ValueError as e:
             raise LaunchError(f"hpc_train launcher: {e}") from None
         self.memo: Memo | None = None
+        self.made = False
         if hydra_context is not None:
             one_batch(config)
             self.memo = Memo(hydra_context.config_loader, config)
             hydra_context.config_loader = self.memo
+            with _said(config):
+                self.made = own_folder(Path(str(config.hydra.sweep.dir)).resolve())
         self.launched = False
 
     def at(self, target: Path) -> None:
@@ -328,9 +385,9 @@ class Launch:
 
     def trial(self, spec: str, k: int, num: int, overrides: Sequence[str]) -> dict[str, Any]:
         """A trial's config: the launch's, its command naming its base, its number and its overrides (braces
-        doubled: script.fill's placeholders are {dotted.key})."""
+        doubled: script.fill's placeholders are {dotted.key}), then `--`: the resume overrides come after it."""
         words = [o.replace("{", "{{").replace("}", "}}") for o in overrides]
-        cmd = [*self.cfg["script"]["cmd"], spec, str(k), str(num), "--", *words]
+        cmd = [*self.cfg["script"]["cmd"], spec, str(k), str(num), "--", *words, "--"]
         return {**self.cfg, "script": {**self.cfg["script"], "cmd": cmd}}
 
     def plan(
@@ -363,8 +420,12 @@ class Launch:
             )
         self.launched = True
         target = Path(str(self.config.hydra.sweep.dir)).resolve()
+        self.settle(target)
         checked = [self.memo.check(list(o)) for o in job_overrides]  # done already by the sweeper's own check
-        names = self.subdirs(job_overrides, checked)
+        with _said(self.config):
+            names = self.subdirs(job_overrides, checked)
+        for k, base in enumerate(self.memo.bases):
+            check_output_subdir(base, [target / n for (b, _), n in zip(checked, names) if b == k], "trial")
         self.same_sweep(target)
         self.at(target)
         spec = str(target / hydra_job.SPEC)
@@ -372,7 +433,7 @@ class Launch:
         check_resume(self.cfg["script"]["resume_args"], self.memo.bases)
         p = self.plan([list(o) for o in job_overrides], configs, names, target, True)
         try:
-            hydra_job.freeze(target, self.app, self.memo.bases, True, p.private)
+            hydra_job.freeze(target, self.app, self.memo.bases, True, p.private, self.now)
             p, jobs = submit.submit(p, list(self.config.hydra.overrides.task), True, target, self.max_parallel)
         except Exception as e:
             if _is_user_error(e):
@@ -381,31 +442,32 @@ class Launch:
         say_queued(p, jobs)
         return returns(p, self.wait)
 
+    def settle(self, target: Path) -> None:
+        """multirun.yaml, written by Hydra's sweeper since setup, holds hydra.launcher.env's values: owner-only when
+        any is set (hpc_train's rule for cluster.env); then the folder own_folder made takes the sweep's mode."""
+        from hpc_train.paths import dir_mode
+
+        if self.run.cluster.env and (target / "multirun.yaml").exists():
+            os.chmod(target / "multirun.yaml", 0o600)
+        if self.made:
+            os.chmod(target, dir_mode(self.run.share_with_group))
+
     def subdirs(self, job_overrides: Sequence[Sequence[str]], jobs: list[tuple[int, list[str]]]) -> list[str]:
         """Each trial's folder in the sweep directory, Hydra's hydra.sweep.subdir (by default its job number),
         known now: its run directory. One name each, no '/': a sweep's trials sit directly in it."""
         from omegaconf import OmegaConf
 
-        from hpc_train import hydra_job
-
         raw = str(OmegaConf.to_container(self.config.hydra.sweep, resolve=False)["subdir"])
-        if "hydra.job.id" in raw:
+        if "hydra.job.id" in raw or "hydra:job.id" in raw:
             raise LaunchError(
                 f"hpc_train launcher: hydra.sweep.subdir={raw} names each trial's folder by its Slurm job id, "
                 f"which is known only once queued, after the folder is made; use ${{hydra.job.num}} (Hydra's "
                 f"default) or ${{hydra.job.override_dirname}}"
             )
-        assert self.memo is not None
         names = [str(i) for i in range(len(jobs))]
         if raw != "${hydra.job.num}":  # composed whole for it: ~2 ms a trial
-            names = [
-                str(
-                    OmegaConf.select(
-                        hydra_job.trial_config(_copy(self.memo.bases[k]), list(o), i, ""), "hydra.sweep.subdir"
-                    )
-                )
-                for i, ((k, _), o) in enumerate(zip(jobs, job_overrides))
-            ]
+            read = "${hydra:" in raw
+            names = [self.subdir(k, list(o), i, read) for i, ((k, _), o) in enumerate(zip(jobs, job_overrides))]
         bad = next((n for n in names if "/" in n or n in ("", ".", "..", "submitit") or n.startswith(".")), None)
         if bad is not None or len(set(names)) < len(names):
             raise LaunchError(
@@ -414,6 +476,25 @@ class Launch:
                 f"directly in the sweep directory: use ${{hydra.job.num}} (Hydra's default)"
             )
         return names
+
+    def subdir(self, k: int, overrides: list[str], num: int, read: bool) -> str:
+        """One trial's hydra.sweep.subdir; `read`: it reads HydraConfig (${hydra:job.override_dirname}), set to the
+        trial's config as run_job sets it before reading the subdir."""
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf
+
+        from hpc_train import hydra_job
+
+        assert self.memo is not None
+        cfg = hydra_job.trial_config(_copy(self.memo.bases[k]), overrides, num, "")
+        if not read:
+            return str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+        held = HydraConfig.instance().cfg
+        HydraConfig.instance().set_config(cfg)
+        try:
+            return str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+        finally:
+            HydraConfig.instance().cfg = held
 
     def same_sweep(self, target: Path) -> None:
         """A sweep directory that holds another sweep's trials (a fixed hydra.sweep.dir run again) is refused; the
@@ -429,6 +510,35 @@ class Launch:
                 f"({json.loads(manifest.read_text())['overrides']}); give this one a folder of its own "
                 f"(hydra.sweep.dir=...), or run that sweep's command again to queue what it did not"
             )
+
+
+def own_folder(target: Path) -> bool:
+    """The sweep folder, made here at setup before Hydra's sweeper makes it (mkdir: 0775 under umask 002, which
+    the job's trust check refuses) and 0700 until settle: multirun.yaml may hold hydra.launcher.env's values. One
+    that exists is left as it is (submit judges it). True when made here."""
+    from hpc_train.paths import make_dir
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        make_dir(target, 0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
+def check_output_subdir(config: Any, folders: list[Path], what: str) -> None:
+    """Hydra's run_job writes config.yaml, hydra.yaml and overrides.yaml in <output folder>/<hydra.output_subdir>:
+    refused where that is the output folder itself, whose config.yaml is hpc_train's frozen run config."""
+    from omegaconf import OmegaConf
+
+    with _said(config):
+        sub = OmegaConf.select(config, "hydra.output_subdir")
+    if sub is not None and any(Path(os.path.normpath(f / str(sub))) == f for f in folders):
+        raise LaunchError(
+            f"hpc_train launcher: hydra.output_subdir={sub} puts Hydra's config.yaml on the {what}'s own config.yaml "
+            f"(hpc_train's frozen run config); give Hydra's files a folder of their own: hydra.output_subdir=.hydra "
+            f"(Hydra's default), or hydra.output_subdir=null for none"
+        )
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -506,66 +616,143 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 
 def wait_for(p: Any, every_s: float = 10.0) -> None:
-    """Until every trial finished or its job ended: one squeue (status_rows) every 10 s."""
-    from hpc_train import runs, status
+    """Until every trial ended, every 10 s: by Slurm's word (one squeue, and sacct for the jobs squeue no longer
+    holds: status_rows), or by every trial's own records (summary.json; a `stopped` event: it will not requeue by
+    itself), which a site without accounting must rely on (sacct fails there once squeue forgot a job)."""
+    from hpc_train import journal, runs, status
+    from hpc_train.paths import RunPaths
 
     log.info(f"hpc_train: waiting for {len(p.trials)} trial(s) to end (hydra.launcher.wait=true)")
+    said = False
     while True:
         rows = status.status_rows(runs.find_runs(p.target))
         if all(r["finished"] or str(r["state"]).split()[0] in ENDED | {"missing", "unreadable:"} for r in rows):
             return
+        error = next((str(r["state_error"]) for r in rows if r.get("state_error")), "")
+        if error and not said:
+            log.warning(
+                f"hpc_train: Slurm cannot say how the trials' jobs ended ({error.splitlines()[0]}); waiting on each "
+                f"trial's own records instead (summary.json, or its stop in events.jsonl)"
+            )
+            said = True
+        dirs = [Path(t.run_dir) for t in p.trials]
+        if all(RunPaths(d).summary.exists() or journal.stopped(journal.read(d)) for d in dirs):
+            return
         time.sleep(every_s)
 
 
-def task_function_of_run() -> Callable[..., Any]:
-    """The task function of the Hydra.run that called the callbacks (a callback is not given it)."""
+def hydra_run() -> dict[str, Any]:
+    """The locals of the Hydra.run that calls the callbacks: its task function and its Callbacks (a callback is
+    given neither)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "run" and callable(frame.f_locals.get("task_function")):
-            return frame.f_locals["task_function"]
+            return frame.f_locals
         frame = frame.f_back  # type: ignore[assignment]
     raise LaunchError("hpc_train launcher: no Hydra run on the stack to take the task function from")
 
 
-def run_alone(config: Any, task_function: Callable[..., Any]) -> int:
+def _notify(callbacks: Sequence[Any], hook: str, **kwargs: Any) -> None:
+    """Each callback's hook, as Hydra's Callbacks calls it: one that raises is a warning, and the others go on."""
+    for c in callbacks:
+        try:
+            getattr(c, hook)(**kwargs)
+        except Exception as e:
+            warnings.warn(f"Callback {type(c).__name__}.{hook} raised {type(e).__name__}: {e}", stacklevel=2)
+
+
+def queue_run(config: Any, me: Any, **kwargs: Any) -> int:
+    """A run without -m, from the QueueRun callback's on_run_start: the app's other callbacks' on_run_start that
+    Hydra has not called yet (those after ours), the run queued (or run here), then every other callback's
+    on_run_end with its JobReturn, last first: what Hydra.run does around run_job. Returns the exit code."""
+    run = hydra_run()
+    callbacks = list(getattr(run.get("callbacks"), "callbacks", []))
+    others = [c for c in callbacks if c is not me]
+    after = callbacks[callbacks.index(me) + 1 :] if me in callbacks else []
+    _notify(after, "on_run_start", config=config, **kwargs)
+    code, ret = run_alone(config, run["task_function"])
+    if ret is not None:  # None: detached from a run the local executor goes on with
+        _notify(others[::-1], "on_run_end", config=config, job_return=ret, **kwargs)
+    return code
+
+
+def fixed_run_dir(target: Path, mode: int) -> Path:
+    """A hydra.run.dir of the user's own (no ${now:}) used as it is, as Hydra uses it: made when it is not there;
+    one that holds a run already, or that someone else could write, is refused with the fix."""
+    from hpc_train.hydra_job import SPEC
+    from hpc_train.paths import make_dir, untrusted
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        return make_dir(target, mode)
+    if not target.is_dir():
+        raise LaunchError(
+            f"hpc_train launcher: hydra.run.dir={target} is a file; give the run a folder (hydra.run.dir=...)"
+        )
+    held = next((n for n in (SPEC, "config.yaml", "submission.json") if (target / n).exists()), "")
+    if held:
+        raise LaunchError(
+            f"hpc_train launcher: hydra.run.dir={target} holds a run already ({held}); see it with "
+            f"hpc-train status {target} (hpc-train resume {target} goes on with it if it stopped), or give this run "
+            f"a folder of its own: hydra.run.dir=..."
+        )
+    why = untrusted(target, target)
+    if why:
+        raise LaunchError(f"hpc_train launcher: hydra.run.dir={target}: {why}")
+    return target
+
+
+def run_alone(config: Any, task_function: Callable[..., Any]) -> tuple[int, Any]:
     """`python app.py hydra/launcher=hpc_train ...` without -m: one run in Hydra's hydra.run.dir, queued (Slurm)
-    or run here and waited for (the local executor). Returns the exit code."""
+    or run here and waited for (the local executor). Returns the exit code and its JobReturn (None: detached)."""
+    from omegaconf import OmegaConf
+
     from hpc_train import hydra_job, submit
 
     launch = Launch(None, task_function, config)
-    target = Path(str(config.hydra.run.dir)).resolve()
+    with _said(config):
+        target = Path(str(config.hydra.run.dir)).resolve()
+    timed = "${now:" in str(OmegaConf.to_container(config.hydra.run, resolve=False)["dir"])
     overrides = list(config.hydra.overrides.task)
+    check_output_subdir(config, [target], "run")
     launch.at(target)
     check_resume(launch.cfg["script"]["resume_args"], [config])
     c = launch.trial("{run_dir}/" + hydra_job.SPEC, 0, 0, overrides)  # the folder is claimed below: its name then
     p = launch.plan([overrides], [c], [target.name], target, False)
     try:
-        p.target = submit.claim_dir(p.target, p.dir_mode)
+        # Hydra's default folder is named by the time: a second run in the same second takes the next name
+        p.target = submit.claim_dir(p.target, p.dir_mode) if timed else fixed_run_dir(p.target, p.dir_mode)
         p.trials[0].run_dir = str(p.target)
-        hydra_job.freeze(p.target, launch.app, [config], False, p.private)
+        hydra_job.freeze(p.target, launch.app, [config], False, p.private, launch.now)
         p, jobs = submit.submit(p, overrides, False, claimed=True)
     except Exception as e:
         if _is_user_error(e):
             raise _user_error(e) from None
         raise
+    return ended(p, jobs, launch.wait)
+
+
+def ended(p: Any, jobs: list[Any], wait: bool) -> tuple[int, Any]:
+    """A run alone after its submit: its exit code and JobReturn, once it ended (the local executor, or wait) or
+    queued (a placeholder, as a sweep's)."""
     if p.runs[0].cluster.executor == "local":
         log.info(f"hpc_train: running {p.target} here (the local executor); Ctrl-C detaches")
         try:
             jobs[0].wait()
         except KeyboardInterrupt:  # the run goes on: submit started it ignoring SIGINT
             log.info(f"hpc_train: detached; {p.target} runs on here: hpc-train logs {p.target} -f")
-            return 130
+            return 130, None
         except Exception:  # a failed run: its journal says why
             pass
-    elif launch.wait:
+    elif wait:
         wait_for(p)
     else:
         log.info(f"hpc_train: submitted job {p.trials[0].job_id}; run directory {p.target}")
         log.info(f"hpc_train: hpc-train status {p.target}   # state, steps, goodput (logs, report, chaos too)")
-        return 0
-    ended = returns(p, True)[0]
-    if ended.status.name == "COMPLETED":
-        log.info(f"hpc_train: finished {p.target}; it returned {ended.return_value!r}")
-        return 0
-    log.error(f"hpc_train: {ended._return_value}")
-    return 1
+        return 0, returns(p, False)[0]
+    ret = returns(p, True)[0]
+    if ret.status.name == "COMPLETED":
+        log.info(f"hpc_train: finished {p.target}; it returned {ret.return_value!r}")
+        return 0, ret
+    log.error(f"hpc_train: {ret._return_value}")
+    return 1, ret

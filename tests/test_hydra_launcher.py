@@ -357,3 +357,353 @@ def test_review_the_spec_is_trusted_only_when_ours_and_the_apps_classes_pickle_o
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "0.1", out.stderr
+
+
+# An app of the review's second round: a TERM handler of its own (as tests/scripts/hydra_train's), told to wait for a
+# stop at its first attempt; and a callback that records every hook Hydra calls, where and with what status.
+STOP_APP = """
+import json, os, signal, time
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+STOP = []
+
+
+@hydra.main(version_base=None, config_path=".", config_name="config")
+def main(cfg):
+    signal.signal(signal.SIGTERM, lambda signum, frame: STOP.append(signum))
+    out = HydraConfig.get().runtime.output_dir
+    if os.environ.get("HPC_TRAIN_RESTART_COUNT", "0") == "0" and os.environ.get("WAIT_FOR_STOP"):
+        open(os.path.join(out, "ready"), "w").close()
+        while not STOP:
+            time.sleep(0.05)
+        return "cut short"
+    before = os.path.join(out, "job_return.json")  # what the stopped attempt left, read by the next one
+    with open(os.environ["MARKS"], "a") as f:
+        f.write(json.dumps({"what": "found", "record": json.load(open(before)) if os.path.exists(before) else None}) + "\\n")
+    return f"whole at lr={cfg.lr}"
+
+
+if __name__ == "__main__":
+    main()
+"""
+MARKS = """
+import json, os
+from hydra.experimental.callback import Callback
+
+
+def mark(what, **fields):
+    with open(os.environ["MARKS"], "a") as f:
+        f.write(json.dumps({"what": what, **fields}) + "\\n")
+
+
+class Mark(Callback):
+    def on_run_start(self, config, **kwargs):
+        mark("run_start")
+
+    def on_run_end(self, config, job_return=None, **kwargs):
+        mark("run_end", status=job_return.status.name)
+
+    def on_multirun_start(self, config, **kwargs):
+        mark("multirun_start")
+
+    def on_multirun_end(self, config, **kwargs):
+        mark("multirun_end")
+
+    def on_job_start(self, config, **kwargs):
+        mark("job_start")
+
+    def on_job_end(self, config, job_return, **kwargs):
+        mark("job_end", status=job_return.status.name, attempt=os.environ.get("HPC_TRAIN_RESTART_COUNT"))
+"""
+
+
+def _stop_app(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """The app and its callback in tmp_path; the environment its commands run with (MARKS: the callback's file)."""
+    (tmp_path / "stop_app.py").write_text(STOP_APP)
+    (tmp_path / "marks.py").write_text(MARKS)
+    (tmp_path / "config.yaml").write_text("lr: 1.0\n")
+    return tmp_path / "stop_app.py", {**os.environ, "MARKS": str(tmp_path / "marks.jsonl")}
+
+
+def _marks(tmp_path: Path) -> list[dict[str, Any]]:
+    path = tmp_path / "marks.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _readable_by_others(path: Path, top: Path) -> bool:
+    """Whether someone but the owner may read `path` through every folder from it up to `top`."""
+    if not path.stat().st_mode & 0o044:
+        return False
+    return all(p.stat().st_mode & 0o011 for p in path.parents if p.is_relative_to(top))
+
+
+def test_review2_a_sweep_under_umask_002_runs_in_a_folder_only_its_owner_writes(tmp_path: Path) -> None:
+    """Finding 1: Hydra's sweeper made the sweep folder 0775 under umask 002 and submit's trust check refused it; the
+    launcher makes the folder itself, as `hpc-train submit` makes its own (0700 whatever the umask)."""
+    sweep = tmp_path / "sw"
+    proc = run(
+        [sys.executable, str(ANCHOR), "-m", "hydra/launcher=hpc_train", "hydra.launcher.executor=local", "lr=1,2"]
+        + [f"hydra.sweep.dir={sweep}"],
+        env={**os.environ, "HPC_BENCH_OUT": str(tmp_path)},
+        cwd=tmp_path,
+        preexec_fn=lambda: os.umask(0o002),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "hpc_train: 2 trial(s) ran here" in proc.stdout
+    assert sweep.stat().st_mode & 0o777 == 0o700
+    assert [json.loads((sweep / str(i) / "job_return.json").read_text())["value"] for i in range(2)] == [1.0, 2.0]
+
+
+def test_review2_now_in_any_format_is_the_submits_moment_at_every_attempt(tmp_path: Path) -> None:
+    """Finding 2: ${now:FMT} of a format Hydra had not resolved before the compose (the sweep folder's two defaults)
+    was resolved again by the job, at its own time. Every format is the submit's one moment: the sweep folder, the
+    trial's folder (subdir) and the app's key, of three formats, read the same microsecond; a run alone's too."""
+    sweep_root = tmp_path / "sw"
+    proc = app(
+        TYPED / "app.py",
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        "started=${now:%H%M%S.%f}",
+        f"hydra.sweep.dir={sweep_root}/" + "${now:%Y%m%d-%H%M%S.%f}",
+        "hydra.sweep.subdir=t${hydra.job.num}-${now:%S.%f}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (sweep,) = sweep_root.iterdir()
+    (trial,) = (p for p in sweep.iterdir() if p.name.startswith("t0-"))
+    value = json.loads((trial / "job_return.json").read_text())["value"]
+    assert sweep.name.endswith("-" + value["started"]) and sweep.name.endswith(trial.name[3:]), (sweep, trial, value)
+    run_root = tmp_path / "one"
+    proc = app(
+        TYPED / "app.py",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        "started=${now:%M%S.%f}",
+        f"hydra.run.dir={run_root}/" + "${now:%H%M%S.%f}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (one,) = run_root.iterdir()
+    assert one.name.endswith(json.loads((one / "job_return.json").read_text())["value"]["started"]), one
+
+
+@pytest.mark.parametrize("subdir", [".", "./", "sub/.."])
+def test_review2_an_output_subdir_on_the_trials_own_files_is_refused(tmp_path: Path, subdir: str) -> None:
+    """Finding 3: hydra.output_subdir=. had Hydra's run_job write its config.yaml over the trial's own (hpc_train's
+    frozen run config). Refused with the value and the fix before anything is queued, with -m and without."""
+    sweep = tmp_path / "sw"
+    proc = app(
+        ANCHOR,
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        f"hydra.output_subdir={subdir}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    said = f"hpc_train launcher: hydra.output_subdir={subdir} puts Hydra's config.yaml on the trial's own config.yaml"
+    assert proc.returncode == 1 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "hydra.output_subdir=.hydra (Hydra's default)" in proc.stderr
+    assert not (sweep / "sweep.json").exists() and not (sweep / "0").exists()
+    target = tmp_path / "one"
+    proc = app(
+        ANCHOR,
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        f"hydra.output_subdir={subdir}",
+        f"hydra.run.dir={target}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1 and said.replace("trial's", "run's") in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not target.exists()
+
+
+def test_review2_launcher_env_values_stay_owner_only_in_hydras_records(tmp_path: Path) -> None:
+    """Finding 4: a value in hydra.launcher.env (an API key) reached multirun.yaml and each attempt's .hydra/hydra.yaml
+    readable by the group (share_with_group=true). hpc_train's rule for cluster.env: every file that holds one is
+    its owner's alone; so here, Hydra's records too."""
+    secret = "s3cret-v4lue-of-the-review"
+    sweep = tmp_path / "sw"
+    proc = app(
+        ANCHOR,
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        "hydra.launcher.share_with_group=true",
+        f"+hydra.launcher.env.MY_API_KEY={secret}",
+        "lr=1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    holding = [p for p in sweep.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert {p.relative_to(sweep).as_posix() for p in holding} >= {"multirun.yaml", "0/.hydra/hydra.yaml"}
+    assert [p for p in holding if _readable_by_others(p, sweep)] == []
+    assert sweep.stat().st_mode & 0o777 == 0o750 and (sweep / "0").stat().st_mode & 0o777 == 0o750  # still shared
+
+
+def test_review2_a_stopped_attempt_does_not_claim_completed(tmp_path: Path) -> None:
+    """Finding 5: an attempt stopped to be requeued (its app saved and returned at TERM) wrote job_return.json
+    COMPLETED, and Hydra's callbacks got a COMPLETED JobReturn for it. A preemption of the local executor (TERM to its
+    controller): the stopped attempt's record and JobReturn say it stopped; the resumed one's say COMPLETED."""
+    import signal
+    import subprocess
+
+    from conftest import wait_until
+
+    script, env = _stop_app(tmp_path)
+    target = tmp_path / "one"
+    cmd = [sys.executable, str(script), "hydra/launcher=hpc_train", "hydra.launcher.executor=local"]
+    cmd += [f"hydra.run.dir={target}", "+hydra.callbacks.mark._target_=marks.Mark"]
+    proc = subprocess.Popen(
+        cmd, env={**env, "WAIT_FOR_STOP": "1"}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_until(lambda: (target / "ready").exists(), 60, "the first attempt's task")
+        job_id = json.loads((target / "submission.json").read_text())["job_id"]
+        os.kill(int(job_id), signal.SIGTERM)  # the local executor's preemption
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    assert proc.returncode == 0, out + err[-3000:]
+    jobs = [(m["attempt"], m["status"]) for m in _marks(tmp_path) if m["what"] == "job_end"]
+    assert jobs == [("0", "FAILED"), ("1", "COMPLETED")], _marks(tmp_path)
+    (found,) = [m["record"] for m in _marks(tmp_path) if m["what"] == "found"]
+    assert found["status"] == "STOPPED", found
+    assert json.loads((target / "job_return.json").read_text()) == {"status": "COMPLETED", "value": "whole at lr=1.0"}
+    assert [e["reason"] for e in read_events(target) if e["event"] == "requeue"] == ["preempt"]
+
+
+def test_review2_a_fixed_run_dir_is_used_and_refused_once_it_holds_a_run(tmp_path: Path) -> None:
+    """Finding 6: a run without -m in a fixed hydra.run.dir that existed went to <dir>-1. A fixed folder is used (one
+    that exists, yours alone, too); one that holds a run already is refused with the fix, nothing queued."""
+    target = tmp_path / "fixed"
+    target.mkdir(mode=0o700)
+    args = ("hydra/launcher=hpc_train", "hydra.launcher.executor=local", "lr=3", f"hydra.run.dir={target}")
+    proc = app(ANCHOR, *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert f"hpc_train: finished {target}; it returned 3.0" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("fixed")) == ["fixed"]
+    proc = app(ANCHOR, *args, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr[-3000:]
+    assert f"hpc_train launcher: hydra.run.dir={target} holds a run already" in proc.stderr
+    assert f"hpc-train resume {target}" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("fixed")) == ["fixed"]
+    assert len(json.loads(run([HPC_TRAIN, "status", str(target), "--json"]).stdout)) == 1
+
+
+@pytest.mark.parametrize("multirun", [True, False])
+def test_review2_an_unset_env_var_in_a_launcher_key_is_one_sentence(tmp_path: Path, multirun: bool) -> None:
+    """Finding 7: ${oc.env:NAME} of an unset variable in hydra.launcher.* gave OmegaConf's traceback."""
+    where = [f"hydra.sweep.dir={tmp_path / 'sw'}"] if multirun else [f"hydra.run.dir={tmp_path / 'one'}"]
+    proc = app(
+        ANCHOR,
+        *(["-m"] if multirun else []),
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.partition=${oc.env:HPC_TRAIN_TEST_UNSET}",
+        *where,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "hpc_train launcher: hydra.launcher.partition=${oc.env:HPC_TRAIN_TEST_UNSET}: Environment variable "
+        "'HPC_TRAIN_TEST_UNSET' not found; set it, or give a default: ${oc.env:HPC_TRAIN_TEST_UNSET,VALUE}"
+    ) in proc.stderr
+    assert not (tmp_path / "sw" / "sweep.json").exists() and not (tmp_path / "one").exists()
+
+
+def test_review2_a_subdir_by_hydras_resolver_names_each_trial(tmp_path: Path) -> None:
+    """Finding 7: hydra.sweep.subdir=${hydra:job.override_dirname} (Hydra's resolver, which reads HydraConfig) gave a
+    traceback; it names each trial's folder as under Hydra's own launchers."""
+    sweep = tmp_path / "sw"
+    proc = app(
+        ANCHOR,
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        "lr=1,2",
+        "hydra.sweep.subdir=${hydra:job.override_dirname}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [json.loads((sweep / f"lr={i}" / "job_return.json").read_text())["value"] for i in (1, 2)] == [1.0, 2.0]
+
+
+def test_review2_callbacks_run_around_a_run_without_m_as_under_hydras_launcher(tmp_path: Path) -> None:
+    """Finding 8: on_run_start / on_run_end of the app's callbacks were skipped for a run without -m. The same hooks,
+    in the same order, with the same status, as the basic launcher calls them."""
+    script, env = _stop_app(tmp_path)
+    common = ["+hydra.callbacks.mark._target_=marks.Mark", "lr=2"]
+    hooks = []
+    for launcher in ("basic", "hpc_train"):
+        extra = ["hydra.launcher.executor=local"] if launcher == "hpc_train" else []
+        target = tmp_path / launcher
+        cmd = [sys.executable, str(script), f"hydra/launcher={launcher}", *extra, *common, f"hydra.run.dir={target}"]
+        proc = run(cmd, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        hooks.append([(m["what"], m.get("status")) for m in _marks(tmp_path) if m["what"] != "found"])
+        (tmp_path / "marks.jsonl").unlink()
+    assert hooks[0] == [("run_start", None), ("job_start", None), ("job_end", "COMPLETED"), ("run_end", "COMPLETED")]
+    assert hooks[1] == hooks[0]
+
+
+def test_review2_resume_overrides_keep_the_trials_folder_and_override_dirname(tmp_path: Path) -> None:
+    """Finding 9: the resume overrides joined hydra.job.override_dirname at a resume, so the attempt's Hydra saw
+    another job than the one submitted (a folder named by it, a grouping by it)."""
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_text("a checkpoint\n")
+    sweep = tmp_path / "sw"
+    proc = app(
+        ANCHOR,
+        "-m",
+        "hydra/launcher=hpc_train",
+        "hydra.launcher.executor=local",
+        f"hydra.launcher.checkpoint={ckpt}",
+        "hydra.launcher.resume_overrides=['+resumed=true']",
+        "hydra.sweep.subdir=${hydra.job.override_dirname}",
+        "lr=1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    import yaml
+
+    hydra_yaml = yaml.safe_load((sweep / "lr=1" / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    assert hydra_yaml["job"]["override_dirname"] == "lr=1"
+    assert hydra_yaml["runtime"]["output_dir"] == str(sweep / "lr=1")
+    assert (sweep / "lr=1" / ".hydra" / "overrides.yaml").read_text() == "- lr=1\n- +resumed=true\n"
+
+
+def test_review2_waiting_on_a_site_without_accounting_ends_on_the_trials_own_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """hydra.launcher.wait=true where Slurm cannot say how a job ended (no accounting: sacct fails once squeue forgot
+    the job, and every state reads "unknown"): the wait ended only on Slurm's word, so it never did. Each trial's own
+    records say it too (summary.json; a `stopped` event: it will not requeue by itself), and the site is said once."""
+    import threading
+    from types import SimpleNamespace
+
+    from hpc_train import hydra_launch, journal, runs, status
+
+    done, stopped = tmp_path / "0", tmp_path / "1"
+    for d in (done, stopped):
+        d.mkdir()
+    (done / "summary.json").write_text("{}\n")
+    journal.log(stopped, journal.STOPPED, 3, "7_1", 0, reason="failure budget spent")
+    unknown = {"finished": False, "state": "unknown", "state_error": "sacct: error: accounting storage is disabled"}
+    monkeypatch.setattr(status, "status_rows", lambda runs: [dict(unknown), dict(unknown)])
+    monkeypatch.setattr(runs, "find_runs", lambda path: [])
+    p = SimpleNamespace(target=tmp_path, trials=[SimpleNamespace(run_dir=str(d)) for d in (done, stopped)])
+    waiter = threading.Thread(target=hydra_launch.wait_for, args=(p, 0.01), daemon=True)
+    with caplog.at_level("INFO", logger="hpc_train.hydra_launch"):
+        waiter.start()
+        waiter.join(timeout=10)
+    assert not waiter.is_alive(), "wait_for still waiting on Slurm's word"
+    said = [r.getMessage() for r in caplog.records if "Slurm cannot say" in r.getMessage()]
+    assert said == [
+        "hpc_train: Slurm cannot say how the trials' jobs ended (sacct: error: accounting storage is disabled); "
+        "waiting on each trial's own records instead (summary.json, or its stop in events.jsonl)"
+    ]

@@ -3,7 +3,8 @@
 - HpcTrainLauncher: Hydra's Launcher for a sweep (-m): setup checks hydra.launcher.* before the sweep writes
   anything; launch queues every job as an hpc_train trial and returns once they are queued.
 - QueueRun: a run without -m never reaches a launcher (Hydra runs the task in its own process), so the node below
-  adds this callback, whose on_run_start queues the run instead and ends the process before Hydra would run it.
+  adds this callback, whose on_run_start queues the run instead and ends the process before Hydra would run it;
+  its on_multirun_start checks hydra.launcher's keys before Hydra instantiates the launcher with them.
 - the ConfigStore node `hydra/launcher=hpc_train` (package `hydra`, for the callback beside the launcher): its
   keys are hpc_train_launcher's NODE, hpc_train's cluster options and the launcher's own.
 """
@@ -36,9 +37,25 @@ class HpcTrainLauncher(Launcher):
 
 
 class QueueRun(Callback):
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        """A sweep's launcher keys checked before Hydra instantiates the launcher (which resolves them in its own
+        code: an unset ${oc.env:NAME} would be OmegaConf's traceback), and ${now:} made the submit's moment."""
+        from hydra.errors import CompactHydraException
+
+        from hpc_train import hydra_launch
+
+        if config.hydra.launcher.get("_target_") != TARGET:
+            return
+        try:
+            hydra_launch.check_keys(config)
+        except CompactHydraException as e:  # Hydra's Callbacks turn an exception into a warning and go on
+            print(e, file=sys.stderr)
+            sys.exit(1)
+
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        """Queue the run (or run it through hpc_train's local executor), then exit: Hydra's Callbacks turn an
-        exception into a warning and would go on to run the task here, so every way out is sys.exit."""
+        """Queue the run (or run it through hpc_train's local executor) between the app's other callbacks'
+        on_run_start and on_run_end, then exit: Hydra's Callbacks turn an exception into a warning and would go on
+        to run the task here, so every way out is sys.exit."""
         from hydra.errors import CompactHydraException
 
         from hpc_train import hydra_launch
@@ -46,7 +63,7 @@ class QueueRun(Callback):
         if config.hydra.launcher.get("_target_") != TARGET:  # the callback kept, another launcher chosen
             return
         try:
-            code = hydra_launch.run_alone(config, hydra_launch.task_function_of_run())
+            code = hydra_launch.queue_run(config, self, **kwargs)
         except CompactHydraException as e:
             print(e, file=sys.stderr)
             code = 1
