@@ -265,9 +265,10 @@ class CheckpointConfig:  # checkpoint.py
                 f"{self.keep_every_steps} >= 0"
             )
         days, jobs = self.history_window_days, self.history_min_jobs
-        if not (days > 0 and math.isfinite(days)) or jobs < 1:
+        if not 0 < days <= 3650 or jobs < 1:  # sacct's start time is a date: 10 years, not 1e12 days
             raise ValueError(
-                f"checkpoint.history_window_days={days} must be > 0 and checkpoint.history_min_jobs={jobs} >= 1 (the "
+                f"checkpoint.history_window_days={days} must be in (0, 3650] and checkpoint.history_min_jobs={jobs} "
+                f">= 1 (the "
                 f"days of the site's history read, the jobs it needs to be trusted); e.g. "
                 f"checkpoint.history_window_days=30 checkpoint.history_min_jobs=10"
             )

@@ -37,14 +37,14 @@ UNANNOUNCED = ("node_failures", "failures")
 KINDS = ANNOUNCED + UNANNOUNCED
 
 # sacct's State (first word: "CANCELLED by 0") -> the kind of stop it is. Not here: COMPLETED, CANCELLED (a person's
-# word), RUNNING, PENDING: no fault. DEADLINE is the time limit of --deadline; BOOT_FAIL a node that never came up.
+# word), RUNNING, PENDING: no fault. DEADLINE is the time limit of --deadline. Not BOOT_FAIL either: a node that never
+# came up ran nothing, and no work was lost (its requeue's queue wait still counts, REQUEUED_STATES).
 SACCT_KINDS = {
     "PREEMPTED": "preemptions",
     "TIMEOUT": "time_limits",
     "DEADLINE": "time_limits",
     "REQUEUED": "requeues",
     "NODE_FAIL": "node_failures",
-    "BOOT_FAIL": "node_failures",
     "FAILED": "failures",
     "OUT_OF_MEMORY": "failures",
 }
@@ -53,6 +53,8 @@ SACCT_KINDS = {
 # record starts before the previous ended, or follows a state that is never requeued, and is not counted).
 REQUEUED_STATES = ("REQUEUED", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL", "REQUEUE_HOLD", "REQUEUE_FED")
 
+# A history with no unannounced fault counts one in its node-hours, 4 node failures to 1 crash as DEFAULTS has them
+UNSEEN = {"node_failures": 0.8, "failures": 0.2}
 MIN_JOBS = 10  # fewer jobs: a rate is a handful of jobs' luck
 MIN_FAULTS = 3  # ... or fewer unannounced faults than this and fewer node-hours than MIN_NODE_HOURS
 NEWEST_RUNS = 200  # journals read at most: ~1 ms each here, and older runs are mostly out of the window anyway
@@ -79,8 +81,14 @@ class Rates:
     note: str = ""
 
     def per_node_h(self, kind: str) -> float:
-        """Stops of `kind` (KINDS) per node-hour; 0 with no node-hours."""
-        return getattr(self, kind) / self.node_hours if self.node_hours > 0 else 0.0
+        """Stops of `kind` (KINDS) per node-hour; 0 with no node-hours. No unannounced fault seen is not a rate of
+        0 (every interval would be the 7-day cap, and the first crash would lose a whole time-limit segment): at
+        most 1 in the history's node-hours, split as the defaults split theirs (UNSEEN)."""
+        if self.node_hours <= 0:
+            return 0.0
+        if kind in UNANNOUNCED and not any(getattr(self, k) for k in UNANNOUNCED):
+            return UNSEEN[kind] / self.node_hours
+        return getattr(self, kind) / self.node_hours
 
     def unannounced_per_h(self, nodes: int) -> float:
         """Unannounced faults per hour of a run of `nodes` nodes (planning.Tier.faults_per_h)."""
@@ -106,8 +114,13 @@ class Rates:
         if self.source == "defaults":
             where = ": the defaults, not this site's"
         faults = self.unannounced_per_h(nodes)
-        counted = _counted(self, UNANNOUNCED) or "none"
-        line = f"1 unannounced fault per {_per(1 / faults)}" if faults else "no unannounced faults"
+        counted = _counted(self, UNANNOUNCED)
+        line = (
+            f"{'1' if counted else 'at most 1'} unannounced fault per {_per(1 / faults)}"
+            if faults
+            else "no unannounced faults"
+        )
+        counted = counted or "none"
         line += f" at {_n(nodes, 'node')} ({counted} in {hours} node-hours{where})"
         stops = self.announced_per_h(nodes)
         line += f"; 1 announced stop per {_per(1 / stops)} ({_counted(self, ANNOUNCED)})" if stops else ""

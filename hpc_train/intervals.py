@@ -37,6 +37,9 @@ class Measured:
     disk: tuple[float, float] | None = None  # (save_s: the loop blocked, write_s: the background write after it)
     memory: tuple[float, float] | None = None
     startup_s: float | None = None
+    # the step time or copy is an earlier attempt's (a resume, perhaps at another size): chosen from it, and again
+    # once this attempt measured its own (after its first save)
+    borrowed: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,13 @@ def measured(events: list[journal.Event], step_times_s: list[float], copies: lis
     steps = [t for t in step_times_s if _positive(t)]
     startup = journal.startup_s(events)
     step_s, copy = _chosen_from(events)
+    own_copy = _median_pair([c for c in copies if _positive(c[1])][-RECENT:])
     return Measured(
         statistics.median(steps) if steps else step_s,
         _median_pair(saves),
-        _median_pair([c for c in copies if _positive(c[1])][-RECENT:]) or copy,
+        own_copy or copy,
         startup or None,
+        borrowed=(not steps and step_s is not None) or (own_copy is None and copy is not None),
     )
 
 
@@ -139,7 +144,7 @@ def choose(
     if memory is not None:
         parts.append("memory " + planning.why(memory, m.step_s, memory_every))
     inputs |= {"disk": dataclasses.asdict(disk), "memory": dataclasses.asdict(memory) if memory else None}
-    return Choice(every, memory_every, "; ".join(parts), False, inputs)
+    return Choice(every, memory_every, "; ".join(parts), m.borrowed, inputs)
 
 
 def _seconds(x: Any) -> bool:
@@ -176,8 +181,14 @@ def write_rates(
 
 
 def _frozen(path: Path, run_dir: Path) -> dict[str, Any]:
-    if not path.exists() and (run_dir.parent / "sweep.json").exists():  # a trial's: its sweep's (submit writes one)
+    if not path.exists() and (run_dir.parent / "sweep.json").exists():
+        # a trial's is its sweep's (submit writes one), read only as the job pickle's folder is trusted: in a
+        # group-writable out_dir another user could make a plain run's parent look like a sweep, with 0 faults
+        from hpc_train.paths import untrusted
+
         path = run_dir.parent / path.name
+        if untrusted(path, run_dir.parent):
+            return {}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -263,16 +263,21 @@ def _site_rates(p: Plan, now_s: float) -> tuple[Any, list[str], dict[str, float]
     from hpc_train import history, intervals
 
     c, ck, runs_dir = p.runs[0].cluster, p.runs[0].checkpoint, Path(p.runs[0].out_dir)
-    try:  # advisory: a damaged journal of the project or history never stops a submit
+    # advisory: a damaged journal of the project or history never stops a submit; rates read before a forecast
+    # that failed (another run's odd metrics row) are still the job's (history.json)
+    try:
         window, min_jobs = ck.history_window_days, ck.history_min_jobs
         rates = history.site_rates(
             c.partition, c.nodes, runs_dir=runs_dir, window_days=window, min_jobs=min_jobs, now_s=now_s
         )
+    except Exception as e:
+        return None, [f"forecast: none ({type(e).__name__}: {e}); checkpoint.every_steps=auto uses the defaults"], {}
+    try:
         m = intervals.project_measured(runs_dir)
         expected = dict(vars(intervals.at_submit(ck, c, rates, m)))  # a frozen dataclass's fields
         return rates, intervals.forecast_lines(ck, c, rates, m), expected
     except Exception as e:
-        return None, [f"forecast: none ({type(e).__name__}: {e}); checkpoint.every_steps=auto uses the defaults"], {}
+        return rates, [f"forecast: none ({type(e).__name__}: {e}); the site's rates are kept for auto"], {}
 
 
 def _avoid_bad_nodes(p: Plan, validate: bool) -> str:

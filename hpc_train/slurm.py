@@ -60,7 +60,7 @@ def drop_prefetched() -> None:
         proc.communicate()
 
 
-def _prefetched(args: list[str], timeout_s: float) -> str | None:
+def _prefetched(args: list[str], timeout_s: float, retries: int) -> str | None:
     proc = _PREFETCHED.pop(tuple(args), None)
     if proc is None:
         return None
@@ -69,6 +69,8 @@ def _prefetched(args: list[str], timeout_s: float) -> str | None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
+        if retries == 0:  # one try asked for (the history's sacct): it had its timeout, not a second one
+            raise SlurmError(f"`{' '.join(args)}` did not answer within {timeout_s:.0f} s") from None
         return None
     if proc.returncode != 0:
         return None
@@ -85,7 +87,7 @@ def call(
             f"SLURM_CONF={conf} does not exist; set cluster.slurm_conf to your cluster's slurm.conf "
             f"(`scontrol show config | grep SLURM_CONF` on its login node)"
         )
-    answer = _prefetched(args, timeout_s) if _PREFETCHED else None
+    answer = _prefetched(args, timeout_s, retries) if _PREFETCHED else None
     if answer is not None:
         return answer
     err = ""

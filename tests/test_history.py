@@ -295,3 +295,60 @@ def test_the_sacct_a_submit_prefetches_is_the_one_site_rates_reads(tmp_path: Pat
         slurm.drop_prefetched()
     assert (rates.node_failures, rates.jobs, rates.source) == (1, 1, "sacct")
     assert (state / "runs").read_text().split() == ["run"]
+
+
+def test_a_history_with_no_unannounced_fault_still_counts_one_and_auto_keeps_saving() -> None:
+    """Review: 0 faults in 16,000 node-hours was a rate of 0, the interval the 7-day cap, and the first crash lost a
+    whole time-limit segment. None seen is at most 1 in the history's node-hours, split 4:1 as the defaults."""
+    from hpc_train import intervals
+    from hpc_train.config import CheckpointConfig
+
+    clean = Rates(node_hours=16_000.0, jobs=40, source="sacct", window_days=30, partition="low")
+    assert clean.unannounced_per_h(16) == pytest.approx(16 / 16_000)
+    assert clean.per_node_h("node_failures") == pytest.approx(4 * clean.per_node_h("failures"))
+    assert clean.describe(16).startswith("at most 1 unannounced fault per ")
+    m = intervals.Measured(1.0, (2.0, 10.0), None, 60.0)
+    choice = intervals.choose(CheckpointConfig(every_steps="auto"), m, clean, nodes=16, spares=False)
+    assert choice.every_steps < 7 * 86400  # the cap's 604,800 steps of 1 s
+    one = replace(clean, failures=1)  # a fault seen: its own rate, not the floor's
+    assert one.unannounced_per_h(16) == pytest.approx(16 / 16_000) and one.per_node_h("node_failures") == 0
+
+
+def test_a_boot_fail_is_no_fault_but_its_requeues_wait_counts() -> None:
+    """Review: BOOT_FAIL (a node that never came up: nothing ran, nothing lost) counted as a node failure."""
+    text = "\n".join(
+        [
+            "5|BOOT_FAIL|low|4|0|2026-01-01T00:00:00|2026-01-01T00:00:00|2026-01-01T00:00:00",
+            "5|COMPLETED|low|4|3600|2026-01-01T00:00:00|2026-01-01T00:01:00|2026-01-01T01:01:00",
+        ]
+    )
+    job = history.sacct_jobs(history.parse_accounting(text))["5"]
+    assert (job.node_failures, job.failures, job.queue_waits_s) == (0, 0, (60.0,))
+
+
+def test_a_prefetched_sacct_that_does_not_answer_is_not_asked_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Review: a prefetched sacct past its timeout was run again with a timeout of its own (20 s, not 10)."""
+    from conftest import fake_clients
+
+    from hpc_train import slurm
+
+    bin_dir, state = fake_clients(tmp_path, {"sacct": "echo run >> $STATE/runs; exec sleep 30"})
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    args = history.accounting_args("low", 1, 30, time.time())
+    slurm.prefetch(args)
+    try:
+        with pytest.raises(slurm.SlurmError, match="did not answer within 1 s"):
+            slurm.call(args, timeout_s=1, retries=0)
+    finally:
+        slurm.drop_prefetched()
+    assert (state / "runs").read_text().split() == ["run"]
+
+
+@pytest.mark.parametrize("days", [1e12, 0, -1, float("nan")])
+def test_a_history_window_out_of_range_is_a_sentence(days: float) -> None:
+    """Review: 1e12 days reached time.localtime (OSError: a traceback at submit)."""
+    from hpc_train.config import CheckpointConfig
+
+    with pytest.raises(ValueError, match=r"checkpoint.history_window_days=.* must be in \(0, 3650\]"):
+        CheckpointConfig(history_window_days=days)

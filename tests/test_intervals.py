@@ -13,6 +13,7 @@ import pytest
 
 from hpc_train import history, intervals, journal
 from hpc_train.config import CheckpointConfig
+from hpc_train.paths import RunPaths
 
 
 def rates(faults: int, node_hours: float = 20_000.0) -> history.Rates:
@@ -49,7 +50,10 @@ def test_a_resume_takes_the_step_time_and_copy_the_last_choice_rested_on() -> No
     assert (m.step_s, m.disk, m.memory) == (0.5, (0.5, 3.0), (0.1, 1.0))
     assert intervals.measured(events, [0.2], [(0.3, 2.0)]).step_s == 0.2
     ck = CheckpointConfig(every_steps="auto", memory_every_steps="auto")
-    assert not intervals.choose(ck, m, rates(5), nodes=4, spares=True).provisional
+    borrowed = intervals.choose(ck, m, rates(5), nodes=4, spares=True)
+    assert borrowed.provisional and borrowed.every_steps != 20  # chosen from it, and again once timed here
+    own = intervals.measured(events, [0.2], [(0.3, 2.0)])
+    assert not intervals.choose(ck, own, rates(5), nodes=4, spares=True).provisional
     assert intervals.measured([commit(20, 0.5, 3.5)], [], []).step_s is None
 
 
@@ -118,7 +122,8 @@ def test_an_attempt_chooses_at_its_resume_and_again_after_its_first_save(tmp_pat
         again = Attempt.build(env, cfg, RunPaths(tmp_path), time.time(), {})
         again.resume(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)))
         resumed = journal.named(journal.read(tmp_path), journal.INTERVAL)[-1]
-        assert resumed["provisional"] is False and again.every_steps == resumed["every_steps"] != 20, resumed
+        # ... chosen again after its own first save (its step time, perhaps at another size, is its own then)
+        assert resumed["provisional"] is True and again.every_steps == resumed["every_steps"] != 20, resumed
         assert resumed["inputs"]["step_s"] == chosen[-1]["inputs"]["step_s"]
     finally:
         dist.destroy_process_group()
@@ -225,3 +230,36 @@ def test_auto_for_a_script_is_refused_with_the_key_named(key: str) -> None:
     with pytest.raises(ValueError, match=f"checkpoint.{key}=auto"):
         script.check(config, "/tmp/run")
     script.check({**config, "checkpoint": {key: 50}}, "/tmp/run")  # a number is the script's business too: kept
+
+
+def test_a_forecast_that_fails_keeps_the_site_rates_for_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: one `try` around the rates and the forecast: another run's odd metrics row made the forecast fail, and
+    the good rates went with it (no history.json: the job took the defaults)."""
+    from types import SimpleNamespace
+
+    from hpc_train import plan
+    from hpc_train.config import RunConfig
+
+    seen = rates(9)
+    monkeypatch.setattr(history, "site_rates", lambda *a, **k: seen)
+
+    def broken(runs_dir: Path) -> None:
+        raise TypeError("'<' not supported between instances of 'NoneType' and 'float'")
+
+    monkeypatch.setattr(intervals, "project_measured", broken)
+    got, said, expected = plan._site_rates(SimpleNamespace(runs=[RunConfig()]), time.time())  # type: ignore[arg-type]
+    assert got is seen and expected == {} and said[0].startswith("forecast: none (TypeError")
+
+
+def test_a_plain_runs_parent_made_to_look_like_a_sweep_by_another_hand_is_not_read(tmp_path: Path) -> None:
+    """Review: a run without its own history.json read its parent's whenever the parent had a sweep.json; in a
+    group-writable out_dir another user could set its intervals (0 faults: every 604,800 steps)."""
+    out = tmp_path / "runs"
+    run_dir = out / "mine-1"
+    run_dir.mkdir(parents=True, mode=0o700)
+    (out / "sweep.json").write_text("{}")
+    intervals.write_rates(out / "history.json", rates(0, 10_000.0), private=False)
+    out.chmod(0o770)  # a shared out_dir: the group writes it
+    assert intervals.read_rates(RunPaths(run_dir).history, run_dir) == history.DEFAULTS
+    out.chmod(0o700)  # a sweep's own folder: its history is the trial's
+    assert intervals.read_rates(RunPaths(run_dir).history, run_dir).node_hours == 10_000.0
