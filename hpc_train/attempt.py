@@ -445,9 +445,8 @@ class Attempt:
                 spares = bool(self.cfg.cluster.spare_nodes or self.cfg.cluster.in_process_restart)
                 spares = spares and self.memory is not None and not self.memory.off
                 m = intervals.measured(events, self._step_times_s, self._copies)
-                c = self.cfg.cluster  # what a stop leaves for its save: the grace, or the lead less the reserve
-                budget = min(c.preempt_grace_s, c.signal_lead_s - self.reserve_s)
-                choice = intervals.choose(self.cfg.checkpoint, m, rates, self.env.num_nodes, spares, budget)
+                budgets = intervals.stop_budgets(self.cfg.cluster, self.reserve_s)  # what a stop leaves its save
+                choice = intervals.choose(self.cfg.checkpoint, m, rates, self.env.num_nodes, spares, budgets)
                 mine = [choice.every_steps, choice.memory_every_steps, int(choice.provisional), 1]
             except Exception as e:  # a damaged history.json, a journal line: the run trains on as it was
                 log.warning(

@@ -98,14 +98,14 @@ def choose(
     rates: history.Rates,
     nodes: int,
     spares: bool,
-    stop_budget_s: float = math.inf,
+    stop_budgets_s: dict[str, float] | None = None,
 ) -> Choice:
     """The intervals for a run of `nodes` nodes (pure). Unannounced faults only (planning.py): a memory copy
     survives a rank's crash and a node's loss while its buddy lives and a spare relaunches the step inside the
     allocation (`spares`), all but the batch host's node (1 of `nodes`); the disk tier the rest. An announced stop
-    is saved at its signal, unless a save and its write do not fit in what a stop leaves (stop_budget_s: the
-    preemption's grace, the time limit's lead less the requeue's reserve): then it loses work as a fault does, and
-    counts as one. Until a save of a tier is measured that tier keeps config.FIRST_AUTO_STEPS (provisional)."""
+    is saved at its signal, unless a save and its write do not fit in what a stop of its kind leaves (stop_budgets_s,
+    history.ANNOUNCED kind -> s: stop_budgets): then it loses work as a fault does, and counts as one. Until a save
+    of a tier is measured that tier keeps config.FIRST_AUTO_STEPS (provisional)."""
     startup = m.startup_s or DEFAULT_STARTUP_S
     per_node = {k: rates.per_node_h(k) for k in history.UNANNOUNCED}
     node_faults, crashes = nodes * per_node["node_failures"], nodes * per_node["failures"]
@@ -123,9 +123,13 @@ def choose(
         why = "a first save to measure (checkpoint.every_steps=auto): then chosen from its cost"
         return Choice(every, memory_every, why, True, inputs)
     save_s, write_s = m.disk if m.disk is not None else (0.0, 0.0)
-    if save_s + write_s > stop_budget_s:  # Saver.stop skips a save it cannot finish: the stop loses the work
-        disk_faults += rates.announced_per_h(nodes)
-        inputs["stops_lose_work"] = f"a save takes {save_s + write_s:.0f} s, a stop leaves {stop_budget_s:.0f} s"
+    budgets = stop_budgets_s or {}
+    lost = [k for k in history.ANNOUNCED if getattr(rates, k) and save_s + write_s > budgets.get(k, math.inf)]
+    if lost:  # Saver.stop skips a save it cannot finish: such a stop loses the work
+        disk_faults += nodes * sum(rates.per_node_h(k) for k in lost)
+        leaves = ", ".join(f"{k.replace('_', ' ')} {budgets[k]:.0f} s" for k in lost)
+        inputs["stops_lose_work"] = f"a save takes {save_s + write_s:.0f} s, a stop leaves {leaves}"
+        inputs["lost_kinds"] = lost
     disk = planning.Tier(save_s, write_s, disk_faults, disk_restart)
     memory = None
     if with_memory:
@@ -251,12 +255,25 @@ def project_measured(runs_dir: Path) -> Measured:
     return ASSUMED
 
 
+def stop_budgets(cluster: Any, reserve_s: float) -> dict[str, float]:
+    """What a stop of each announced kind leaves for its save: a preemption (or a requeue, which Slurm signals the
+    same way) its grace, a time limit its lead less the requeue decision's reserve (deadlines.reserve_s)."""
+    grace = float(cluster.preempt_grace_s)
+    return {"preemptions": grace, "requeues": grace, "time_limits": cluster.signal_lead_s - reserve_s}
+
+
 def expected(
-    ck: CheckpointConfig, m: Measured, rates: history.Rates, nodes: int, spares: bool, stop_budget_s: float = math.inf
+    ck: CheckpointConfig,
+    m: Measured,
+    rates: history.Rates,
+    nodes: int,
+    spares: bool,
+    stop_budgets_s: dict[str, float] | None = None,
 ) -> planning.Forecast:
     """The expected goodput of a run with these intervals (choose's, from `m` complete), its announced stops (each
     a stop save and a restart) and unannounced faults (planning.forecast)."""
-    c = choose(ck, m, rates, nodes, spares, stop_budget_s)
+    c = choose(ck, m, rates, nodes, spares, stop_budgets_s)
+    lost = c.inputs.get("lost_kinds", [])
     step_s = m.step_s or ASSUMED.step_s
     disk = planning.Tier(**c.inputs["disk"])
     memory = planning.Tier(**c.inputs["memory"]) if c.inputs.get("memory") else None
@@ -267,17 +284,23 @@ def expected(
         memory,
         memory_s,
         # stops whose save does not fit are in the disk tier's faults already (choose)
-        announced_per_h=0.0 if "stops_lose_work" in c.inputs else rates.announced_per_h(nodes),
+        announced_per_h=nodes * sum(rates.per_node_h(k) for k in history.ANNOUNCED if k not in lost),
         announced_restart_s=disk.restart_s,
     )
+
+
+def _budgets(cluster: Any) -> dict[str, float]:
+    """stop_budgets of a Slurm run as submit sees it (the job's own reserve: deadlines.decision_reserve_s)."""
+    from hpc_train import deadlines
+
+    return stop_budgets(cluster, deadlines.reserve_s("slurm", cluster.elastic()))
 
 
 def at_submit(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: Measured) -> planning.Forecast:
     """The expected goodput of a Slurm run as submit forecasts it: its size, spares, and the save a stop leaves room
     for (the preemption's grace or the time limit's lead)."""
     spares = bool(cluster.spare_nodes or cluster.in_process_restart)
-    budget = min(cluster.preempt_grace_s, cluster.signal_lead_s)
-    return expected(ck, m, rates, cluster.nodes, spares, budget)
+    return expected(ck, m, rates, cluster.nodes, spares, _budgets(cluster))
 
 
 def forecast_lines(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: Measured) -> list[str]:
@@ -286,7 +309,7 @@ def forecast_lines(ck: CheckpointConfig, cluster: Any, rates: history.Rates, m: 
     nodes), each with the overrides that make it. A spare's idle node counts against it: goodput of the
     allocation's node-hours."""
     nodes, spares = cluster.nodes, bool(cluster.spare_nodes or cluster.in_process_restart)
-    budget = min(cluster.preempt_grace_s, cluster.signal_lead_s)  # what a stop leaves for its save
+    budget = _budgets(cluster)  # what a stop leaves for its save
     held = nodes / (nodes + cluster.spare_nodes)
     base = at_submit(ck, cluster, rates, m)
     where = f"on {cluster.partition or 'the default partition'} at {nodes} node(s)"

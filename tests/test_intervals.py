@@ -212,10 +212,31 @@ def test_stops_whose_save_does_not_fit_count_as_faults() -> None:
     ck = CheckpointConfig(every_steps="auto")
     m = intervals.Measured(1.0, (5.0, 100.0), None, 60.0)
     preempted = dataclasses.replace(rates(5), preemptions=20_000)  # one preemption per node-hour
-    fits = intervals.choose(ck, m, preempted, nodes=4, spares=False, stop_budget_s=300.0)
-    lost = intervals.choose(ck, m, preempted, nodes=4, spares=False, stop_budget_s=30.0)
-    assert "stops_lose_work" in lost.inputs and "stops_lose_work" not in fits.inputs
+    fits = intervals.choose(ck, m, preempted, nodes=4, spares=False, stop_budgets_s={"preemptions": 300.0})
+    lost = intervals.choose(ck, m, preempted, nodes=4, spares=False, stop_budgets_s={"preemptions": 30.0})
+    assert lost.inputs["lost_kinds"] == ["preemptions"] and "lost_kinds" not in fits.inputs
     assert lost.every_steps * 1.0 < 3600 / 4 < fits.every_steps, (lost.every_steps, fits.every_steps)
+
+
+def test_each_kind_of_stop_is_judged_by_what_it_leaves_for_its_save() -> None:
+    """Review: time limits were judged against the preemption's grace (min of the two): a save of 5 + 60 s with the
+    default 30 s grace made every time limit a fault, though a time-limit stop has the lead less the reserve."""
+    from hpc_train import deadlines
+    from hpc_train.sbatch import ClusterConfig
+
+    ck = CheckpointConfig(every_steps="auto")
+    m = intervals.Measured(1.0, (5.0, 60.0), None, 60.0)
+    limits = dataclasses.replace(rates(5), time_limits=20_000)  # time limits only, one per node-hour
+    cluster = ClusterConfig(preempt_grace_s=30, signal_lead_s=120)
+    budgets = intervals.stop_budgets(cluster, deadlines.REQUEUE_RESERVE_S)
+    assert budgets == {"preemptions": 30.0, "requeues": 30.0, "time_limits": 120 - deadlines.REQUEUE_RESERVE_S}
+    chosen = intervals.choose(ck, m, limits, nodes=4, spares=False, stop_budgets_s=budgets)
+    assert "lost_kinds" not in chosen.inputs  # 65 s fit in the 85 s a time limit leaves
+    preempted = dataclasses.replace(rates(5), preemptions=20_000)
+    assert intervals.choose(ck, m, preempted, 4, False, budgets).inputs["lost_kinds"] == ["preemptions"]
+    # the forecast charges the time limits a stop save and a restart, not lost work
+    f = intervals.expected(ck, m, limits, 4, False, budgets)
+    assert f.lost_work < intervals.expected(ck, m, limits, 4, False, {"time_limits": 30.0}).lost_work
 
 
 @pytest.mark.parametrize("key", ["every_steps", "memory_every_steps"])
