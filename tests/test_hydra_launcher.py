@@ -438,8 +438,8 @@ def _readable_by_others(path: Path, top: Path) -> bool:
     return all(p.stat().st_mode & 0o011 for p in path.parents if p.is_relative_to(top))
 
 
-def test_review2_a_sweep_under_umask_002_runs_in_a_folder_only_its_owner_writes(tmp_path: Path) -> None:
-    """Finding 1: Hydra's sweeper made the sweep folder 0775 under umask 002 and submit's trust check refused it; the
+def test_a_sweep_under_umask_002_runs_in_a_folder_only_its_owner_writes(tmp_path: Path) -> None:
+    """Hydra's sweeper made the sweep folder 0775 under umask 002 and submit's trust check refused it; the
     launcher makes the folder itself, as `hpc-train submit` makes its own (0700 whatever the umask)."""
     sweep = tmp_path / "sw"
     proc = run(
@@ -455,8 +455,8 @@ def test_review2_a_sweep_under_umask_002_runs_in_a_folder_only_its_owner_writes(
     assert [json.loads((sweep / str(i) / "job_return.json").read_text())["value"] for i in range(2)] == [1.0, 2.0]
 
 
-def test_review2_now_in_any_format_is_the_submits_moment_at_every_attempt(tmp_path: Path) -> None:
-    """Finding 2: ${now:FMT} of a format Hydra had not resolved before the compose (the sweep folder's two defaults)
+def test_now_in_any_format_is_the_submits_moment_at_every_attempt(tmp_path: Path) -> None:
+    """${now:FMT} of a format Hydra had not resolved before the compose (the sweep folder's two defaults)
     was resolved again by the job, at its own time. Every format is the submit's one moment: the sweep folder, the
     trial's folder (subdir) and the app's key, of three formats, read the same microsecond; a run alone's too."""
     sweep_root = tmp_path / "sw"
@@ -490,8 +490,8 @@ def test_review2_now_in_any_format_is_the_submits_moment_at_every_attempt(tmp_pa
 
 
 @pytest.mark.parametrize("subdir", [".", "./", "sub/.."])
-def test_review2_an_output_subdir_on_the_trials_own_files_is_refused(tmp_path: Path, subdir: str) -> None:
-    """Finding 3: hydra.output_subdir=. had Hydra's run_job write its config.yaml over the trial's own (hpc_train's
+def test_an_output_subdir_on_the_trials_own_files_is_refused(tmp_path: Path, subdir: str) -> None:
+    """hydra.output_subdir=. had Hydra's run_job write its config.yaml over the trial's own (hpc_train's
     frozen run config). Refused with the value and the fix before anything is queued, with -m and without."""
     sweep = tmp_path / "sw"
     proc = app(
@@ -520,8 +520,8 @@ def test_review2_an_output_subdir_on_the_trials_own_files_is_refused(tmp_path: P
     assert "Traceback" not in proc.stderr and not target.exists()
 
 
-def test_review2_launcher_env_values_stay_owner_only_in_hydras_records(tmp_path: Path) -> None:
-    """Finding 4: a value in hydra.launcher.env (an API key) reached multirun.yaml and each attempt's .hydra/hydra.yaml
+def test_launcher_env_values_stay_owner_only_in_hydras_records(tmp_path: Path) -> None:
+    """a value in hydra.launcher.env (an API key) reached multirun.yaml and each attempt's .hydra/hydra.yaml
     readable by the group (share_with_group=true). hpc_train's rule for cluster.env: every file that holds one is
     its owner's alone; so here, Hydra's records too."""
     secret = "s3cret-v4lue-of-the-review"
@@ -544,8 +544,8 @@ def test_review2_launcher_env_values_stay_owner_only_in_hydras_records(tmp_path:
     assert sweep.stat().st_mode & 0o777 == 0o750 and (sweep / "0").stat().st_mode & 0o777 == 0o750  # still shared
 
 
-def test_review2_a_stopped_attempt_does_not_claim_completed(tmp_path: Path) -> None:
-    """Finding 5: an attempt stopped to be requeued (its app saved and returned at TERM) wrote job_return.json
+def test_a_stopped_attempt_does_not_claim_completed(tmp_path: Path) -> None:
+    """an attempt stopped to be requeued (its app saved and returned at TERM) wrote job_return.json
     COMPLETED, and Hydra's callbacks got a COMPLETED JobReturn for it. A preemption of the local executor (TERM to its
     controller): the stopped attempt's record and JobReturn say it stopped; the resumed one's say COMPLETED."""
     import signal
@@ -576,8 +576,8 @@ def test_review2_a_stopped_attempt_does_not_claim_completed(tmp_path: Path) -> N
     assert [e["reason"] for e in read_events(target) if e["event"] == "requeue"] == ["preempt"]
 
 
-def test_review2_a_fixed_run_dir_is_used_and_refused_once_it_holds_a_run(tmp_path: Path) -> None:
-    """Finding 6: a run without -m in a fixed hydra.run.dir that existed went to <dir>-1. A fixed folder is used (one
+def test_a_fixed_run_dir_is_used_and_refused_once_it_holds_a_run(tmp_path: Path) -> None:
+    """a run without -m in a fixed hydra.run.dir that existed went to <dir>-1. A fixed folder is used (one
     that exists, yours alone, too); one that holds a run already is refused with the fix, nothing queued."""
     target = tmp_path / "fixed"
     target.mkdir(mode=0o700)
@@ -595,8 +595,8 @@ def test_review2_a_fixed_run_dir_is_used_and_refused_once_it_holds_a_run(tmp_pat
 
 
 @pytest.mark.parametrize("multirun", [True, False])
-def test_review2_an_unset_env_var_in_a_launcher_key_is_one_sentence(tmp_path: Path, multirun: bool) -> None:
-    """Finding 7: ${oc.env:NAME} of an unset variable in hydra.launcher.* gave OmegaConf's traceback."""
+def test_an_unset_env_var_in_a_launcher_key_is_one_sentence(tmp_path: Path, multirun: bool) -> None:
+    """${oc.env:NAME} of an unset variable in hydra.launcher.* gave OmegaConf's traceback."""
     where = [f"hydra.sweep.dir={tmp_path / 'sw'}"] if multirun else [f"hydra.run.dir={tmp_path / 'one'}"]
     proc = app(
         ANCHOR,
@@ -614,8 +614,8 @@ def test_review2_an_unset_env_var_in_a_launcher_key_is_one_sentence(tmp_path: Pa
     assert not (tmp_path / "sw" / "sweep.json").exists() and not (tmp_path / "one").exists()
 
 
-def test_review2_a_subdir_by_hydras_resolver_names_each_trial(tmp_path: Path) -> None:
-    """Finding 7: hydra.sweep.subdir=${hydra:job.override_dirname} (Hydra's resolver, which reads HydraConfig) gave a
+def test_a_subdir_by_hydras_resolver_names_each_trial(tmp_path: Path) -> None:
+    """hydra.sweep.subdir=${hydra:job.override_dirname} (Hydra's resolver, which reads HydraConfig) gave a
     traceback; it names each trial's folder as under Hydra's own launchers."""
     sweep = tmp_path / "sw"
     proc = app(
@@ -632,8 +632,8 @@ def test_review2_a_subdir_by_hydras_resolver_names_each_trial(tmp_path: Path) ->
     assert [json.loads((sweep / f"lr={i}" / "job_return.json").read_text())["value"] for i in (1, 2)] == [1.0, 2.0]
 
 
-def test_review2_callbacks_run_around_a_run_without_m_as_under_hydras_launcher(tmp_path: Path) -> None:
-    """Finding 8: on_run_start / on_run_end of the app's callbacks were skipped for a run without -m. The same hooks,
+def test_callbacks_run_around_a_run_without_m_as_under_hydras_launcher(tmp_path: Path) -> None:
+    """on_run_start / on_run_end of the app's callbacks were skipped for a run without -m. The same hooks,
     in the same order, with the same status, as the basic launcher calls them."""
     script, env = _stop_app(tmp_path)
     common = ["+hydra.callbacks.mark._target_=marks.Mark", "lr=2"]
@@ -650,8 +650,8 @@ def test_review2_callbacks_run_around_a_run_without_m_as_under_hydras_launcher(t
     assert hooks[1] == hooks[0]
 
 
-def test_review2_resume_overrides_keep_the_trials_folder_and_override_dirname(tmp_path: Path) -> None:
-    """Finding 9: the resume overrides joined hydra.job.override_dirname at a resume, so the attempt's Hydra saw
+def test_resume_overrides_keep_the_trials_folder_and_override_dirname(tmp_path: Path) -> None:
+    """the resume overrides joined hydra.job.override_dirname at a resume, so the attempt's Hydra saw
     another job than the one submitted (a folder named by it, a grouping by it)."""
     ckpt = tmp_path / "ckpt.pt"
     ckpt.write_text("a checkpoint\n")
@@ -677,7 +677,7 @@ def test_review2_resume_overrides_keep_the_trials_folder_and_override_dirname(tm
     assert (sweep / "lr=1" / ".hydra" / "overrides.yaml").read_text() == "- lr=1\n- +resumed=true\n"
 
 
-def test_review2_waiting_on_a_site_without_accounting_ends_on_the_trials_own_records(
+def test_waiting_on_a_site_without_accounting_ends_on_the_trials_own_records(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """hydra.launcher.wait=true where Slurm cannot say how a job ended (no accounting: sacct fails once squeue forgot
