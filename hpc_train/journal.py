@@ -15,6 +15,7 @@ reducer here, or `named(events, NAME)`.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -97,11 +98,13 @@ def _number(x: Any) -> bool:
 
 
 def is_event(e: Any) -> bool:
-    """The shape every reader may index: a str `event`, a numeric `time`, an int `step` and `restart`."""
+    """The shape every reader may index: a str `event`, a finite numeric `time` (json reads Infinity), an int
+    `step` and `restart`."""
     return (
         isinstance(e, dict)
         and isinstance(e.get("event"), str)
         and _number(e.get("time"))
+        and math.isfinite(e["time"])
         and type(e.get("step")) is int
         and type(e.get("restart", 0)) is int
     )

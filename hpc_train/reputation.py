@@ -405,19 +405,20 @@ def _under(run: str, root: Path) -> str:
 
 def table(found: list[dict[str, Any]]) -> Any:
     """The rows as a rich Table of 6 short columns (each reason is a line below it: `reasons`)."""
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=f"nodes with a verdict: left out by a submit while the score is >= {THRESHOLD:g}")
     for col in ("node", "score", "left out", "verdicts", "last verdict", "run"):
         t.add_column(col, overflow="fold")
     for r in found:
-        t.add_row(
-            r["node"],
+        t.add_row(  # names and paths from journals: "[/x]" in one is text, not rich markup
+            escape(r["node"]),
             f"{math.floor(r['score'] * 100) / 100:.2f}",  # 0.498 is not 0.50: it is in
             f"yes, {span(r['out_for_s'])} more" if r["left_out"] else "no",
             str(r["verdicts"]) + (f" (+{r['cleared']} cleared)" if r["cleared"] else ""),
-            f"{r['last']}, {span(r['age_s'])} ago",
-            r["run"],
+            escape(f"{r['last']}, {span(r['age_s'])} ago"),
+            escape(r["run"]),
         )
     return t
 

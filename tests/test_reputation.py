@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import HPC_TRAIN, fake_clients, run
+from conftest import HPC_TRAIN, fake_clients, names, run
 
 from hpc_train import preempt, reputation
 from hpc_train.reputation import HALF_LIFE_S, THRESHOLD, Record, Verdict
@@ -87,7 +87,7 @@ def test_each_kind_of_verdict_is_read_once_per_node_and_attempt() -> None:
         ("node6", "straggler", 5),
     ]
     assert found[0].why == SICK and found[0].run == "runs/a-1"
-    assert found[-1].why == "rank 1 a straggler: 28.0 ms/step of its own vs the others' median 7.7 ms"
+    assert names(found[-1].why, "rank 1", "straggler", "28.0 ms/step", "median 7.7 ms")
     assert passed == {"node1": NOW - 5 * H}
 
 
@@ -167,17 +167,17 @@ def test_random_histories_decay_and_never_leave_out_more_than_the_partition_can_
 def test_avoid_adds_after_the_users_exclude_and_counts_only_nodes_that_can_take_the_job() -> None:
     record = Record(verdicts=[Verdict(f"node{i}", "hang", "", NOW - H * i, "runs/x-1", 0) for i in (2, 3)])
     value, said = reputation.avoid(cluster(exclude="node1"), record, PARTS, NODES, NOW)
-    assert value == "node1,node2" and said.startswith("leaving out node2 (hung 2 h ago in runs/x-1) for its record")
-    assert (
-        "keeping node3 (hung 3 h ago in runs/x-1) in despite its record: the job needs 2 of partition debug's 3 "
-        in said
-    )
+    out, kept = said.split("; keeping ")  # what is left out, then what is kept and why
+    assert value == "node1,node2" and names(out, "leaving out node2", "(hung 2 h ago in runs/x-1)"), said
+    assert names(kept, "node3 (hung 3 h ago in runs/x-1)", "needs 2", "partition debug's 3"), said
     # node4 cannot take a 16-CPU task set: only node1..3 count, node1 excluded by the user, so both bad ones stay
     small = NODES | {"node4": {**NODES["node4"], "CPUTot": "2"}}
     value, said = reputation.avoid(cluster(exclude="node1", tasks_per_node=4), record, PARTS, small, NOW)
-    assert value == "node1" and said.startswith("keeping node2 (hung 2 h ago in runs/x-1), node3 (")
+    assert (
+        value == "node1" and said.startswith("keeping ") and names(said, "node2 (hung 2 h ago", "node3 (hung 3 h ago")
+    )
     value, said = reputation.avoid(cluster(reservation="maint"), record, PARTS, NODES, NOW)
-    assert value is None and "cluster.reservation=maint places the job on its own nodes" in said
+    assert value is None and names(said, "cluster.reservation=maint", "own nodes")
     value, said = reputation.avoid(cluster(partition="other"), record, PARTS, NODES, NOW)  # validate_live says it
     assert (value, said) == (None, "")
     elsewhere = Record(verdicts=[Verdict("gpu7", "hang", "", NOW, "r", 0)])  # another partition's node
@@ -265,10 +265,8 @@ def test_a_dry_run_names_the_node_it_leaves_out_and_writes_nothing(project: tupl
     before = sorted(runs.rglob("*"))
     proc = run([HPC_TRAIN, "submit", "--dry-run", *overrides, "cluster.nodes=2"], env=env)
     assert proc.returncode == 0, proc.stderr
-    assert (
-        f"hpc-train submit: leaving out node3 (failed the preflight 2 h ago in {runs}/health-1) for its record; "
-        f"cluster.avoid_bad_nodes=false to use it\n" in proc.stderr
-    ), proc.stderr
+    (said,) = [line for line in proc.stderr.splitlines() if line.startswith("hpc-train submit: leaving out ")]
+    assert names(said, "node3", "failed the preflight 2 h ago", f"{runs}/health-1", "cluster.avoid_bad_nodes=false")
     assert "#SBATCH --exclude=node3\n" in proc.stdout and "  exclude: node3\n" in proc.stdout  # the frozen config
     assert sorted(runs.rglob("*")) == before
     mine = run([HPC_TRAIN, "submit", "--dry-run", *overrides, "cluster.exclude=node1"], env=env)
@@ -281,10 +279,8 @@ def test_a_job_that_needs_every_node_keeps_the_bad_one_and_says_why(project: tup
     env, overrides, runs = project
     proc = run([HPC_TRAIN, "submit", "--dry-run", *overrides, "cluster.nodes=3", "cluster.spare_nodes=1"], env=env)
     assert proc.returncode == 0, proc.stderr
-    assert (
-        f"hpc-train submit: keeping node3 (failed the preflight 2 h ago in {runs}/health-1) in despite its record: "
-        f"the job needs 4 of partition debug's 4 usable nodes\n" in proc.stderr
-    ), proc.stderr
+    (said,) = [line for line in proc.stderr.splitlines() if line.startswith("hpc-train submit: keeping ")]
+    assert names(said, "node3", "failed the preflight 2 h ago", f"{runs}/health-1", "needs 4", "debug's 4 usable")
     assert "--exclude" not in proc.stdout
 
 
@@ -294,14 +290,20 @@ def test_hpc_train_nodes_lists_the_table_and_json(project: tuple) -> None:
     assert proc.returncode == 0, proc.stderr
     print(proc.stdout)
     assert max(len(line) for line in proc.stdout.splitlines() if str(runs) not in line) <= 100
-    assert "│ node3 │ 0.94  │ yes, 22 h more │ 1        │ preflight, 2 h ago │ health-1 │" in proc.stdout
-    assert (
-        f"node3: {SICK}\n" in proc.stdout and f"from 1 journal(s) under {runs} changed in the last 7 d" in proc.stdout
-    )
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("│ node3 ")]
+    assert [c.strip() for c in row.strip("│").split("│")] == [
+        "node3",
+        "0.94",
+        "yes, 22 h more",
+        "1",
+        "preflight, 2 h ago",
+        "health-1",
+    ]
+    assert f"node3: {SICK}\n" in proc.stdout and names(proc.stdout, "1 journal(s)", f"under {runs}", "last 7 d")
     rows = json.loads(run([HPC_TRAIN, "nodes", str(runs), "--json"], env=env).stdout)
     assert [(r["node"], r["left_out"], r["last"], r["run"]) for r in rows] == [("node3", True, "preflight", "health-1")]
     empty = run([HPC_TRAIN, "nodes", str(runs / "health-1" / "nope")], env=env)
-    assert empty.returncode == 2 and "nope is not a folder; give the folder of your runs (out_dir)" in empty.stderr
+    assert empty.returncode == 2 and names(empty.stderr, "nope is not a folder", "(out_dir)")
 
 
 def test_hpc_train_nodes_never_imports_torch(project: tuple) -> None:
@@ -321,7 +323,8 @@ def test_a_dry_run_without_a_controller_says_the_bad_nodes_were_not_left_out(pro
     env, overrides, runs = project
     proc = run([HPC_TRAIN, "submit", "--dry-run", *overrides, f"cluster.slurm_conf={tmp_path / 'gone.conf'}"], env=env)
     assert proc.returncode == 0, proc.stderr
-    assert f"# NOT validated: nodes with a bad record (hpc-train nodes {runs}) not left out\n" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("# NOT validated: nodes ")]
+    assert names(line, "bad record", f"(hpc-train nodes {runs})", "not left out")
     assert "--exclude" not in proc.stdout and "leaving out" not in proc.stderr
 
 
@@ -340,3 +343,20 @@ def test_review_findings_a_drained_node_a_run_sick_everywhere_and_a_line_without
     one = {"time": 10.0, "event": "preflight", "step": -1, "nodes": {"n1": {}, "n2": {}}, "sick": {"n2": "Xid 79"}}
     found, _ = reputation.verdicts([everywhere, one], "runs/x-1")
     assert [v.node for v in found] == ["n2"]
+
+
+def test_a_journal_with_an_infinite_time_or_markup_in_a_name_never_crashes_nodes(tmp_path: Path) -> None:
+    """A verdict at time Infinity (json reads it) raised OverflowError in the rows and kept its node out for as long
+    as the journal stayed; a node named "n2[/x]" was rich markup (MarkupError). Neither is an event / markup now."""
+    runs = tmp_path / "runs"
+    now = time.time()
+    write_journal(runs / "inf-1", [preflight(now, 0, {"node9": SICK}, [])], tail="")
+    (runs / "inf-1" / "events.jsonl").write_text(
+        (runs / "inf-1" / "events.jsonl").read_text().replace(f'"time": {now}', '"time": Infinity')
+    )
+    write_journal(runs / "odd[x]-1", [preflight(now - H, 0, {"n2[/x]": SICK}, [])])
+    proc = run([HPC_TRAIN, "nodes", str(runs)])
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    rows = json.loads(run([HPC_TRAIN, "nodes", str(runs), "--json"]).stdout)
+    assert [r["node"] for r in rows] == ["n2[/x]"]  # node9's verdict is no event: skipped with a warning
+    assert any(line.startswith("│ n2[/x] ") for line in proc.stdout.splitlines()), proc.stdout
