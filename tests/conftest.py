@@ -72,6 +72,24 @@ def said(caplog: Any) -> str:
     return text
 
 
+def names(text: str, *fragments: str) -> bool:
+    """Whether TEXT, a sentence the user reads, names each of FRAGMENTS: the value, the constraint, the fix (STYLE 5),
+    each a short piece (a key=value, a path, a number, a command), so that a message can be reworded without breaking
+    the test while one that drops the value or the fix still fails it. Asserts, so pytest shows what is missing."""
+    missing = [f for f in fragments if f not in text]
+    assert not missing, f"{text!r} does not name {missing}"
+    return True
+
+
+def refused(proc: subprocess.CompletedProcess, command: str, *fragments: str) -> bool:
+    """Whether `hpc-train COMMAND` refused as a user error should: exit status 2, no traceback, one line on stderr,
+    `hpc-train COMMAND: error: ...`, that names each of FRAGMENTS (names)."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hpc-train {command}: error: "), proc.stderr
+    return names(lines[0], *fragments)
+
+
 # How pyproject's `-n 4 --dist loadgroup` spreads the suite. A test on the cluster mostly waits (33 min of wall time
 # for 3.4 min of CPU, serially): each is a unit of its own, run by whichever worker is free, on that worker's own
 # cluster. Every other test runs with the rest of its module (module fixtures once), except SPREAD's tests, each a

@@ -299,6 +299,7 @@ def test_write_atomic_never_touches_the_process_umask(tmp_path: Path, monkeypatc
 def test_preempt_imports_nothing_before_the_handlers_go_in() -> None:
     """start.py imports preempt first and installs its handlers right after: what preempt imports at the top
     widens the window in which a TERM kills the task unsaved (journal pulled json, tempfile, fcntl in)."""
+    import ast
     import subprocess
     import sys
 
@@ -307,7 +308,7 @@ def test_preempt_imports_nothing_before_the_handlers_go_in() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     # task: its Pulse; reasons: three Enums (enum is in every interpreter already: `re` imports it)
-    assert out.strip() == "['hpc_train', 'hpc_train.preempt', 'hpc_train.reasons', 'hpc_train.task']", out
+    assert ast.literal_eval(out) == ["hpc_train", "hpc_train.preempt", "hpc_train.reasons", "hpc_train.task"], out
     code = "import sys; from hpc_train import preempt; print('subprocess' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import names
 
 from hpc_train import deadlines, journal, preempt, requeue
 from hpc_train.checkpoint_files import retention_plan, shares
@@ -28,7 +29,8 @@ def test_job_fate_from_scontrol_captures() -> None:
     assert (
         parse_fate(RUNNING.replace("RUNNING", "COMPLETING").replace("Reason=None", "Reason=TimeLimit"), 0) == "running"
     )
-    assert parse_fate("slurm_load_jobs error: Invalid job id specified", restart_count=0) == "unknown"
+    gone = "slurm_load_jobs error: Invalid job id specified"  # scontrol's answer once the job left its memory
+    assert parse_fate(gone, restart_count=0) == "unknown"
 
 
 # A --no-kill job (hot spares) whose batch host, node1, was set DOWN on the dev cluster: Slurm took node1 out and
@@ -81,17 +83,13 @@ def ev(name: str, step: int = 0, **f: object) -> dict:
 def test_decide_cases() -> None:
     b = RequeueConfig(max_preemptions=-1, max_time_limit_requeues=2, max_failures=2)
     assert preempt.decide("preempt", [], b, "cancelled")[0] == "stop"
-    assert preempt.decide("failure", [], b, "requeued") == (
-        "slurm",
-        "Slurm requeued the job itself (scontrol requeue or a node failure): no budget spent",
-    )
+    action, why = preempt.decide("failure", [], b, "requeued")
+    assert action == "slurm" and names(why, "Slurm requeued the job itself", "no budget spent")
     assert preempt.decide("preempt", [ev("requeue", reason="preempt")] * 500, b, "running") == ("requeue", "")
     assert preempt.decide("preempt", [], b, "unknown") == ("requeue", "")  # scontrol silent: keep the run alive
     tl = [ev("requeue", reason="time_limit")] * 2
-    assert preempt.decide("time_limit", tl, b, "running") == (
-        "stop",
-        "time_limit budget spent: 2 requeues for time_limit already (requeue.max_time_limit_requeues=2)",
-    )
+    action, why = preempt.decide("time_limit", tl, b, "running")
+    assert action == "stop" and names(why, "time_limit budget spent", "2 requeues", "requeue.max_time_limit_requeues=2")
     # Requeues Slurm did by itself (an operator's, a node failure) cost nothing
     assert (
         preempt.decide("time_limit", [ev("requeue", reason="time_limit", by="slurm")] * 5, b, "running")[0] == "requeue"
@@ -119,9 +117,9 @@ def test_failure_budget_counts_failures_in_a_row_not_a_lifetime() -> None:
         fault,
     ]  # same step again: no progress
     assert journal.failures_in_a_row(loop) == 2
-    assert preempt.decide("failure", loop, b, "running") == (
-        "stop",
-        "failure budget spent: 2 failure requeues in a row without a newer checkpoint (requeue.max_failures=2)",
+    action, why = preempt.decide("failure", loop, b, "running")
+    assert action == "stop" and names(
+        why, "failure budget spent", "2 failure requeues in a row", "requeue.max_failures=2"
     )
 
 

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import torch
-from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+from conftest import HPC_TRAIN, names, read_events, run, submit, wait_until
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 # 2 ranks: the local runs' lifecycle at the fewest ranks that all-reduce (each rank's start is ~4.5 CPU-s on the
@@ -25,11 +25,11 @@ def test_demo_runs_checkpoints_and_finishes(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo-1"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 60 and summary["final_loss"] < 5.0
-    assert proc.stdout.endswith(
-        f"finished demo-1: 60 steps, final loss {summary['final_loss']:.4f}; the run lives in {run_dir}\n"
-        f"next: hpc-train report {run_dir}   # where the time went, and {run_dir}/report.png\n"
-        f"      hpc-train logs {run_dir}     # rank 0's log\n"
-    )
+    finished, report, logs = proc.stdout.splitlines()[-3:]
+    assert names(finished, "finished demo-1", "60 steps", f"final loss {summary['final_loss']:.4f}", str(run_dir))
+    # the next commands, as one pastes them
+    assert report.startswith("next: ") and report.split("#")[0].split()[1:] == ["hpc-train", "report", str(run_dir)]
+    assert f"{run_dir}/report.png" in report and logs.split("#")[0].split() == ["hpc-train", "logs", str(run_dir)]
     assert [e["event"] for e in read_events(run_dir)][:2] == ["preflight", "start"]  # every node checked first
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000040", "step_000060"]  # keep_last=2
     assert (run_dir / "config.yaml").exists()
@@ -107,12 +107,13 @@ def test_ctrl_c_while_waiting_detaches_and_the_run_finishes(tmp_path: Path) -> N
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, out + err
-    assert out.endswith(
-        f"\ndetached: demo-1 keeps running on this machine\n"
-        f"  hpc-train logs {run_dir} -f     # follow rank 0's log; returns when the run ends\n"
-        f"  hpc-train status {run_dir}      # state, step, goodput\n"
-        f"  hpc-train cancel {run_dir}      # stop it (it saves a checkpoint first)\n"
-    )
+    detached, *commands = out.splitlines()[-4:]
+    assert names(detached, "detached: demo-1", "keeps running")
+    assert [c.split("#")[0].split() for c in commands] == [
+        ["hpc-train", "logs", str(run_dir), "-f"],
+        ["hpc-train", "status", str(run_dir)],
+        ["hpc-train", "cancel", str(run_dir)],
+    ]
     assert not (run_dir / "summary.json").exists()  # it was still training
     follow = run([HPC_TRAIN, "logs", str(run_dir), "-f"], timeout_s=120)
     assert follow.returncode == 0 and (run_dir / "summary.json").exists(), follow.stderr
@@ -150,7 +151,8 @@ def test_a_failed_run_names_the_rank_and_logs_shows_its_traceback(tmp_path: Path
     assert log.returncode == 0 and log.stdout.startswith(f"==== hpc_train attempt 0 rank {rank} ====\n")
     stderr_part = log.stdout.split(f"---- rank {rank} stderr: {err_file} ----\n")[1]
     assert "Traceback (most recent call last)" in stderr_part
-    assert stderr_part.endswith("RuntimeError: injected fault: raise_at_start (HPC_TRAIN_FAULT)\n")
+    last = stderr_part.splitlines()[-1]  # the traceback's own last line
+    assert stderr_part.endswith("\n") and last.startswith("RuntimeError: ") and names(last, "raise_at_start")
     assert run([HPC_TRAIN, "logs", str(run_dir), "--rank", rank, "--attempt", "0"]).stdout == log.stdout
     follow = run([HPC_TRAIN, "logs", str(run_dir), "--rank", rank, "-f"], timeout_s=30)
     assert follow.returncode == 0 and follow.stdout == log.stdout
@@ -195,8 +197,20 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path: Path) -> None:
         bf16_s["params_sha256"] != plain_s["params_sha256"] and abs(bf16_s["final_loss"] - plain_s["final_loss"]) < 0.01
     )
     rank0, rank1 = (next((bf16 / "submitit").glob(f"*_{r}_log.out")).read_text() for r in (0, 1))
-    assert "mesh dp=2 x tp=1, ddp, cpu bf16, starting at step 0/20" in rank0
-    assert re.search(r"^step 10/20  loss \d\.\d{4}  lr .* gnorm .* ms/step .* tok/s  mfu n/a$", rank0, re.M)
+    (mesh,) = [line for line in rank0.splitlines() if "mesh dp=" in line]
+    assert names(mesh, "mesh dp=2 x tp=1", "ddp", "cpu bf16", "step 0/20")
+    (line,) = [line for line in rank0.splitlines() if line.startswith("step 10/20 ")]
+    fields = line.split("  ")  # a progress line's fields, two spaces apart
+    assert [re.sub(r"\d[\d.,e+-]*", "N", f) for f in fields] == [
+        "step N/N",
+        "loss N",
+        "lr N",
+        "gnorm N",
+        "N ms/step",
+        "N tok/s",
+        "mfu n/a",
+    ], line
+    assert re.fullmatch(r"loss \d\.\d{4}", fields[1]), line
     assert "loss" not in rank1  # console lines come from rank 0 only
 
 
@@ -222,7 +236,7 @@ def test_hang_watchdog_dumps_stacks_fails_and_requeues(tmp_path: Path) -> None:
     events = read_events(run_dir)
     # The blocked ranks' watchdogs fire; a rank may instead see its peer's exit first (gloo: closed peer).
     hangs = [e for e in events if e["event"] == "fail" and e["error"].startswith("hang:")]
-    assert hangs and hangs[0]["error"] == "hang: no step finished in train.watchdog_s=20 s"
+    assert hangs and names(hangs[0]["error"], "no step finished", "train.watchdog_s=20")
     assert [e["reason"] for e in events if e["event"] == "requeue"] == ["failure"]
     # The stopped rank (the last) is named by its heartbeats; one machine: nowhere to leave it out.
     blamed = [e for e in events if e["event"] == "node_not_excluded"]
@@ -307,10 +321,13 @@ def test_byo_function_at_4_ranks_resumes_bit_exactly_through_two_stops(tmp_path:
 def test_byo_target_that_does_not_import_is_refused_before_submit(tmp_path: Path) -> None:
     proc = run([HPC_TRAIN, "submit", f"out_dir={tmp_path}", "fn._target_=no_such_pkg.train.main"])
     assert proc.returncode == 2 and list(tmp_path.iterdir()) == []
-    assert (
-        "fn._target_='no_such_pkg.train.main': module 'no_such_pkg.train' is not importable here; install it "
-        "(pip install -e .) or add its folder to PYTHONPATH"
-    ) in proc.stderr
+    assert names(
+        proc.stderr,
+        "fn._target_='no_such_pkg.train.main'",
+        "'no_such_pkg.train' is not importable",
+        "pip install -e .",
+        "PYTHONPATH",
+    )
 
 
 def test_a_function_that_cannot_start_stops_after_one_attempt_with_its_cause(tmp_path: Path) -> None:

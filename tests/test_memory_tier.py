@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, submit, wait_finished, wait_until
+from conftest import HPC_TRAIN, RUN_ARGS, names, read_events, run, submit, wait_finished, wait_until
 
 from hpc_train import deadlines, failure, journal, requeue
 from hpc_train.config import compose, to_run_config
@@ -75,14 +75,11 @@ def test_pick_says_why_the_disk_is_used() -> None:
 
     assert pick([copies(5, [0, 1]), copies(5, [1])], 2, (2, 1), 5) == (5, [0, 1], "")  # equal: memory
     assert pick([copies(5, [0, 1]), []], 2, (2, 1), None) == (5, [0, 0], "")
-    assert pick([copies(5, [0, 1]), []], 2, (2, 1), 6)[2] == (
-        "memory step 5 is older than the committed disk checkpoint of step 6"
-    )
-    assert pick([copies(5, [0]), copies(4, [1])], 2, (2, 1), None)[2] == (
-        "memory step 5 lacks the state of rank(s) [1]: no node left holds it"
-    )
-    assert pick([copies(5, [0, 1], 4, (4, 1))], 2, (2, 1), None)[2] == (
-        "the memory copies were written by 4 ranks (mesh dp=4 x tp=1); this attempt has 2 (dp=2 x tp=1)"
+    step, holders, why = pick([copies(5, [0, 1]), []], 2, (2, 1), 6)
+    assert (step, holders) == (None, []) and names(why, "memory step 5", "older", "disk checkpoint of step 6")
+    assert names(pick([copies(5, [0]), copies(4, [1])], 2, (2, 1), None)[2], "memory step 5", "rank(s) [1]")
+    assert names(
+        pick([copies(5, [0, 1], 4, (4, 1))], 2, (2, 1), None)[2], "by 4 ranks", "(mesh dp=4 x tp=1)", "2 (dp=2 x tp=1)"
     )
     assert pick([copies(5, [0, 1], 2, (1, 2))], 2, (2, 1), 3)[2].startswith("the memory copies were written by 2")
     assert pick([[], []], 2, (2, 1), None)[2] == "no memory copy on any node of this job"
@@ -241,7 +238,7 @@ def test_status_and_report_say_an_attempt_resumed_from_memory(tmp_path: Path) ->
     out = io.StringIO()
     with redirect_stdout(out):
         print_status([{**row, "resumed": (2, got[2])}, {**row, "run": "fresh-1", "resumed": (0, None)}])
-    assert "mem-1: attempt 2 resumed from memory (step 27)" in out.getvalue()
+    assert names(out.getvalue(), "mem-1: attempt 2 resumed", "memory (step 27)")
     assert "fresh-1: attempt" not in out.getvalue()
 
 
@@ -455,13 +452,15 @@ def test_three_ranks_load_own_copies_a_buddys_copy_and_fall_back_to_disk(tmp_pat
         assert f["save_ended_after_the_gate"]
         assert 0 < f["figures"]["memory_wait_s"] <= f["figures"]["memory_blocked_s"], f["figures"]
         waited = [line for line in f["said"] if "copy waited" in line]
-        assert len(waited) == 1 and "checkpoint.memory_every_steps=1: step 4's copy waited" in waited[0], f["said"]
-        assert "raise checkpoint.memory_every_steps so that one copy fits between two" in waited[0]
+        assert len(waited) == 1, f["said"]
+        assert names(
+            waited[0], "checkpoint.memory_every_steps=1", "step 4's copy waited", "raise checkpoint.memory_every_steps"
+        )
     for f in facts:
         assert f["from_buddy"]["step"] == 3 and (f["from_buddy"]["own"], f["from_buddy"]["buddy"]) == (2, 1)
         assert f["loaded"] == f["saved"]
         assert f["steps_after_load"] == ["step-3"]
-        assert f["corrupt"]["skipped"] == "memory step 3, rank 0's state: checksum differs"
+        assert names(f["corrupt"]["skipped"], "memory step 3", "rank 0", "checksum differs")
         assert f["disk_folder"] == "step_000002" and f["from_disk"] == f["disk"]
         assert f["steps_after_fallback"] == [] and f["left"] == [f"hpc_train-{os.geteuid()}"]
         assert f["failed_copy_waited"] and f["after_failed_copy"] == [] and f["after_next_copy"] == ["step-3"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HPC_TRAIN, read_events, run, submit, wait_until
+from conftest import HPC_TRAIN, names, read_events, run, submit, wait_until
 
 from hpc_train.config import ProfileConfig
 from hpc_train.paths import RunPaths
@@ -25,9 +25,14 @@ EXAMPLES = str(Path(__file__).resolve().parent.parent / "docs" / "examples")
 def profiled_steps(trace: Path) -> list[int]:
     """The steps a Chrome trace holds ("ProfilerStep#N" ranges), in order; asserts it is valid JSON with ops."""
     events = json.loads(trace.read_text())["traceEvents"]
-    names = {e.get("name", "") for e in events}
-    assert {"aten::mm", "aten::addmm"} & names, sorted(names)[:20]  # the steps' matmuls are in it
-    return sorted(int(m[1]) for n in names if (m := re.fullmatch(r"ProfilerStep#(\d+)", n)))
+    ops = {e.get("name", "") for e in events}
+    assert {"aten::mm", "aten::addmm"} & ops, sorted(ops)[:20]  # the steps' matmuls are in it
+    return sorted(int(m[1]) for n in ops if (m := re.fullmatch(r"ProfilerStep#(\d+)", n)))
+
+
+def trace(attempt: int, first: int, last: int, rank: int = 0) -> str:
+    """A trace's file name: its attempt, the global steps it holds and its rank."""
+    return f"attempt_{attempt}.steps_{first}-{last}.rank_{rank:05d}.pt.trace.json"
 
 
 def run_steps(prof: Profile, first: int, last: int, stop_at: int = 0) -> list[str]:
@@ -56,17 +61,17 @@ def files(tmp_path: Path) -> list[str]:
 def test_the_window_is_in_global_steps_whatever_the_attempt_runs(tmp_path: Path) -> None:
     # A whole run: warm-up step 3 unrecorded, steps 4-6 recorded, labelled with the run's own step numbers.
     said = run_steps(make(tmp_path, start_step=4, active_steps=3, warmup_steps=1), 1, 10)
-    assert files(tmp_path) == ["attempt_0.steps_4-6.rank_00000.pt.trace.json"]
+    assert files(tmp_path) == [trace(0, 4, 6)]
     assert profiled_steps(tmp_path / "profile" / files(tmp_path)[0]) == [4, 5, 6]
-    assert said[0].startswith("profiling steps 4-6 on every rank: traces in")
+    assert names(said[0], "profiling steps 4-6", "every rank", str(tmp_path / "profile"))
     # Attempt 1 resumed at step 4, inside the window: it records 5-6, beside (not over) attempt 0's.
     run_steps(make(tmp_path, 1, start_step=4, active_steps=3), 5, 10)
-    assert profiled_steps(tmp_path / "profile" / "attempt_1.steps_5-6.rank_00000.pt.trace.json") == [5, 6]
+    assert profiled_steps(tmp_path / "profile" / trace(1, 5, 6)) == [5, 6]
     # Attempt 2 resumed past it: nothing. A run that ends inside it (train.steps=5): what it recorded.
     run_steps(make(tmp_path, 2, start_step=4, active_steps=3), 8, 10)
     run_steps(make(tmp_path, 3, start_step=4, active_steps=3), 1, 5)
     run_steps(make(tmp_path, 4, start_step=4, active_steps=3, warmup_steps=0), 1, 3)  # ends just before it
-    assert profiled_steps(tmp_path / "profile" / "attempt_3.steps_4-5.rank_00000.pt.trace.json") == [4, 5]
+    assert profiled_steps(tmp_path / "profile" / trace(3, 4, 5)) == [4, 5]
     assert len(files(tmp_path)) == 3
 
 
@@ -74,18 +79,18 @@ def test_a_stop_inside_the_window_drops_the_recording_and_stops_the_profiler(tmp
     prof = make(tmp_path, start_step=4, active_steps=3)
     said = run_steps(prof, 1, 10, stop_at=5)
     assert files(tmp_path) == [] and prof.torch is None
-    assert said[-1].startswith("profile: a stop inside steps 3-6 (warm-up included): this attempt's")
+    assert names(said[-1], "a stop inside steps 3-6", "dropped")
     assert not torch.autograd._profiler_enabled()
     run_steps(make(tmp_path, start_step=4, active_steps=3), 1, 10)  # a profiler left running would refuse this one
-    assert files(tmp_path) == ["attempt_0.steps_4-6.rank_00000.pt.trace.json"]
+    assert files(tmp_path) == [trace(0, 4, 6)]
 
 
 def test_off_costs_nothing_and_memory_on_cpu_is_one_line(tmp_path: Path) -> None:
     prof = make(tmp_path)  # the defaults: active_steps=0
     assert run_steps(prof, 1, 20) == [] and not (tmp_path / "profile").exists()
     said = run_steps(make(tmp_path, start_step=2, active_steps=1, memory=True), 1, 3)
-    assert said[0] == "profile.memory=true: no CUDA here, so no memory snapshot; the CPU trace is written"
-    assert files(tmp_path) == ["attempt_0.steps_2-2.rank_00000.pt.trace.json"]
+    assert names(said[0], "profile.memory=true", "no CUDA", "no memory snapshot")
+    assert files(tmp_path) == [trace(0, 2, 2)]
 
 
 @pytest.mark.parametrize(
@@ -131,16 +136,15 @@ def test_the_trainer_and_a_function_write_one_trace_per_rank_and_report_names_th
     function, _ = submit([f"out_dir={tmp_path}", "name=function", *byo, *window], env=env)
     for run_dir in (trainer, function):
         wait_until(lambda: (run_dir / "summary.json").exists(), 240, "summary.json")  # noqa: B023
-        traces = [run_dir / "profile" / f"attempt_0.steps_4-5.rank_{r:05d}.pt.trace.json" for r in (0, 1)]
+        traces = [run_dir / "profile" / trace(0, 4, 5, r) for r in (0, 1)]
         assert sorted((run_dir / "profile").iterdir()) == traces
         assert [profiled_steps(t) for t in traces] == [[4, 5], [4, 5]]
     report = run([HPC_TRAIN, "report", str(trainer)])
     assert report.returncode == 0, report.stderr
-    assert (
-        f"profiles in {trainer / 'profile'}:\n"
-        f"  attempt 0, steps 4-5: 2 traces (ranks 0-1), e.g. attempt_0.steps_4-5.rank_00000.pt.trace.json\n"
-        f"  open a trace at https://ui.perfetto.dev (Open trace file) or in Chrome at chrome://tracing (Load)\n"
-    ) in report.stdout, report.stdout
+    section = report.stdout.split(f"profiles in {trainer / 'profile'}:\n")[1]
+    line, how = section.splitlines()[:2]
+    assert names(line, "attempt 0", "steps 4-5", "2 traces", "(ranks 0-1)", trace(0, 4, 5)), report.stdout
+    assert names(how, "https://ui.perfetto.dev", "chrome://tracing"), report.stdout
 
 
 def test_a_stop_inside_the_window_saves_requeues_and_the_resumed_attempt_records_the_rest(tmp_path: Path) -> None:
@@ -156,11 +160,9 @@ def test_a_stop_inside_the_window_saves_requeues_and_the_resumed_attempt_records
     stop = next(e for e in events if e["event"] == "checkpoint_committed" and e["reason"] == "stop")["step"]
     assert 4 <= stop < 24 and [e["event"] for e in events].count("requeue") == 1
     first = max(5, stop + 1)
-    assert files(run_dir) == [f"attempt_1.steps_{first}-24.rank_{r:05d}.pt.trace.json" for r in (0, 1)]
+    assert files(run_dir) == [trace(1, first, 24, r) for r in (0, 1)]
     assert profiled_steps(run_dir / "profile" / files(run_dir)[0]) == list(range(first, 25))
     text = log.read_text()
-    assert (
-        "profile: a stop inside steps 4-24 (warm-up included): this attempt's recording is dropped "
-        "(the stop save comes first)"  # step_end stopped it, not job.py after the function returned
-    ) in text
-    assert f"profiling steps {first}-24 on every rank (this attempt resumed at step {stop}" in text
+    # step_end stopped it, not job.py after the function returned
+    assert names(text, "profile: a stop inside steps 4-24", "recording is dropped")
+    assert names(text, f"profiling steps {first}-24 on every rank", f"resumed at step {stop}")

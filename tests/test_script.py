@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_events, submit, wait_until
+from conftest import names, read_events, submit, wait_until
 
 from hpc_train.config import ConfigSource, compose, to_run_config
 from hpc_train.script import ScriptConfig, command, fill, override
@@ -52,13 +53,17 @@ def test_a_shell_variable_after_the_double_dash_reaches_the_script_as_typed(tmp_
     proc = _submit(tmp_path, "--", "python", "t.py", "--out", "${HOME}/x", "$USER", "{ckpt_dir}", flags=("--dry-run",))
     assert proc.returncode == 0, proc.stderr
     runs = next(line for line in proc.stdout.splitlines() if "every rank runs:" in line)
-    assert runs == f"# every rank runs: python t.py --out '${{HOME}}/x' '$USER' {tmp_path}/demo-1/script_checkpoints"
+    # quoted so that a shell reads back the words as typed
+    ckpt = tmp_path / "demo-1" / "script_checkpoints"
+    assert runs.startswith("# every rank runs: ") and "'${HOME}/x' '$USER'" in runs, runs
+    assert shlex.split(runs.split(": ", 1)[1]) == ["python", "t.py", "--out", "${HOME}/x", "$USER", str(ckpt)], runs
 
 
 def test_placeholders_take_config_values_and_run_folders() -> None:
     config = {"train": {"lr": 0.0003}, "script": {"vars": {"wd": 0.1}}}
     assert fill("--lr={train.lr}", config, "/r") == "--lr=0.0003"
-    assert fill("{script.vars.wd} {ckpt_dir} {{train.lr}}", config, "/r") == "0.1 /r/script_checkpoints {train.lr}"
+    template = "{script.vars.wd} {ckpt_dir} {{train.lr}}"
+    assert fill(template, config, "/r") == "0.1 /r/script_checkpoints {train.lr}"
     assert fill('{"a": 1}', config, "/r") == '{"a": 1}'  # JSON is not a placeholder
     with pytest.raises(ValueError, match=r"names \{train.lrr\}, which is not a config key .*keys under train: lr"):
         fill("--lr={train.lrr}", config, "/r")
@@ -111,14 +116,14 @@ def test_the_dry_run_shows_every_ranks_command_of_each_trial(tmp_path: Path) -> 
     )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "runs:" in line or "exists:" in line]
-    assert lines == [
-        f"# every rank runs: python train.py --lr=0.001 --out {tmp_path}/demo-1/0000/script_checkpoints",
-        f"# once {tmp_path}/demo-1/0000/script_checkpoints/ckpt.pt exists: python train.py --lr=0.001 --out "
-        f"{tmp_path}/demo-1/0000/script_checkpoints --resume",
-        f"# every rank runs: python train.py --lr=0.0003 --out {tmp_path}/demo-1/0001/script_checkpoints",
-        f"# once {tmp_path}/demo-1/0001/script_checkpoints/ckpt.pt exists: python train.py --lr=0.0003 --out "
-        f"{tmp_path}/demo-1/0001/script_checkpoints --resume",
-    ]
+    assert len(lines) == 4, proc.stdout
+    for trial, lr in enumerate(["0.001", "0.0003"]):  # each trial: its command, then the resume's
+        ckpt = tmp_path / "demo-1" / f"{trial:04d}" / "script_checkpoints"
+        argv = ["python", "train.py", f"--lr={lr}", "--out", str(ckpt)]
+        first, then = lines[2 * trial : 2 * trial + 2]
+        assert first.startswith("# every rank runs: ") and shlex.split(first.split(": ", 1)[1]) == argv
+        assert then.startswith(f"# once {ckpt}/ckpt.pt exists: ")
+        assert shlex.split(then.split(" exists: ", 1)[1]) == [*argv, "--resume"]
 
 
 @pytest.mark.parametrize(
@@ -187,10 +192,15 @@ def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
 
     out = judge([rank(0, -9, killed=True), rank(1, -9, killed=True), rank(2, 127), rank(3, 0)], ["trainx"], "/r")
     assert out["outcome"] == "unrunnable" and out["first"] == 2
-    assert out["why"] == (
-        "the command after -- could not run: 'trainx' exited with 127 on rank 2 (n1): it was not found (not "
-        "installed on that node, or not on its PATH); install it on every node and `hpc-train resume /r`, or "
-        "submit again with its absolute path. Not requeued: no budget spent"
+    assert names(
+        out["why"],
+        "'trainx' exited with 127",
+        "rank 2 (n1)",
+        "not found",
+        "PATH",
+        "`hpc-train resume /r`",
+        "absolute path",
+        "Not requeued: no budget spent",
     )
     assert "chmod +x it" in judge([rank(0, 126)], ["./t.py"], "/r")["why"]
     # an exit 127 we caused (SIGKILL-ed ranks report -9, never 127) and any other code are failures
@@ -204,7 +214,9 @@ def test_exit_126_or_127_is_a_sentence_not_a_crash_to_retry() -> None:
     own = judge([rank(0, 127, tail="run.sh: line 3: torchrun: command not found"), rank(1, 0)], ["bash"], "/r")
     assert own["outcome"] == "failed"
     ecc = judge([rank(0, 1, tail="CUDA error: uncorrectable ECC error encountered")], ["python"], "/r")
-    assert ecc["sick"] == {"n0": "rank 0 on n0 failed with a hardware error (uncorrectable ECC error)"}
+    assert list(ecc["sick"]) == ["n0"] and names(
+        ecc["sick"]["n0"], "rank 0 on n0", "hardware error", "uncorrectable ECC"
+    )
     assert judge([rank(0, 0), rank(1, 0)], ["python"], "/r") == {"outcome": "finished", "exit_codes": [0, 0]}
 
 
@@ -217,11 +229,11 @@ def test_a_missing_program_stops_the_run_at_once_on_the_local_executor(tmp_path:
     prog.chmod(0o755)
     proc = _submit(tmp_path, "--", "./no-such-train-prog", "--lr=1")
     events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").open()]
-    names = [e["event"] for e in events]
-    assert names.count("start") == 1 and "requeue" not in names, names
+    seen = [e["event"] for e in events]
+    assert seen.count("start") == 1 and "requeue" not in seen, seen
     stopped = next(e for e in events if e["event"] == "stopped")
-    assert stopped["reason"].startswith("the command after -- could not run: './no-such-train-prog' exited with 127")
-    assert "not requeued: the command after -- could not run" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert names(stopped["reason"], "could not run", "'./no-such-train-prog' exited with 127")
+    assert names(proc.stdout + proc.stderr, "not requeued", "could not run")
 
 
 @pytest.mark.parametrize(
@@ -252,8 +264,8 @@ def test_a_script_that_fails_before_any_progress_stops_at_once_with_its_cause(
         timeout=360,
     )
     events = [json.loads(line) for line in (tmp_path / "demo-1" / "events.jsonl").open()]
-    names = [e["event"] for e in events]
-    assert names.count("start") == 1 and "requeue" not in names, names
+    seen = [e["event"] for e in events]
+    assert seen.count("start") == 1 and "requeue" not in seen, seen
     fail = next(e for e in events if e["event"] == "fail")
     stopped = next(e for e in events if e["event"] == "stopped")
     assert cause in fail["error"] and cause in stopped["reason"], (fail, stopped)
@@ -279,7 +291,7 @@ def test_no_retry_causes_only_count_before_any_progress() -> None:
     ended = [rank(0, 0, progress=False), rank(1, -9, killed=True)]
     assert judge(ended, ["python"], "/r")["outcome"] == "failed"
     usage = "usage: t.py [-h]\nt.py: error: unrecognized arguments: --x\n"
-    assert cause(usage, 2) == "t.py: error: unrecognized arguments: --x" and cause(usage, 1) == ""
+    assert cause(usage, 2) == usage.splitlines()[-1] and cause(usage, 1) == ""  # argparse's own line, for exit 2
     assert cause("RuntimeError: Connection reset by peer\n", 1) == ""
 
 
@@ -478,18 +490,22 @@ def test_a_signal_lead_within_the_requeue_reserve_is_a_warning_at_submit(tmp_pat
     from hpc_train.sbatch import ClusterConfig
 
     dev = ClusterConfig(executor="slurm", nodes=2, signal_lead_s=40)
-    assert reserve_warning(dev) == (
-        "cluster.signal_lead_s=40 leaves 5 s for a time-limit stop's save: the requeue decision keeps 35 s of it "
-        "(deadlines.decision_reserve_s: scontrol's worst case), so the trainer would skip its stop save and a script "
-        "would get SIGKILL 5 s after its stop signal; use cluster.signal_lead_s>=45, or more: the slowest save "
-        "and step, plus 60 s"
+    assert names(
+        reserve_warning(dev),
+        "cluster.signal_lead_s=40",
+        "leaves 5 s",
+        "keeps 35 s",
+        "deadlines.decision_reserve_s",
+        "SIGKILL",
+        "use cluster.signal_lead_s>=45",
     )
     assert "keeps 50 s" in reserve_warning(ClusterConfig(executor="slurm", nodes=2, min_nodes=1, signal_lead_s=55))
     assert reserve_warning(ClusterConfig(executor="slurm", nodes=2, signal_lead_s=45)) == ""
     assert reserve_warning(ClusterConfig(executor="local", signal_lead_s=14)) == ""  # the local decision: 4 s
     proc = _submit(tmp_path, "cluster.signal_lead_s=10", "--", "python", "t.py", flags=("--dry-run",))
     assert proc.returncode == 0, proc.stderr
-    assert "hpc-train submit: warning: cluster.signal_lead_s=10 leaves 6 s for a time-limit stop's save" in proc.stderr
+    (warning,) = [line for line in proc.stderr.splitlines() if "cluster.signal_lead_s=10" in line]
+    assert warning.startswith("hpc-train submit: warning: ") and names(warning, "leaves 6 s", "cluster.signal_lead_s>=")
 
 
 def test_a_newer_checkpoint_file_is_progress_for_the_failure_budget(tmp_path: Path) -> None:
