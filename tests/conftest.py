@@ -72,6 +72,14 @@ def said(caplog: Any) -> str:
     return text
 
 
+def warned(caplog: Any, logger: str, level: str = "WARNING") -> list[tuple[str, ...]]:
+    """The args of each record LOGGER logged at LEVEL in this process since the last call, as text, then all records
+    forgotten: which values a warning named, not its sentence (STYLE: say it through `logging`)."""
+    got = [tuple(str(a) for a in r.args) for r in caplog.records if r.name == logger and r.levelname == level]
+    caplog.clear()
+    return got
+
+
 def names(text: str, *fragments: str) -> bool:
     """Whether TEXT, a sentence the user reads, names each of FRAGMENTS: the value, the constraint, the fix (STYLE 5),
     each a short piece (a key=value, a path, a number, a command), so that a message can be reworded without breaking

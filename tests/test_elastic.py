@@ -35,7 +35,8 @@ def test_min_nodes_renders_a_node_range() -> None:
     )
     script = render(run.cluster, "e-1", Path("/runs/e-1/submitit"))
     assert "--ntasks-per-node" not in script.split("# command")[0] and "#SBATCH --mincpus=6\n" in script
-    assert "srun --unbuffered --output /runs/e-1/submitit/%j_%t_log.out --ntasks-per-node=2 " in script
+    (srun,) = [line.split() for line in script.splitlines() if line.startswith("srun ")]
+    assert srun[:5] == ["srun", "--unbuffered", "--output", "/runs/e-1/submitit/%j_%t_log.out", "--ntasks-per-node=2"]
     assert "\nunset SLURM_NTASKS SLURM_NPROCS\n" in script  # an salloc shell's count would override the layout
     # A fixed-size run may still ask for --mincpus of its own; an elastic one at least its ranks' CPUs.
     run = to_run_config(compose(["cluster=dev", "+cluster.sbatch_extra.mincpus=8"]))

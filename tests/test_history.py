@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import names
 
 from hpc_train import history, journal, preempt
 from hpc_train.history import DEFAULTS, KINDS, Rates
@@ -157,11 +158,11 @@ def test_sacct_capture_counts_each_kind_once_and_cancels_as_nothing() -> None:
     assert rates.queue_waits_s == (13.0, 13.0, 15.0)  # the requeue's end -> the next run's start
     assert rates.unannounced_per_h(2) == pytest.approx(2 * 2 / (318 / 3600))
     assert rates.announced_per_h(1) == pytest.approx(3 / (318 / 3600))
-    assert rates.describe(1) == (
-        "1 unannounced fault per 2.65 min at 1 node (node failures 1, failures 1 in 0.088 node-hours of 7 jobs, "
-        "1 day on low); 1 announced stop per 1.77 min (preemptions 1, time limits 1, requeues 1); "
-        "queue wait after a requeue 13 s (median of 3)"
-    )
+    faults, stops, wait = rates.describe(1).split("; ")  # one line, a clause each
+    assert names(faults, "1 unannounced fault per 2.65 min", "at 1 node", "node failures 1, failures 1")
+    assert names(faults, "in 0.088 node-hours", "of 7 jobs", "1 day on low")
+    assert names(stops, "1 announced stop per 1.77 min", "preemptions 1, time limits 1", "requeues 1")
+    assert names(wait, "queue wait", "13 s", "(median of 3)")
 
 
 def test_a_record_of_another_shape_is_skipped() -> None:
@@ -199,25 +200,23 @@ def test_a_job_in_both_is_counted_once_with_sacct_node_failures_and_node_hours()
 def test_thin_below_either_threshold_and_the_sentence() -> None:
     many = Rates(node_failures=2, failures=1, node_hours=812.0, jobs=40, window_days=30, partition="low")
     assert history.thin(many) == ""
-    assert history.thin(replace(many, jobs=3)) == (
-        "3 jobs in 30 days on partition low: using the defaults (fewer than 10 jobs)"
+    assert names(
+        history.thin(replace(many, jobs=3)), "3 jobs", "30 days on partition low", "the defaults", "than 10 jobs"
     )
-    assert history.thin(replace(many, failures=0)) == (
-        "2 unannounced faults in 812 node-hours (30 days on partition low): using the defaults (too few to tell this "
-        "site from them: 3 faults or 15,000 node-hours)"
-    )
+    few = history.thin(replace(many, failures=0))
+    assert names(few, "2 unannounced faults", "812 node-hours", "30 days on partition low", "the defaults")
+    assert names(few, "3 faults or 15,000 node-hours")  # the threshold it fell short of
     assert history.thin(replace(many, failures=0, node_hours=20_000.0)) == ""
     assert history.thin(replace(many, jobs=3), min_jobs=1) == ""
     many = replace(many, preemptions=9, time_limits=4, queue_waits_s=(30.0, 45.0, 60.0), source="sacct")
-    assert many.describe(4) == (
-        "1 unannounced fault per 2.82 days at 4 nodes (node failures 2, failures 1 in 812 node-hours of 40 jobs, "
-        "30 days on low); 1 announced stop per 15.6 h (preemptions 9, time limits 4); "
-        "queue wait after a requeue 45 s (median of 3)"
-    )
-    assert DEFAULTS.describe(4) == (
-        "1 unannounced fault per 52.1 days at 4 nodes (node failures 4, failures 1 in 25,000 node-hours: the "
-        "defaults, not this site's)"
-    )
+    faults, stops, wait = many.describe(4).split("; ")
+    assert names(faults, "1 unannounced fault per 2.82 days", "at 4 nodes", "node failures 2, failures 1")
+    assert names(faults, "in 812 node-hours", "of 40 jobs", "30 days on low")
+    assert names(stops, "1 announced stop per 15.6 h", "(preemptions 9, time limits 4)")
+    assert names(wait, "queue wait", "45 s", "(median of 3)")
+    (defaults,) = DEFAULTS.describe(4).split("; ")  # no announced stops, no queue wait measured
+    assert names(defaults, "1 unannounced fault per 52.1 days", "at 4 nodes", "node failures 4, failures 1")
+    assert names(defaults, "in 25,000 node-hours", "the defaults")
 
 
 def test_the_defaults_are_one_unannounced_fault_per_5000_node_hours() -> None:
@@ -232,11 +231,10 @@ def test_site_rates_without_an_answer_from_sacct_reads_the_journals_and_says_so(
     """slurmdbd down: sacct's own error (a fake: the real cluster's slurmdbd is shared by every test of a worker)."""
     from conftest import fake_clients
 
+    refused = "sacct: error: Problem talking to the database: Connection refused"
     bin_dir, state = fake_clients(
         tmp_path,
-        {
-            "sacct": 'echo "$@" > $STATE/args; echo "sacct: error: Problem talking to the database: Connection refused" >&2; exit 1'
-        },
+        {"sacct": f'echo "$@" > $STATE/args; echo "{refused}" >&2; exit 1'},
     )
     monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
     monkeypatch.delenv("SLURM_CONF", raising=False)
@@ -245,16 +243,13 @@ def test_site_rates_without_an_answer_from_sacct_reads_the_journals_and_says_so(
     rates = history.site_rates("low", 2, runs_dir=tmp_path / "runs", min_jobs=1, min_node_hours=0)
     assert rates.source == "journals" and rates.jobs == 1
     assert {k: getattr(rates, k) for k in KINDS} == {k: truth[k] for k in KINDS}
-    assert rates.note.startswith("sacct did not answer, journals only (`sacct -X -P -n --duplicates -S ")
-    assert rates.note.endswith("failed: sacct: error: Problem talking to the database: Connection refused)")
+    assert names(rates.note, "sacct did not answer", "journals only", "(`sacct -X -P -n --duplicates -S ")
+    assert rates.note.endswith(f"failed: {refused})")  # sacct's own words
     args = (state / "args").read_text().split()  # this user's jobs on low, of 1 to 4 nodes for a run of 2
     assert args[-4:] == ["-u", getpass.getuser(), "--partition=low", "--nnodes=1-4"], args
     thin = history.site_rates("low", 2, runs_dir=tmp_path / "runs")
-    assert (thin.source, thin.node_failures, thin.thin) == (
-        "defaults",
-        4,
-        "1 job in 30 days on partition low: using the defaults (fewer than 10 jobs)",
-    )
+    assert (thin.source, thin.node_failures) == ("defaults", 4)
+    assert names(thin.thin, "1 job in 30 days", "on partition low", "using the defaults", "fewer than 10 jobs")
     assert thin.describe(2).endswith(f"{thin.thin}; {thin.note}")
     # a run of 2 nodes is no history for one of 8 (sacct is asked for 4 to 16 nodes too)
     assert history.site_rates("low", 8, runs_dir=tmp_path / "runs", min_jobs=1, min_node_hours=0).jobs == 0

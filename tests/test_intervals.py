@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import names
 
 from hpc_train import history, intervals, journal
 from hpc_train.config import CheckpointConfig
@@ -185,14 +186,17 @@ def test_report_and_status_say_the_interval_and_the_forecast_beside_the_outcome(
     intervals.write_rates(RunPaths(run_dir).history, rates(3), private=True, forecast=said)
     hpc_train = str(Path(sys.executable).parent / "hpc-train")
     report = subprocess.run([hpc_train, "report", str(run_dir)], capture_output=True, text=True, check=True).stdout
-    assert f"checkpoint interval (auto, at step 20): {why}" in report
+    (chosen,) = [line for line in report.splitlines() if why in line]  # the interval's event, as it said it
+    assert names(chosen, "checkpoint interval", "auto", "at step 20")
     # the run's goodput of its wall time, as the forecast is: committed / (allocated + queue wait)
     parts = journal.goodput(journal.read(run_dir), [])
     assert parts["queue_wait"] > 0
     wall = f"{parts['committed'] / (parts['allocated'] + parts['queue_wait']):.1%}"
-    assert f"at submit, {said[0]}; this run: goodput {wall} of its wall time" in report
+    (compared,) = [line for line in report.splitlines() if said[0] in line]  # the forecast beside the run's own
+    assert names(compared, "at submit", f"goodput {wall}", "wall time")
     status = subprocess.run([hpc_train, "status", str(run_dir)], capture_output=True, text=True, check=True).stdout
-    assert "auto-1: checkpoint interval (auto): every 376 steps" in status
+    (line,) = [line for line in status.splitlines() if "checkpoint interval" in line]
+    assert names(line, "auto-1", "(auto)", "every 376 steps")
 
 
 def test_a_memory_tier_that_is_off_never_keeps_the_disk_interval_provisional() -> None:

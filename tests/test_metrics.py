@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conftest import names
+
 from hpc_train import journal
 from hpc_train.metrics import lead_warning, read_jsonl
 from hpc_train.paths import RunPaths, append_line
@@ -15,10 +17,9 @@ def test_signal_lead_warning_names_measurements_and_the_value_to_use(tmp_path: P
     journal.log(tmp_path, "checkpoint_committed", 40, "1", 0, save_s=12.0)
     append_line(RunPaths(tmp_path).metrics, {"time": 1.0, "step": 10, "step_time_s": 3.1})
     assert lead_warning([tmp_path], 120) == ""  # 41.2 + 3.1 + 60 = 104.3 fits
-    assert lead_warning([tmp_path], 90) == (
-        "cluster.signal_lead_s=90 is shorter than measured: the slowest save took 41.2 s and the slowest step "
-        "3.1 s, and Slurm may signal up to 60 s early; use cluster.signal_lead_s>=105"
-    )
+    said = lead_warning([tmp_path], 90)
+    assert names(said, "cluster.signal_lead_s=90", "save took 41.2 s", "step 3.1 s", "60 s early")
+    assert names(said, "use cluster.signal_lead_s>=105")  # the fix: 41.2 + 3.1 + 60, rounded up
     assert lead_warning([tmp_path / "never-ran"], 1) == ""
     append_line(RunPaths(tmp_path).metrics, {"time": 2.0, "step": 20, "step_time_s": 3.0, "eval_s": 20.0})
     assert "the slowest step 23.0 s" in lead_warning([tmp_path], 120)  # an evaluation delays the stop check too

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import names
 
 import hpc_train
 from hpc_train.config import compose, to_run_config
@@ -295,13 +296,12 @@ def test_dry_run_without_a_controller_answers_in_seconds(
     reason = {
         "no controller": r"`scontrol ping` failed: Slurmctld\(primary\) at \S+ is DOWN"
         r"|`scontrol` is not installed",
-        "missing file": rf"SLURM_CONF={slurm_conf} does not exist; set cluster.slurm_conf",
+        "missing file": rf"SLURM_CONF={slurm_conf} does not exist.*cluster\.slurm_conf",
     }[conf]
-    assert re.search(
-        rf"# NOT validated against the live cluster: ({reason}).*\. Unchecked: partition and its "
-        rf"limits, account, qos, constraint, reservation, nodelist/exclude, sbatch --test-only\n",
-        proc.stdout,
-    ), proc.stdout
+    (said,) = [line for line in proc.stdout.splitlines() if line.startswith("# NOT validated")]  # one comment line
+    assert re.search(reason, said), said
+    unchecked = ("partition", "account", "qos", "constraint", "reservation", "nodelist/exclude", "sbatch --test-only")
+    assert names(said.partition("Unchecked: ")[2], *unchecked)
     assert list(tmp_path.iterdir()) == ([slurm_conf] if conf == "no controller" else [])  # nothing written
     if conf == "missing file":  # a real submit says so at once too (the clients would retry reading it for 60 s)
         proc = subprocess.run(
