@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HPC_TRAIN, RUN_ARGS, read_events, run, sacct_state, submit, wait_finished, wait_until
+from conftest import HPC_TRAIN, RUN_ARGS, names, read_events, run, sacct_state, submit, wait_finished, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("no_node_left_drained")]
 
@@ -75,13 +75,13 @@ def test_a_submit_or_resume_while_another_holds_the_sweep_is_refused(slurm_env: 
         fcntl.flock(fd, fcntl.LOCK_EX)  # as a submit still queueing this sweep holds it
         again = run([HPC_TRAIN, "submit", *args, "--sweep-dir", str(sweep_dir)], env=slurm_env, timeout_s=300)
         assert again.returncode == 2, again.stdout + again.stderr
-        assert f"{sweep_dir} is being submitted or resumed by another hpc-train command right now" in again.stderr
+        assert names(again.stderr, str(sweep_dir), "another hpc-train command")
         assert run([HPC_TRAIN, "cancel", str(sweep_dir / "0001")], env=slurm_env).returncode == 0
         gone = ["squeue", "-h", "-r", "-j", ids[1], "-o", "%i"]
         wait_until(lambda: not run(gone, env=slurm_env).stdout.strip(), 60, f"{ids[1]} to leave the queue")
         resumed = run([HPC_TRAIN, "resume", str(sweep_dir / "0001")], env=slurm_env, timeout_s=300)
         assert resumed.returncode == 2, resumed.stdout + resumed.stderr
-        assert "is being submitted or resumed by another hpc-train command right now" in resumed.stderr
+        assert names(resumed.stderr, "another hpc-train command")
         assert "Traceback" not in again.stderr + resumed.stderr
     finally:
         os.close(fd)
