@@ -1169,7 +1169,7 @@ def test_losing_the_batch_scripts_node_requeues_the_job_without_it(
     job = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout  # kept MinJobAge=300 s after the end
     assert " Restarts=1 " in job and f" ExcNodeList={host} " in job and " NumNodes=3 " in job, job
     log = "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
-    assert "not restarting inside the allocation: the batch script's node was lost" in log, log
+    assert names(log, "not restarting inside the allocation", "the batch script's node was lost")
 
 
 @pytest.mark.slurm
@@ -1713,9 +1713,7 @@ def test_a_partition_of_exactly_nodes_plus_spares_still_leaves_a_sick_node_out_i
         # the requeue counts the partition: no node beyond the job's own 4 to leave this one out of
         assert [e["event"] for e in events][:1] == [journal.NODE_NOT_EXCLUDED], events
         text = said(caplog)
-        assert (
-            "not restarting inside the allocation: " in text and " s left before the time limit, under the 90 s" in text
-        )
+        assert names(text, "not restarting inside the allocation", "s left before the time limit", "under the 90 s")
     finally:
         run(["scancel", job_id], env=slurm_env)
 
@@ -1760,7 +1758,7 @@ def test_a_requeue_after_in_job_exclusions_lets_the_oldest_back_in_so_the_job_fi
         assert (exc["nodes"], exc["let_in"], exc["ok"]) == (new, [old], True), exc
         assert list(journal.excluded_nodes(read_events(run_dir))) == [new]
         said = [r.getMessage() for r in caplog.records if r.name == "hpc_train.requeue"]
-        assert f"ExcNodeList lets {old} back in (left out longest ago): the job needs 3 nodes" in " ".join(said), said
+        assert names(" ".join(said), f"ExcNodeList lets {old} back in", "left out longest ago", "needs 3 nodes")
         shown = run(["scontrol", "show", "job", "-o", job_id], env=slurm_env).stdout
         assert f" ExcNodeList={new} " in shown, shown
         wait_until(lambda: state() == "RUNNING", 90, "the requeued job running again")

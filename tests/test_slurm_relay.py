@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import RUN_ARGS, read_events, run, sacct_state, submit, wait_until
+from conftest import RUN_ARGS, names, read_events, run, sacct_state, submit, wait_until
 
 from hpc_train import sbatch
 
@@ -47,7 +47,7 @@ def test_term_to_batch_shell_only_saves_and_resumes(slurm_env: dict[str, str], t
     wait_until(lambda: sacct_state(job_id, slurm_env) == "COMPLETED", 60, f"job {job_id} COMPLETED in sacct")
     summary = json.loads((run_dir / "summary.json").read_text())
 
-    assert "hpc_train relay: the batch shell got SIGTERM; sent SIGUSR2 to srun" in log_text
+    assert names(log_text, "hpc_train relay:", "got SIGTERM", "sent SIGUSR2 to srun")
     assert log_text.count("==== hpc_train attempt 0 rank 0 ====") == 1  # stdout and stderr are one file here
     signals = [e for e in events if e["event"] == "signal"]
     assert [e["signals"] for e in signals] == [["SIGUSR2"]]
@@ -97,8 +97,8 @@ def test_a_stopped_task_after_the_relaunch_marker_is_killed_and_the_step_relaunc
         run(["scancel", job_id], env=slurm_env)
     text = log.read_text()
     assert state == "COMPLETED", text
-    assert "the training step did not end within 3 s of its relaunch marker; sent srun SIGTERM" in text
-    assert "relaunching it inside the allocation: srun --nodes=2 --ntasks=2" in text
+    assert names(text, "did not end within 3 s of its relaunch marker", "sent srun SIGTERM")
+    assert names(text, "relaunching it inside the allocation", "srun --nodes=2 --ntasks=2")
     assert sorted(line for line in text.splitlines() if line.startswith("task ")) == [
         "task 0 of step 1",
         "task 1 of step 1",
