@@ -49,7 +49,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from hpc_train import journal  # noqa: E402
-from hpc_train.paths import make_dir, untrusted, write_atomic  # noqa: E402
+from hpc_train.paths import dir_mode, make_dir, untrusted, write_atomic  # noqa: E402
 
 SPEC = "hydra_launch.json"  # in the sweep directory (a run alone: its run directory)
 RETURN = "job_return.json"  # in the trial's run directory: what the task function returned, or raised
@@ -117,25 +117,45 @@ def task_function(ref: dict[str, Any]) -> Callable[..., Any]:
     return found.__wrapped__ if ref["wrapped"] else found
 
 
-def freeze(folder: Path, ref: dict[str, Any], bases: list[Any], multirun: bool, private: bool, now: str = "") -> Path:
+def freeze(
+    folder: Path,
+    ref: dict[str, Any],
+    bases: list[Any],
+    multirun: bool,
+    private: bool,
+    now: str = "",
+    fresh: bool = False,
+) -> Path:
     """hydra_launch.json and each base's pickle in `folder`, written once: a resubmitted sweep keeps the config
-    its trials were frozen with (the app's conf/ may have changed since). `now`: the submit's moment (freeze_now).
-    Returns the spec's path. ValueError for a config that does not pickle (a value built by a resolver of the app's
-    own)."""
+    its trials were frozen with (the app's conf/ may have changed since). A run alone's, or a sweep's in a folder
+    made for it (`fresh`), is never a resubmit: the spec, created first and exclusively (O_EXCL), is the launch's
+    claim on the folder, and a second launch into it at the same moment is refused, never handed the first's app.
+    `now`: the submit's moment (freeze_now). Returns the spec's path. ValueError for a config that does not pickle
+    (a value built by a resolver of the app's own), or a folder another launch claimed."""
     spec = folder / SPEC
-    if spec.exists():  # a resubmit: what it froze, once it is this user's alone (it names the code every rank runs)
+    if spec.exists() and multirun and not fresh:  # a resubmit: what it froze, once it is this user's alone
         why = untrusted(spec, folder) or next((untrusted(folder / base_file(k), folder) for k in range(len(bases))), "")
         if why:
             raise ValueError(f"refusing the sweep's frozen files: {why}")
         return spec
-    for k, base in enumerate(bases):
+    blobs = []
+    for base in bases:
         try:
-            data = pickle.dumps(base, pickle.HIGHEST_PROTOCOL)
+            blobs.append(pickle.dumps(base, pickle.HIGHEST_PROTOCOL))
         except Exception as e:
             raise ValueError(f"the app's composed config does not pickle ({type(e).__name__}: {e})") from None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    try:
+        fd = os.open(spec, flags, 0o600 if private else 0o644)
+    except FileExistsError:
+        raise ValueError(
+            f"{folder} holds {SPEC}: another launch froze its app there at the same time; see it with hpc-train "
+            f"status {folder}, and give this one a folder of its own"
+        ) from None
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"app": ref, "bases": len(bases), "multirun": multirun, "now": now}, indent=1) + "\n")
+    for k, data in enumerate(blobs):
         write_atomic(folder / base_file(k), data, private)
-    record = {"app": ref, "bases": len(bases), "multirun": multirun, "now": now}
-    write_atomic(spec, json.dumps(record, indent=1) + "\n", private)
     return spec
 
 
@@ -223,16 +243,19 @@ def run_task(fn: Callable[..., Any], cfg: Any, multirun: bool) -> Any:
 
 
 def hide_records(cfg: Any, run_dir: Path) -> None:
-    """Hydra's .hydra/ folder owner-only when hydra.launcher.env holds values: its hydra.yaml has them, and
+    """Hydra's .hydra/ folder made before run_job makes it with the umask's mode (0775 under umask 002): the run's
+    folder mode (paths.dir_mode), or owner-only when hydra.launcher.env holds values: its hydra.yaml has them, and
     hpc_train's rule for cluster.env is that every file holding one is its owner's alone (docs/submitting.md,
     secrets), share_with_group or not."""
     sub = cfg.hydra.output_subdir
-    if sub is None or not cfg.hydra.launcher.get("env"):
+    if sub is None:
         return
+    launcher = cfg.hydra.launcher
+    mode = 0o700 if launcher.get("env") else dir_mode(bool(launcher.get("share_with_group")))
     folder = run_dir / str(sub)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    make_dir(folder, 0o700, exist_ok=True)
-    os.chmod(folder, 0o700)  # one an older attempt made as Hydra makes it (0755)
+    make_dir(folder, mode, exist_ok=True)
+    os.chmod(folder, mode)  # one an older attempt made as Hydra makes it (0755)
 
 
 class AttemptStopped(Exception):
@@ -273,14 +296,23 @@ def stopped(run_dir: Path, restart: int, pipe: int, stop_signal: str) -> bool:
 
 def judged(fn: Callable[..., Any], run_dir: Path) -> Callable[..., Any]:
     """The task function as run_job calls it, its return judged: one that came after hpc_train stopped the attempt
-    raises AttemptStopped, so Hydra's JobReturn (callbacks' on_job_end) is not COMPLETED for it."""
+    raises AttemptStopped, so Hydra's JobReturn (callbacks' on_job_end) is not COMPLETED for it; so does an error it
+    raised after the stop (an app unwinding from its signal handler), which is not the job's failure."""
     restart = int(os.environ.get("HPC_TRAIN_RESTART_COUNT", "0"))
     stop_signal = os.environ.get("HPC_TRAIN_STOP_SIGNAL", "TERM")
     pipe = stop_pipe()
 
     @functools.wraps(fn)
     def task(cfg: Any) -> Any:
-        value = fn(cfg)
+        try:
+            value = fn(cfg)
+        except BaseException as e:  # a TERM handler that raises (or exits) to unwind: a stop all the same
+            if stopped(run_dir, restart, pipe, stop_signal):
+                raise AttemptStopped(
+                    f"attempt {restart} was stopped by hpc_train (SIG{stop_signal}) and its task raised "
+                    f"{type(e).__name__}: {str(e)[:200]}; the next attempt resumes the job"
+                ) from e
+            raise
         if stopped(run_dir, restart, pipe, stop_signal):
             raise AttemptStopped(
                 f"attempt {restart} was stopped by hpc_train (SIG{stop_signal}) and its task returned "

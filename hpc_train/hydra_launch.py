@@ -114,6 +114,15 @@ SUBMITIT = {
 # Each trial's command: this file run by its path (hydra_job.py says why)
 HYDRA_JOB = str(Path(__file__).with_name("hydra_job.py"))
 TARGET = "hydra_plugins.hpc_train_launcher.launcher.HpcTrainLauncher"
+# Held from the sweep folder's check (same_sweep) through its freeze and submit: two launches into one folder at
+# once (the same fixed hydra.sweep.dir) take turns. Not sweep.json's lock, which submit takes itself.
+LAUNCH_LOCK = ".hydra_launch.lock"
+
+
+def literal(word: str) -> str:
+    """A word of a trial's script.cmd with its braces doubled: script.fill reads {dotted.key} as a placeholder, and
+    a path (hydra.sweep.dir='s{name}') or an override holding braces means them as they are."""
+    return word.replace("{", "{{").replace("}", "}}")
 
 
 class LaunchError(CompactHydraException):
@@ -231,7 +240,7 @@ def run_config(params: dict[str, Any], name: str) -> tuple[dict[str, Any], Any]:
         "requeue": {**OWN["requeue"], **own["requeue"]},
         "preflight": {**OWN["preflight"], **own["preflight"]},
         "script": {
-            "cmd": [sys.executable, HYDRA_JOB],  # the trials' own words come after (Launch.trial)
+            "cmd": [literal(sys.executable), literal(HYDRA_JOB)],  # the trials' own words come after (Launch.trial)
             "stop_signal": own["stop_signal"],
             "checkpoint": own["checkpoint"],
             "resume_args": list(own["resume_overrides"] or []),
@@ -375,9 +384,22 @@ class Launch:
             one_batch(config)
             self.memo = Memo(hydra_context.config_loader, config)
             hydra_context.config_loader = self.memo
-            with _said(config):
-                self.made = own_folder(Path(str(config.hydra.sweep.dir)).resolve())
+            self.made = self.sweep_folder()
         self.launched = False
+
+    def sweep_folder(self) -> bool:
+        """own_folder at setup, before Hydra's sweeper writes multirun.yaml; a timed folder claimed under the next
+        name becomes hydra.sweep.dir, where the sweeper writes and launch queues. True when made here."""
+        from omegaconf import OmegaConf, open_dict, read_write
+
+        with _said(self.config):
+            target = Path(str(self.config.hydra.sweep.dir)).resolve()
+        timed = "${now:" in str(OmegaConf.to_container(self.config.hydra.sweep, resolve=False)["dir"])
+        folder, made = own_folder(target, timed)
+        if folder != target:
+            with read_write(self.config.hydra), open_dict(self.config.hydra):
+                self.config.hydra.sweep.dir = str(folder)
+        return made
 
     def at(self, target: Path) -> None:
         """out_dir: the folder holding the sweep (or the run alone), where its neighbours are (reputation, rates)."""
@@ -386,7 +408,7 @@ class Launch:
     def trial(self, spec: str, k: int, num: int, overrides: Sequence[str]) -> dict[str, Any]:
         """A trial's config: the launch's, its command naming its base, its number and its overrides (braces
         doubled: script.fill's placeholders are {dotted.key}), then `--`: the resume overrides come after it."""
-        words = [o.replace("{", "{{").replace("}", "}}") for o in overrides]
+        words = [literal(o) for o in overrides]
         cmd = [*self.cfg["script"]["cmd"], spec, str(k), str(num), "--", *words, "--"]
         return {**self.cfg, "script": {**self.cfg["script"], "cmd": cmd}}
 
@@ -411,6 +433,7 @@ class Launch:
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
         from hpc_train import hydra_job, submit
+        from hpc_train.paths import locked
 
         assert self.memo is not None
         if self.launched or initial_job_idx:
@@ -426,15 +449,20 @@ class Launch:
             names = self.subdirs(job_overrides, checked)
         for k, base in enumerate(self.memo.bases):
             check_output_subdir(base, [target / n for (b, _), n in zip(checked, names) if b == k], "trial")
-        self.same_sweep(target)
         self.at(target)
-        spec = str(target / hydra_job.SPEC)
+        spec = literal(str(target / hydra_job.SPEC))
         configs = [self.trial(spec, k, i, o) for i, ((k, _), o) in enumerate(zip(checked, job_overrides))]
         check_resume(self.cfg["script"]["resume_args"], self.memo.bases)
-        p = self.plan([list(o) for o in job_overrides], configs, names, target, True)
+        busy = (
+            f"hydra.sweep.dir={target} is being launched into by another command right now; wait "
+            f"for it to return, then see what it queued with hpc-train status {target}"
+        )
         try:
-            hydra_job.freeze(target, self.app, self.memo.bases, True, p.private, self.now)
-            p, jobs = submit.submit(p, list(self.config.hydra.overrides.task), True, target, self.max_parallel)
+            with locked(target / LAUNCH_LOCK, wait=False, busy=busy):  # from its check through its submit
+                self.same_sweep(target)
+                p = self.plan([list(o) for o in job_overrides], configs, names, target, True)
+                hydra_job.freeze(target, self.app, self.memo.bases, True, p.private, self.now, fresh=self.made)
+                p, jobs = submit.submit(p, list(self.config.hydra.overrides.task), True, target, self.max_parallel)
         except Exception as e:
             if _is_user_error(e):
                 raise _user_error(e) from None
@@ -512,33 +540,85 @@ class Launch:
             )
 
 
-def own_folder(target: Path) -> bool:
-    """The sweep folder, made here at setup before Hydra's sweeper makes it (mkdir: 0775 under umask 002, which
-    the job's trust check refuses) and 0700 until settle: multirun.yaml may hold hydra.launcher.env's values. One
-    that exists is left as it is (submit judges it). True when made here."""
+def own_folder(target: Path, timed: bool) -> tuple[Path, bool]:
+    """(the sweep folder, made here): made at setup, before Hydra's sweeper makes it (mkdir: 0775 under umask 002,
+    which the job's trust check refuses) and 0700 until settle: multirun.yaml may hold hydra.launcher.env's values.
+    A timed one (${now:} in it) that exists is another launch's of the same second: the next name is claimed
+    (claim_next). A fixed one that exists is judged now (usable), before Hydra writes multirun.yaml in it."""
     from hpc_train.paths import make_dir
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    key = f"hydra.sweep.dir={target}"
     try:
-        make_dir(target, 0o700)
-    except FileExistsError:
-        return False
-    return True
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if timed:
+            return claim_next(target, 0o700), True
+        with contextlib.suppress(FileExistsError):
+            return make_dir(target, 0o700), True
+    except OSError as e:  # a parent one cannot write, a file where a folder should be
+        raise _cannot_make(e, key, "the sweep") from None
+    usable(target, key, "the sweep")
+    return target, False
+
+
+def claim_next(target: Path, mode: int) -> Path:
+    """`target` made, or the first free <name>-1, <name>-2, ...: Hydra's timed folder of a launch in the same second
+    as another's (mkdir is the claim: two launches never share one). Not submit.claim_dir, whose name-N is
+    hpc_train's own run naming: it would name 16-39-11's second claim 16-39-12, a folder of another second."""
+    from hpc_train.paths import make_dir
+    from hpc_train.plan import next_dir
+
+    wanted = target
+    while True:
+        try:
+            return make_dir(wanted, mode)
+        except FileExistsError:
+            wanted = next_dir(target.parent, target.name)
+
+
+def usable(target: Path, key: str, what: str) -> None:
+    """A folder that exists, judged before anything is written into it: a folder, this user's alone, writable."""
+    from hpc_train.paths import untrusted
+
+    fix = f"give {what} a folder of its own ({key.split('=')[0]}=...)"
+    if not target.is_dir():
+        raise LaunchError(f"hpc_train launcher: {key} is a file; {fix}")
+    why = untrusted(target, target)
+    if not why and not os.access(target, os.W_OK | os.X_OK):
+        why = f"you cannot write in it; {fix}"
+    if why:
+        raise LaunchError(f"hpc_train launcher: {key}: {why}")
+
+
+def _cannot_make(e: OSError, key: str, what: str) -> LaunchError:
+    return LaunchError(
+        f"hpc_train launcher: {key}: cannot make it ({e.filename}: {e.strerror}); give {what} a folder you can "
+        f"write ({key.split('=')[0]}=...)"
+    )
 
 
 def check_output_subdir(config: Any, folders: list[Path], what: str) -> None:
     """Hydra's run_job writes config.yaml, hydra.yaml and overrides.yaml in <output folder>/<hydra.output_subdir>:
-    refused where that is the output folder itself, whose config.yaml is hpc_train's frozen run config."""
+    refused where that is the output folder itself, whose config.yaml is hpc_train's frozen run config, or outside
+    it (`..`: the sweep folder, its mode and config.yaml changed by every trial)."""
     from omegaconf import OmegaConf
 
     with _said(config):
         sub = OmegaConf.select(config, "hydra.output_subdir")
-    if sub is not None and any(Path(os.path.normpath(f / str(sub))) == f for f in folders):
-        raise LaunchError(
-            f"hpc_train launcher: hydra.output_subdir={sub} puts Hydra's config.yaml on the {what}'s own config.yaml "
-            f"(hpc_train's frozen run config); give Hydra's files a folder of their own: hydra.output_subdir=.hydra "
-            f"(Hydra's default), or hydra.output_subdir=null for none"
-        )
+    if sub is None:
+        return
+    fix = "hydra.output_subdir=.hydra (Hydra's default), or hydra.output_subdir=null for none"
+    for f in folders:
+        where = Path(os.path.normpath(f / str(sub)))
+        if where == f:
+            raise LaunchError(
+                f"hpc_train launcher: hydra.output_subdir={sub} puts Hydra's config.yaml on the {what}'s own "
+                f"config.yaml (hpc_train's frozen run config); give Hydra's files a folder of their own: {fix}"
+            )
+        if not where.is_relative_to(f):
+            raise LaunchError(
+                f"hpc_train launcher: hydra.output_subdir={sub} puts Hydra's files at {where}, outside the {what}'s "
+                f"folder {f}, where every {what} would write over the others'; keep them in it: {fix}"
+            )
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -617,10 +697,9 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 def wait_for(p: Any, every_s: float = 10.0) -> None:
     """Until every trial ended, every 10 s: by Slurm's word (one squeue, and sacct for the jobs squeue no longer
-    holds: status_rows), or by every trial's own records (summary.json; a `stopped` event: it will not requeue by
-    itself), which a site without accounting must rely on (sacct fails there once squeue forgot a job)."""
-    from hpc_train import journal, runs, status
-    from hpc_train.paths import RunPaths
+    holds: status_rows), or by every trial's own records and squeue's answer alone (_over), which a site without
+    accounting must rely on (sacct fails there once squeue forgot a job, and every state reads "unknown")."""
+    from hpc_train import runs, status
 
     log.info(f"hpc_train: waiting for {len(p.trials)} trial(s) to end (hydra.launcher.wait=true)")
     said = False
@@ -632,13 +711,53 @@ def wait_for(p: Any, every_s: float = 10.0) -> None:
         if error and not said:
             log.warning(
                 f"hpc_train: Slurm cannot say how the trials' jobs ended ({error.splitlines()[0]}); waiting on each "
-                f"trial's own records instead (summary.json, or its stop in events.jsonl)"
+                f"trial's own records instead (summary.json, its stop or cancel in events.jsonl, or squeue no longer "
+                f"listing its job)"
             )
             said = True
-        dirs = [Path(t.run_dir) for t in p.trials]
-        if all(RunPaths(d).summary.exists() or journal.stopped(journal.read(d)) for d in dirs):
+        queued = still_queued([str(t.job_id or "") for t in p.trials]) if error else None
+        if all(_over(Path(t.run_dir), str(t.job_id or ""), queued) for t in p.trials):
             return
         time.sleep(every_s)
+
+
+def still_queued(job_ids: list[str]) -> set[str] | None:
+    """The ids squeue still lists (an array's own id: any of its tasks), asked alone: where sacct fails, job_states
+    raises and its squeue answer is lost. None when squeue cannot answer either."""
+    from hpc_train import slurm
+
+    ids = [j for j in job_ids if j]
+    if not ids:
+        return set()
+    try:
+        listed = slurm.parse_squeue_states(
+            slurm.call(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T"], 30, 1)
+        )
+    except slurm.SlurmError as e:
+        if "invalid job id" not in str(e).lower():  # squeue's answer when it holds none of them
+            return None
+        listed = {}
+    return {j for j in ids if j in listed or any(k.startswith(f"{j}_") for k in listed)}
+
+
+def _over(run_dir: Path, job_id: str, queued: set[str] | None) -> bool:
+    """Whether a trial ended, by its own records: summary.json, a `stopped` event (it will not requeue by itself),
+    an `hpc-train cancel` (of a pending trial: no job ever wrote `stopped`); or, where squeue answered (`queued`),
+    a job it no longer lists whose run holds no live lease (a job Slurm killed before its requeue decision writes
+    no event; a lease not renewed for 60 s has no job behind it)."""
+    from hpc_train import journal, lease, preempt
+    from hpc_train.paths import RunPaths
+
+    paths, events = RunPaths(run_dir), journal.read(run_dir)
+    if paths.summary.exists() or journal.stopped(events) or journal.cancelled(events):
+        return True
+    if queued is None or not job_id or job_id in queued:
+        return False
+    try:
+        held = lease.read(paths)
+    except OSError:  # unreadable now: whether a job still owns the run is unknown
+        return False
+    return preempt.lease_verdict(held, "", time.time(), None)
 
 
 def hydra_run() -> dict[str, Any]:
@@ -676,19 +795,25 @@ def queue_run(config: Any, me: Any, **kwargs: Any) -> int:
     return code
 
 
-def fixed_run_dir(target: Path, mode: int) -> Path:
-    """A hydra.run.dir of the user's own (no ${now:}) used as it is, as Hydra uses it: made when it is not there;
-    one that holds a run already, or that someone else could write, is refused with the fix."""
-    from hpc_train.hydra_job import SPEC
-    from hpc_train.paths import make_dir, untrusted
+def run_folder(target: Path, mode: int, timed: bool) -> Path:
+    """A run alone's folder, claimed: Hydra's timed default takes the next free name (claim_next); a hydra.run.dir
+    of the user's own (no ${now:}) is used as it is, as Hydra uses it (fixed_run_dir)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return claim_next(target, mode) if timed else fixed_run_dir(target, mode)
+    except OSError as e:  # a parent one cannot write, a file where a folder should be
+        raise _cannot_make(e, f"hydra.run.dir={target}", "the run") from None
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+
+def fixed_run_dir(target: Path, mode: int) -> Path:
+    """A hydra.run.dir of the user's own made when it is not there; one that holds a run already, or that someone
+    else could write, is refused with the fix. Its claim is the frozen spec (hydra_job.freeze), made exclusively."""
+    from hpc_train.hydra_job import SPEC
+    from hpc_train.paths import make_dir
+
     with contextlib.suppress(FileExistsError):
         return make_dir(target, mode)
-    if not target.is_dir():
-        raise LaunchError(
-            f"hpc_train launcher: hydra.run.dir={target} is a file; give the run a folder (hydra.run.dir=...)"
-        )
+    usable(target, f"hydra.run.dir={target}", "the run")
     held = next((n for n in (SPEC, "config.yaml", "submission.json") if (target / n).exists()), "")
     if held:
         raise LaunchError(
@@ -696,9 +821,6 @@ def fixed_run_dir(target: Path, mode: int) -> Path:
             f"hpc-train status {target} (hpc-train resume {target} goes on with it if it stopped), or give this run "
             f"a folder of its own: hydra.run.dir=..."
         )
-    why = untrusted(target, target)
-    if why:
-        raise LaunchError(f"hpc_train launcher: hydra.run.dir={target}: {why}")
     return target
 
 
@@ -721,7 +843,7 @@ def run_alone(config: Any, task_function: Callable[..., Any]) -> tuple[int, Any]
     p = launch.plan([overrides], [c], [target.name], target, False)
     try:
         # Hydra's default folder is named by the time: a second run in the same second takes the next name
-        p.target = submit.claim_dir(p.target, p.dir_mode) if timed else fixed_run_dir(p.target, p.dir_mode)
+        p.target = run_folder(p.target, p.dir_mode, timed)
         p.trials[0].run_dir = str(p.target)
         hydra_job.freeze(p.target, launch.app, [config], False, p.private, launch.now)
         p, jobs = submit.submit(p, overrides, False, claimed=True)
