@@ -22,9 +22,32 @@ ANCHOR = REPO / "benchmarks" / "hydra_anchor" / "app.py"  # the app users sweep 
 TYPED = REPO / "tests" / "scripts" / "hydra_typed"  # a structured config defined in __main__, a config group
 
 
+# A sweep through the launcher on the local executor: the arguments most tests start with
+LOCAL_SWEEP = ("-m", "hydra/launcher=hpc_train", "hydra.launcher.executor=local")
+
+
 def app(script: Path, *args: str, cwd: Path, timeout_s: float = 120, extra: tuple[str, ...] = ()) -> Any:
     env = {**os.environ, "HPC_BENCH_OUT": str(cwd)}  # the anchor's hydra.sweep.dir reads it
     return run([sys.executable, *extra, str(script), *args], env=env, cwd=cwd, timeout_s=timeout_s)
+
+
+def preempt_once(cmd: list[str], env: dict[str, str], cwd: Path, target: Path) -> None:
+    """Run a launch without -m whose task waits for its stop (WAIT_FOR_STOP), preempt its first attempt (SIGTERM to
+    the local executor's controller) once the task is ready, and wait for the launch to end well."""
+    import signal
+    import subprocess
+
+    from conftest import wait_until
+
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (target / "ready").exists(), 60, "the first attempt's task")
+        job_id = json.loads((target / "submission.json").read_text())["job_id"]
+        os.kill(int(job_id), signal.SIGTERM)  # the local executor's preemption
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    assert proc.returncode == 0, out + err[-3000:]
 
 
 def test_the_plugin_is_discovered_with_its_config_group(tmp_path: Path) -> None:
@@ -218,9 +241,7 @@ def test_a_local_sweep_runs_each_job_through_hpc_train_in_hydras_layout(tmp_path
     command's own process never imports torch."""
     proc = app(
         TYPED / "app.py",
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         "optim.lr=0.1,0.2",
         "db=mysql,postgres",
         "seed=3",
@@ -288,9 +309,7 @@ def test_a_task_that_raises_fails_its_trial_and_hydra_says_so(tmp_path: Path) ->
     returns it as Hydra's FAILED JobReturn, which Hydra raises with the job's overrides."""
     proc = app(
         TYPED / "app.py",
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         "hydra.launcher.requeue.max_failures=0",
         "seed=-1",
         f"hydra.sweep.dir={tmp_path / 'sw'}",
@@ -313,9 +332,7 @@ def test_resume_overrides_are_added_once_the_checkpoint_exists(tmp_path: Path) -
     sweep = tmp_path / "sw"
     proc = app(
         ANCHOR,
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         f"hydra.launcher.checkpoint={ckpt}",
         "hydra.launcher.resume_overrides=['+resumed=true']",
         "lr=1",
@@ -476,9 +493,7 @@ def test_now_in_any_format_is_the_submits_moment_at_every_attempt(tmp_path: Path
     sweep_root = tmp_path / "sw"
     proc = app(
         TYPED / "app.py",
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         "started=${now:%H%M%S.%f}",
         f"hydra.sweep.dir={sweep_root}/" + "${now:%Y%m%d-%H%M%S.%f}",
         "hydra.sweep.subdir=t${hydra.job.num}-${now:%S.%f}",
@@ -510,9 +525,7 @@ def test_an_output_subdir_on_the_trials_own_files_is_refused(tmp_path: Path, sub
     sweep = tmp_path / "sw"
     proc = app(
         ANCHOR,
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         f"hydra.output_subdir={subdir}",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
@@ -542,9 +555,7 @@ def test_launcher_env_values_stay_owner_only_in_hydras_records(tmp_path: Path) -
     sweep = tmp_path / "sw"
     proc = app(
         ANCHOR,
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         "hydra.launcher.share_with_group=true",
         f"+hydra.launcher.env.MY_API_KEY={secret}",
         "lr=1",
@@ -562,26 +573,12 @@ def test_a_stopped_attempt_does_not_claim_completed(tmp_path: Path) -> None:
     """an attempt stopped to be requeued (its app saved and returned at TERM) wrote job_return.json
     COMPLETED, and Hydra's callbacks got a COMPLETED JobReturn for it. A preemption of the local executor (TERM to its
     controller): the stopped attempt's record and JobReturn say it stopped; the resumed one's say COMPLETED."""
-    import signal
-    import subprocess
-
-    from conftest import wait_until
 
     script, env = _stop_app(tmp_path)
     target = tmp_path / "one"
     cmd = [sys.executable, str(script), "hydra/launcher=hpc_train", "hydra.launcher.executor=local"]
     cmd += [f"hydra.run.dir={target}", "+hydra.callbacks.mark._target_=marks.Mark"]
-    proc = subprocess.Popen(
-        cmd, env={**env, "WAIT_FOR_STOP": "1"}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        wait_until(lambda: (target / "ready").exists(), 60, "the first attempt's task")
-        job_id = json.loads((target / "submission.json").read_text())["job_id"]
-        os.kill(int(job_id), signal.SIGTERM)  # the local executor's preemption
-        out, err = proc.communicate(timeout=180)
-    finally:
-        proc.kill() if proc.poll() is None else None
-    assert proc.returncode == 0, out + err[-3000:]
+    preempt_once(cmd, {**env, "WAIT_FOR_STOP": "1"}, tmp_path, target)
     jobs = [(m["attempt"], m["status"]) for m in _marks(tmp_path) if m["what"] == "job_end"]
     assert jobs == [("0", "FAILED"), ("1", "COMPLETED")], _marks(tmp_path)
     (found,) = [m["record"] for m in _marks(tmp_path) if m["what"] == "found"]
@@ -636,9 +633,7 @@ def test_a_subdir_by_hydras_resolver_names_each_trial(tmp_path: Path) -> None:
     sweep = tmp_path / "sw"
     proc = app(
         ANCHOR,
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         "lr=1,2",
         "hydra.sweep.subdir=${hydra:job.override_dirname}",
         f"hydra.sweep.dir={sweep}",
@@ -674,9 +669,7 @@ def test_resume_overrides_keep_the_trials_folder_and_override_dirname(tmp_path: 
     sweep = tmp_path / "sw"
     proc = app(
         ANCHOR,
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         f"hydra.launcher.checkpoint={ckpt}",
         "hydra.launcher.resume_overrides=['+resumed=true']",
         "hydra.sweep.subdir=${hydra.job.override_dirname}",
@@ -837,25 +830,12 @@ def test_an_existing_sweep_folder_is_judged_before_hydra_writes_into_it(tmp_path
 def test_a_stop_the_app_unwinds_by_raising_is_recorded_as_stopped(tmp_path: Path) -> None:
     """An app whose TERM handler raises to unwind its stack: the stopped attempt's job_return.json said FAILED with
     the traceback. It says STOPPED, and the resumed attempt's COMPLETED."""
-    import signal
-    import subprocess
-
-    from conftest import wait_until
 
     script, env = _stop_app(tmp_path)
     target = tmp_path / "one"
     cmd = [sys.executable, str(script), "hydra/launcher=hpc_train", "hydra.launcher.executor=local"]
     cmd += [f"hydra.run.dir={target}", "+hydra.callbacks.mark._target_=marks.Mark"]
-    env = {**env, "WAIT_FOR_STOP": "1", "RAISE_AT_STOP": "1"}
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: (target / "ready").exists(), 60, "the first attempt's task")
-        job_id = json.loads((target / "submission.json").read_text())["job_id"]
-        os.kill(int(job_id), signal.SIGTERM)  # the local executor's preemption
-        out, err = proc.communicate(timeout=180)
-    finally:
-        proc.kill() if proc.poll() is None else None
-    assert proc.returncode == 0, out + err[-3000:]
+    preempt_once(cmd, {**env, "WAIT_FOR_STOP": "1", "RAISE_AT_STOP": "1"}, tmp_path, target)
     (found,) = [m["record"] for m in _marks(tmp_path) if m["what"] == "found"]
     assert found["status"] == "STOPPED", found
     assert json.loads((target / "job_return.json").read_text()) == {"status": "COMPLETED", "value": "whole at lr=1.0"}
@@ -894,9 +874,7 @@ def test_braces_in_the_sweep_folder_are_kept(tmp_path: Path) -> None:
     sweep = tmp_path / "s{name}"
     proc = app(
         ANCHOR,
-        "-m",
-        "hydra/launcher=hpc_train",
-        "hydra.launcher.executor=local",
+        *LOCAL_SWEEP,
         "lr=5",
         f"hydra.sweep.dir='{sweep}'",  # quoted: Hydra's grammar takes braces only in a quoted value
         cwd=tmp_path,
