@@ -321,20 +321,23 @@ def _watch(
             signals_at_stop = len(pulse.received)
             kill_at = stopped_at + grace_s(left, reason, reserve_s)
             delivered = already_delivered(env.executor, s.stop_signal, child.started_at, pulse)
-            # the event first: a child that returns at the signal (hydra_job.stopped) finds its stop recorded
-            protocol.signal_event(
-                env,
-                paths,
-                child.step,
-                pulse,
-                reason,
-                left,
-                sent=s.stop_signal,
-                resent=not delivered,
-                kill_after_s=round(kill_at - stopped_at, 2),
-            )
-            if code is None and not delivered:
-                os.killpg(child.proc.pid, getattr(signal, f"SIG{s.stop_signal}"))
+            # the event first: a child that returns at the signal (hydra_job.stopped) finds its stop recorded; the
+            # signal in any case: a journal write that fails (a full disk, EIO) must not keep the stop from the child
+            try:
+                protocol.signal_event(
+                    env,
+                    paths,
+                    child.step,
+                    pulse,
+                    reason,
+                    left,
+                    sent=s.stop_signal,
+                    resent=not delivered,
+                    kill_after_s=round(kill_at - stopped_at, 2),
+                )
+            finally:
+                if code is None and not delivered:
+                    os.killpg(child.proc.pid, getattr(signal, f"SIG{s.stop_signal}"))
         if t[4] and time.monotonic() + deadlines.AFTER_TERM_S < kill_at:  # the job ends: decide within KillWait
             kill_at = time.monotonic() + deadlines.AFTER_TERM_S
         if stopped_at is None and t[1]:  # a child failed: the others would block on it in a collective

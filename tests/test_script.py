@@ -670,3 +670,37 @@ def test_a_stop_signal_slurm_delivered_to_the_child_is_not_sent_again(
     assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == "" and not already_delivered("slurm", "TERM", 99.0, pulse)
     conf.write_bytes(b"# modifi\xe9 par l'admin\nProctrackType=proctrack/linuxproc\n")  # Latin-1: read all the same
     assert slurm.proctrack_type({"SLURM_CONF": str(conf)}) == "proctrack/linuxproc"
+
+
+def test_the_stop_reaches_the_child_though_the_journal_cannot_be_written(tmp_path: Path) -> None:
+    """The supervisor records the stop before it signals the child (a child that returns at the signal finds it on
+    record); a journal write that fails there (a full disk, EIO) must still let the signal through."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ready, stopped = tmp_path / "ready", tmp_path / "stopped"
+    child = (
+        "import signal, sys, time, pathlib\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(stopped)!r}).touch(), sys.exit(0)))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "supervise_journal_fails.py"), port, str(tmp_path)]
+        + [json.dumps([sys.executable, "-c", child])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        wait_until(ready.exists, 60, "the child to start")
+        proc.send_signal(signal.SIGUSR2)  # a stop, as the relay passes Slurm's on
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    assert json.loads(out.strip().splitlines()[-1])["raised"] == "[Errno 5] Input/output error", err[-3000:]
+    assert stopped.exists(), err[-3000:]  # the child got its TERM
