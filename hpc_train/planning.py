@@ -11,23 +11,25 @@ seeded simulation that checks both. Pure and torch-free (the standard library on
     'expected goodput 97.7% (saves 0.6%, lost work 0.6%, restarts 1.2%)'
 
 One tier is Daly's single-level model (J. T. Daly, "A higher order estimate of the optimum checkpoint interval
-for restart dumps", Future Generation Computer Systems 22(3), 2006): unannounced faults come at
-exponentially distributed times, mean M = 3600 / faults_per_h seconds of wall time; every tau seconds of work
-the loop blocks C = save_s; a fault loses the work back to the last commit and pays R = restart_s, a restart
-that a fault can interrupt too. Daly's expected wall time per tau of work is
+for restart dumps", Future Generation Computer Systems 22(3), 2006) with the restart out of the faults' reach:
+unannounced faults come at exponentially distributed times, mean M = 3600 / faults_per_h seconds of running;
+every tau seconds of work the loop blocks C = save_s; a fault loses the work back to the last commit and pays
+R = restart_s. Daly lets a fault interrupt the restart too (exp(R / M) where M + R stands below); on Slurm most
+of R is the queue wait after the requeue, where nothing can fail the job, and the site's rates are per node-hour
+a job held (history.py, from sacct), so faults strike running time only. The expected wall time per tau of work:
 
-    T_wall / T_work = (M / tau) * exp(R / M) * (exp((tau + C) / M) - 1)
+    T_wall / T_work = ((M + R) / tau) * (exp((tau + C) / M) - 1)
 
 With an async save the commit comes W = write_s after the loop goes on: the first commit after a restart needs
 tau + C + W of running, the next ones tau + C each (W <= tau; else the loop waits for the write, and commits
 are C + W apart). Summing the commits between two faults (a renewal-reward argument) gives, for W <= tau,
 
-    T_wall / T_work = (M / tau) * exp((R + W) / M) * (exp((tau + C) / M) - 1)
+    T_wall / T_work = ((M + R) / tau) * exp(W / M) * (exp((tau + C) / M) - 1)
 
-so W costs what R costs: a fault loses W more whatever the interval, and neither moves the best interval
-(its stationary point, tau = M * (1 - exp(-(tau + C) / M)), has no R or W in it) except that it is never
-below W. Announced stops (a preemption, the time limit) are saved at their signal: they lose no work, and
-no periodic save is made for them.
+so a fault loses W more and pays R whatever the interval, and neither moves the best interval (its stationary
+point, tau = M * (1 - exp(-(tau + C) / M)), has no R or W in it) except that it is never below W. Announced
+stops (a preemption, the time limit) are saved at their signal: they lose no work, and no periodic save is made
+for them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Tier:
 
     save_s: float  # the loop's blocking seconds per save
     write_s: float = 0.0  # seconds from the loop going on to the commit (0: a synchronous save)
-    faults_per_h: float = 0.0  # unannounced faults this tier recovers from, per hour of wall time
+    faults_per_h: float = 0.0  # unannounced faults this tier recovers from, per hour of running
     restart_s: float = 0.0  # from such a fault to training again
 
     def __post_init__(self) -> None:
@@ -78,8 +80,8 @@ class Forecast:
 
 def _split(run_s: float, tier: Tier, survive: float = 1.0) -> Forecast:
     """Daly's model for segments of run_s seconds of running (the tier's own saves aside), as fractions of wall
-    time; `goodput` is the share of running kept. Between two faults (mean M of running, then the restart's
-    M * (exp(R / M) - 1)) commits come at L1 = run_s + C + W, then every L = max(run_s, W) + C: with a = exp(-L
+    time; `goodput` is the share of running kept. Between two faults (mean M of running, then the restart's R)
+    commits come at L1 = run_s + C + W, then every L = max(run_s, W) + C: with a = exp(-L
     / M) their expected number is exp(-L1 / M) / (1 - a), and with each commit kept with probability p (another
     tier's faults kill a write in flight) the expected index of the last one kept is exp(-L1 / M) p / ((1 - a)
     (1 - (1 - p) a)). Whatever ran after it is lost."""
@@ -90,9 +92,9 @@ def _split(run_s: float, tier: Tier, survive: float = 1.0) -> Forecast:
     a = math.exp(-span / m)
     kept_commits = math.exp(-(run_s + tier.save_s + tier.write_s) / m) * survive / (-math.expm1(-span / m))
     kept_commits /= 1 - (1 - survive) * a
-    per_wall = math.exp(-tier.restart_s / m) / m  # 1 / (M exp(R / M)): a cycle's expected wall time, inverted
+    per_wall = 1.0 / (m + tier.restart_s)  # a cycle's expected wall time, M + R, inverted
     kept, saves = run_s * kept_commits * per_wall, (span - run_s) * kept_commits * per_wall
-    restarts = -math.expm1(-tier.restart_s / m)  # 1 - exp(-R / M): the restarts' share of a cycle
+    restarts = tier.restart_s * per_wall  # R / (M + R): the restarts' share of a cycle
     return Forecast(kept, saves, max(0.0, 1.0 - kept - saves - restarts), restarts)
 
 
@@ -336,8 +338,9 @@ def simulate(
     disk_every (and memory_every), as hpc_train does, under each tier's unannounced faults and announced
     stops drawn from `seed`: the same seed, the same fault times, whatever the intervals (common random
     numbers). A memory-covered fault resumes from the newer of the last memory copy and disk commit after
-    memory.restart_s, any other from the last disk commit after disk.restart_s; a fault during a restart
-    starts it again; an in-flight write dies with its process. An announced stop saves at the step reached
+    memory.restart_s, any other from the last disk commit after disk.restart_s; a fault or a stop due during a
+    restart does not happen (nothing fails a job waiting in the queue; faults strike running time, as in the
+    model); an in-flight write dies with its process. An announced stop saves at the step reached
     (the loop waits save_s + write_s), then restarts. The work reached at the end counts."""
     horizon = hours * 3600.0
     tiers = [(disk, disk_every)] + ([(memory, memory_every)] if memory is not None else [])
@@ -379,12 +382,7 @@ def simulate(
         return _last(lambda x: wall(x) <= f, p0, p0 + int((f - t0) / rate))
 
     for f, kind in events:
-        if f < t0:  # restarting: a fault starts the restart again; a stop finds nothing running
-            if kind == "disk":
-                p0 = last[1] = last[0]
-                t0 = max(t0, f + disk.restart_s)
-            elif kind == "memory" and memory is not None:
-                t0 = max(t0, f + memory.restart_s)
+        if f < t0:  # restarting: nothing is running to fail or stop
             continue
         if kind == "stop":
             p0 = last[0] = last[1] = reached(f)

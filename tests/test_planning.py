@@ -65,8 +65,9 @@ def test_goodput_is_a_fraction_and_the_parts_of_a_forecast_sum_to_one() -> None:
             assert g == pytest.approx(interval / (max(interval, disk.write_s) + disk.save_s), rel=1e-12)
 
 
-def test_goodput_is_dalys_expression_with_the_write_beside_the_restart() -> None:
-    """T_wall / T_work = (M / tau) exp((R + W) / M) (exp((tau + C) / M) - 1) for tau >= W (Daly 2006, with W)."""
+def test_goodput_is_dalys_expression_with_the_write_and_a_restart_no_fault_interrupts() -> None:
+    """T_wall / T_work = ((M + R) / tau) exp(W / M) (exp((tau + C) / M) - 1) for tau >= W (Daly 2006, with W, and
+    faults in running time only: Daly's M exp(R / M) is M + R)."""
     rng = random.Random(2)
     for _ in range(500):
         t = random_tier(rng)
@@ -74,7 +75,7 @@ def test_goodput_is_dalys_expression_with_the_write_beside_the_restart() -> None
             continue
         m = mean_time_between_s(t)
         tau = log_uniform(rng, max(t.write_s, 0.1), 5 * m)
-        daly = (m / tau) * math.exp((t.restart_s + t.write_s) / m) * math.expm1((tau + t.save_s) / m)
+        daly = ((m + t.restart_s) / tau) * math.exp(t.write_s / m) * math.expm1((tau + t.save_s) / m)
         assert goodput(tau, t) == pytest.approx(1 / daly, rel=1e-9)
 
 
@@ -107,7 +108,7 @@ def test_dalys_closed_form_agrees_with_the_numeric_optimum_where_saves_are_cheap
 
 def test_the_restart_and_the_write_change_the_goodput_not_the_interval() -> None:
     """A fault loses the write (work since the last commit, not the last save's start) and pays the restart
-    whatever the interval: both scale T_wall by exp((R + W) / M), so the optimum moves only to stay above W."""
+    whatever the interval: T_wall scales by exp(W / M) and (M + R) / M, so the optimum moves only to stay above W."""
     rng = random.Random(5)
     for _ in range(300):
         t = replace(random_tier(rng), write_s=0.0, restart_s=0.0, faults_per_h=log_uniform(rng, 1e-3, 20))
