@@ -338,9 +338,10 @@ def simulate(
     disk_every (and memory_every), as hpc_train does, under each tier's unannounced faults and announced
     stops drawn from `seed`: the same seed, the same fault times, whatever the intervals (common random
     numbers). A memory-covered fault resumes from the newer of the last memory copy and disk commit after
-    memory.restart_s, any other from the last disk commit after disk.restart_s; a fault or a stop due during a
-    restart does not happen (nothing fails a job waiting in the queue; faults strike running time, as in the
-    model); an in-flight write dies with its process. An announced stop saves at the step reached
+    memory.restart_s, any other from the last disk commit after disk.restart_s; nothing strikes a requeue's
+    restart (the job waits in the queue: faults strike running time, as in the model), and only a disk fault a
+    memory relaunch, which holds the allocation (the forecast's disk tier spans the memory tier's wall time); an
+    in-flight write dies with its process. An announced stop saves at the step reached
     (the loop waits save_s + write_s), then restarts. The work reached at the end counts."""
     horizon = hours * 3600.0
     tiers = [(disk, disk_every)] + ([(memory, memory_every)] if memory is not None else [])
@@ -381,9 +382,14 @@ def simulate(
     def reached(f: float) -> int:
         return _last(lambda x: wall(x) <= f, p0, p0 + int((f - t0) / rate))
 
+    relaunch = False  # the restart under way (f < t0) is a memory relaunch inside the allocation
     for f, kind in events:
-        if f < t0:  # restarting: nothing is running to fail or stop
+        if f < t0:
+            if relaunch and kind == "disk":
+                p0 = last[1] = last[0]
+                t0, relaunch = f + disk.restart_s, False
             continue
+        relaunch = kind == "memory" and memory is not None
         if kind == "stop":
             p0 = last[0] = last[1] = reached(f)
             restart_s = disk.restart_s if announced_restart_s is None else announced_restart_s
