@@ -159,13 +159,15 @@ def _submit(args: argparse.Namespace) -> int:
             print(f"hpc-train submit: warning: {warning}", file=sys.stderr)
         if p.avoided:  # cluster.avoid_bad_nodes: in the script's --exclude and the frozen cluster.exclude
             print(f"hpc-train submit: {p.avoided}", file=sys.stderr)
+        # the expected goodput (each partition's, for a sweep over them), and what would change it most
+        forecasts = [p.forecast, *(r["forecast"] for r in p.elsewhere.values())]
         if args.dry_run:
             _print_dry_run(p)
-            for line in p.forecast:  # the expected goodput, and what would change it most (docs/goodput.md)
+            for line in (line for lines in forecasts for line in lines):  # docs/goodput.md
                 print(f"# {line}")
             return 0
-        if p.forecast:  # one line; --dry-run gives the alternatives
-            print(f"hpc-train submit: {p.forecast[0]}", file=sys.stderr)
+        for lines in (lines for lines in forecasts if lines):  # one line each; --dry-run gives the rest
+            print(f"hpc-train submit: {lines[0]}", file=sys.stderr)
         from hpc_train import submit
 
         local_sweep = args.multirun and p.runs[0].cluster.executor == "local"

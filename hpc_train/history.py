@@ -314,7 +314,7 @@ def journal_runs(runs_dir: Path, partition: str) -> list[Path]:
     partition without naming it is not known to be on `partition`, and is left out."""
     journals = journal_files(runs_dir)
     newest = sorted(journals, key=_mtime, reverse=True)[:NEWEST_RUNS]
-    return [j.parent for j in newest if _queued_on(j.parent / "config.yaml") == ("slurm", partition)]
+    return [j.parent for j in newest if queued_on(j.parent / "config.yaml") == ("slurm", partition)]
 
 
 def _mtime(path: Path) -> float:
@@ -324,7 +324,7 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def _queued_on(config: Path) -> tuple[str, str]:
+def queued_on(config: Path) -> tuple[str, str]:
     """(cluster.executor, cluster.partition) of a frozen config.yaml, read by lines: PyYAML takes 5 to 13 ms a file
     here (status.py), this ~0.1 ms; the frozen config is PyYAML's block dump, the cluster's keys indented by 2."""
     try:

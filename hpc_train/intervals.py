@@ -168,20 +168,26 @@ def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float] | None
 # ---- the site's rates as submit froze them --------------------------------------------------------------------
 
 
+def record(rates: history.Rates, forecast: list[str] | None = None, expected: dict[str, float] | None = None) -> dict:
+    """history.json's record of one partition: the site's rates as submit read them, and the forecast it said, in
+    words and as numbers (planning.Forecast's fractions: report puts it beside what the run did)."""
+    return {"rates": dataclasses.asdict(rates), "forecast": forecast or [], "expected": expected or {}}
+
+
 def write_rates(
     path: Path,
     rates: history.Rates,
     private: bool,
     forecast: list[str] | None = None,
     expected: dict[str, float] | None = None,
+    partitions: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """history.json in a run directory: the site's rates as submit read them (the job asks no sacct), and the
-    forecast submit said, in words and as numbers (planning.Forecast's fractions: report puts it beside what the
-    run did)."""
+    """history.json in a run directory (the job asks no sacct): record(rates, forecast, expected), and for a sweep
+    over cluster.partition each other partition's record by name (`partitions`), which its trials read instead."""
     from hpc_train.paths import write_atomic
 
-    record = {"rates": dataclasses.asdict(rates), "forecast": forecast or [], "expected": expected or {}}
-    write_atomic(path, json.dumps(record, indent=1) + "\n", private)
+    data = record(rates, forecast, expected) | ({"partitions": partitions} if partitions else {})
+    write_atomic(path, json.dumps(data, indent=1) + "\n", private)
 
 
 def _frozen(path: Path, run_dir: Path) -> dict[str, Any]:
@@ -197,7 +203,13 @@ def _frozen(path: Path, run_dir: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    partitions = data.get("partitions")
+    if isinstance(partitions, dict) and partitions:  # a sweep over cluster.partition: this trial's own
+        mine = partitions.get(history.queued_on(run_dir / "config.yaml")[1])
+        return mine if isinstance(mine, dict) else data
+    return data
 
 
 def read_rates(path: Path, run_dir: Path) -> history.Rates:

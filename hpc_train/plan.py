@@ -58,9 +58,11 @@ class Plan:
     dependency: str = ""  # sbatch's --dependency on their current jobs (pipeline.dependency); "" none
     waits_for: str = ""  # the same in words, for the user (stages.waits_for)
     avoided: str = ""  # the nodes left out for their record (cluster.avoid_bad_nodes), in one sentence; "" none
-    rates: Any = None  # history.Rates of the site for checkpoint.every_steps=auto (history.json); None: not asked
+    rates: Any = None  # history.Rates of trial 0's partition, for every_steps=auto (history.json); None: not asked
     forecast: list[str] = field(default_factory=list)  # the expected goodput, and the alternatives (intervals.py)
     expected: dict[str, float] = field(default_factory=dict)  # the forecast's numbers (planning.Forecast), {} none
+    # a sweep's other partitions: each one's rates, forecast and numbers (history.json `partitions`), by name
+    elsewhere: dict[str, dict[str, Any]] = field(default_factory=dict)
     # What _save_manifest last wrote (each record and its JSON line), so a save re-serializes only what changed
     written: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -246,23 +248,52 @@ def _check_commands(runs: list[RunConfig]) -> None:
             raise ValueError(why)
 
 
-def _accounting_call(p: Plan, now_s: float) -> list[str]:
-    """The sacct _site_rates asks (history.site_rates at now_s), to start beside the other Slurm calls: its answer
-    (up to 10 s on a busy slurmdbd) then overlaps theirs and the render."""
+def _speakers(p: Plan) -> list[RunConfig]:
+    """The first trial queued on each partition the trials use, trial 0's first: each speaks for its partition's
+    history and forecast (at its size and intervals: a sweep over cluster.nodes forecasts its first size)."""
+    first: dict[str, RunConfig] = {}
+    for r in p.runs:
+        first.setdefault(r.cluster.partition, r)
+    return list(first.values())
+
+
+def _accounting_calls(p: Plan, now_s: float) -> list[list[str]]:
+    """The sacct _site_rates asks (history.site_rates at now_s), one per partition of the trials, to start beside the
+    other Slurm calls: their answers (up to 10 s each on a busy slurmdbd) then overlap theirs and the render."""
     from hpc_train import history
 
-    c, ck = p.runs[0].cluster, p.runs[0].checkpoint
-    return history.accounting_args(c.partition, c.nodes, ck.history_window_days, now_s)
+    return [
+        history.accounting_args(r.cluster.partition, r.cluster.nodes, r.checkpoint.history_window_days, now_s)
+        for r in _speakers(p)
+    ]
 
 
 def _site_rates(p: Plan, now_s: float) -> tuple[Any, list[str], dict[str, float]]:
-    """The site's fault rates (history.site_rates: one sacct of 10 s at most, the project's journals) for the first
-    trial's partition and size at now_s, and its forecast (intervals.forecast_lines: the expected goodput with its
+    """The site's fault rates for trial 0's partition and size at now_s, its forecast and its numbers (_site)."""
+    return _site(p.runs[0], now_s)
+
+
+def _elsewhere(p: Plan, now_s: float) -> dict[str, dict[str, Any]]:
+    """history.json's record (intervals.record) of each other partition a sweep's trials are queued on, by name: a
+    trial reads its own partition's rates and forecast, not trial 0's."""
+    from hpc_train import intervals
+
+    out: dict[str, dict[str, Any]] = {}
+    for r in _speakers(p)[1:]:
+        rates, lines, expected = _site(r, now_s)
+        if rates is not None:
+            out[r.cluster.partition] = intervals.record(rates, lines, expected)
+    return out
+
+
+def _site(run: RunConfig, now_s: float) -> tuple[Any, list[str], dict[str, float]]:
+    """The site's fault rates (history.site_rates: one sacct of 10 s at most, the project's journals) for the run's
+    partition and size at now_s, and its forecast (intervals.forecast_lines: the expected goodput with its
     intervals and the alternatives that change it most, from what the project's earlier runs measured), and its
     numbers."""
     from hpc_train import history, intervals
 
-    c, ck, runs_dir = p.runs[0].cluster, p.runs[0].checkpoint, Path(p.runs[0].out_dir)
+    c, ck, runs_dir = run.cluster, run.checkpoint, Path(run.out_dir)
     # advisory: a damaged journal of the project or history never stops a submit; rates read before a forecast
     # that failed (another run's odd metrics row) are still the job's (history.json)
     try:
@@ -367,10 +398,11 @@ def plan(
     # Asked now, read once the scripts are rendered (submitit's import, ~25 ms): the round trips overlap it.
     now = time.time()  # the sacct of the site's history, asked now and read by _site_rates: the same arguments
     if not result.unvalidated:
-        slurm.prefetch(*facts, _accounting_call(result, now))
+        slurm.prefetch(*facts, *_accounting_calls(result, now))
     result.avoided = _avoid_bad_nodes(result, validate)
     if not result.unvalidated:
         result.rates, result.forecast, result.expected = _site_rates(result, now)
+        result.elsewhere = _elsewhere(result, now)
     max_array = (
         1
         if not multirun

@@ -288,3 +288,46 @@ def test_a_plain_runs_parent_made_to_look_like_a_sweep_by_another_hand_is_not_re
     assert intervals.read_rates(RunPaths(run_dir).history, run_dir) == history.DEFAULTS
     out.chmod(0o700)  # a sweep's own folder: its history is the trial's
     assert intervals.read_rates(RunPaths(run_dir).history, run_dir).node_hours == 10_000.0
+
+
+def test_a_sweep_over_partitions_gives_each_trial_its_own_partitions_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: a sweep over cluster.partition froze trial 0's rates and forecast for every trial, so a trial on a
+    clean partition saved as often as one on a fault-heavy one. Submit asks one sacct per partition (its first
+    trial's size) and history.json keeps each other partition's record; a trial reads its own partition's."""
+    from types import SimpleNamespace
+
+    from hpc_train import plan
+    from hpc_train.config import RunConfig
+
+    base = RunConfig()
+    on = {p: dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, partition=p)) for p in ("low", "high")}
+    sweep = SimpleNamespace(runs=[on["low"], on["high"], on["low"], on["high"]])
+    asked = plan._accounting_calls(sweep, time.time())  # type: ignore[arg-type]
+    assert [[a for a in call if a.startswith("--partition=")] for call in asked] == [
+        ["--partition=low"],
+        ["--partition=high"],
+    ], asked
+    site = {"low": rates(400, 200.0), "high": rates(0, 20_000.0)}
+    monkeypatch.setattr(history, "site_rates", lambda partition, nodes, **k: site[partition])
+    monkeypatch.setattr(intervals, "project_measured", lambda runs_dir: intervals.ASSUMED)
+    low, said, expected = plan._site_rates(sweep, time.time())  # type: ignore[arg-type]
+    elsewhere = plan._elsewhere(sweep, time.time())  # type: ignore[arg-type]
+    assert low is site["low"] and list(elsewhere) == ["high"] and names(elsewhere["high"]["forecast"][0], "on high")
+
+    folder = tmp_path / "both-1"
+    folder.mkdir(mode=0o700)
+    (folder / "sweep.json").write_text("{}")
+    intervals.write_rates(folder / "history.json", low, True, said, expected, elsewhere)
+    read = {}
+    for i, partition in enumerate(["low", "high", "other"]):
+        trial = folder / f"{i:04d}"
+        trial.mkdir()
+        (trial / "config.yaml").write_text(f"cluster:\n  executor: slurm\n  partition: {partition}\n")
+        read[partition] = intervals.read_rates(RunPaths(trial).history, trial).node_hours
+        forecast = intervals.forecast_expected(RunPaths(trial).history, trial)
+        assert forecast is not None and intervals.forecast_said(RunPaths(trial).history, trial)
+        if partition == "high":  # no fault in 20,000 node-hours: the clean partition's forecast, not low's
+            assert forecast.restarts < expected["restarts"] / 100 < forecast.goodput - expected["goodput"], forecast
+    assert read == {"low": 200.0, "high": 20_000.0, "other": 200.0}  # a partition not asked: trial 0's
