@@ -334,15 +334,14 @@ def simulate(
     announced_per_h: float = 0.0,
     announced_restart_s: float | None = None,
 ) -> float:
-    """The realised goodput (work kept / hours) of one run that saves at the steps that are multiples of
-    disk_every (and memory_every), as hpc_train does, under each tier's unannounced faults and announced
-    stops drawn from `seed`: the same seed, the same fault times, whatever the intervals (common random
-    numbers). A memory-covered fault resumes from the newer of the last memory copy and disk commit after
-    memory.restart_s, any other from the last disk commit after disk.restart_s; nothing strikes a requeue's
-    restart (the job waits in the queue: faults strike running time, as in the model), and only a disk fault a
-    memory relaunch, which holds the allocation (the forecast's disk tier spans the memory tier's wall time); an
-    in-flight write dies with its process. An announced stop saves at the step reached
-    (the loop waits save_s + write_s), then restarts. The work reached at the end counts."""
+    """The realised goodput (work kept / hours) of one run that saves at the steps that are multiples of disk_every
+    (and memory_every), as hpc_train does, under each tier's unannounced faults and announced stops drawn from
+    `seed`: the same seed, the same fault times, whatever the intervals (common random numbers). A memory-covered
+    fault resumes from the newer of the last memory copy and disk commit after memory.restart_s, any other from the
+    last disk commit after disk.restart_s; nothing strikes a requeue's restart (the job waits in the queue: faults
+    strike running time, as in the model), only a disk fault a memory relaunch, which holds the allocation (the
+    forecast's disk tier spans the memory tier's wall time); an in-flight write dies with its process. An announced
+    stop saves at the step reached (the loop waits save_s + write_s), then restarts. The work reached counts."""
     horizon = hours * 3600.0
     tiers = [(disk, disk_every)] + ([(memory, memory_every)] if memory is not None else [])
     if min(e for _, e in tiers) < 1 or (memory is not None and any(e * step_s < t.write_s for t, e in tiers)):
@@ -386,8 +385,7 @@ def simulate(
     for f, kind in events:
         if f < t0:
             if relaunch and kind == "disk":
-                p0 = last[1] = last[0]
-                t0, relaunch = f + disk.restart_s, False
+                p0, last[1], t0, relaunch = last[0], last[0], f + disk.restart_s, False
             continue
         relaunch = kind == "memory" and memory is not None
         if kind == "stop":
