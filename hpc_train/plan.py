@@ -275,14 +275,14 @@ def _site_rates(p: Plan, now_s: float) -> tuple[Any, list[str], dict[str, float]
 
 def _elsewhere(p: Plan, now_s: float) -> dict[str, dict[str, Any]]:
     """history.json's record (intervals.record) of each other partition a sweep's trials are queued on, by name: a
-    trial reads its own partition's rates and forecast, not trial 0's."""
-    from hpc_train import intervals
+    trial reads its own partition's rates and forecast, not trial 0's; the defaults where they could not be read,
+    as a run without a history.json takes them, with the sentence that says why."""
+    from hpc_train import history, intervals
 
     out: dict[str, dict[str, Any]] = {}
     for r in _speakers(p)[1:]:
         rates, lines, expected = _site(r, now_s)
-        if rates is not None:
-            out[r.cluster.partition] = intervals.record(rates, lines, expected)
+        out[r.cluster.partition] = intervals.record(rates or history.DEFAULTS, lines, expected)
     return out
 
 
@@ -399,30 +399,30 @@ def plan(
     now = time.time()  # the sacct of the site's history, asked now and read by _site_rates: the same arguments
     if not result.unvalidated:
         slurm.prefetch(*facts, *_accounting_calls(result, now))
-    result.avoided = _avoid_bad_nodes(result, validate)
-    if not result.unvalidated:
-        result.rates, result.forecast, result.expected = _site_rates(result, now)
-        result.elsewhere = _elsewhere(result, now)
-    max_array = (
-        1
-        if not multirun
-        else (
-            1001
-            if result.unvalidated  # Slurm's default
-            else int(slurm.show_config().get("MaxArraySize", "1001"))
+    try:  # the prefetched calls a failed step left unread are dropped: never a later call's stale answer
+        result.avoided = _avoid_bad_nodes(result, validate)
+        if not result.unvalidated:
+            result.rates, result.forecast, result.expected = _site_rates(result, now)
+            result.elsewhere = _elsewhere(result, now)
+        max_array = (
+            1
+            if not multirun
+            else (
+                1001
+                if result.unvalidated  # Slurm's default
+                else int(slurm.show_config().get("MaxArraySize", "1001"))
+            )
         )
-    )
-    result.arrays = group_arrays(runs, max_array)
-    for array in result.arrays:
-        size = len(array.trials) if multirun else None
-        result.scripts.append(
-            render(runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel, dependency)
-        )
-    if result.unvalidated:
-        validate = False
-        slurm.drop_prefetched()
-    checked: dict[tuple[str, str], list[str]] = {}  # a 100,000-point sweep is 100 arrays of one shape and size
-    try:
+        result.arrays = group_arrays(runs, max_array)
+        for array in result.arrays:
+            size = len(array.trials) if multirun else None
+            result.scripts.append(
+                render(
+                    runs[array.trials[0]].cluster, job_name(target), target / "submitit", size, max_parallel, dependency
+                )
+            )
+        validate = validate and not result.unvalidated
+        checked: dict[tuple[str, str], list[str]] = {}  # a 100,000-point sweep is 100 arrays of one shape and size
         for array, script in zip(result.arrays, result.scripts):
             cluster = runs[array.trials[0]].cluster
             shape = (json.dumps(vars(cluster), sort_keys=True), script)  # as group_arrays keys a shape
@@ -431,5 +431,5 @@ def plan(
                 checked[shape] = _validate(cluster, script, len(array.trials), max_parallel, after) if validate else []
             result.unchecked += checked[shape]
     finally:
-        slurm.drop_prefetched()  # what a failed check left unread: never a later call's stale answer
+        slurm.drop_prefetched()
     return result

@@ -30,8 +30,9 @@ class SlurmError(RuntimeError):
     pass
 
 
-# Client calls started ahead of need (prefetch), by their arguments; call() takes their answer.
-_PREFETCHED: dict[tuple[str, ...], subprocess.Popen[str]] = {}
+# Client calls started ahead of need (prefetch), by their arguments, with when they started (time.monotonic);
+# call() takes their answer.
+_PREFETCHED: dict[tuple[str, ...], tuple[subprocess.Popen[str], float]] = {}
 
 
 def prefetch(*commands: list[str]) -> None:
@@ -45,9 +46,10 @@ def prefetch(*commands: list[str]) -> None:
     for args in commands:
         if tuple(args) not in _PREFETCHED:
             try:
-                _PREFETCHED[tuple(args)] = subprocess.Popen(
+                proc = subprocess.Popen(
                     args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
                 )
+                _PREFETCHED[tuple(args)] = (proc, time.monotonic())
             except OSError:  # not installed, not runnable: call() says so
                 pass
 
@@ -55,17 +57,17 @@ def prefetch(*commands: list[str]) -> None:
 def drop_prefetched() -> None:
     """Stop the calls prefetch started that nobody will read (the controller is down: they would retry ~9 s)."""
     while _PREFETCHED:
-        proc = _PREFETCHED.popitem()[1]
+        proc = _PREFETCHED.popitem()[1][0]
         proc.kill()
         proc.communicate()
 
 
 def _prefetched(args: list[str], timeout_s: float, retries: int) -> str | None:
-    proc = _PREFETCHED.pop(tuple(args), None)
+    proc, started = _PREFETCHED.pop(tuple(args), (None, 0.0))
     if proc is None:
         return None
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
+    try:  # timeout_s from its start: calls prefetched together (a sweep's sacct per partition) wait it once
+        out, err = proc.communicate(timeout=max(0.0, timeout_s - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()

@@ -161,10 +161,11 @@ def _freeze(
 def _freeze_rates(target: Path, p: Plan) -> None:
     """history.json: the site's rates as this submit read them, for checkpoint.every_steps=auto (the job asks no
     sacct), each partition's for a sweep over them; a resubmit keeps the first."""
-    if p.rates is not None and not RunPaths(target).history.exists():
-        from hpc_train import intervals
+    if (p.rates is not None or p.elsewhere) and not RunPaths(target).history.exists():
+        from hpc_train import history, intervals
 
-        intervals.write_rates(RunPaths(target).history, p.rates, p.private, p.forecast, p.expected, p.elsewhere)
+        rates = p.rates or history.DEFAULTS  # trial 0's partition's could not be read: what the job takes then
+        intervals.write_rates(RunPaths(target).history, rates, p.private, p.forecast, p.expected, p.elsewhere)
 
 
 def _freeze_trial(t: Trial, config: dict[str, Any], p: Plan, code: str, like: Path | None) -> Path | None:

@@ -272,7 +272,7 @@ def test_a_crash_at_start_up_is_not_a_site_fault() -> None:
 
 
 def test_the_sacct_a_submit_prefetches_is_the_one_site_rates_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A Slurm submit starts the history's sacct beside its other Slurm calls (plan._accounting_call): site_rates at
+    """A Slurm submit starts the history's sacct beside its other Slurm calls (plan._accounting_calls): site_rates at
     the same moment takes that answer, and sacct runs once."""
     from conftest import fake_clients
 
@@ -347,3 +347,26 @@ def test_a_history_window_out_of_range_is_a_sentence(days: float) -> None:
 
     with pytest.raises(ValueError, match=r"checkpoint.history_window_days=.* must be in \(0, 3650\]"):
         CheckpointConfig(history_window_days=days)
+
+
+def test_sacct_calls_prefetched_together_wait_their_timeout_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Review: a sweep over 3 partitions prefetches 3 sacct calls; each read gave its call a fresh 10 s, so a silent
+    slurmdbd held the submit 30 s. A prefetched call's timeout counts from its start: all three, ~one timeout."""
+    from conftest import fake_clients
+
+    from hpc_train import slurm
+
+    bin_dir, _ = fake_clients(tmp_path, {"sacct": "exec sleep 30"})  # exec: the kill reaches it, and its pipe closes
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    now = time.time()
+    asked = [history.accounting_args(p, 1, 30, now) for p in ("low", "high", "mid")]
+    slurm.prefetch(*asked)
+    began = time.monotonic()
+    try:
+        for args in asked:
+            with pytest.raises(slurm.SlurmError, match="did not answer within 2 s"):
+                slurm.call(args, timeout_s=2, retries=0)
+    finally:
+        slurm.drop_prefetched()
+    assert time.monotonic() - began < 4.5  # 3 x 2 s read one after another; each waited from its own start

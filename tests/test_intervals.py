@@ -331,3 +331,39 @@ def test_a_sweep_over_partitions_gives_each_trial_its_own_partitions_history(
         if partition == "high":  # no fault in 20,000 node-hours: the clean partition's forecast, not low's
             assert forecast.restarts < expected["restarts"] / 100 < forecast.goodput - expected["goodput"], forecast
     assert read == {"low": 200.0, "high": 20_000.0, "other": 200.0}  # a partition not asked: trial 0's
+
+
+def test_a_partition_whose_history_cannot_be_read_keeps_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Review: a partition whose sacct failed was left out of history.json, so its trials read trial 0's rates; and
+    when trial 0's failed no history.json was written, the other partitions' good records lost with it."""
+    from types import SimpleNamespace
+
+    from hpc_train import plan, submit
+    from hpc_train.config import RunConfig
+
+    base = RunConfig()
+    on = {p: dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, partition=p)) for p in ("low", "high")}
+
+    def site_rates(partition: str, nodes: int, **_: object) -> history.Rates:
+        if partition == "low":
+            raise history.slurm.SlurmError("`sacct ...` did not answer within 10 s")
+        return rates(0, 20_000.0)
+
+    monkeypatch.setattr(history, "site_rates", site_rates)
+    monkeypatch.setattr(intervals, "project_measured", lambda runs_dir: intervals.ASSUMED)
+    sweep = SimpleNamespace(runs=[on["high"], on["low"]])
+    elsewhere = plan._elsewhere(sweep, time.time())  # type: ignore[arg-type]
+    assert elsewhere["low"]["rates"] == dataclasses.asdict(history.DEFAULTS)
+    assert names(elsewhere["low"]["forecast"][0], "forecast: none", "SlurmError", "did not answer")
+
+    got, said, expected = plan._site_rates(SimpleNamespace(runs=[on["low"], on["high"]]), time.time())  # type: ignore[arg-type]
+    high = plan._elsewhere(SimpleNamespace(runs=[on["low"], on["high"]]), time.time())  # type: ignore[arg-type]
+    folder = tmp_path / "both-1"
+    folder.mkdir(mode=0o700)
+    (folder / "sweep.json").write_text("{}")
+    frozen = SimpleNamespace(rates=got, forecast=said, expected=expected, elsewhere=high, private=True)
+    submit._freeze_rates(folder, frozen)  # type: ignore[arg-type]
+    trial = folder / "0001"
+    trial.mkdir()
+    (trial / "config.yaml").write_text("cluster:\n  executor: slurm\n  partition: high\n")
+    assert got is None and intervals.read_rates(RunPaths(trial).history, trial).node_hours == 20_000.0
