@@ -35,6 +35,7 @@ if __spec__ is None:  # run by its path (each trial's script.cmd): the package b
     sys.modules["hpc_train"] = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
     _spec.loader.exec_module(sys.modules["hpc_train"])  # type: ignore[union-attr]
 
+import contextlib  # noqa: E402
 import functools  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
@@ -242,20 +243,33 @@ def run_task(fn: Callable[..., Any], cfg: Any, multirun: bool) -> Any:
     return run_job(task_function=fn, config=cfg, job_dir_key=keys[0], job_subdir_key=keys[1], hydra_context=context)
 
 
-def hide_records(cfg: Any, run_dir: Path) -> None:
+def hide_records(cfg: Any, run_dir: Path) -> tuple[Path, int] | None:
     """Hydra's .hydra/ folder made before run_job makes it with the umask's mode (0775 under umask 002): the run's
     folder mode (paths.dir_mode), or owner-only when hydra.launcher.env holds values: its hydra.yaml has them, and
     hpc_train's rule for cluster.env is that every file holding one is its owner's alone (docs/submitting.md,
-    secrets), share_with_group or not."""
+    secrets), share_with_group or not. Returns the folder and the mode its files take (tighten_records)."""
     sub = cfg.hydra.output_subdir
     if sub is None:
-        return
+        return None
     launcher = cfg.hydra.launcher
     mode = 0o700 if launcher.get("env") else dir_mode(bool(launcher.get("share_with_group")))
     folder = run_dir / str(sub)
     folder.parent.mkdir(parents=True, exist_ok=True)
     make_dir(folder, mode, exist_ok=True)
     os.chmod(folder, mode)  # one an older attempt made as Hydra makes it (0755)
+    return folder, mode & 0o666  # 0600, or 0640 with share_with_group
+
+
+def tighten_records(records: tuple[Path, int] | None) -> None:
+    """The files run_job wrote into .hydra/ (config.yaml, hydra.yaml, overrides.yaml: with the umask's mode, 0664
+    under umask 002, a teammate could edit the record) take the run's file mode; a link is left alone."""
+    if records is None:
+        return
+    folder, mode = records
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            with contextlib.suppress(OSError):  # another rank's Hydra replacing it meanwhile
+                os.chmod(path, mode)
 
 
 class AttemptStopped(Exception):
@@ -294,16 +308,18 @@ def stopped(run_dir: Path, restart: int, pipe: int, stop_signal: str) -> bool:
     return True
 
 
-def judged(fn: Callable[..., Any], run_dir: Path) -> Callable[..., Any]:
-    """The task function as run_job calls it, its return judged: one that came after hpc_train stopped the attempt
-    raises AttemptStopped, so Hydra's JobReturn (callbacks' on_job_end) is not COMPLETED for it; so does an error it
-    raised after the stop (an app unwinding from its signal handler), which is not the job's failure."""
+def judged(fn: Callable[..., Any], run_dir: Path, records: tuple[Path, int] | None = None) -> Callable[..., Any]:
+    """The task function as run_job calls it (after it wrote its records: tighten_records first), its return judged:
+    one that came after hpc_train stopped the attempt raises AttemptStopped, so Hydra's JobReturn (callbacks'
+    on_job_end) is not COMPLETED for it; so does an error it raised after the stop (an app unwinding from its signal
+    handler), which is not the job's failure."""
     restart = int(os.environ.get("HPC_TRAIN_RESTART_COUNT", "0"))
     stop_signal = os.environ.get("HPC_TRAIN_STOP_SIGNAL", "TERM")
     pipe = stop_pipe()
 
     @functools.wraps(fn)
     def task(cfg: Any) -> Any:
+        tighten_records(records)
         try:
             value = fn(cfg)
         except BaseException as e:  # a TERM handler that raises (or exits) to unwind: a stop all the same
@@ -377,8 +393,8 @@ def main(argv: list[str]) -> int:
     multirun, job_id = spec["multirun"], os.environ.get("HPC_TRAIN_JOB_ID", "")
     cfg = trial_config(load_base(spec_path.parent, k), overrides, num if multirun else None, job_id, extra)
     pin_output(cfg, run_dir, multirun)
-    hide_records(cfg, run_dir)
-    ret = run_task(judged(fn, run_dir), cfg, multirun)
+    records = hide_records(cfg, run_dir)
+    ret = run_task(judged(fn, run_dir, records), cfg, multirun)
     if os.environ.get("RANK", "0") == "0":
         write_return(run_dir, ret)
     if isinstance(ret._return_value, AttemptStopped):

@@ -843,7 +843,8 @@ def test_a_stop_the_app_unwinds_by_raising_is_recorded_as_stopped(tmp_path: Path
 
 def test_hydras_folder_takes_the_runs_mode_under_umask_002(tmp_path: Path) -> None:
     """share_with_group=true without env values: Hydra made each trial's .hydra/ with the umask's mode (0775 under
-    umask 002 where the job keeps it, 0755 here). It takes the run's folder mode (0750), as the trial's folder does."""
+    umask 002 where the job keeps it, 0755 here). It takes the run's folder mode (0750), as the trial's folder does,
+    and the records run_job writes in it (0664 under umask 002, 0644 here) the run's file mode, 0640."""
     sweep = tmp_path / "sw"
     proc = run(
         [sys.executable, str(ANCHOR), "-m", "hydra/launcher=hpc_train", "hydra.launcher.executor=local", "lr=1"]
@@ -854,6 +855,8 @@ def test_hydras_folder_takes_the_runs_mode_under_umask_002(tmp_path: Path) -> No
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert (sweep / "0" / ".hydra").stat().st_mode & 0o777 == 0o750
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (sweep / "0" / ".hydra").iterdir()}
+    assert modes == {"config.yaml": 0o640, "hydra.yaml": 0o640, "overrides.yaml": 0o640}, modes
 
 
 @pytest.mark.parametrize("subdir", ["..", "../elsewhere"])
