@@ -135,6 +135,12 @@ def freeze(
     (a value built by a resolver of the app's own), or a folder another launch claimed."""
     spec = folder / SPEC
     if spec.exists() and multirun and not fresh:  # a resubmit: what it froze, once it is this user's alone
+        if missing := _missing_base(spec, len(bases)):
+            raise ValueError(
+                f"{spec} names a frozen config {missing} that is not there: the launch that froze the sweep stopped "
+                f"before writing it; remove {SPEC} and the hydra_base-*.pickle files from {folder}, or launch into "
+                f"another folder (hydra.sweep.dir=...)"
+            )
         why = untrusted(spec, folder) or next((untrusted(folder / base_file(k), folder) for k in range(len(bases))), "")
         if why:
             raise ValueError(f"refusing the sweep's frozen files: {why}")
@@ -169,6 +175,16 @@ def freeze_now(moment: datetime) -> str:
 
     OmegaConf.register_new_resolver("now", moment.strftime, use_cache=True, replace=True)
     return moment.isoformat()
+
+
+def _missing_base(spec: Path, bases: int) -> str:
+    """The first base file a spec names (its `bases`, or this launch's count where it cannot be read) that is not
+    beside it, "" when all are: a launch stopped between its claim and its pickles leaves a spec without them."""
+    try:
+        bases = int(json.loads(spec.read_text())["bases"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return next((base_file(k) for k in range(bases) if not (spec.parent / base_file(k)).exists()), "")
 
 
 def load_base(folder: Path, k: int) -> Any:

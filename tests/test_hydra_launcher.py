@@ -884,3 +884,22 @@ def test_braces_in_the_sweep_folder_are_kept(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert json.loads((sweep / "0" / "job_return.json").read_text())["value"] == 5.0
+
+
+def test_a_sweep_whose_freeze_stopped_before_its_pickles_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """A launch that stopped between its claim (hydra_launch.json) and its pickles left a spec without its bases;
+    the next launch into the folder queued trials that then failed to load them. Refused at the freeze, with the
+    files to remove."""
+    from hpc_train import hydra_job
+
+    folder = tmp_path / "sweep"
+    folder.mkdir(mode=0o700)
+    ref = {"module": "app", "file": None, "name": "main", "wrapped": False, "main": False}
+    hydra_job.freeze(folder, ref, [{"a": 1}, {"a": 2}], multirun=True, private=True)
+    (folder / hydra_job.base_file(1)).unlink()  # as a launch killed after writing base 0
+    with pytest.raises(ValueError) as refused:
+        hydra_job.freeze(folder, ref, [{"a": 1}], multirun=True, private=True)
+    assert names(str(refused.value), hydra_job.base_file(1), "not there", f"remove {hydra_job.SPEC}", "hydra.sweep.dir")
+    (folder / hydra_job.base_file(0)).unlink()
+    (folder / hydra_job.SPEC).unlink()  # the fix: then it freezes again
+    assert hydra_job.freeze(folder, ref, [{"a": 1}], multirun=True, private=True).exists()
