@@ -259,7 +259,8 @@ def _speakers(p: Plan) -> list[RunConfig]:
 
 def _accounting_calls(p: Plan, now_s: float) -> list[list[str]]:
     """The sacct _site_rates asks (history.site_rates at now_s), one per partition of the trials, to start beside the
-    other Slurm calls: their answers (up to 10 s each on a busy slurmdbd) then overlap theirs and the render."""
+    other Slurm calls: their answers (up to 10 s on a busy slurmdbd, counted from their start: all of them at once)
+    then overlap theirs and the render."""
     from hpc_train import history
 
     return [
