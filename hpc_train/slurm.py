@@ -38,7 +38,7 @@ _PREFETCHED: dict[tuple[str, ...], tuple[subprocess.Popen[str], float]] = {}
 def prefetch(*commands: list[str]) -> None:
     """Start these client calls now, each in its own process; the next call() with the same arguments takes
     its answer, one try: a call that failed is run again by call() under its retry policy, so errors read
-    as they always did. The submit path asks the cluster's partitions and nodes (and the dry run's ping)
+    as they always did. The submit path asks the cluster's partitions and nodes, and the site's history (sacct),
     while it renders the batch script, which imports submitit (~25 ms): ~15 ms of round trips hidden."""
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):  # the clients would retry reading it for 60 s; call() says why
@@ -66,8 +66,12 @@ def _prefetched(args: list[str], timeout_s: float, retries: int) -> str | None:
     proc, started = _PREFETCHED.pop(tuple(args), (None, 0.0))
     if proc is None:
         return None
-    try:  # timeout_s from its start: calls prefetched together (a sweep's sacct per partition) wait it once
-        out, err = proc.communicate(timeout=max(0.0, timeout_s - (time.monotonic() - started)))
+    # timeout_s from its start: calls prefetched together (a sweep's sacct per partition) wait it once; but a second
+    # at least to read one that answered meanwhile (communicate(timeout=0) raises even for a process that exited),
+    # or waits in a full pipe (over 64 KiB: a month of sacct) until it is read
+    left = max(timeout_s - (time.monotonic() - started), min(timeout_s, 1.0))
+    try:
+        out, err = proc.communicate(timeout=left)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()

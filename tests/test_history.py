@@ -370,3 +370,25 @@ def test_sacct_calls_prefetched_together_wait_their_timeout_once(tmp_path: Path,
     finally:
         slurm.drop_prefetched()
     assert time.monotonic() - began < 4.5  # 3 x 2 s read one after another; each waited from its own start
+
+
+def test_a_prefetched_answer_that_came_while_the_submit_was_busy_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Review: with the timeout counted from the start, an answer read after it had passed was thrown away
+    (communicate(timeout=0) raises even for a process that exited), and so was one waiting in a full pipe (a month
+    of sacct is over 64 KiB): the user read 'did not answer' and got the defaults. A second at least to read it."""
+    from conftest import fake_clients
+
+    from hpc_train import slurm
+
+    bin_dir, _ = fake_clients(tmp_path, {"sacct": "head -c 200000 /dev/zero | tr '\\0' x"})
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    asked = history.accounting_args("low", 1, 30, time.time())
+    slurm.prefetch(asked)
+    try:
+        time.sleep(2.5)  # the submit scanning the project's journals meanwhile
+        assert len(slurm.call(asked, timeout_s=2, retries=0)) == 200_000
+    finally:
+        slurm.drop_prefetched()
