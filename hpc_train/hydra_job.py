@@ -135,14 +135,16 @@ def freeze(
     (a value built by a resolver of the app's own), or a folder another launch claimed."""
     spec = folder / SPEC
     if spec.exists() and multirun and not fresh:  # a resubmit: what it froze, once it is this user's alone
+        if why := untrusted(spec, folder):
+            raise ValueError(f"refusing the sweep's frozen files: {why}")
         if missing := _missing_base(spec, len(bases)):
             raise ValueError(
-                f"{spec} names a frozen config {missing} that is not there: the launch that froze the sweep stopped "
-                f"before writing it; remove {SPEC} and the hydra_base-*.pickle files from {folder}, or launch into "
-                f"another folder (hydra.sweep.dir=...)"
+                f"{spec} names a frozen config {missing} that is not there (a launch stopped while it froze the "
+                f"sweep, or the file was removed since): its trials cannot load it; to freeze the app again, remove "
+                f"{SPEC} and the hydra_base-*.pickle files from {folder}, or launch into another folder "
+                f"(hydra.sweep.dir=...)"
             )
-        why = untrusted(spec, folder) or next((untrusted(folder / base_file(k), folder) for k in range(len(bases))), "")
-        if why:
+        if why := next((untrusted(folder / base_file(k), folder) for k in range(len(bases))), ""):
             raise ValueError(f"refusing the sweep's frozen files: {why}")
         return spec
     blobs = []
@@ -182,7 +184,7 @@ def _missing_base(spec: Path, bases: int) -> str:
     beside it, "" when all are: a launch stopped between its claim and its pickles leaves a spec without them."""
     try:
         bases = int(json.loads(spec.read_text())["bases"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):  # OverflowError: "bases": Infinity
         pass
     return next((base_file(k) for k in range(bases) if not (spec.parent / base_file(k)).exists()), "")
 
@@ -282,10 +284,11 @@ def tighten_records(records: tuple[Path, int] | None) -> None:
     if records is None:
         return
     folder, mode = records
-    for path in folder.iterdir():
-        if path.is_file() and not path.is_symlink():
-            with contextlib.suppress(OSError):  # another rank's Hydra replacing it meanwhile
-                os.chmod(path, mode)
+    with contextlib.suppress(OSError):  # a record's mode never fails the run (the folder gone, a file not ours)
+        for path in folder.iterdir():
+            if path.is_file() and not path.is_symlink():
+                with contextlib.suppress(OSError):  # the others are still tightened
+                    os.chmod(path, mode)
 
 
 class AttemptStopped(Exception):

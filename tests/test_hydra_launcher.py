@@ -903,3 +903,17 @@ def test_a_sweep_whose_freeze_stopped_before_its_pickles_is_refused_with_the_fix
     (folder / hydra_job.base_file(0)).unlink()
     (folder / hydra_job.SPEC).unlink()  # the fix: then it freezes again
     assert hydra_job.freeze(folder, ref, [{"a": 1}], multirun=True, private=True).exists()
+
+
+def test_a_damaged_spec_or_a_records_folder_gone_is_no_traceback(tmp_path: Path) -> None:
+    """Review: a spec saying "bases": Infinity raised OverflowError out of the launcher; a .hydra/ folder gone
+    before the task (tighten_records) failed a good run."""
+    from hpc_train import hydra_job
+
+    folder = tmp_path / "sweep"
+    folder.mkdir(mode=0o700)
+    ref = {"module": "app", "file": None, "name": "main", "wrapped": False, "main": False}
+    spec = hydra_job.freeze(folder, ref, [{"a": 1}], multirun=True, private=True)
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "bases": float("inf")}))
+    assert hydra_job.freeze(folder, ref, [{"a": 1}], multirun=True, private=True) == spec  # its one base is there
+    hydra_job.tighten_records((tmp_path / "gone" / ".hydra", 0o600))  # no error: the run goes on
