@@ -229,15 +229,8 @@ def test_site_rates_without_an_answer_from_sacct_reads_the_journals_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """slurmdbd down: sacct's own error (a fake: the real cluster's slurmdbd is shared by every test of a worker)."""
-    from conftest import fake_clients
-
     refused = "sacct: error: Problem talking to the database: Connection refused"
-    bin_dir, state = fake_clients(
-        tmp_path,
-        {"sacct": f'echo "$@" > $STATE/args; echo "{refused}" >&2; exit 1'},
-    )
-    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
-    monkeypatch.delenv("SLURM_CONF", raising=False)
+    state = fake_sacct(tmp_path, monkeypatch, f'echo "$@" > $STATE/args; echo "{refused}" >&2; exit 1')
     events, truth, _, _ = random_run(random.Random(5), "4242", time.time() - 3600, nodes=2)
     write_journal(tmp_path / "runs" / "r-1", events)
     rates = history.site_rates("low", 2, runs_dir=tmp_path / "runs", min_jobs=1, min_node_hours=0)
@@ -274,14 +267,10 @@ def test_a_crash_at_start_up_is_not_a_site_fault() -> None:
 def test_the_sacct_a_submit_prefetches_is_the_one_site_rates_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A Slurm submit starts the history's sacct beside its other Slurm calls (plan._accounting_calls): site_rates at
     the same moment takes that answer, and sacct runs once."""
-    from conftest import fake_clients
-
     from hpc_train import slurm
 
     record = "77|NODE_FAIL|low|1|60|2026-01-01T00:00:00|2026-01-01T00:00:00|2026-01-01T00:01:00"
-    bin_dir, state = fake_clients(tmp_path, {"sacct": f'echo run >> $STATE/runs; echo "{record}"'})
-    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
-    monkeypatch.delenv("SLURM_CONF", raising=False)
+    state = fake_sacct(tmp_path, monkeypatch, f'echo run >> $STATE/runs; echo "{record}"')
     now = time.time() - 5  # not this second: a site_rates that asked for another moment would run sacct again
     slurm.prefetch(history.accounting_args("low", 1, 30, now))
     try:
@@ -323,13 +312,9 @@ def test_a_boot_fail_is_no_fault_but_its_requeues_wait_counts() -> None:
 
 def test_a_prefetched_sacct_that_does_not_answer_is_not_asked_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Review: a prefetched sacct past its timeout was run again with a timeout of its own (20 s, not 10)."""
-    from conftest import fake_clients
-
     from hpc_train import slurm
 
-    bin_dir, state = fake_clients(tmp_path, {"sacct": "echo run >> $STATE/runs; exec sleep 30"})
-    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
-    monkeypatch.delenv("SLURM_CONF", raising=False)
+    state = fake_sacct(tmp_path, monkeypatch, "echo run >> $STATE/runs; exec sleep 30")
     args = history.accounting_args("low", 1, 30, time.time())
     slurm.prefetch(args)
     try:
@@ -352,13 +337,9 @@ def test_a_history_window_out_of_range_is_a_sentence(days: float) -> None:
 def test_sacct_calls_prefetched_together_wait_their_timeout_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Review: a sweep over 3 partitions prefetches 3 sacct calls; each read gave its call a fresh 10 s, so a silent
     slurmdbd held the submit 30 s. A prefetched call's timeout counts from its start: all three, ~one timeout."""
-    from conftest import fake_clients
-
     from hpc_train import slurm
 
-    bin_dir, _ = fake_clients(tmp_path, {"sacct": "exec sleep 30"})  # exec: the kill reaches it, and its pipe closes
-    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
-    monkeypatch.delenv("SLURM_CONF", raising=False)
+    fake_sacct(tmp_path, monkeypatch, "exec sleep 30")  # exec: the kill reaches it, and its pipe closes
     now = time.time()
     asked = [history.accounting_args(p, 1, 30, now) for p in ("low", "high", "mid")]
     slurm.prefetch(*asked)
@@ -378,13 +359,9 @@ def test_a_prefetched_answer_that_came_while_the_submit_was_busy_is_read(
     """Review: with the timeout counted from the start, an answer read after it had passed was thrown away
     (communicate(timeout=0) raises even for a process that exited), and so was one waiting in a full pipe (a month
     of sacct is over 64 KiB): the user read 'did not answer' and got the defaults. A second at least to read it."""
-    from conftest import fake_clients
-
     from hpc_train import slurm
 
-    bin_dir, _ = fake_clients(tmp_path, {"sacct": "head -c 200000 /dev/zero | tr '\\0' x"})
-    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
-    monkeypatch.delenv("SLURM_CONF", raising=False)
+    fake_sacct(tmp_path, monkeypatch, "head -c 200000 /dev/zero | tr '\\0' x")
     asked = history.accounting_args("low", 1, 30, time.time())
     slurm.prefetch(asked)
     try:
@@ -392,3 +369,14 @@ def test_a_prefetched_answer_that_came_while_the_submit_was_busy_is_read(
         assert len(slurm.call(asked, timeout_s=2, retries=0)) == 200_000
     finally:
         slurm.drop_prefetched()
+
+
+def fake_sacct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
+    """An sacct that runs `body` first on PATH, with no SLURM_CONF (conftest.fake_clients: a slurmdbd refusing, slow
+    or silent, as the real cluster's, shared by every test of a worker, is not made to be); its state folder."""
+    from conftest import fake_clients
+
+    bin_dir, state = fake_clients(tmp_path, {"sacct": body})
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    return state
